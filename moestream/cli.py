@@ -1,0 +1,139 @@
+"""The `moestream` command: parse flags into the options the Python API takes, print, exit 2 on bad input."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+
+from moestream.errors import MoestreamError
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", required=True, help="path of a GGUF model file")
+    p.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (default: cuda if present)")
+    p.add_argument("--dtype", default="auto", help="float32, bfloat16 or float16 (default: bf16 on GPU, f32 on CPU)")
+    p.add_argument("-ub", "--ubatch", type=int, default=512, help="prefill micro-batch size in tokens")
+    p.add_argument("-c", "--ctx", type=int, default=4096, help="context size in tokens")
+
+
+def _engine_options(a: argparse.Namespace) -> dict:
+    return dict(device=a.device, dtype=a.dtype, ubatch=a.ubatch, n_ctx=a.ctx)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moestream", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="generate text from a prompt")
+    _engine_flags(run)
+    run.add_argument("-p", "--prompt", required=True)
+    run.add_argument("-n", "--n-predict", type=int, default=64, help="tokens to generate")
+    run.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy")
+    run.add_argument("--top-k", type=int, default=0)
+    run.add_argument("--top-p", type=float, default=1.0)
+    run.add_argument("--seed", type=int, default=None)
+    run.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+
+    info = sub.add_parser("info", help="architecture, shapes, quant mix and expert bytes of a model file")
+    info.add_argument("model")
+    info.add_argument("--routing", action="store_true", help="also print per-layer expert load on a random prompt")
+    info.add_argument("--tokens", type=int, default=2048, help="prompt length for --routing")
+    info.add_argument("--device", default="auto")
+
+    make = sub.add_parser("make-model", help="write a GGUF model with random weights of a preset's shapes")
+    make.add_argument("out")
+    make.add_argument("--preset", required=True)
+    make.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
+    make.add_argument("--quant", default="Q4_K_M", help="F32, BF16, Q8_0 or Q4_K_M")
+    make.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def cmd_run(a: argparse.Namespace) -> None:
+    from moestream.runtime.loader import load
+    from moestream.runtime.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=a.n_predict, temperature=a.temp, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
+    engine = load(a.model, **_engine_options(a))
+    try:
+        gen = engine.generate(a.prompt, params, chat=a.chat, on_text=lambda s: print(s, end="", flush=True))
+    finally:
+        engine.close()
+    print()
+    print(
+        f"prompt {len(gen.prompt_tokens)} tokens, {gen.prefill_tps:.1f} tok/s | "
+        f"generated {len(gen.tokens)} tokens, {gen.decode_tps:.1f} tok/s | stop: {gen.stop_reason}",
+        file=sys.stderr,
+    )
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return ""
+
+
+def cmd_info(a: argparse.Namespace) -> None:
+    from moestream.formats.gguf import GGUFFile
+    from moestream.runtime.loader import describe, expert_bytes_per_layer
+
+    with GGUFFile(a.model) as f:
+        _, s = describe(f)
+        print(f"file          {f.path} ({_size(f.path.stat().st_size)})")
+        print(f"architecture  {s.arch}   name: {f.metadata.get('general.name', '?')}")
+        print(f"layers        {s.n_layer}   hidden {s.n_embd}   vocab {s.n_vocab}   context {s.n_ctx_train}")
+        print(f"attention     {s.n_head} heads / {s.n_head_kv} KV heads x {s.head_dim}   rope base {s.rope_base:g}")
+        print(f"experts       {s.n_expert}, {s.n_expert_used} used per token, FFN {s.n_ff_exp}")
+        mix = Counter()
+        for t in f.tensors.values():
+            mix[t.qtype.name] += t.nbytes
+        print("quant mix     " + ", ".join(f"{k} {_size(v)}" for k, v in mix.most_common()))
+        per_layer = expert_bytes_per_layer(f, s)
+        print(f"expert bytes  {_size(sum(per_layer))} total; per layer: "
+              + " ".join(_size(b) for b in per_layer[:8]) + (" ..." if len(per_layer) > 8 else ""))
+        print(f"other bytes   {_size(sum(t.nbytes for t in f.tensors.values()) - sum(per_layer))}")
+    if a.routing:
+        from moestream.profiling.routing import routing_load
+        from moestream.runtime.loader import load
+
+        engine = load(a.model, device=a.device, n_ctx=a.tokens)
+        try:
+            counter = routing_load(engine, a.tokens)
+        finally:
+            engine.close()
+        print(f"routing on {a.tokens} random tokens: per layer min / mean / max load, max/mean, idle experts")
+        for il, (row, ratio) in enumerate(zip(counter.counts, counter.imbalance())):
+            idle = int((row == 0).sum())
+            print(f"  layer {il:3d}  {int(row.min()):6d} {row.float().mean():8.1f} {int(row.max()):6d}"
+                  f"   {float(ratio):4.2f}x   {idle} idle")
+
+
+def cmd_make_model(a: argparse.Namespace) -> None:
+    from moestream.models.presets import get_preset
+    from moestream.models.synthetic import make_model
+
+    preset = get_preset(a.preset, a.layers)
+    make_model(a.out, preset, quant=a.quant, seed=a.seed)
+    print(f"wrote {a.out}: preset {preset.name}, {preset.n_layer} layers, {a.quant}")
+
+
+COMMANDS = {"run": cmd_run, "info": cmd_info, "make-model": cmd_make_model}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        COMMANDS[args.command](args)
+    except MoestreamError as e:
+        print(f"moestream: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

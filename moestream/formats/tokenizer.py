@@ -1,0 +1,338 @@
+"""Tokenizer and chat template from GGUF metadata, tokenizing as llama.cpp does for byte-level BPE.
+
+The `tokenizer.ggml.*` keys carry the whole vocabulary, so no `tokenizer.json` is needed: the tokens and
+merges become a Hugging Face `tokenizers` BPE model with the pre-tokenizer regex llama.cpp selects from
+`tokenizer.ggml.pre`. Decoding is done here, token by token as bytes, so a stream can hold back a
+character whose UTF-8 bytes are split across tokens.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+from collections import Counter
+from datetime import datetime
+from functools import cache
+from itertools import pairwise
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from moestream.errors import MoestreamError
+
+# tokenizer.ggml.token_type codes (llama.cpp llama_token_type)
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+# llama.cpp's split regexes (LLAMA_VOCAB_PRE_TYPE_QWEN2, _QWEN35): digits one by one; qwen35 keeps combining
+# marks (\p{M}) with the letters they modify instead of splitting them off as punctuation.
+_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+_SPLIT_REGEX = {
+    "qwen2": _CONTRACTIONS
+    + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "qwen35": _CONTRACTIONS
+    + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+}
+
+# Token texts llama.cpp treats as end of generation whatever the eos id says (llama-vocab.cpp, EOG and FIM
+# detection by text): a chat model ends its turn with one of these.
+_END_OF_GENERATION = frozenset({
+    "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<|return|>", "<|call|>",
+    "<end_of_turn>", "<|end_of_text|>", "<EOT>", "_<EOT>", "<end_of_utterance>",
+    "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
+})
+
+
+@cache
+def _byte_of_char() -> dict[int, int]:
+    """GPT-2's byte-level alphabet reversed (code point -> byte), as a str.translate table.
+
+    Printable latin-1 bytes stand for themselves; the other 68 bytes are shifted to code points 256 and up
+    in byte order, so every byte has a visible, non-space character.
+    """
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table = {b: b for b in printable}
+    shifted = (b for b in range(256) if b not in table)
+    table.update((256 + n, b) for n, b in enumerate(shifted))
+    return table
+
+
+def _byte_level_alphabet() -> list[str]:
+    """The 256 single-byte tokens, in the order GPT-2 and Qwen vocabularies list them."""
+    return [chr(c) for c in sorted(_byte_of_char())]
+
+
+def _pre_tokenizer(split_regex: str) -> tokenizers.pre_tokenizers.PreTokenizer:
+    return tokenizers.pre_tokenizers.Sequence([
+        tokenizers.pre_tokenizers.Split(tokenizers.Regex(split_regex), behavior="isolated"),
+        tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+
+
+class Tokenizer:
+    """Text <-> token ids and chat prompts for one GGUF model."""
+
+    def __init__(self, hf: tokenizers.Tokenizer, tokens: list[str], token_types: list[int], *,
+                 bos_id: int | None, eos_id: int | None, eos_ids: frozenset[int], add_bos: bool,
+                 chat_template: str | None) -> None:
+        self._hf = hf
+        self.tokens = tokens
+        self.token_types = token_types
+        self.bos_id = bos_id
+        self.eos_id = eos_id
+        self.eos_ids = eos_ids
+        self.add_bos = add_bos
+        self.chat_template = chat_template
+        self._pieces: dict[int, bytes] = {}
+
+    @classmethod
+    def from_metadata(cls, meta: dict[str, Any]) -> Tokenizer:
+        """Build from the `tokenizer.*` keys of a GGUF file's metadata."""
+        model = meta.get("tokenizer.ggml.model")
+        if model != "gpt2":
+            raise MoestreamError(
+                f"tokenizer.ggml.model is {model!r}; moestream supports only 'gpt2' (byte-level BPE)"
+            )
+        pre = meta.get("tokenizer.ggml.pre")
+        if pre not in _SPLIT_REGEX:
+            raise MoestreamError(
+                f"tokenizer.ggml.pre is {pre!r}; moestream supports the pre-tokenizers {sorted(_SPLIT_REGEX)}"
+            )
+        tokens = list(meta["tokenizer.ggml.tokens"])
+        types = list(meta.get("tokenizer.ggml.token_type", [NORMAL] * len(tokens)))
+        if len(types) != len(tokens):
+            raise MoestreamError(f"tokenizer metadata has {len(tokens)} tokens but {len(types)} token types")
+        ids = {k: meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "eot", "eom")}
+        for key, i in ids.items():
+            if i is not None and not 0 <= i < len(tokens):
+                raise MoestreamError(f"tokenizer.ggml.{key}_token_id {i} is outside the {len(tokens)} tokens")
+
+        # A repeated merge keeps its first rank, as in llama.cpp (Hugging Face's BPE would keep the last).
+        merges = [tuple(m.split(" ", 1)) for m in dict.fromkeys(meta.get("tokenizer.ggml.merges", []))]
+        # Duplicate texts keep the last id, as llama.cpp's token_to_id map does.
+        vocab = {text: i for i, text in enumerate(tokens)}
+        hf = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=merges))
+        hf.pre_tokenizer = _pre_tokenizer(_SPLIT_REGEX[pre])
+        # Control, unknown and user-defined tokens are matched whole in the text before splitting.
+        hf.add_tokens([
+            tokenizers.AddedToken(text, special=kind != USER_DEFINED, normalized=False)
+            for text, kind in zip(tokens, types, strict=True)
+            if kind in (CONTROL, UNKNOWN, USER_DEFINED) and text
+        ])
+        eos_ids = {i for k, i in ids.items() if k != "bos" and i is not None}
+        eos_ids.update(i for i, text in enumerate(tokens) if text in _END_OF_GENERATION)
+        return cls(hf, tokens, types, bos_id=ids["bos"], eos_id=ids["eos"], eos_ids=frozenset(eos_ids),
+                   add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+                   chat_template=meta.get("tokenizer.chat_template"))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokens)
+
+    def encode(self, text: str, add_special: bool = True) -> list[int]:
+        """Token ids of `text`; special-token texts in it ("<|im_start|>") become their single ids.
+
+        `add_special` prepends BOS when the model asks for it (`tokenizer.ggml.add_bos_token`).
+        """
+        ids = self._hf.encode(text, add_special_tokens=False).ids
+        if add_special and self.add_bos and self.bos_id is not None:
+            ids.insert(0, self.bos_id)
+        return ids
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """What one token prints as, in bytes: a BPE token may hold part of a UTF-8 character.
+
+        Like llama.cpp: control and user-defined tokens print their text, unused (padding) tokens nothing.
+        """
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            text, kind = self.tokens[token_id], self.token_types[token_id]
+            if kind == NORMAL:
+                piece = text.translate(_byte_of_char()).encode("latin-1", errors="replace")
+            elif kind in (CONTROL, UNKNOWN, USER_DEFINED):
+                piece = text.encode()
+            else:
+                piece = b""
+            self._pieces[token_id] = piece
+        return piece
+
+    def decode(self, ids: list[int]) -> str:
+        return b"".join(map(self.token_bytes, ids)).decode("utf-8", errors="replace")
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, **variables: Any
+    ) -> str:
+        """The prompt text for a conversation, rendered with the model's own template.
+
+        `variables` reach the template as they do through transformers (e.g. Qwen3's `enable_thinking`).
+        """
+        if not self.chat_template:
+            raise MoestreamError("the model file has no chat template (tokenizer.chat_template)")
+        special = {f"{name}_token": "" if i is None else self.tokens[i]
+                   for name, i in (("bos", self.bos_id), ("eos", self.eos_id))}
+        try:
+            return _compile_template(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **special, **variables
+            )
+        except jinja2.TemplateError as e:
+            raise MoestreamError(f"chat template: {e}") from e
+
+
+class TextStream:
+    """Fed generated ids one at a time, returns the text each adds, holding back unfinished characters."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        return self._utf8.decode(self._tokenizer.token_bytes(token_id))
+
+    def flush(self) -> str:
+        """Whatever is still held back at the end, as replacement characters if incomplete."""
+        return self._utf8.decode(b"", final=True)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+@cache
+def _compile_template(source: str) -> jinja2.Template:
+    """Compile as transformers does, so GGUF templates written for it render the same."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateError as e:
+        raise MoestreamError(f"chat template does not compile: {e}") from e
+
+
+# --- the tokenizer generated test models carry ---
+
+_CORPUS = """\
+The lighthouse stood at the end of a long spit of sand, and for forty years the same family had kept its
+lamp burning. Every evening at dusk the keeper climbed 112 steps, trimmed the wick, and wound the clockwork
+that turned the lens. On clear nights the beam reached 18 miles out to sea; in fog it barely reached the reef.
+
+"I don't think they'll ever automate it," the keeper said to the inspector who came each spring. "You can't
+teach a machine to smell weather coming." The inspector smiled, wrote something in his notebook, and said
+nothing. We've heard that before, he thought. They're all sure of it until the day it happens.
+
+The keeper's daughter learned the work before she could read. She knew that the oil had to be filtered
+twice, that the brass must be polished on Tuesdays and Fridays, and that a ship's horn in the dark meant
+someone was lost. In the winter of 1962 a storm broke three windows and put the lamp out for nine minutes.
+She relit it with her hands shaking, and afterwards she wrote the time in the log: 02:47 to 02:56.
+
+Recipe for the keeper's bread: mix 500 grams of flour, 10 grams of salt, 7 grams of yeast and 350 millilitres
+of warm water. Knead the dough for ten minutes, let it rise for an hour, shape it, and let it rise again.
+Bake at 220 degrees for thirty minutes, until the loaf sounds hollow when you tap the bottom.
+
+Questions the inspector asked, year after year:
+1. Is the lamp lit at the right time?
+2. Are the logs complete and signed?
+3. Have the stores of oil, wicks and glass been counted?
+4. Is there anything the keeper needs?
+
+The answer to the last question was always the same. "Nothing," the keeper said. "Just more hours in the day."
+
+When the light was finally automated, the family moved inland to a town with a river, a market and a school.
+The daughter became an engineer. She designed control systems for ships, and in every one of them she left a
+small manual switch, painted red, that a person could turn by hand when the machine was wrong. Her colleagues
+asked her why. "Because the sea doesn't read the manual," she said, "and neither does the weather."
+
+Years later she went back to the spit of sand. The tower was still there, white and patient, and the lamp was
+still turning, steered by a computer in a grey box. She climbed the 112 steps, counted them out loud as she
+always had, and stood at the top watching the beam sweep across the water: one, two, three, four, and dark.
+
+def keeper_log(hour, minute, note):
+    # Record one entry in the lighthouse log, padded the way the old books were.
+    return f"{hour:02d}:{minute:02d}  {note}"
+
+for night in range(365):
+    print(keeper_log(20, 15, "lamp lit, sky clear, wind west, sea calm"))
+"""
+
+_CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}"
+    "{%- endif %}"
+)
+
+# (text, token type) after the BPE tokens, in Qwen3's order.
+_QWEN3_SPECIALS = (("<|endoftext|>", CONTROL), ("<|im_start|>", CONTROL), ("<|im_end|>", CONTROL),
+                   ("<think>", USER_DEFINED), ("</think>", USER_DEFINED))
+_BASE_VOCAB = 512  # bytes + merges + specials, so a 512-row tiny model has no padding at all
+
+
+@cache
+def _trained_bpe() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """A byte-level BPE learned on `_CORPUS`: the classic greedy loop, ties broken by the pair's text."""
+    words = Counter(
+        piece for piece, _ in _pre_tokenizer(_SPLIT_REGEX["qwen2"]).pre_tokenize_str(_CORPUS)
+    )
+    split = {word: list(word) for word in words}
+    tokens, merges = _byte_level_alphabet(), []
+    known = set(tokens)
+    while len(tokens) < _BASE_VOCAB - len(_QWEN3_SPECIALS):
+        pairs: Counter[tuple[str, str]] = Counter()
+        for word, count in words.items():
+            for pair in pairwise(split[word]):
+                pairs[pair] += count
+        a, b = min(pairs, key=lambda p: (-pairs[p], p))
+        merges.append(f"{a} {b}")
+        if a + b not in known:
+            known.add(a + b)
+            tokens.append(a + b)
+        for symbols in split.values():
+            i = 0
+            while i < len(symbols) - 1:
+                if symbols[i] == a and symbols[i + 1] == b:
+                    symbols[i:i + 2] = [a + b]
+                i += 1
+    return tuple(tokens), tuple(merges)
+
+
+def tiny_tokenizer_metadata(n_vocab: int) -> dict[str, Any]:
+    """The `tokenizer.*` keys of a generated Qwen3-style test model with `n_vocab` embedding rows.
+
+    A real byte-level BPE (512 tokens) with Qwen3's chat tokens, padded as convert_hf_to_gguf.py pads
+    real Qwen files up to the embedding size: `[PAD{id}]` tokens of type unused. Ids follow Qwen3-30B-A3B:
+    BOS and padding are <|endoftext|>, EOS is <|im_end|>, no BOS is added.
+    """
+    if n_vocab < _BASE_VOCAB:
+        raise MoestreamError(f"n_vocab {n_vocab} is too small: the test tokenizer needs {_BASE_VOCAB} tokens")
+    bpe_tokens, merges = _trained_bpe()
+    tokens = [*bpe_tokens, *(text for text, _ in _QWEN3_SPECIALS)]
+    types = [NORMAL] * len(bpe_tokens) + [kind for _, kind in _QWEN3_SPECIALS]
+    tokens += [f"[PAD{i}]" for i in range(len(tokens), n_vocab)]
+    types += [UNUSED] * (n_vocab - len(types))
+    return {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "qwen2",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.merges": list(merges),
+        "tokenizer.ggml.bos_token_id": tokens.index("<|endoftext|>"),
+        "tokenizer.ggml.eos_token_id": tokens.index("<|im_end|>"),
+        "tokenizer.ggml.padding_token_id": tokens.index("<|endoftext|>"),
+        "tokenizer.ggml.add_bos_token": False,
+        "tokenizer.chat_template": _CHATML_TEMPLATE,
+    }

@@ -1,0 +1,76 @@
+"""Write a GGUF file tensor by tensor, so a file bigger than RAM never has to sit in it."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import gguf
+import numpy as np
+from tqdm import tqdm
+
+from moestream.formats.quants import row_bytes
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    name: str
+    qtype: gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # numpy order
+
+    @property
+    def byte_shape(self) -> tuple[int, ...]:
+        return (*self.shape[:-1], row_bytes(self.qtype, self.shape[-1]))
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.byte_shape))
+
+
+def _add_value(w: gguf.GGUFWriter, key: str, value: Any) -> None:
+    T = gguf.GGUFValueType
+    if isinstance(value, bool):
+        w.add_bool(key, value)
+    elif isinstance(value, int):
+        w.add_uint32(key, value) if 0 <= value < 2**32 else w.add_int64(key, value)
+    elif isinstance(value, float):
+        w.add_float32(key, value)
+    elif isinstance(value, str):
+        w.add_string(key, value)
+    elif isinstance(value, (list, tuple)):
+        sub = T.STRING if value and isinstance(value[0], str) else T.FLOAT32 if value and isinstance(
+            value[0], float) else T.INT32
+        w.add_key_value(key, list(value), T.ARRAY, sub_type=sub)
+    else:
+        raise TypeError(f"metadata {key}: cannot write a {type(value).__name__}")
+
+
+def write_gguf(
+    path: str | os.PathLike[str],
+    arch: str,
+    metadata: dict[str, Any],
+    plans: list[TensorPlan],
+    produce: Callable[[TensorPlan], np.ndarray],
+    progress: bool = True,
+) -> None:
+    """Write metadata and tensor infos, then each tensor's bytes as produce(plan) returns them (uint8)."""
+    w = gguf.GGUFWriter(os.fspath(path), arch)
+    for key, value in metadata.items():
+        if key != "general.architecture":
+            _add_value(w, key, value)
+    for p in plans:
+        w.add_tensor_info(p.name, p.byte_shape, np.dtype(np.uint8), p.nbytes, raw_dtype=p.qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    total = sum(p.nbytes for p in plans)
+    with tqdm(total=total, unit="B", unit_scale=True, desc="write", disable=not progress) as bar:
+        for p in plans:
+            data = produce(p)
+            if data.dtype != np.uint8 or data.nbytes != p.nbytes:
+                raise ValueError(f"{p.name}: produced {data.nbytes} bytes of {data.dtype}, expected {p.nbytes} uint8")
+            w.write_tensor_data(data)
+            bar.update(p.nbytes)
+    w.close()

@@ -1,0 +1,35 @@
+"""Grouped expert matmul: one call for all experts of a layer.
+
+Fast path: torch._grouped_mm (CUDA, bf16, Hopper and newer), no host sync.
+Fallback: a loop over the experts that received tokens (CPU, other dtypes, unaligned shapes); it reads the
+group sizes on the host, which costs a sync that only matters on a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _use_grouped_mm(x: torch.Tensor, w_t: torch.Tensor) -> bool:
+    return (
+        hasattr(torch, "_grouped_mm")
+        and x.is_cuda
+        and x.dtype == torch.bfloat16
+        and w_t.dtype == torch.bfloat16
+        and x.shape[-1] % 8 == 0
+        and w_t.shape[-1] % 8 == 0
+        and torch.cuda.get_device_capability(x.device)[0] >= 9
+    )
+
+
+def grouped_mm(x: torch.Tensor, w_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Rows offs[e-1]:offs[e] of x (sorted by expert) times w_t[e]. x [M, K], w_t [E, K, N], offs [E] int32 ends."""
+    if _use_grouped_mm(x, w_t):
+        return torch._grouped_mm(x, w_t, offs=offs)
+    out = x.new_empty(x.shape[0], w_t.shape[-1])
+    start = 0
+    for e, end in enumerate(offs.tolist()):  # host sync: fallback path only
+        if end > start:
+            out[start:end] = x[start:end] @ w_t[e]
+        start = end
+    return out

@@ -1,0 +1,203 @@
+"""Gated delta-net (linear attention) primitives for the recurrent layers of qwen35moe.
+
+Shape legend (one sequence, no batch dimension):
+    T   tokens in this call
+    H   value heads (q and k already tiled to H by the caller)
+    Dk  key/query head dim (GGUF `ssm.state_size`)
+    Dv  value head dim
+    C   channels of the short convolution (the qkv projection width)
+    K   convolution kernel length (GGUF `ssm.conv_kernel`)
+    L   chunk length of the chunked form
+
+Per head and token t, with the state S [Dk, Dv] (float32):
+    S <- S * exp(g_t)                     g_t <= 0 is the log decay
+    d  = beta_t * (v_t - S^T k_t)         the delta rule: write only what S does not already predict
+    S <- S + k_t d^T
+    o_t = S^T q_t / sqrt(Dk)
+
+`delta_rule_recurrent` runs that literally (decode); `delta_rule_chunked` computes the same thing with
+matmuls within chunks of L tokens and the recurrence only across chunks (prefill). Both take and return
+the state, so a prompt split into micro-batches gives the same result as one pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class DeltaNetState:
+    """What one delta-net layer remembers about one sequence, cached beside the KV cache.
+
+    conv_state [K-1, C]: the last K-1 inputs of the short convolution (zeros before the first token).
+    recurrent_state [H, Dk, Dv]: the delta-rule state S, float32 (it accumulates over the whole sequence).
+    """
+
+    conv_state: torch.Tensor
+    recurrent_state: torch.Tensor
+
+    @classmethod
+    def zeros(
+        cls,
+        conv_channels: int,
+        conv_kernel: int,
+        n_heads: int,
+        k_dim: int,
+        v_dim: int,
+        *,
+        conv_dtype: torch.dtype = torch.float32,
+        state_dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> DeltaNetState:
+        """The state before the first token of a sequence."""
+        return cls(
+            conv_state=torch.zeros(conv_kernel - 1, conv_channels, dtype=conv_dtype, device=device),
+            recurrent_state=torch.zeros(n_heads, k_dim, v_dim, dtype=state_dtype, device=device),
+        )
+
+
+def l2_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim (q and k of each head, before the delta rule).
+
+    Computed and returned in at least float32: the delta rule consumes it in float32, so rounding the unit
+    vectors back to bf16 would only lose precision.
+    """
+    x = x.to(torch.promote_types(x.dtype, torch.float32))
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def causal_conv1d(
+    x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Short causal depthwise convolution followed by SiLU, continuing from `conv_state`.
+
+    x [T, C], weight [C, K] (oldest tap first, no bias), conv_state [K-1, C] = the K-1 inputs before x.
+    Returns y [T, C] in x's dtype (accumulated in at least float32) and the new conv_state [K-1, C] (the last
+    K-1 inputs, in conv_state's dtype). K is tiny (4), so a sum over taps beats a conv1d's transposes.
+    """
+    n_tokens = x.shape[0]
+    kernel = weight.shape[1]
+    compute_dtype = torch.promote_types(torch.promote_types(x.dtype, weight.dtype), torch.float32)
+    padded = torch.cat([conv_state.to(compute_dtype), x.to(compute_dtype)], dim=0)  # [K-1+T, C]
+    w = weight.to(compute_dtype)
+    acc = padded[0:n_tokens] * w[:, 0]
+    for tap in range(1, kernel):
+        acc = acc + padded[tap : tap + n_tokens] * w[:, tap]
+    new_state = padded[padded.shape[0] - (kernel - 1) :].to(conv_state.dtype)
+    return F.silu(acc).to(x.dtype), new_state
+
+
+def _prepare(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
+    """Cast to the state's dtype (the compute dtype), go head-major, and fold 1/sqrt(Dk) into q.
+
+    Scaling q before use (rather than the output) is what transformers and fla do; the math is the same.
+    """
+    if state.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"delta-net state must be float32 or float64, got {state.dtype}")
+    dtype = state.dtype
+    scale = q.shape[-1] ** -0.5
+    q, k, v = (t.to(dtype).transpose(0, 1) for t in (q, k, v))  # [H, T, D]
+    g, beta = (t.to(dtype).transpose(0, 1) for t in (g, beta))  # [H, T]
+    return q * scale, k, v, g, beta
+
+
+def delta_rule_recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule one token at a time (decode, and the reference for the chunked form).
+
+    q, k [T, H, Dk] (L2-normalised, tiled to H), v [T, H, Dv], g [T, H] (log decay, <= 0), beta [T, H],
+    state [H, Dk, Dv] float32 (or float64; its dtype is the compute dtype).
+    Returns out [T, H, Dv] in v's dtype and the new state; `state` is not modified.
+    """
+    out_dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, state)
+    n_heads, n_tokens, dv = v.shape
+    out = v.new_empty(n_tokens, n_heads, dv)
+    s = state
+    for t in range(n_tokens):
+        s = s * g[:, t].exp()[:, None, None]
+        predicted = (k[:, t, None, :] @ s).squeeze(1)  # S^T k  [H, Dv]
+        delta = beta[:, t, None] * (v[:, t] - predicted)
+        s = s + k[:, t, :, None] * delta[:, None, :]
+        out[t] = (q[:, t, None, :] @ s).squeeze(1)  # S^T q  [H, Dv]
+    return out.to(out_dtype), s
+
+
+def delta_rule_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    chunk: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule in chunks of L tokens: matmuls within a chunk, recurrence across chunks (prefill).
+
+    Same arguments and result as `delta_rule_recurrent`. Within a chunk, with c_i the cumulative log decay
+    from the chunk start to token i and S0 the state entering the chunk, the deltas d_i solve the unit
+    lower-triangular system (the UT transform of the WY representation)
+        d_i + beta_i * sum_{j<i} exp(c_i - c_j) (k_i.k_j) d_j = beta_i (v_i - exp(c_i) S0^T k_i),
+    so D = U - W S0 with U, W from one triangular solve independent of S0. Then
+        o_i = exp(c_i) S0^T q_i + sum_{j<=i} exp(c_i - c_j) (q_i.k_j) d_j
+        S_end = exp(c_last) S0 + sum_j exp(c_last - c_j) k_j d_j^T.
+    Every exponent is <= 0 (future positions are masked before exp), so strong decays cannot overflow.
+    A ragged tail is zero-padded with beta = 0 and g = 0, which leaves the state untouched.
+    """
+    out_dtype = v.dtype
+    n_tokens = q.shape[0]
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, state)
+    n_heads, _, dk = k.shape
+    dv = v.shape[-1]
+
+    pad = (-n_tokens) % chunk
+    if pad:
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
+    n_chunks = (n_tokens + pad) // chunk
+    q, k, v = (t.reshape(n_heads, n_chunks, chunk, t.shape[-1]) for t in (q, k, v))
+    g, beta = (t.reshape(n_heads, n_chunks, chunk) for t in (g, beta))
+
+    c = g.cumsum(dim=-1)  # [H, N, L]
+    future = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    decay_ij = (c[..., :, None] - c[..., None, :]).masked_fill(future, float("-inf")).exp()  # [H, N, L, L]
+    decay_from_start = c.exp()[..., None]  # exp(c_i)        [H, N, L, 1]
+    decay_to_end = (c[..., -1:] - c).exp()[..., None]  # exp(c_last - c_j)  [H, N, L, 1]
+    chunk_decay = c[..., -1].exp()[..., None, None]  # exp(c_last)  [H, N, 1, 1]
+
+    # The system matrix is I + strictly-lower(beta_i exp(c_i - c_j) k_i.k_j): the solver reads only the strict
+    # lower triangle and takes the diagonal as 1.
+    k_beta = k * beta[..., None]
+    system = (k_beta @ k.transpose(-1, -2)) * decay_ij
+    rhs = torch.cat([v * beta[..., None], k_beta * decay_from_start], dim=-1)  # [H, N, L, Dv + Dk]
+    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    u, w = solved.split([dv, dk], dim=-1)
+
+    attn = (q @ k.transpose(-1, -2)) * decay_ij  # causal (q_i.k_j) exp(c_i - c_j)  [H, N, L, L]
+    q_decayed = q * decay_from_start
+    k_to_end = (k * decay_to_end).transpose(-1, -2)  # [H, N, Dk, L]
+
+    out = v.new_empty(n_heads, n_chunks, chunk, dv)
+    s = state
+    for n in range(n_chunks):
+        d = u[:, n] - w[:, n] @ s  # [H, L, Dv]
+        out[:, n] = q_decayed[:, n] @ s + attn[:, n] @ d
+        s = s * chunk_decay[:, n] + k_to_end[:, n] @ d
+    out = out.reshape(n_heads, n_chunks * chunk, dv)[:, :n_tokens]
+    return out.transpose(0, 1).to(out_dtype), s

@@ -1,0 +1,97 @@
+"""Layer primitives shared by every architecture: plain tensor math, no devices or streams.
+
+Legend: T = tokens in the micro-batch, S = positions in the KV cache so far, D = hidden size,
+H / Hkv = query / key-value heads, Dh = head dim, E = experts, K = experts used per token, F = expert FFN size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moestream.kernels.grouped_moe import grouped_mm
+
+
+@dataclass(frozen=True)
+class Batch:
+    """What every layer needs to know about the micro-batch: where it starts and its rotary tables."""
+
+    pos0: int
+    cos: torch.Tensor  # [T, rot_dim/2]
+    sin: torch.Tensor
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32 and cast back, over the last dim."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, rot_dim: int, base: float, dtype: torch.dtype):
+    """cos, sin [T, rot_dim/2] for NEOX-style rotation of the first rot_dim channels."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, device=positions.device, dtype=torch.float32) / rot_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+
+def rope_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on the first 2*cos.shape[-1] channels of x [T, H, Dh]; the rest pass through."""
+    half = cos.shape[-1]
+    x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s, rest), dim=-1)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos0: int) -> torch.Tensor:
+    """Softmax attention of q [T, H, Dh] (positions pos0..pos0+T-1) over k, v [S, Hkv, Dh] (positions 0..S-1)."""
+    T, H, _ = q.shape
+    S, Hkv, _ = k.shape
+    if Hkv != H:  # GQA: query head h reads KV head h // (H / Hkv)
+        k = k.repeat_interleave(H // Hkv, dim=1)
+        v = v.repeat_interleave(H // Hkv, dim=1)
+    q_pos = torch.arange(pos0, pos0 + T, device=q.device)[:, None]
+    mask = torch.arange(S, device=q.device)[None, :] <= q_pos  # [T, S]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask)
+    return out.transpose(0, 1)  # [T, H, Dh]
+
+
+def route_softmax_topk(x: torch.Tensor, w_router: torch.Tensor, k: int, renorm: bool = True):
+    """Softmax over all experts, top-k, chosen weights renormalised to sum 1. Returns weights [T, K], ids [T, K]."""
+    probs = torch.softmax(F.linear(x, w_router).float(), dim=-1)  # [T, E]
+    weights, ids = torch.topk(probs, k, dim=-1)
+    if renorm:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(x.dtype), ids
+
+
+def moe_swiglu(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+) -> torch.Tensor:
+    """Sum over chosen experts of weight * down(silu(gate(x)) * up(x)), as one grouped computation.
+
+    x [T, D]; weights, ids [T, K] (ids index the stacks); w_gate, w_up [E, F, D]; w_down [E, D, F].
+    Deterministic: no atomics, so equal inputs give equal bits whatever the schedule.
+    """
+    T, K = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # token-expert pairs grouped by expert
+    rows = x[order // K]  # [T*K, D]
+    offs = torch.bincount(flat, minlength=w_gate.shape[0]).cumsum(0).to(torch.int32)
+    h = F.silu(grouped_mm(rows, w_gate.transpose(1, 2), offs)) * grouped_mm(rows, w_up.transpose(1, 2), offs)
+    y_sorted = grouped_mm(h, w_down.transpose(1, 2), offs)  # [T*K, D]
+    y = torch.empty_like(y_sorted)
+    y[order] = y_sorted
+    return (y.view(T, K, -1) * weights[..., None]).sum(dim=1)
+
+
+def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """A dense SwiGLU FFN (shared experts)."""
+    return F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)

@@ -1,0 +1,104 @@
+"""qwen3moe (Qwen3-30B-A3B, Qwen3-235B-A22B): GQA attention with per-head q/k RMSNorm and NEOX RoPE,
+then a softmax top-k MoE of SwiGLU experts. Tensor names are llama.cpp's.
+
+Legend: T = tokens in the micro-batch, D = hidden size, H / Hkv = query / KV heads, Dh = head dim.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from moestream.models.layers import (
+    Batch,
+    causal_attention,
+    rms_norm,
+    rope_cos_sin,
+    rope_neox,
+    route_softmax_topk,
+)
+from moestream.models.spec import ModelSpec, common_spec_fields
+
+ARCH = "qwen3moe"
+EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+
+
+def read_spec(meta: dict[str, Any], n_vocab: int) -> ModelSpec:
+    return ModelSpec(**common_spec_fields(meta, ARCH, n_vocab))
+
+
+def tensor_shapes(spec: ModelSpec, tied_output: bool = False) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a file of this architecture, numpy order, in the order llama.cpp's converter writes them."""
+    D, Dh, F_ = spec.n_embd, spec.head_dim, spec.n_ff_exp
+    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (spec.n_vocab, D)}
+    for il in range(spec.n_layer):
+        b = f"blk.{il}."
+        shapes |= {
+            b + "attn_norm.weight": (D,),
+            b + "attn_q.weight": (spec.n_head * Dh, D),
+            b + "attn_k.weight": (spec.n_head_kv * Dh, D),
+            b + "attn_v.weight": (spec.n_head_kv * Dh, D),
+            b + "attn_output.weight": (D, spec.n_head * Dh),
+            b + "attn_q_norm.weight": (Dh,),
+            b + "attn_k_norm.weight": (Dh,),
+            b + "ffn_norm.weight": (D,),
+            b + "ffn_gate_inp.weight": (spec.n_expert, D),
+            b + "ffn_gate_exps.weight": (spec.n_expert, F_, D),
+            b + "ffn_up_exps.weight": (spec.n_expert, F_, D),
+            b + "ffn_down_exps.weight": (spec.n_expert, D, F_),
+        }
+    shapes["output_norm.weight"] = (D,)
+    if not tied_output:
+        shapes["output.weight"] = (spec.n_vocab, D)
+    return shapes
+
+
+def expert_tensor_names(il: int) -> tuple[str, str, str]:
+    return tuple(f"blk.{il}.{t}.weight" for t in EXPERT_TENSORS)  # type: ignore[return-value]
+
+
+class Model:
+    """The forward pass, one layer at a time so the engine can order micro-batches and layers as it likes."""
+
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], experts):
+        self.spec = spec
+        self.weights = weights  # dense tensors on the compute device
+        self.experts = experts  # an ExpertSource
+        self.attention_layers = list(range(spec.n_layer))
+
+    def w(self, il: int, name: str) -> torch.Tensor:
+        return self.weights[f"blk.{il}.{name}.weight"]
+
+    def make_batch(self, pos0: int, n_tokens: int, device: torch.device, dtype: torch.dtype) -> Batch:
+        positions = torch.arange(pos0, pos0 + n_tokens, device=device)
+        cos, sin = rope_cos_sin(positions, self.spec.rot_dim, self.spec.rope_base, dtype)
+        return Batch(pos0, cos, sin)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, self.weights["token_embd.weight"])  # [T, D]
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.weights.get("output.weight", self.weights["token_embd.weight"])
+        return F.linear(rms_norm(x, self.weights["output_norm.weight"], self.spec.rms_eps), out)
+
+    def layer(self, il: int, x: torch.Tensor, batch: Batch, cache) -> torch.Tensor:
+        eps = self.spec.rms_eps
+        h = x + self.attention(il, rms_norm(x, self.w(il, "attn_norm"), eps), batch, cache)
+        return h + self.moe(il, rms_norm(h, self.w(il, "ffn_norm"), eps))
+
+    def attention(self, il: int, x: torch.Tensor, batch: Batch, cache) -> torch.Tensor:
+        s, T = self.spec, x.shape[0]
+        q = F.linear(x, self.w(il, "attn_q")).view(T, s.n_head, s.head_dim)
+        k = F.linear(x, self.w(il, "attn_k")).view(T, s.n_head_kv, s.head_dim)
+        v = F.linear(x, self.w(il, "attn_v")).view(T, s.n_head_kv, s.head_dim)
+        q = rope_neox(rms_norm(q, self.w(il, "attn_q_norm"), s.rms_eps), batch.cos, batch.sin)
+        k = rope_neox(rms_norm(k, self.w(il, "attn_k_norm"), s.rms_eps), batch.cos, batch.sin)
+        k_all, v_all = cache.kv.update(il, batch.pos0, k, v)
+        out = causal_attention(q, k_all, v_all, batch.pos0)  # [T, H, Dh]
+        return F.linear(out.reshape(T, -1), self.w(il, "attn_output"))
+
+    def moe(self, il: int, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route_softmax_topk(x, self.w(il, "ffn_gate_inp"), self.spec.n_expert_used)
+        return self.experts.ffn(il, x, weights, ids)

@@ -1,0 +1,20 @@
+"""Architectures moestream runs, keyed by GGUF `general.architecture`."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from moestream.errors import MoestreamError
+from moestream.models import qwen3moe
+
+ARCHITECTURES: dict[str, ModuleType] = {qwen3moe.ARCH: qwen3moe}
+
+
+def architecture(name: str, path: object = "") -> ModuleType:
+    try:
+        return ARCHITECTURES[name]
+    except KeyError:
+        where = f"{path}: " if path else ""
+        raise MoestreamError(
+            f"{where}architecture {name!r} is not supported (supported: {', '.join(sorted(ARCHITECTURES))})"
+        ) from None

@@ -1,0 +1,140 @@
+"""The engine: micro-batched prefill, decode, sampling, over a model whose experts live wherever placement put them."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from moestream.errors import MoestreamError
+from moestream.formats.tokenizer import TextStream
+from moestream.runtime.kv_cache import KVCache, SequenceCache
+from moestream.runtime.options import EngineOptions
+from moestream.runtime.sampling import Sampler, SamplingParams
+
+
+@dataclass
+class Generation:
+    prompt_tokens: list[int]
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    stop_reason: str = "length"  # length | eos | context
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def prefill_tps(self) -> float:
+        return len(self.prompt_tokens) / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        return len(self.tokens) / self.decode_s if self.decode_s else 0.0
+
+
+class Engine:
+    def __init__(self, model, tokenizer, options: EngineOptions, source=None):
+        self.model = model
+        self.spec = model.spec
+        self.tokenizer = tokenizer
+        self.options = options
+        self.source = source  # the open GGUF file the weights map, closed with the engine
+        self.n_ctx = min(options.n_ctx, self.spec.n_ctx_train) if self.spec.n_ctx_train else options.n_ctx
+
+    @property
+    def device(self) -> torch.device:
+        return self.options.torch_device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.options.torch_dtype
+
+    def new_cache(self) -> SequenceCache:
+        s = self.spec
+        kv = KVCache(self.model.attention_layers, self.n_ctx, s.n_head_kv, s.head_dim, self.dtype, self.device)
+        return SequenceCache(kv)
+
+    @torch.inference_mode()
+    def forward(self, tokens: list[int], cache: SequenceCache, all_logits: bool = False) -> torch.Tensor:
+        """Run tokens through the model in micro-batches of options.ubatch, appending to cache.
+
+        Returns logits [T, V] if all_logits else [1, V] for the last token.
+        """
+        if cache.n_past + len(tokens) > self.n_ctx:
+            raise MoestreamError(
+                f"the prompt needs {cache.n_past + len(tokens)} positions but the context is {self.n_ctx}; "
+                f"raise --ctx (the model was trained for {self.spec.n_ctx_train}) or shorten the prompt"
+            )
+        ub = self.options.ubatch
+        chunks = [tokens[i : i + ub] for i in range(0, len(tokens), ub)]
+        show = self.options.progress and len(chunks) > 1
+        out = []
+        for chunk in tqdm(chunks, desc="prefill", unit="ubatch", disable=not show, leave=False):
+            x = self.model.embed(torch.tensor(chunk, device=self.device))
+            batch = self.model.make_batch(cache.n_past, len(chunk), self.device, self.dtype)
+            for il in range(self.spec.n_layer):
+                x = self.model.layer(il, x, batch, cache)
+            cache.n_past += len(chunk)
+            out.append(self.model.head(x if all_logits else x[-1:]).float())
+        return torch.cat(out) if all_logits else out[-1]
+
+    def logits(self, tokens: list[int]) -> torch.Tensor:
+        """Logits [T, V] (float32, CPU) of a fresh sequence: the hook for reference comparisons."""
+        return self.forward(list(tokens), self.new_cache(), all_logits=True).cpu()
+
+    def encode_prompt(self, prompt: str, chat: bool = False) -> list[int]:
+        if self.tokenizer is None:
+            raise MoestreamError("this model file has no tokenizer; pass token ids instead of text")
+        if chat:
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+            return self.tokenizer.encode(text, add_special=False)
+        return self.tokenizer.encode(prompt)
+
+    def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        chat: bool = False,
+        on_text: Callable[[str], None] | None = None,
+    ) -> Generation:
+        """Prefill the prompt, then decode up to params.max_tokens tokens, streaming text to on_text."""
+        params = params or SamplingParams()
+        prompt_tokens = self.encode_prompt(prompt, chat) if isinstance(prompt, str) else list(prompt)
+        if not prompt_tokens:
+            raise MoestreamError("the prompt is empty")
+        gen = Generation(prompt_tokens)
+        sampler = Sampler(params)
+        stream = TextStream(self.tokenizer) if self.tokenizer is not None else None
+        cache = self.new_cache()
+
+        t0 = time.perf_counter()
+        logits = self.forward(prompt_tokens, cache)
+        token = sampler(logits[-1])
+        gen.prefill_s = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        while params.max_tokens > 0:
+            if params.stop_at_eos and self.tokenizer is not None and token in self.tokenizer.eos_ids:
+                gen.stop_reason = "eos"
+                break
+            gen.tokens.append(token)
+            if stream is not None:
+                piece = stream.push(token)
+                gen.text += piece
+                if on_text and piece:
+                    on_text(piece)
+            if len(gen.tokens) >= params.max_tokens:
+                break
+            if cache.n_past >= self.n_ctx:
+                gen.stop_reason = "context"
+                break
+            token = sampler(self.forward([token], cache)[-1])
+        gen.decode_s = time.perf_counter() - t0
+        return gen
+
+    def close(self) -> None:
+        if self.source is not None:
+            self.source.close()
+            self.source = None

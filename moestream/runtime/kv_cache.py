@@ -1,0 +1,39 @@
+"""Per-sequence cache: keys and values of attention layers, allocated once for the whole context."""
+
+from __future__ import annotations
+
+import torch
+
+from moestream.errors import MoestreamError
+
+
+class KVCache:
+    """K and V for each attention layer: [n_ctx, Hkv, Dh], filled left to right."""
+
+    def __init__(self, layers: list[int], n_ctx: int, n_head_kv: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.n_ctx = n_ctx
+        shape = (n_ctx, n_head_kv, head_dim)
+        self.k = {il: torch.zeros(shape, dtype=dtype, device=device) for il in layers}
+        self.v = {il: torch.zeros(shape, dtype=dtype, device=device) for il in layers}
+
+    def update(self, il: int, pos0: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [T, Hkv, Dh] at positions pos0.. and return everything up to pos0+T."""
+        end = pos0 + k.shape[0]
+        if end > self.n_ctx:
+            raise MoestreamError(f"context full: position {end} exceeds the context size {self.n_ctx}; raise --ctx")
+        self.k[il][pos0:end] = k
+        self.v[il][pos0:end] = v
+        return self.k[il][:end], self.v[il][:end]
+
+    @staticmethod
+    def bytes_needed(n_layers: int, n_ctx: int, n_head_kv: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * n_layers * n_ctx * n_head_kv * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class SequenceCache:
+    """Everything one sequence carries between forward passes; grows per architecture (recurrent state)."""
+
+    def __init__(self, kv: KVCache):
+        self.kv = kv
+        self.n_past = 0  # tokens already in the cache

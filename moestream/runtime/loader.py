@@ -1,0 +1,83 @@
+"""Build an Engine from a GGUF file: check every tensor, put weights where they go, attach the tokenizer."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from moestream.errors import MoestreamError
+from moestream.formats import quants
+from moestream.formats.gguf import GGUFFile, TensorView, torch_bytes
+from moestream.models.registry import architecture
+from moestream.models.spec import ModelSpec
+from moestream.offload.experts import ResidentExperts
+from moestream.runtime.engine import Engine
+from moestream.runtime.options import EngineOptions
+
+
+def describe(f: GGUFFile):
+    """The architecture module and ModelSpec of an open file, with every expected tensor checked."""
+    arch = architecture(f.architecture, f.path)
+    n_vocab = f.tensor("token_embd.weight").shape[0]
+    spec = arch.read_spec(f.metadata, n_vocab)
+    expected = arch.tensor_shapes(spec, tied_output="output.weight" not in f.tensors)
+    for name, shape in expected.items():
+        t = f.tensor(name)  # a missing tensor is a named error
+        if tuple(t.shape) != tuple(shape):
+            raise MoestreamError(
+                f"{f.path}: tensor {name} has shape {list(t.shape)}, expected {list(shape)} from the metadata; "
+                "the file is damaged or its metadata disagrees with its weights"
+            )
+        if t.qtype not in quants.SUPPORTED:
+            raise MoestreamError(
+                f"{f.path}: tensor {name} has type {t.qtype.name}, which moestream cannot dequantize "
+                f"(supported: {', '.join(sorted(q.name for q in quants.SUPPORTED))}); requantize the model"
+            )
+    return arch, spec
+
+
+def to_device(t: TensorView, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Upload the stored bytes and dequantize where they land (so a GPU dequantizes, not the CPU)."""
+    raw = torch_bytes(t).to(device)
+    return quants.dequantize(raw, t.qtype, t.shape, dtype)
+
+
+def load(path: str | os.PathLike[str], **options: Any) -> Engine:
+    """Open a GGUF MoE model and return an Engine ready to generate."""
+    opts = EngineOptions(**options)
+    f = GGUFFile(path)
+    try:
+        arch, spec = describe(f)
+        tokenizer = load_tokenizer(f)
+        device, dtype = opts.torch_device, opts.torch_dtype
+        expert_names = {n for il in range(spec.n_layer) for n in arch.expert_tensor_names(il)}
+        weights: dict[str, torch.Tensor] = {}
+        stacks: dict[int, tuple[torch.Tensor, ...]] = {}
+        names = list(f.tensors)
+        for name in tqdm(names, desc="load", unit="tensor", disable=not opts.progress, leave=False):
+            if name not in expert_names:
+                weights[name] = to_device(f.tensors[name], device, dtype)
+        for il in tqdm(range(spec.n_layer), desc="experts", unit="layer", disable=not opts.progress, leave=False):
+            stacks[il] = tuple(to_device(f.tensors[n], device, dtype) for n in arch.expert_tensor_names(il))
+        model = arch.Model(spec, weights, ResidentExperts(stacks))
+        return Engine(model, tokenizer, opts, source=f)
+    except BaseException:
+        f.close()
+        raise
+
+
+def load_tokenizer(f: GGUFFile):
+    """The file's tokenizer, or None when it carries none (then only token ids work)."""
+    if "tokenizer.ggml.tokens" not in f.metadata:
+        return None
+    from moestream.formats.tokenizer import Tokenizer
+
+    return Tokenizer.from_metadata(f.metadata)
+
+
+def expert_bytes_per_layer(f: GGUFFile, spec: ModelSpec) -> list[int]:
+    arch = architecture(f.architecture, f.path)
+    return [sum(f.tensor(n).nbytes for n in arch.expert_tensor_names(il)) for il in range(spec.n_layer)]

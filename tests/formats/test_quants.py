@@ -1,0 +1,150 @@
+"""Torch dequantization must equal gguf's numpy reference bit for bit, on CPU and CUDA."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from moestream.errors import MoestreamError
+from moestream.formats.quants import SUPPORTED, dequantize, row_bytes
+
+Q = gguf.GGMLQuantizationType
+
+# Byte offsets of the fp16 scale fields (d, dmin, m) inside one block: random bytes there would be NaN/inf.
+F16_FIELDS = {
+    Q.Q8_0: (0,),
+    Q.Q4_0: (0,),
+    Q.Q4_1: (0, 2),
+    Q.Q5_0: (0,),
+    Q.Q5_1: (0, 2),
+    Q.Q2_K: (80, 82),
+    Q.Q3_K: (108,),
+    Q.Q4_K: (0, 2),
+    Q.Q5_K: (0, 2),
+    Q.Q6_K: (208,),
+}
+FLOAT_TYPES = {Q.F32: np.float32, Q.F16: np.float16}
+
+# 1-D, 2-D and a 3-D expert stack; every row is a whole number of 256-element super-blocks.
+SHAPES = [(256,), (5, 512), (3, 4, 768)]
+
+
+def random_bytes(qtype: Q, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
+    """Random blocks of `qtype` for a tensor of `shape`, as uint8 [..., row_bytes], with finite scales.
+
+    Float types get random finite values: torch quiets signalling NaNs when widening F16 and numpy does not.
+    """
+    rng = np.random.default_rng(seed)
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    n_blocks = int(np.prod(shape)) // block
+    magnitude = 10.0 ** rng.uniform(-3, 1, size=n_blocks)
+    if qtype in FLOAT_TYPES:
+        raw = (rng.standard_normal(n_blocks) * magnitude).astype(FLOAT_TYPES[qtype]).view(np.uint8)
+    elif qtype == Q.BF16:
+        raw = gguf.quants.quantize((rng.standard_normal(n_blocks) * magnitude).astype(np.float32), qtype)
+    else:
+        raw = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
+        for offset in F16_FIELDS[qtype]:
+            scale = (rng.standard_normal(n_blocks) * magnitude).astype(np.float16)
+            raw[:, offset : offset + 2] = scale.view(np.uint8).reshape(n_blocks, 2)
+    return raw.reshape(*shape[:-1], row_bytes(qtype, shape[-1]))
+
+
+def reference(raw: np.ndarray, qtype: Q, shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, qtype), dtype=np.float32)).reshape(
+        shape
+    )
+
+
+def assert_bit_exact(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Compare the float32 bit patterns (stricter than ==: also tells -0 from +0)."""
+    assert got.dtype == torch.float32 and got.shape == want.shape, (got.dtype, got.shape, want.shape)
+    got = got.cpu()
+    same = torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert same, f"{what}: {int((got != want).sum())} elements differ, max |diff| {(got - want).abs().max():.3g}"
+
+
+def test_supported_types():
+    expected = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
+    assert {t.name for t in SUPPORTED} == expected
+
+
+def test_random_blocks_have_finite_values():
+    for qtype in SUPPORTED:
+        raw = random_bytes(qtype, (3, 4, 768))
+        assert np.isfinite(gguf.quants.dequantize(raw, qtype)).all(), qtype.name
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("qtype", sorted(SUPPORTED), ids=lambda t: t.name)
+def test_bit_exact_vs_gguf(qtype, shape):
+    raw = random_bytes(qtype, shape)
+    want = reference(raw, qtype, shape)
+    got = dequantize(torch.from_numpy(raw), qtype, shape)
+    assert_bit_exact(got, want, f"{qtype.name} {shape}")
+
+
+@pytest.mark.parametrize("qtype", sorted(SUPPORTED), ids=lambda t: t.name)
+def test_half_outputs_are_the_float32_result_cast(qtype):
+    shape = (3, 4, 768)
+    raw = torch.from_numpy(random_bytes(qtype, shape, seed=1))
+    full = dequantize(raw, qtype, shape)
+    for dtype in (torch.bfloat16, torch.float16):
+        got = dequantize(raw, qtype, shape, dtype)
+        assert got.dtype == dtype and got.shape == shape
+        assert torch.equal(got, full.to(dtype)), f"{qtype.name} -> {dtype}"
+
+
+def test_raw_may_be_flat_or_any_shape_of_the_right_size():
+    shape = (3, 4, 768)
+    raw = torch.from_numpy(random_bytes(Q.Q4_K, shape))
+    want = dequantize(raw, Q.Q4_K, shape)
+    assert torch.equal(dequantize(raw.reshape(-1), Q.Q4_K, shape), want)
+    assert torch.equal(dequantize(raw.reshape(-1, 144), Q.Q4_K, shape), want)
+    padded = torch.cat([raw.reshape(12, -1), torch.zeros(12, 7, dtype=torch.uint8)], dim=1)
+    assert torch.equal(dequantize(padded[:, :-7], Q.Q4_K, shape), want), "rows that are not contiguous"
+
+
+def test_chunked_expansion_matches_one_pass(monkeypatch):
+    """Tensors bigger than one step are expanded in pieces; the pieces must line up."""
+    import moestream.formats.quants as quants
+
+    shape = (4, 8, 1024)
+    raw = torch.from_numpy(random_bytes(Q.Q6_K, shape))
+    monkeypatch.setattr(quants, "_CHUNK_ELEMENTS", {"cpu": 3 * 256})
+    got = dequantize(raw, Q.Q6_K, shape)
+    assert_bit_exact(got, reference(raw.numpy(), Q.Q6_K, shape), "Q6_K in steps of 3 blocks")
+
+
+def test_unsupported_type_is_named():
+    raw = torch.zeros(row_bytes(Q.IQ2_XXS, 256), dtype=torch.uint8)
+    with pytest.raises(MoestreamError, match=r"tensor type IQ2_XXS is not supported \(supported: .*Q4_K"):
+        dequantize(raw, Q.IQ2_XXS, (256,))
+
+
+def test_wrong_byte_count_is_an_error():
+    raw = torch.zeros(row_bytes(Q.Q4_K, 512) - 1, dtype=torch.uint8)
+    with pytest.raises(MoestreamError, match="needs 288 bytes, got 287"):
+        dequantize(raw, Q.Q4_K, (512,))
+    with pytest.raises(MoestreamError, match="not a whole number of Q4_K blocks"):
+        row_bytes(Q.Q4_K, 100)
+
+
+def test_row_bytes():
+    assert row_bytes(Q.Q4_K, 2048) == 8 * 144
+    assert row_bytes(Q.Q8_0, 64) == 68
+    assert row_bytes(Q.F16, 10) == 20
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("qtype", sorted(SUPPORTED), ids=lambda t: t.name)
+def test_bit_exact_vs_gguf_on_cuda(qtype):
+    for shape in SHAPES:
+        raw = random_bytes(qtype, shape)
+        got = dequantize(torch.from_numpy(raw).cuda(), qtype, shape)
+        assert got.device.type == "cuda"
+        assert_bit_exact(got, reference(raw, qtype, shape), f"{qtype.name} {shape} on cuda")
+        assert torch.equal(dequantize(torch.from_numpy(raw).cuda(), qtype, shape, torch.bfloat16), got.to(torch.bfloat16))

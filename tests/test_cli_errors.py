@@ -1,0 +1,99 @@
+"""Bad input gets one clear line on stderr and exit code 2, never a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+
+from moestream.cli import main
+from moestream.formats.gguf import GGUFFile
+from moestream.formats.writer import TensorPlan, write_gguf
+
+
+def rewrite(src: str, dst, meta_changes=None, drop=(), retype=None) -> str:
+    """Copy a GGUF file, changing metadata, dropping tensors or giving one tensor another type (random bytes)."""
+    with GGUFFile(src) as f:
+        meta = dict(f.metadata) | (meta_changes or {})
+        plans, data = [], {}
+        for name, t in f.tensors.items():
+            if name in drop:
+                continue
+            qtype = retype[1] if retype and retype[0] == name else t.qtype
+            plans.append(TensorPlan(name, qtype, t.shape))
+            data[name] = np.array(t.data) if qtype == t.qtype else None
+        def produce(p):
+            return data[p.name] if data[p.name] is not None else np.random.default_rng(0).integers(
+                0, 255, p.byte_shape, dtype=np.uint8)
+        write_gguf(dst, meta["general.architecture"], meta, plans, produce, progress=False)
+    return str(dst)
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str]:
+    code = main(list(argv))
+    err = capsys.readouterr().err.strip().splitlines()
+    return code, err[-1] if err else ""
+
+
+def assert_one_clear_line(code: int, line: str, *words: str) -> None:
+    assert code == 2
+    assert line.startswith("moestream: error:"), line
+    for w in words:
+        assert w in line, f"{w!r} not in {line!r}"
+
+
+def test_not_gguf(tmp_path, capsys):
+    p = tmp_path / "model.gguf"
+    p.write_bytes(b"PK\x03\x04 this is a zip file, not a model")
+    assert_one_clear_line(*run_cli(capsys, "info", str(p)), "not a GGUF file")
+
+
+def test_missing_file(tmp_path, capsys):
+    assert_one_clear_line(*run_cli(capsys, "info", str(tmp_path / "nope.gguf")), "no such file")
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.999, 0.01])
+def test_truncated(model_file, tmp_path, capsys, keep):
+    data = open(model_file("tiny", "Q8_0"), "rb").read()
+    p = tmp_path / "cut.gguf"
+    p.write_bytes(data[: int(len(data) * keep)])
+    assert_one_clear_line(*run_cli(capsys, "run", "-m", str(p), "-p", "hi", "--device", "cpu"), str(p))
+
+
+def test_unknown_architecture(model_file, tmp_path, capsys):
+    p = rewrite(model_file("tiny", "F32"), tmp_path / "x.gguf", meta_changes={"general.architecture": "mamba9"})
+    assert_one_clear_line(*run_cli(capsys, "info", p), "'mamba9'", "not supported", "qwen3moe")
+
+
+def test_unsupported_tensor_type(model_file, tmp_path, capsys):
+    p = rewrite(model_file("tiny", "F32"), tmp_path / "x.gguf",
+                retype=("blk.1.ffn_up_exps.weight", gguf.GGMLQuantizationType.IQ4_NL))
+    assert_one_clear_line(*run_cli(capsys, "run", "-m", p, "-p", "hi", "--device", "cpu"),
+                          "blk.1.ffn_up_exps.weight", "IQ4_NL")
+
+
+def test_missing_tensor(model_file, tmp_path, capsys):
+    p = rewrite(model_file("tiny", "F32"), tmp_path / "x.gguf", drop=("blk.0.attn_k_norm.weight",))
+    assert_one_clear_line(*run_cli(capsys, "info", p), "blk.0.attn_k_norm.weight", "missing")
+
+
+def test_prompt_longer_than_context(model_file, capsys):
+    code, line = run_cli(capsys, "run", "-m", model_file("tiny", "F32"), "-p", "word " * 200, "-c", "32",
+                         "--device", "cpu")
+    assert_one_clear_line(code, line, "context", "--ctx")
+
+
+@pytest.mark.parametrize("flags,word", [(["-ub", "0"], "--ubatch"), (["--temp", "-1"], "--temp"),
+                                        (["--top-p", "0"], "--top-p"), (["--device", "tpu"], "--device")])
+def test_flags_out_of_range(model_file, capsys, flags, word):
+    assert_one_clear_line(*run_cli(capsys, "run", "-m", model_file("tiny", "F32"), "-p", "hi", *flags), word)
+
+
+def test_entry_point_exit_code(tmp_path):
+    p = tmp_path / "bad.gguf"
+    p.write_bytes(b"nope")
+    r = subprocess.run([sys.executable, "-m", "moestream.cli", "info", str(p)], capture_output=True, text=True)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
