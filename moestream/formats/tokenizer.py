@@ -117,7 +117,7 @@ class Tokenizer:
         hf.pre_tokenizer = _pre_tokenizer(_SPLIT_REGEX[pre])
         # Control, unknown and user-defined tokens are matched whole in the text before splitting.
         hf.add_tokens([
-            tokenizers.AddedToken(text, special=kind != USER_DEFINED, normalized=False)
+            tokenizers.AddedToken(text, special=True, normalized=False)
             for text, kind in zip(tokens, types, strict=True)
             if kind in (CONTROL, UNKNOWN, USER_DEFINED) and text
         ])

@@ -68,6 +68,9 @@ class Model:
         self.experts = experts  # an ExpertSource
         self.attention_layers = list(range(spec.n_layer))
 
+    def new_recurrent_state(self, device: torch.device) -> dict:
+        return {}  # attention only: the KV cache holds everything
+
     def w(self, il: int, name: str) -> torch.Tensor:
         return self.weights[f"blk.{il}.{name}.weight"]
 

@@ -54,7 +54,7 @@ class Engine:
     def new_cache(self) -> SequenceCache:
         s = self.spec
         kv = KVCache(self.model.attention_layers, self.n_ctx, s.n_head_kv, s.head_dim, self.dtype, self.device)
-        return SequenceCache(kv)
+        return SequenceCache(kv, self.model.new_recurrent_state(self.device))
 
     @torch.inference_mode()
     def forward(self, tokens: list[int], cache: SequenceCache, all_logits: bool = False) -> torch.Tensor:

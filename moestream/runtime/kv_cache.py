@@ -32,8 +32,9 @@ class KVCache:
 
 
 class SequenceCache:
-    """Everything one sequence carries between forward passes; grows per architecture (recurrent state)."""
+    """Everything one sequence carries between forward passes: attention KV and per-layer recurrent state."""
 
-    def __init__(self, kv: KVCache):
+    def __init__(self, kv: KVCache, recurrent: dict | None = None):
         self.kv = kv
+        self.recurrent = recurrent or {}  # il -> the architecture's state object (e.g. delta-net conv + S)
         self.n_past = 0  # tokens already in the cache

@@ -63,9 +63,10 @@ def with_word_merges(meta: dict, words: list[str]) -> dict:
 
 
 def transformers_reference(meta: dict, cls: type):
-    """transformers' tokenizer from the vocabulary and merges a Hugging Face repo would ship, plus its added tokens."""
-    typed = list(enumerate(zip(meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"], strict=True)))
-    ref = cls(vocab={t: i for i, (t, k) in typed if k == 1},
+    """transformers' tokenizer from the vocabulary, merges and added tokens a Hugging Face repo would ship."""
+    tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
+    typed = list(enumerate(zip(tokens, types, strict=True)))
+    ref = cls(vocab={t: i for i, (t, k) in typed if k != 5},
               merges=[tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]],
               eos_token="<|im_end|>", pad_token="<|endoftext|>")
     added = [(i, t, k) for i, (t, k) in typed if k in (3, 4)]
