@@ -27,7 +27,7 @@ _F16_MAX = float(np.finfo(np.float16).max)
 
 
 def _fp16(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Round (n, 1) non-negative scales to fp16: the stored bytes (n, 2) and the float32 value decoders see."""
+    """Round (n, 1) non-negative scales to fp16: the stored bytes (n, 2) and the float32 that decoders see."""
     h = np.minimum(v, _F16_MAX).astype(np.float16)
     return h.view(np.uint8).reshape(-1, 2), h.astype(np.float32)
 

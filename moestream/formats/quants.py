@@ -27,7 +27,7 @@ def row_bytes(qtype: GGMLQuantizationType, n_cols: int) -> int:
     """Bytes of one stored row of n_cols elements."""
     block, type_size = GGML_QUANT_SIZES[qtype]
     if n_cols % block:
-        raise MoestreamError(f"a row of {n_cols} elements is not a whole number of {qtype.name} blocks ({block})")
+        raise MoestreamError(f"a row of {n_cols} is not a whole number of {qtype.name} blocks of {block}")
     return n_cols // block * type_size
 
 
@@ -193,8 +193,8 @@ def dequantize(
     """
     fn = _DEQUANTIZE.get(qtype)
     if fn is None:
-        names = ", ".join(t.name for t in sorted(SUPPORTED))
-        raise MoestreamError(f"tensor type {getattr(qtype, 'name', qtype)} is not supported (supported: {names})")
+        name, names = getattr(qtype, "name", qtype), ", ".join(t.name for t in sorted(SUPPORTED))
+        raise MoestreamError(f"tensor type {name} is not supported (supported: {names})")
     if raw.dtype != torch.uint8:
         raise TypeError(f"raw must hold uint8 bytes, got {raw.dtype}")
     block, type_size = GGML_QUANT_SIZES[qtype]

@@ -100,7 +100,9 @@ class Tokenizer:
             raise MoestreamError(
                 f"tokenizer.ggml.pre is {pre!r}; moestream supports the pre-tokenizers {sorted(_SPLIT_REGEX)}"
             )
-        tokens = list(meta["tokenizer.ggml.tokens"])
+        tokens = list(meta.get("tokenizer.ggml.tokens", []))
+        if not tokens:
+            raise MoestreamError("the model file has no vocabulary (tokenizer.ggml.tokens)")
         types = list(meta.get("tokenizer.ggml.token_type", [NORMAL] * len(tokens)))
         if len(types) != len(tokens):
             raise MoestreamError(f"tokenizer metadata has {len(tokens)} tokens but {len(types)} token types")
@@ -115,7 +117,8 @@ class Tokenizer:
         vocab = {text: i for i, text in enumerate(tokens)}
         hf = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=merges))
         hf.pre_tokenizer = _pre_tokenizer(_SPLIT_REGEX[pre])
-        # Control, unknown and user-defined tokens are matched whole in the text before splitting.
+        # Control, unknown and user-defined tokens are matched whole in the raw text before splitting
+        # (decoding is done here, so Hugging Face's special/non-special distinction does not matter).
         hf.add_tokens([
             tokenizers.AddedToken(text, special=True, normalized=False)
             for text, kind in zip(tokens, types, strict=True)
@@ -159,10 +162,11 @@ class Tokenizer:
         return piece
 
     def decode(self, ids: list[int]) -> str:
+        """The text of `ids`; bytes that do not form valid UTF-8 become U+FFFD."""
         return b"".join(map(self.token_bytes, ids)).decode("utf-8", errors="replace")
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, **variables: Any
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **variables: Any
     ) -> str:
         """The prompt text for a conversation, rendered with the model's own template.
 

@@ -6,6 +6,7 @@ H / Hkv = query / key-value heads, Dh = head dim, E = experts, K = experts used 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,20 @@ def rope_cos_sin(positions: torch.Tensor, rot_dim: int, base: float, dtype: torc
     inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, device=positions.device, dtype=torch.float32) / rot_dim))
     freqs = positions.float()[:, None] * inv_freq[None, :]
     return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+
+def imrope_text_cos_sin(
+    positions: torch.Tensor, rot_dim: int, base: float, sections: Sequence[int], dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, rot_dim/2] of interleaved multi-section RoPE (llama.cpp's imrope) for text tokens.
+
+    Pair i belongs to section i % 3 (time, height, width) while i < 3 * sections[i % 3], otherwise to the 4th
+    section. Text gives the first three the token's position and the 4th position 0: those pairs do not turn.
+    """
+    cos, sin = rope_cos_sin(positions, rot_dim, base, dtype)
+    pair = torch.arange(rot_dim // 2, device=positions.device)
+    text = pair < 3 * torch.tensor(list(sections[:3]), device=positions.device)[pair % 3]
+    return torch.where(text, cos, 1.0), torch.where(text, sin, 0.0)
 
 
 def rope_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

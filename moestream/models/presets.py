@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from moestream.errors import MoestreamError
 
@@ -25,6 +26,43 @@ class Preset:
     rope_base: float = 1_000_000.0
     rms_eps: float = 1e-6
     tied_output: bool = False
+    n_rot: int = 0  # rotated channels per head; 0 means all of head_dim
+    n_ff_shexp: int = 0  # shared expert FFN size; 0 when the architecture has none
+    extra: dict[str, Any] = field(default_factory=dict)  # architecture-specific metadata, keys without `{arch}.`
+
+    def common_metadata(self) -> dict[str, Any]:
+        """The `{arch}.*` keys every MoE architecture reads through `spec.common_spec_fields`."""
+        a = self.arch + "."
+        meta: dict[str, Any] = {
+            a + "block_count": self.n_layer,
+            a + "context_length": self.n_ctx,
+            a + "embedding_length": self.n_embd,
+            a + "attention.head_count": self.n_head,
+            a + "attention.head_count_kv": self.n_head_kv,
+            a + "rope.freq_base": self.rope_base,
+            a + "attention.layer_norm_rms_epsilon": self.rms_eps,
+            a + "expert_used_count": self.n_expert_used,
+            a + "expert_count": self.n_expert,
+            a + "attention.key_length": self.head_dim,
+            a + "attention.value_length": self.head_dim,
+            a + "expert_feed_forward_length": self.n_ff_exp,
+        }
+        if self.n_rot:
+            meta[a + "rope.dimension_count"] = self.n_rot
+        return meta
+
+
+def _qwen35_hybrid(k_heads: int, v_heads: int, head_dim: int, rope_sections: tuple[int, ...]) -> dict[str, Any]:
+    """qwen35moe's extra keys: delta-net heads (conv kernel 4), a full-attention layer every 4th, RoPE sections."""
+    return {
+        "rope.dimension_sections": list(rope_sections),
+        "ssm.conv_kernel": 4,
+        "ssm.state_size": head_dim,
+        "ssm.group_count": k_heads,
+        "ssm.time_step_rank": v_heads,
+        "ssm.inner_size": head_dim * v_heads,
+        "full_attention_interval": 4,
+    }
 
 
 PRESETS: dict[str, Preset] = {
@@ -38,6 +76,14 @@ PRESETS: dict[str, Preset] = {
                n_expert=6, n_expert_used=3, n_ff_exp=96, n_vocab=1291, tied_output=True),
         Preset("qwen3-30b-a3b", "qwen3moe", n_layer=48, n_embd=2048, n_head=32, n_head_kv=4, head_dim=128,
                n_expert=128, n_expert_used=8, n_ff_exp=768, n_vocab=151936, n_ctx=40960, n_ff=6144),
+        # 3 delta-net layers then 1 full-attention layer; rotary dim a quarter of the head, as in the real model
+        Preset("tiny-qwen35moe", "qwen35moe", n_layer=4, n_embd=256, n_head=4, n_head_kv=2, head_dim=64,
+               n_expert=8, n_expert_used=2, n_ff_exp=256, n_vocab=1280, rope_base=10_000_000.0, n_rot=16,
+               n_ff_shexp=256, extra=_qwen35_hybrid(k_heads=2, v_heads=4, head_dim=64, rope_sections=(3, 3, 2, 0))),
+        Preset("qwen3.6-35b-a3b", "qwen35moe", n_layer=40, n_embd=2048, n_head=16, n_head_kv=2, head_dim=256,
+               n_expert=256, n_expert_used=8, n_ff_exp=512, n_vocab=248320, n_ctx=262144, rope_base=10_000_000.0,
+               n_rot=64, n_ff_shexp=512,
+               extra=_qwen35_hybrid(k_heads=16, v_heads=32, head_dim=128, rope_sections=(11, 11, 10, 0))),
     )
 }
 

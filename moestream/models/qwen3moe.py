@@ -6,7 +6,7 @@ Legend: T = tokens in the micro-batch, D = hidden size, H / Hkv = query / KV hea
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,9 @@ from moestream.models.layers import (
 )
 from moestream.models.spec import ModelSpec, common_spec_fields
 
+if TYPE_CHECKING:
+    from moestream.models.presets import Preset
+
 ARCH = "qwen3moe"
 EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
@@ -29,9 +32,14 @@ def read_spec(meta: dict[str, Any], n_vocab: int) -> ModelSpec:
     return ModelSpec(**common_spec_fields(meta, ARCH, n_vocab))
 
 
+def metadata(p: Preset) -> dict[str, Any]:
+    """The `qwen3moe.*` keys of a generated file of preset p (read back by `read_spec`)."""
+    return p.common_metadata() | {ARCH + ".feed_forward_length": p.n_ff or p.n_ff_exp}
+
+
 def tensor_shapes(spec: ModelSpec, tied_output: bool = False) -> dict[str, tuple[int, ...]]:
     """Every tensor of a file of this architecture, numpy order, in the order llama.cpp's converter writes them."""
-    D, Dh, F_ = spec.n_embd, spec.head_dim, spec.n_ff_exp
+    D, Dh = spec.n_embd, spec.head_dim
     shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (spec.n_vocab, D)}
     for il in range(spec.n_layer):
         b = f"blk.{il}."
@@ -44,15 +52,23 @@ def tensor_shapes(spec: ModelSpec, tied_output: bool = False) -> dict[str, tuple
             b + "attn_q_norm.weight": (Dh,),
             b + "attn_k_norm.weight": (Dh,),
             b + "ffn_norm.weight": (D,),
-            b + "ffn_gate_inp.weight": (spec.n_expert, D),
-            b + "ffn_gate_exps.weight": (spec.n_expert, F_, D),
-            b + "ffn_up_exps.weight": (spec.n_expert, F_, D),
-            b + "ffn_down_exps.weight": (spec.n_expert, D, F_),
         }
+        shapes |= moe_shapes(spec, il)
     shapes["output_norm.weight"] = (D,)
     if not tied_output:
         shapes["output.weight"] = (spec.n_vocab, D)
     return shapes
+
+
+def moe_shapes(spec: ModelSpec, il: int) -> dict[str, tuple[int, ...]]:
+    """The router and routed expert stacks of layer il (shared by the architectures built on this MoE)."""
+    b, D, E, F_ = f"blk.{il}.", spec.n_embd, spec.n_expert, spec.n_ff_exp
+    return {
+        b + "ffn_gate_inp.weight": (E, D),
+        b + "ffn_gate_exps.weight": (E, F_, D),
+        b + "ffn_up_exps.weight": (E, F_, D),
+        b + "ffn_down_exps.weight": (E, D, F_),
+    }
 
 
 def expert_tensor_names(il: int) -> tuple[str, str, str]:
@@ -94,13 +110,18 @@ class Model:
     def attention(self, il: int, x: torch.Tensor, batch: Batch, cache) -> torch.Tensor:
         s, T = self.spec, x.shape[0]
         q = F.linear(x, self.w(il, "attn_q")).view(T, s.n_head, s.head_dim)
+        out = self.attend(il, q, x, batch, cache)  # [T, H, Dh]
+        return F.linear(out.reshape(T, -1), self.w(il, "attn_output"))
+
+    def attend(self, il: int, q: torch.Tensor, x: torch.Tensor, batch: Batch, cache) -> torch.Tensor:
+        """Heads q [T, H, Dh] attend over keys and values projected from x: q/k RMSNorm, RoPE, KV cache, softmax."""
+        s, T = self.spec, x.shape[0]
         k = F.linear(x, self.w(il, "attn_k")).view(T, s.n_head_kv, s.head_dim)
         v = F.linear(x, self.w(il, "attn_v")).view(T, s.n_head_kv, s.head_dim)
         q = rope_neox(rms_norm(q, self.w(il, "attn_q_norm"), s.rms_eps), batch.cos, batch.sin)
         k = rope_neox(rms_norm(k, self.w(il, "attn_k_norm"), s.rms_eps), batch.cos, batch.sin)
         k_all, v_all = cache.kv.update(il, batch.pos0, k, v)
-        out = causal_attention(q, k_all, v_all, batch.pos0)  # [T, H, Dh]
-        return F.linear(out.reshape(T, -1), self.w(il, "attn_output"))
+        return causal_attention(q, k_all, v_all, batch.pos0)  # [T, H, Dh]
 
     def moe(self, il: int, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route_softmax_topk(x, self.w(il, "ffn_gate_inp"), self.spec.n_expert_used)

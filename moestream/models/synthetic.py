@@ -21,7 +21,6 @@ from moestream.formats.tokenizer import tiny_tokenizer_metadata
 from moestream.formats.writer import TensorPlan, write_gguf
 from moestream.models.presets import Preset
 from moestream.models.registry import architecture
-from moestream.models.spec import ModelSpec
 
 Q = gguf.GGMLQuantizationType
 QUANTS = ("F32", "BF16", "Q8_0", "Q4_K_M")
@@ -29,35 +28,15 @@ FILE_TYPES = {"F32": 0, "BF16": 32, "Q8_0": 7, "Q4_K_M": 15}  # llama.cpp's gene
 FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}  # rows not a multiple of 256, as llama.cpp does
 
 
-def preset_spec(p: Preset) -> ModelSpec:
-    return ModelSpec(arch=p.arch, n_layer=p.n_layer, n_embd=p.n_embd, n_head=p.n_head, n_head_kv=p.n_head_kv,
-                     head_dim=p.head_dim, n_expert=p.n_expert, n_expert_used=p.n_expert_used,
-                     n_ff_exp=p.n_ff_exp, n_vocab=p.n_vocab, n_ctx_train=p.n_ctx, rope_base=p.rope_base,
-                     rms_eps=p.rms_eps)
-
-
 def preset_metadata(p: Preset, quant: str) -> dict[str, Any]:
-    a = p.arch + "."
+    """General keys, the architecture's `{arch}.*` keys and a test tokenizer."""
     meta: dict[str, Any] = {
         "general.architecture": p.arch,
         "general.name": f"moestream-generated {p.name}",
         "general.file_type": FILE_TYPES[quant],
         "general.quantization_version": 2,
-        a + "block_count": p.n_layer,
-        a + "context_length": p.n_ctx,
-        a + "embedding_length": p.n_embd,
-        a + "feed_forward_length": p.n_ff or p.n_ff_exp,
-        a + "attention.head_count": p.n_head,
-        a + "attention.head_count_kv": p.n_head_kv,
-        a + "rope.freq_base": p.rope_base,
-        a + "attention.layer_norm_rms_epsilon": p.rms_eps,
-        a + "expert_used_count": p.n_expert_used,
-        a + "expert_count": p.n_expert,
-        a + "attention.key_length": p.head_dim,
-        a + "attention.value_length": p.head_dim,
-        a + "expert_feed_forward_length": p.n_ff_exp,
     }
-    return meta | tiny_tokenizer_metadata(p.n_vocab)
+    return meta | architecture(p.arch).metadata(p) | tiny_tokenizer_metadata(p.n_vocab)
 
 
 def _use_more_bits(i: int, n: int) -> bool:
@@ -66,7 +45,9 @@ def _use_more_bits(i: int, n: int) -> bool:
 
 def tensor_type(name: str, shape: tuple[int, ...], quant: str, n_layer: int) -> Q:
     """The type a llama.cpp quantization of this preset gives the tensor."""
-    if len(shape) == 1 or name.endswith("ffn_gate_inp.weight") or quant == "F32":
+    # the converter keeps routers, shared-expert gates, convolutions and non-weights (ssm_a, ssm_dt.bias) in F32
+    if (len(shape) == 1 or not name.endswith(".weight") or "ffn_gate_inp" in name or "ssm_conv1d" in name
+            or quant == "F32"):
         return Q.F32
     if quant == "BF16":
         return Q.BF16
@@ -77,6 +58,8 @@ def tensor_type(name: str, shape: tuple[int, ...], quant: str, n_layer: int) -> 
         more = il >= 0 and _use_more_bits(il, n_layer)
         if name == "output.weight" or (more and ("attn_v." in name or "ffn_down" in name)):
             qtype = Q.Q6_K
+        elif "attn_qkv." in name:
+            qtype = Q.Q5_K
         else:
             qtype = Q.Q4_K
     block = gguf.GGML_QUANT_SIZES[qtype][0]
@@ -92,7 +75,7 @@ def init_std(name: str, shape: tuple[int, ...], n_layer: int) -> float:
     fan_in = shape[-1]
     if name == "token_embd.weight":
         return 1.0
-    if "attn_output" in name or "ffn_down" in name:
+    if "attn_output" in name or "ffn_down" in name or "ssm_out" in name:
         return 0.5 / (fan_in * 2 * n_layer) ** 0.5
     return 1.0 / fan_in**0.5
 
@@ -100,7 +83,9 @@ def init_std(name: str, shape: tuple[int, ...], n_layer: int) -> float:
 def _float_tensor(name: str, shape: tuple[int, ...], n_layer: int, seed: int) -> np.ndarray:
     # crc32, not hash(): Python salts hash() per process
     g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()) % 1_000_003)
-    if len(shape) == 1:  # norm weights: near one
+    if name.endswith(".ssm_a"):  # -exp(A_log): decay rates from slow to fast, as transformers initialises A
+        return -torch.empty(shape).uniform_(0.01, 16, generator=g).numpy()
+    if len(shape) == 1:  # norm weights and dt bias: near one
         return (1.0 + 0.05 * torch.randn(shape, generator=g)).numpy()
     return (init_std(name, shape, n_layer) * torch.randn(shape, generator=g)).numpy()
 
@@ -121,11 +106,12 @@ def make_model(out: str | os.PathLike[str], preset: Preset, quant: str = "Q4_K_M
     if quant not in QUANTS:
         raise MoestreamError(f"--quant {quant}: choose from {', '.join(QUANTS)}")
     arch = architecture(preset.arch)
-    spec = preset_spec(preset)
+    meta = preset_metadata(preset, quant)
+    spec = arch.read_spec(meta, preset.n_vocab)  # the spec a reader of the file will see
     shapes = arch.tensor_shapes(spec, tied_output=preset.tied_output)
     plans = [TensorPlan(n, tensor_type(n, s, quant, preset.n_layer), s) for n, s in shapes.items()]
 
     def produce(p: TensorPlan) -> np.ndarray:
         return _quantize_parallel(_float_tensor(p.name, p.shape, preset.n_layer, seed), p.qtype)
 
-    write_gguf(out, preset.arch, preset_metadata(preset, quant), plans, produce, progress)
+    write_gguf(out, preset.arch, meta, plans, produce, progress)

@@ -35,8 +35,9 @@ class Generation:
 
 
 class Engine:
-    def __init__(self, model, tokenizer, options: EngineOptions, source=None):
+    def __init__(self, model, tokenizer, options: EngineOptions, source=None, offload=None):
         self.model = model
+        self.offload = offload  # placement, streamer and device resources, closed with the engine
         self.spec = model.spec
         self.tokenizer = tokenizer
         self.options = options
@@ -60,25 +61,38 @@ class Engine:
     def forward(self, tokens: list[int], cache: SequenceCache, all_logits: bool = False) -> torch.Tensor:
         """Run tokens through the model in micro-batches of options.ubatch, appending to cache.
 
-        Returns logits [T, V] if all_logits else [1, V] for the last token.
+        Token-major runs each micro-batch through every layer; layer-major runs every micro-batch through
+        layer L before layer L+1, so each streamed layer crosses the link once per prompt. Both compute
+        exactly what chunked prefill computes. Returns logits [T, V] if all_logits else [1, V].
         """
         if cache.n_past + len(tokens) > self.n_ctx:
             raise MoestreamError(
                 f"the prompt needs {cache.n_past + len(tokens)} positions but the context is {self.n_ctx}; "
                 f"raise --ctx (the model was trained for {self.spec.n_ctx_train}) or shorten the prompt"
             )
-        ub = self.options.ubatch
+        ub, n_layer, experts = self.options.ubatch, self.spec.n_layer, self.model.experts
         chunks = [tokens[i : i + ub] for i in range(0, len(tokens), ub)]
+        starts = [cache.n_past + i * ub for i in range(len(chunks))]
+        batches = [self.model.make_batch(p, len(c), self.device, self.dtype) for p, c in zip(starts, chunks)]
+        xs = [self.model.embed(torch.tensor(c, device=self.device)) for c in chunks]
+        layer_major = self.options.stream == "layer-major" and len(chunks) > 1
+        if layer_major:
+            order = [(il, j) for il in range(n_layer) for j in range(len(chunks))]
+            visits = [il for il in range(n_layer) if any(experts.streams(il, len(c)) for c in chunks)]
+        else:
+            order = [(il, j) for j in range(len(chunks)) for il in range(n_layer)]
+            visits = [il for c in chunks for il in range(n_layer) if experts.streams(il, len(c))]
         show = self.options.progress and len(chunks) > 1
-        out = []
-        for chunk in tqdm(chunks, desc="prefill", unit="ubatch", disable=not show, leave=False):
-            x = self.model.embed(torch.tensor(chunk, device=self.device))
-            batch = self.model.make_batch(cache.n_past, len(chunk), self.device, self.dtype)
-            for il in range(self.spec.n_layer):
-                x = self.model.layer(il, x, batch, cache)
-            cache.n_past += len(chunk)
-            out.append(self.model.head(x if all_logits else x[-1:]).float())
-        return torch.cat(out) if all_logits else out[-1]
+        experts.begin(visits)
+        try:
+            for il, j in tqdm(order, desc="prefill", unit="layer", disable=not show, leave=False):
+                xs[j] = self.model.layer(il, xs[j], batches[j], cache)
+        finally:
+            experts.end_pass()
+        cache.n_past += len(tokens)
+        if all_logits:
+            return torch.cat([self.model.head(x).float() for x in xs])
+        return self.model.head(xs[-1][-1:]).float()
 
     def logits(self, tokens: list[int]) -> torch.Tensor:
         """Logits [T, V] (float32, CPU) of a fresh sequence: the hook for reference comparisons."""
@@ -131,10 +145,17 @@ class Engine:
                 gen.stop_reason = "context"
                 break
             token = sampler(self.forward([token], cache)[-1])
+        if stream is not None and (rest := stream.flush()):
+            gen.text += rest
+            if on_text:
+                on_text(rest)
         gen.decode_s = time.perf_counter() - t0
         return gen
 
     def close(self) -> None:
+        if self.offload is not None:
+            self.offload.close()  # waits for copies and unpins before the map goes
+            self.offload = None
         if self.source is not None:
             self.source.close()
             self.source = None

@@ -13,7 +13,7 @@ from moestream.formats import quants
 from moestream.formats.gguf import GGUFFile, TensorView, torch_bytes
 from moestream.models.registry import architecture
 from moestream.models.spec import ModelSpec
-from moestream.offload.experts import ResidentExperts
+from moestream.offload.builder import build_offload
 from moestream.runtime.engine import Engine
 from moestream.runtime.options import EngineOptions
 
@@ -45,8 +45,11 @@ def to_device(t: TensorView, device: torch.device, dtype: torch.dtype) -> torch.
     return quants.dequantize(raw, t.qtype, t.shape, dtype)
 
 
-def load(path: str | os.PathLike[str], **options: Any) -> Engine:
-    """Open a GGUF MoE model and return an Engine ready to generate."""
+def load(path: str | os.PathLike[str], device_impl=None, **options: Any) -> Engine:
+    """Open a GGUF MoE model and return an Engine ready to generate.
+
+    device_impl replaces the copy/compute device (tests pass a CpuDevice with injected delays).
+    """
     opts = EngineOptions(**options)
     f = GGUFFile(path)
     try:
@@ -54,16 +57,16 @@ def load(path: str | os.PathLike[str], **options: Any) -> Engine:
         tokenizer = load_tokenizer(f)
         device, dtype = opts.torch_device, opts.torch_dtype
         expert_names = {n for il in range(spec.n_layer) for n in arch.expert_tensor_names(il)}
-        weights: dict[str, torch.Tensor] = {}
-        stacks: dict[int, tuple[torch.Tensor, ...]] = {}
-        names = list(f.tensors)
-        for name in tqdm(names, desc="load", unit="tensor", disable=not opts.progress, leave=False):
-            if name not in expert_names:
-                weights[name] = to_device(f.tensors[name], device, dtype)
-        for il in tqdm(range(spec.n_layer), desc="experts", unit="layer", disable=not opts.progress, leave=False):
-            stacks[il] = tuple(to_device(f.tensors[n], device, dtype) for n in arch.expert_tensor_names(il))
-        model = arch.Model(spec, weights, ResidentExperts(stacks))
-        return Engine(model, tokenizer, opts, source=f)
+        weights = {
+            name: to_device(t, device, dtype)
+            for name, t in tqdm(f.tensors.items(), desc="load", unit="tensor", disable=not opts.progress,
+                                leave=False)
+            if name not in expert_names
+        }
+        dense_bytes = sum(w.numel() * w.element_size() for w in weights.values())
+        offload = build_offload(f, arch, spec, opts, dense_bytes, device_impl)
+        model = arch.Model(spec, weights, offload.experts)
+        return Engine(model, tokenizer, opts, source=f, offload=offload)
     except BaseException:
         f.close()
         raise

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -9,6 +10,7 @@ import torch
 from moestream.errors import MoestreamError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+STREAMS = ("serial", "pinned", "overlap", "layer-major")
 
 
 @dataclass
@@ -18,6 +20,11 @@ class EngineOptions:
     ubatch: int = 512  # tokens per prefill micro-batch
     n_ctx: int = 4096  # context size (clipped to the model's training context)
     progress: bool = True  # progress bars for load and long prefill
+    n_cpu_moe: int | str = 0  # experts of layers 0..N-1 stay in host RAM; "all" or "auto" (with vram_budget)
+    vram_budget: int | str | None = None  # cap on GPU bytes: weights + KV cache + staging + workspace
+    stream: str | None = None  # serial | pinned | overlap | layer-major (default: $MOESTREAM_STREAM or overlap)
+    slots: int = 3  # staging slots in the ring
+    stream_min_batch: int = 32  # smaller micro-batches compute host experts on the CPU instead of uploading
 
     def __post_init__(self) -> None:
         if self.device == "auto":
@@ -34,6 +41,19 @@ class EngineOptions:
             raise MoestreamError(f"--ubatch {self.ubatch}: must be at least 1")
         if self.n_ctx < 1:
             raise MoestreamError(f"--ctx {self.n_ctx}: must be at least 1")
+        if self.stream is None:
+            self.stream = os.environ.get("MOESTREAM_STREAM", "overlap")
+        if self.stream not in STREAMS:
+            raise MoestreamError(f"--stream {self.stream}: expected one of {', '.join(STREAMS)}")
+        if self.slots < 2 and self.stream in ("overlap", "layer-major"):
+            raise MoestreamError(f"--slots {self.slots}: {self.stream} needs at least 2 staging slots")
+        if self.stream_min_batch < 1:
+            raise MoestreamError(f"--stream-min-batch {self.stream_min_batch}: must be at least 1")
+        if isinstance(self.n_cpu_moe, str) and self.n_cpu_moe not in ("auto", "all"):
+            try:
+                self.n_cpu_moe = int(self.n_cpu_moe)
+            except ValueError:
+                raise MoestreamError(f"--n-cpu-moe {self.n_cpu_moe}: expected a layer count, all or auto") from None
 
     @property
     def torch_device(self) -> torch.device:

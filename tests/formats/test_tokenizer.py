@@ -1,4 +1,4 @@
-"""Tokenizer from GGUF metadata against transformers' Qwen tokenizers built from vocab.json + merges.txt."""
+"""Tokenizer from GGUF metadata against transformers' Qwen tokenizers built from the same vocabulary."""
 
 import string
 import time
@@ -106,6 +106,16 @@ def test_splits_like_llama_cpp(meta):
     assert len(qwen2.encode(" नमस्ते")) > 1
 
 
+def test_repeated_merge_keeps_first_rank():
+    meta = tiny_tokenizer_metadata(600)
+    merges = meta["tokenizer.ggml.merges"]
+    text = "The keeper thought the weather would hold."
+    first = Tokenizer.from_metadata(meta).encode(text)
+    moved = Tokenizer.from_metadata({**meta, "tokenizer.ggml.merges": merges[1:] + merges[:1]}).encode(text)
+    repeated = Tokenizer.from_metadata({**meta, "tokenizer.ggml.merges": merges + merges[:1]}).encode(text)
+    assert moved != first and repeated == first  # llama.cpp keeps the first rank of a repeated merge
+
+
 def test_round_trip_without_normalization():
     tok = Tokenizer.from_metadata(tiny_tokenizer_metadata(600))
     for text in ["cafe\u0301 decomposed", "\x00\x01 control bytes \x7f", "zero\u200bwidth", "\r\n\r\n"]:
@@ -179,6 +189,7 @@ def test_chat_template_helpers_and_errors():
     ("tokenizer.ggml.pre", "llama-bpe", "'llama-bpe'.*qwen2"),
     ("tokenizer.ggml.pre", None, "None.*qwen35"),
     ("tokenizer.ggml.token_type", [1, 1], "token types"),
+    ("tokenizer.ggml.tokens", [], "no vocabulary"),
     ("tokenizer.ggml.eos_token_id", 10**6, "eos_token_id"),
 ])
 def test_unsupported_metadata(key, value, named):

@@ -55,6 +55,96 @@ def qwen3moe_reference(path: str) -> torch.nn.Module:
     return model
 
 
+def qwen35moe_reference(path: str) -> torch.nn.Module:
+    """transformers' Qwen3.5-MoE text model (Qwen3_5MoeForCausalLM) with the file's weights, in float32.
+
+    The GGUF layout differs from transformers' in three ways, undone here:
+    - RMSNorm weights are stored as 1 + w (transformers adds the 1 itself), except the gated norm ssm_norm;
+    - delta-net value heads are stored tiled over the key heads (v head j*Hk + k reads key head k) where
+      transformers groups them (v head k*r + j, r = Hv/Hk): every per-value-head row, channel or column is
+      permuted back with `grouped`;
+    - ssm_a holds -exp(A_log).
+    attn_q's per-head [q_h | gate_h] rows are transformers' q_proj layout as is.
+    """
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    with GGUFFile(path) as f:
+        _, s = describe(f)
+        e = s.extra
+        tied = "output.weight" not in f.tensors
+        hk, hv, dv = e["k_heads"], e["v_heads"], e["v_dim"]
+        config = Qwen3_5MoeTextConfig(
+            vocab_size=s.n_vocab, hidden_size=s.n_embd, num_hidden_layers=s.n_layer,
+            num_attention_heads=s.n_head, num_key_value_heads=s.n_head_kv, head_dim=s.head_dim,
+            max_position_embeddings=s.n_ctx_train, rms_norm_eps=s.rms_eps, tie_word_embeddings=tied,
+            rope_parameters={"rope_type": "default", "rope_theta": s.rope_base,
+                             "partial_rotary_factor": s.rot_dim / s.head_dim,
+                             "mrope_section": list(e["rope_sections"][:3]), "mrope_interleaved": True},
+            layer_types=["linear_attention" if r else "full_attention" for r in e["recurrent_layers"]],
+            linear_conv_kernel_dim=e["conv_kernel"], linear_key_head_dim=e["k_dim"], linear_value_head_dim=dv,
+            linear_num_key_heads=hk, linear_num_value_heads=hv,
+            num_experts=s.n_expert, num_experts_per_tok=s.n_expert_used, moe_intermediate_size=s.n_ff_exp,
+            shared_expert_intermediate_size=s.n_ff_shexp, attn_implementation="eager",
+        )
+        model = Qwen3_5MoeForCausalLM(config).float().eval()
+
+        def w(name: str) -> torch.Tensor:
+            return dequantized(f, name)
+
+        def norm(name: str) -> torch.Tensor:
+            return w(name) - 1
+
+        def grouped(t: torch.Tensor, per_head: int) -> torch.Tensor:
+            """Value heads of `per_head` rows each along dim 0, from tiled to transformers' grouped order."""
+            rest = t.shape[1:]
+            return t.reshape(hv // hk, hk, per_head, *rest).transpose(0, 1).reshape(t.shape)
+
+        sd = {"model.embed_tokens.weight": w("token_embd.weight"), "model.norm.weight": norm("output_norm.weight"),
+              "lm_head.weight": w("token_embd.weight" if tied else "output.weight")}
+        for il in range(s.n_layer):
+            b, m = f"blk.{il}.", f"model.layers.{il}."
+            sd |= {
+                m + "input_layernorm.weight": norm(b + "attn_norm.weight"),
+                m + "post_attention_layernorm.weight": norm(b + "post_attention_norm.weight"),
+                m + "mlp.gate.weight": w(b + "ffn_gate_inp.weight"),
+                m + "mlp.experts.gate_up_proj": torch.cat([w(b + "ffn_gate_exps.weight"),
+                                                           w(b + "ffn_up_exps.weight")], dim=1),
+                m + "mlp.experts.down_proj": w(b + "ffn_down_exps.weight"),
+                m + "mlp.shared_expert.gate_proj.weight": w(b + "ffn_gate_shexp.weight"),
+                m + "mlp.shared_expert.up_proj.weight": w(b + "ffn_up_shexp.weight"),
+                m + "mlp.shared_expert.down_proj.weight": w(b + "ffn_down_shexp.weight"),
+                m + "mlp.shared_expert_gate.weight": w(b + "ffn_gate_inp_shexp.weight").reshape(1, -1),
+            }
+            if not e["recurrent_layers"][il]:
+                a = m + "self_attn."
+                sd |= {
+                    a + "q_proj.weight": w(b + "attn_q.weight"),
+                    a + "k_proj.weight": w(b + "attn_k.weight"),
+                    a + "v_proj.weight": w(b + "attn_v.weight"),
+                    a + "o_proj.weight": w(b + "attn_output.weight"),
+                    a + "q_norm.weight": norm(b + "attn_q_norm.weight"),
+                    a + "k_norm.weight": norm(b + "attn_k_norm.weight"),
+                }
+                continue
+            qk = 2 * hk * e["k_dim"]  # q and k channels lead attn_qkv and the conv; value channels follow
+            qkv, conv = w(b + "attn_qkv.weight"), w(b + "ssm_conv1d.weight")
+            a = m + "linear_attn."
+            sd |= {
+                a + "in_proj_qkv.weight": torch.cat([qkv[:qk], grouped(qkv[qk:], dv)]),
+                a + "conv1d.weight": torch.cat([conv[:qk], grouped(conv[qk:], dv)]).unsqueeze(1),  # [C, 1, K]
+                a + "in_proj_z.weight": grouped(w(b + "attn_gate.weight"), dv),
+                a + "in_proj_a.weight": grouped(w(b + "ssm_alpha.weight"), 1),
+                a + "in_proj_b.weight": grouped(w(b + "ssm_beta.weight"), 1),
+                a + "dt_bias": grouped(w(b + "ssm_dt.bias"), 1),
+                a + "A_log": grouped(torch.log(-w(b + "ssm_a")), 1),
+                a + "norm.weight": w(b + "ssm_norm.weight"),
+                a + "out_proj.weight": grouped(w(b + "ssm_out.weight").T, dv).T,  # value channels are columns
+            }
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    assert not unexpected and all(k == "lm_head.weight" for k in missing), (missing, unexpected)
+    return model
+
+
 @torch.inference_mode()
 def greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
     """Greedy tokens from the reference, recomputing the whole sequence each step (no cache to get wrong)."""

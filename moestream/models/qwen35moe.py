@@ -1,0 +1,194 @@
+"""qwen35moe (Qwen3.5 / Qwen3.6 MoE, e.g. Qwen3.6-35B-A3B): gated delta-net layers with, every few layers, a
+full-attention layer whose output is gated per channel; each layer ends in qwen3moe's routed MoE plus a shared
+expert behind a sigmoid gate. Tensor names and layouts are llama.cpp's (/work/shared/notes/qwen35moe-gguf.md).
+
+Legend: T = tokens in the micro-batch, D = hidden size, H / Hkv = query / KV heads, Dh = their head dim,
+Hk / Hv = delta-net key / value heads, Dk / Dv = their head dims, C = conv channels = 2*Hk*Dk + Hv*Dv.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from moestream.errors import MoestreamError
+from moestream.models import qwen3moe
+from moestream.models.deltanet import (
+    DeltaNetState,
+    causal_conv1d,
+    delta_rule_chunked,
+    delta_rule_recurrent,
+    l2_normalize,
+)
+from moestream.models.layers import Batch, imrope_text_cos_sin, rms_norm, swiglu
+from moestream.models.spec import ModelSpec, common_spec_fields, read_key
+
+if TYPE_CHECKING:
+    from moestream.models.presets import Preset
+
+ARCH = "qwen35moe"
+expert_tensor_names = qwen3moe.expert_tensor_names  # the same routed expert stacks, under the same names
+
+
+def read_spec(meta: dict[str, Any], n_vocab: int) -> ModelSpec:
+    """Common MoE fields plus, in `extra`, the delta-net shapes, the RoPE sections and which layers recur."""
+    p = ARCH + "."
+    fields = common_spec_fields(meta, ARCH, n_vocab)
+    n_layer, head_dim = fields["n_layer"], fields["head_dim"]
+    k_heads = int(read_key(meta, p + "ssm.group_count"))
+    v_heads = int(read_key(meta, p + "ssm.time_step_rank"))
+    inner = int(read_key(meta, p + "ssm.inner_size"))
+    sections = [int(s) for s in read_key(meta, p + "rope.dimension_sections")]
+    if k_heads <= 0 or v_heads % k_heads or inner % v_heads:
+        raise MoestreamError(f"model metadata: {v_heads} delta-net value heads of {inner} channels in all do not "
+                             f"tile over {k_heads} key heads")
+    if len(sections) != 4:
+        raise MoestreamError(f"model metadata: {p}rope.dimension_sections has {len(sections)} entries, expected 4")
+    if int(read_key(meta, p + "attention.value_length", head_dim)) != head_dim:
+        raise MoestreamError("model metadata: attention key and value head sizes differ; moestream needs them equal")
+    if p + "attention.recurrent_layers" in meta:  # an explicit pattern wins over the interval
+        recurrent = [bool(r) for r in meta[p + "attention.recurrent_layers"]]
+    else:
+        interval = int(read_key(meta, p + "full_attention_interval", 4))
+        recurrent = [(il + 1) % interval != 0 for il in range(n_layer)]
+    if len(recurrent) != n_layer:
+        raise MoestreamError(f"model metadata: {p}attention.recurrent_layers has {len(recurrent)} entries "
+                             f"for {n_layer} layers")
+    extra = dict(
+        conv_kernel=int(read_key(meta, p + "ssm.conv_kernel")),
+        k_heads=k_heads,
+        v_heads=v_heads,
+        k_dim=int(read_key(meta, p + "ssm.state_size")),
+        v_dim=inner // v_heads,
+        rope_sections=tuple(sections),
+        recurrent_layers=tuple(recurrent),
+    )
+    n_ff_shexp = int(read_key(meta, p + "expert_shared_feed_forward_length"))
+    return ModelSpec(**fields, n_ff_shexp=n_ff_shexp, extra=extra)
+
+
+def metadata(p: Preset) -> dict[str, Any]:
+    """The `qwen35moe.*` keys of a generated file of preset p (read back by `read_spec`); no feed_forward_length."""
+    a = ARCH + "."
+    return (p.common_metadata() | {a + "expert_shared_feed_forward_length": p.n_ff_shexp}
+            | {a + key: value for key, value in p.extra.items()})
+
+
+def conv_channels(spec: ModelSpec) -> int:
+    e = spec.extra
+    return 2 * e["k_heads"] * e["k_dim"] + e["v_heads"] * e["v_dim"]
+
+
+def tensor_shapes(spec: ModelSpec, tied_output: bool = False) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a file of this architecture, numpy order."""
+    e, D, Dh = spec.extra, spec.n_embd, spec.head_dim
+    value_width, Hv = e["v_heads"] * e["v_dim"], e["v_heads"]
+    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (spec.n_vocab, D)}
+    for il in range(spec.n_layer):
+        b = f"blk.{il}."
+        shapes[b + "attn_norm.weight"] = (D,)
+        if e["recurrent_layers"][il]:
+            shapes |= {
+                b + "attn_qkv.weight": (conv_channels(spec), D),
+                b + "attn_gate.weight": (value_width, D),
+                b + "ssm_conv1d.weight": (conv_channels(spec), e["conv_kernel"]),
+                b + "ssm_dt.bias": (Hv,),
+                b + "ssm_a": (Hv,),
+                b + "ssm_alpha.weight": (Hv, D),
+                b + "ssm_beta.weight": (Hv, D),
+                b + "ssm_norm.weight": (e["v_dim"],),
+                b + "ssm_out.weight": (D, value_width),
+            }
+        else:
+            shapes |= {
+                b + "attn_q.weight": (2 * spec.n_head * Dh, D),  # per head [q_h | gate_h]
+                b + "attn_k.weight": (spec.n_head_kv * Dh, D),
+                b + "attn_v.weight": (spec.n_head_kv * Dh, D),
+                b + "attn_output.weight": (D, spec.n_head * Dh),
+                b + "attn_q_norm.weight": (Dh,),
+                b + "attn_k_norm.weight": (Dh,),
+            }
+        shapes[b + "post_attention_norm.weight"] = (D,)
+        shapes |= qwen3moe.moe_shapes(spec, il)
+        shapes |= {
+            b + "ffn_gate_inp_shexp.weight": (1, D),  # ggml {D, 1}; llama.cpp also accepts {D}
+            b + "ffn_gate_shexp.weight": (spec.n_ff_shexp, D),
+            b + "ffn_up_shexp.weight": (spec.n_ff_shexp, D),
+            b + "ffn_down_shexp.weight": (D, spec.n_ff_shexp),
+        }
+    shapes["output_norm.weight"] = (D,)
+    if not tied_output:
+        shapes["output.weight"] = (spec.n_vocab, D)
+    return shapes
+
+
+class Model(qwen3moe.Model):
+    """qwen3moe's embedding, head, attention core and routed MoE, with delta-net layers and the extra gates.
+
+    Norm weights are used as plain multipliers: the file already stores 1 + w.
+    """
+
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], experts):
+        super().__init__(spec, weights, experts)
+        self.is_recurrent: tuple[bool, ...] = spec.extra["recurrent_layers"]
+        self.attention_layers = [il for il in range(spec.n_layer) if not self.is_recurrent[il]]
+
+    def new_recurrent_state(self, device: torch.device) -> dict[int, DeltaNetState]:
+        e = self.spec.extra
+        return {
+            il: DeltaNetState.zeros(conv_channels(self.spec), e["conv_kernel"], e["v_heads"], e["k_dim"], e["v_dim"],
+                                    device=device)
+            for il in range(self.spec.n_layer) if self.is_recurrent[il]
+        }
+
+    def make_batch(self, pos0: int, n_tokens: int, device: torch.device, dtype: torch.dtype) -> Batch:
+        positions = torch.arange(pos0, pos0 + n_tokens, device=device)
+        s = self.spec
+        cos, sin = imrope_text_cos_sin(positions, s.rot_dim, s.rope_base, s.extra["rope_sections"], dtype)
+        return Batch(pos0, cos, sin)
+
+    def layer(self, il: int, x: torch.Tensor, batch: Batch, cache) -> torch.Tensor:
+        eps = self.spec.rms_eps
+        mix = self.delta_net if self.is_recurrent[il] else self.attention
+        h = x + mix(il, rms_norm(x, self.w(il, "attn_norm"), eps), batch, cache)
+        return h + self.moe(il, rms_norm(h, self.w(il, "post_attention_norm"), eps))
+
+    def attention(self, il: int, x: torch.Tensor, batch: Batch, cache) -> torch.Tensor:
+        """Full attention whose output is gated per channel by sigmoid(gate), the gate projected beside q."""
+        s, T = self.spec, x.shape[0]
+        q, gate = F.linear(x, self.w(il, "attn_q")).view(T, s.n_head, 2, s.head_dim).unbind(2)  # [T, H, Dh] each
+        out = self.attend(il, q, x, batch, cache) * torch.sigmoid(gate)
+        return F.linear(out.reshape(T, -1), self.w(il, "attn_output"))
+
+    def delta_net(self, il: int, x: torch.Tensor, batch: Batch, cache) -> torch.Tensor:
+        """Gated delta-net: short conv over qkv, the delta rule with the layer's state, gated RMSNorm, ssm_out.
+
+        The state lives in cache.recurrent[il], so any split into micro-batches gives the same result.
+        """
+        e, eps, T = self.spec.extra, self.spec.rms_eps, x.shape[0]
+        Hk, Hv, Dk, Dv = e["k_heads"], e["v_heads"], e["k_dim"], e["v_dim"]
+        state: DeltaNetState = cache.recurrent[il]
+        qkv = F.linear(x, self.w(il, "attn_qkv")).float()  # [T, C]
+        qkv, state.conv_state = causal_conv1d(qkv, self.w(il, "ssm_conv1d"), state.conv_state)
+        q, k, v = qkv.split([Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
+        # value head h reads key head h % Hk: the file stores value heads tiled over the key heads
+        q = l2_normalize(q.view(T, Hk, Dk), eps).repeat(1, Hv // Hk, 1)  # [T, Hv, Dk]
+        k = l2_normalize(k.view(T, Hk, Dk), eps).repeat(1, Hv // Hk, 1)
+        v = v.view(T, Hv, Dv)
+        alpha = F.linear(x, self.w(il, "ssm_alpha")).float()  # [T, Hv]
+        dt_bias, ssm_a = self.weights[f"blk.{il}.ssm_dt.bias"], self.weights[f"blk.{il}.ssm_a"]
+        g = F.softplus(alpha + dt_bias.float()) * ssm_a.float()  # log decay, <= 0
+        beta = torch.sigmoid(F.linear(x, self.w(il, "ssm_beta")).float())
+        rule = delta_rule_recurrent if T == 1 else delta_rule_chunked  # decode | prefill
+        out, state.recurrent_state = rule(q, k, v, g, beta, state.recurrent_state)  # [T, Hv, Dv]
+        z = F.linear(x, self.w(il, "attn_gate")).view(T, Hv, Dv)
+        out = rms_norm(out, self.w(il, "ssm_norm"), eps) * F.silu(z.float())
+        return F.linear(out.reshape(T, -1).to(x.dtype), self.w(il, "ssm_out"))
+
+    def moe(self, il: int, x: torch.Tensor) -> torch.Tensor:
+        """Routed experts plus the shared expert scaled by sigmoid(x . ffn_gate_inp_shexp)."""
+        shared = swiglu(x, self.w(il, "ffn_gate_shexp"), self.w(il, "ffn_up_shexp"), self.w(il, "ffn_down_shexp"))
+        gate = torch.sigmoid(F.linear(x, self.w(il, "ffn_gate_inp_shexp").reshape(1, -1)))  # [T, 1]
+        return super().moe(il, x) + gate * shared

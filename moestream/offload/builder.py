@@ -1,0 +1,82 @@
+"""Assemble the offload side of an engine: placement, page-locked host ranges, the streamer, the expert source."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from moestream.formats.gguf import GGUFFile, torch_bytes
+from moestream.offload.device import CpuDevice, CudaDevice, make_device
+from moestream.offload.experts import ExpertTensors, LayerExperts
+from moestream.offload.host import BounceRing, PinnedRanges
+from moestream.offload.placement import Footprint, Placement, parse_size, plan, workspace_bytes
+from moestream.offload.streamer import HostLayer, Streamer
+from moestream.runtime.kv_cache import KVCache
+from moestream.runtime.options import EngineOptions
+
+
+@dataclass
+class Offload:
+    placement: Placement
+    footprint: Footprint
+    experts: LayerExperts
+    dev: CudaDevice | CpuDevice
+    pinned: PinnedRanges | None
+    bounce: bool  # registration was refused and bounce buffers carry the uploads
+
+    def close(self) -> None:
+        self.dev.close()
+        if self.pinned is not None:
+            self.pinned.unregister()
+
+    def describe(self) -> str:
+        p, gib = self.placement, 2**30
+        lines = [
+            f"placement: {len(p.resident)} layers' experts on the device ({p.resident_bytes / gib:.2f} GiB), "
+            f"{len(p.streamed)} streamed from host RAM ({p.host_bytes / gib:.2f} GiB)",
+        ]
+        if p.streamed:
+            pinned = self.pinned.nbytes if self.pinned is not None else 0
+            how = "bounce buffers" if self.bounce else f"{pinned / gib:.2f} GiB page-locked in place"
+            lines.append(f"staging: {p.n_slots if self.experts.streamer.overlap else 1} slots x "
+                         f"{p.slot_bytes / 2**20:.1f} MiB; host: {how}")
+        return "\n".join(lines)
+
+
+def build_offload(f: GGUFFile, arch, spec, opts: EngineOptions, dense_bytes: int,
+                  dev: CudaDevice | CpuDevice | None = None) -> Offload:
+    device, dtype = opts.torch_device, opts.torch_dtype
+    tensors = {il: ExpertTensors(tuple(f.tensor(n) for n in arch.expert_tensor_names(il)))
+               for il in range(spec.n_layer)}
+    fp = Footprint(
+        dense=dense_bytes,
+        kv_cache=KVCache.bytes_needed(spec.n_layer, min(opts.n_ctx, spec.n_ctx_train or opts.n_ctx),
+                                      spec.n_head_kv, spec.head_dim, dtype),
+        workspace=workspace_bytes(spec.n_expert, spec.n_ff_exp, spec.n_embd, opts.ubatch, spec.n_expert_used, dtype),
+    )
+    n_cpu_moe = spec.n_layer if opts.n_cpu_moe == "all" else opts.n_cpu_moe
+    placement = plan([tensors[il].nbytes for il in range(spec.n_layer)], n_cpu_moe, opts.slots,
+                     parse_size(opts.vram_budget), fp, streaming=True)
+    dev = dev or make_device(device)
+
+    resident = {}
+    for il in tqdm(placement.resident, desc="experts", unit="layer", disable=not opts.progress, leave=False):
+        resident[il] = [torch_bytes(v).to(device) for v in tensors[il].views]
+
+    pinned, bounce = None, None
+    streamed = {il: HostLayer(tensors[il].host_bytes()) for il in placement.streamed}
+    overlap = opts.stream in ("overlap", "layer-major")
+    if streamed and device.type == "cuda" and opts.stream != "serial":
+        pinned = PinnedRanges()
+        if not pinned.register([v.data for il in placement.streamed for v in tensors[il].views]):
+            pinned = None
+            bounce = BounceRing(placement.n_slots if overlap else 1, placement.slot_bytes)
+    streamer = Streamer(dev, streamed, placement.n_slots, overlap, bounce) if streamed else None
+    experts = LayerExperts(tensors, resident, streamer, dtype, opts.stream_min_batch)
+    off = Offload(placement, fp, experts, dev, pinned, bounce is not None)
+    if opts.progress:
+        print(off.describe(), file=sys.stderr)
+    return off

@@ -1,0 +1,133 @@
+"""Copy and compute streams with events, for CUDA and for the CPU.
+
+The streamer only speaks this interface. On CUDA it is a side stream plus CUDA events. On the CPU the
+copy stream is a real worker thread and events are threading events, so the pipeline's ordering and slot
+reuse run with true concurrency on machines without a GPU; delays can be injected into copies and
+into compute to provoke races.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+
+class CudaDevice:
+    """A dedicated copy stream beside the current (compute) stream."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.copy_stream = torch.cuda.Stream(device)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: torch.cuda.Event | None, on_copy_stream: bool = True
+             ) -> torch.cuda.Event:
+        """Queue dst <- src; it starts once `after` has fired. Returns the event that fires when it is done."""
+        stream = self.copy_stream if on_copy_stream else torch.cuda.current_stream(self.device)
+        done = torch.cuda.Event()
+        with torch.cuda.stream(stream):
+            if after is not None:
+                stream.wait_event(after)
+            dst.copy_(src, non_blocking=True)
+            done.record(stream)
+        return done
+
+    def wait(self, event: torch.cuda.Event) -> None:
+        """Make the compute stream wait for event (no host sync)."""
+        torch.cuda.current_stream(self.device).wait_event(event)
+
+    def record(self) -> torch.cuda.Event:
+        """An event on the compute stream: fires when everything queued so far has run."""
+        e = torch.cuda.Event()
+        e.record(torch.cuda.current_stream(self.device))
+        return e
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def close(self) -> None:
+        self.synchronize()
+
+
+class CpuEvent:
+    def __init__(self, fired: bool = False):
+        self._flag = threading.Event()
+        if fired:
+            self._flag.set()
+
+    def set(self) -> None:
+        self._flag.set()
+
+    def synchronize(self) -> None:
+        self._flag.wait()
+
+    def query(self) -> bool:
+        return self._flag.is_set()
+
+
+class CpuDevice:
+    """Copies run in order on a worker thread (the copy stream); compute is the calling thread.
+
+    copy_delay_s / compute_delay_s inject slowness: each copy sleeps before writing, and each wait on a
+    copy sleeps after the copy is done (standing in for kernels that still read the previous slot).
+    """
+
+    def __init__(self, copy_delay_s: float = 0.0, compute_delay_s: float = 0.0):
+        self.device = torch.device("cpu")
+        self.copy_delay_s = copy_delay_s
+        self.compute_delay_s = compute_delay_s
+        self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._worker = threading.Thread(target=self._run, name="moestream-copy", daemon=True)
+        self._worker.start()
+        self._error: BaseException | None = None
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                job()
+            except BaseException as e:  # surfaced to the compute thread at its next wait
+                self._error = e
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: CpuEvent | None, on_copy_stream: bool = True
+             ) -> CpuEvent:
+        done = CpuEvent()
+
+        def job() -> None:
+            if after is not None:
+                after.synchronize()
+            if self.copy_delay_s:
+                time.sleep(self.copy_delay_s)
+            dst.copy_(src)
+            done.set()
+
+        if on_copy_stream:
+            self._jobs.put(job)
+        else:
+            job()
+        return done
+
+    def wait(self, event: CpuEvent) -> None:
+        event.synchronize()
+        if self._error is not None:
+            raise self._error
+        if self.compute_delay_s:
+            time.sleep(self.compute_delay_s)
+
+    def record(self) -> CpuEvent:
+        return CpuEvent(fired=True)  # compute is synchronous: everything queued so far has run
+
+    def synchronize(self) -> None:
+        done = CpuEvent()
+        self._jobs.put(done.set)
+        done.synchronize()
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._worker.join()
+
+
+def make_device(device: torch.device) -> CudaDevice | CpuDevice:
+    return CudaDevice(device) if device.type == "cuda" else CpuDevice()

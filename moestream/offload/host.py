@@ -1,0 +1,67 @@
+"""Host memory for streamed experts: page-lock the mapped file's byte ranges in place, no second copy.
+
+cudaHostRegister with the read-only flag works on a read-only file mapping (the mapped flag alone is
+refused); DMA from a registered range runs at the pinned link rate instead of the pageable one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap as _mmap
+import warnings
+
+import numpy as np
+import torch
+
+CUDA_HOST_REGISTER_READ_ONLY = 0x08
+PAGE = _mmap.PAGESIZE
+
+
+class PinnedRanges:
+    """Registers page-aligned ranges of a mapped file with CUDA; unregister() before the map closes."""
+
+    def __init__(self) -> None:
+        self.ranges: list[tuple[int, int]] = []  # (address, size) registered
+
+    @property
+    def nbytes(self) -> int:
+        return sum(size for _, size in self.ranges)
+
+    def register(self, arrays: list[np.ndarray]) -> bool:
+        """Page-lock the pages under each array (merged into runs). False, with one warning, if refused."""
+        spans = sorted((a.ctypes.data, a.ctypes.data + a.nbytes) for a in arrays)
+        merged: list[list[int]] = []
+        for start, end in spans:
+            start, end = start - start % PAGE, -(-end // PAGE) * PAGE
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end])
+        cudart = torch.cuda.cudart()
+        for start, end in merged:
+            err = cudart.cudaHostRegister(start, end - start, CUDA_HOST_REGISTER_READ_ONLY)
+            if int(err) != 0:
+                torch.cuda.synchronize()
+                warnings.warn(
+                    f"page-locking {end - start} bytes of the model file was refused (CUDA error {int(err)}); "
+                    "falling back to pinned bounce buffers (slower). Raise the locked-memory limit "
+                    "(ulimit -l) or free RAM to restore full link speed.",
+                    stacklevel=2,
+                )
+                self.unregister()
+                return False
+            self.ranges.append((start, end - start))
+        return True
+
+    def unregister(self) -> None:
+        cudart = torch.cuda.cudart() if self.ranges else None
+        for start, _ in self.ranges:
+            cudart.cudaHostUnregister(ctypes.c_void_p(start).value)
+        self.ranges.clear()
+
+
+class BounceRing:
+    """Fallback when registration is refused: one pinned buffer per staging slot, filled by a CPU copy."""
+
+    def __init__(self, n_buffers: int, nbytes: int):
+        self.buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(n_buffers)]

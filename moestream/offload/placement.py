@@ -1,0 +1,115 @@
+"""Placement: which layers' experts stay in host RAM (streamed) and which live on the GPU, within a budget.
+
+`n_cpu_moe` = N keeps the experts of layers 0..N-1 in the mapped file, as llama.cpp's --n-cpu-moe does.
+With a VRAM budget and N = "auto", the smallest N whose GPU footprint fits is chosen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moestream.errors import MoestreamError
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Bytes the engine allocates on the GPU, besides the resident experts."""
+
+    dense: int  # attention, norms, routers, embeddings, head, shared experts (dequantized)
+    kv_cache: int
+    workspace: int  # one layer's experts dequantized + activations of one micro-batch
+
+
+@dataclass(frozen=True)
+class Placement:
+    n_cpu_moe: int
+    expert_bytes: list[int]  # stored bytes of each layer's experts
+    n_slots: int
+    streaming: bool  # whether streamed layers use staging slots on the GPU (false on CPU-only runs)
+
+    @property
+    def streamed(self) -> list[int]:
+        return list(range(self.n_cpu_moe))
+
+    @property
+    def resident(self) -> list[int]:
+        return list(range(self.n_cpu_moe, len(self.expert_bytes)))
+
+    @property
+    def slot_bytes(self) -> int:
+        return max((self.expert_bytes[i] for i in self.streamed), default=0)
+
+    @property
+    def staging_bytes(self) -> int:
+        return self.n_slots * self.slot_bytes if self.streamed and self.streaming else 0
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(self.expert_bytes[i] for i in self.resident)
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(self.expert_bytes[i] for i in self.streamed)
+
+    def gpu_bytes(self, fp: Footprint) -> int:
+        return fp.dense + fp.kv_cache + fp.workspace + self.resident_bytes + self.staging_bytes
+
+
+def parse_size(text: str | int | None) -> int | None:
+    """'12GiB', '12G', '512MiB', '1e9' or a plain byte count."""
+    if text is None or isinstance(text, int):
+        return text
+    t = text.strip().lower().replace(" ", "")
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+             "tb": 10**12, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40, "b": 1}
+    for suffix, scale in units.items():
+        if t.endswith(suffix):
+            t, mult = t[: -len(suffix)], scale
+            break
+    else:
+        mult = 1
+    try:
+        return int(float(t) * mult)
+    except ValueError:
+        raise MoestreamError(f"--vram-budget {text!r}: expected a size like 12GiB, 8000MiB or 12e9") from None
+
+
+def plan(expert_bytes: list[int], n_cpu_moe: int | str, n_slots: int, budget: int | None, fp: Footprint,
+         streaming: bool) -> Placement:
+    """Choose the placement; raise a clear error when the asked one cannot fit."""
+    n_layer = len(expert_bytes)
+    if n_slots < 1:
+        raise MoestreamError(f"--slots {n_slots}: must be at least 1 (2 or more to overlap copies with compute)")
+    if n_cpu_moe == "auto":
+        if budget is None:
+            raise MoestreamError("--n-cpu-moe auto needs --vram-budget SIZE to know what fits")
+        for n in range(n_layer + 1):
+            p = Placement(n, expert_bytes, n_slots, streaming)
+            if p.gpu_bytes(fp) <= budget:
+                return p
+        smallest = Placement(n_layer, expert_bytes, n_slots, streaming)
+        raise MoestreamError(
+            f"--vram-budget {budget / 2**30:.2f} GiB is too small: even with every layer's experts in host RAM "
+            f"the GPU needs {smallest.gpu_bytes(fp) / 2**30:.2f} GiB (weights {fp.dense / 2**30:.2f}, "
+            f"KV cache {fp.kv_cache / 2**30:.2f}, {n_slots} staging slots {smallest.staging_bytes / 2**30:.2f}, "
+            f"workspace {fp.workspace / 2**30:.2f}); raise the budget or lower --ctx / --ubatch"
+        )
+    if not isinstance(n_cpu_moe, int) or not 0 <= n_cpu_moe <= n_layer:
+        raise MoestreamError(f"--n-cpu-moe {n_cpu_moe}: must be between 0 and {n_layer} (the layer count) or auto")
+    p = Placement(n_cpu_moe, expert_bytes, n_slots, streaming)
+    if budget is not None and p.gpu_bytes(fp) > budget:
+        raise MoestreamError(
+            f"--n-cpu-moe {n_cpu_moe} needs {p.gpu_bytes(fp) / 2**30:.2f} GiB on the GPU but --vram-budget is "
+            f"{budget / 2**30:.2f} GiB; use --n-cpu-moe auto or stream more layers"
+        )
+    return p
+
+
+def workspace_bytes(n_expert: int, n_ff: int, n_embd: int, ubatch: int, n_used: int, dtype: torch.dtype) -> int:
+    """One layer's three expert stacks dequantized, plus the grouped activations of one micro-batch."""
+    size = torch.empty((), dtype=dtype).element_size()
+    weights = 3 * n_expert * n_ff * n_embd * size
+    acts = ubatch * n_used * (3 * n_ff + 2 * n_embd) * size
+    return weights + acts

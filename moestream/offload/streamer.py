@@ -1,0 +1,148 @@
+"""The streamer: a ring of K staging slots on the device, filled on the copy stream ahead of compute.
+
+Protocol per slot: the copy stream waits on the slot's `free` event before overwriting it and records
+`ready` when the upload is done; compute waits on `ready` and records `free` once its last kernel that reads
+the slot is queued. The engine hands over the order in which streamed layers will be visited, so uploads run
+up to K-1 visits ahead.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from moestream.errors import MoestreamError
+from moestream.offload.host import BounceRing
+
+ALIGN = 256  # bytes between tensors inside a slot
+
+
+@dataclass
+class HostLayer:
+    """A streamed layer's expert tensors as CPU byte tensors (views of the map) and their stored shapes."""
+
+    parts: list[torch.Tensor]  # uint8, each [..., row_bytes]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_aligned(p.numel()) for p in self.parts)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+class _Slot:
+    def __init__(self, nbytes: int, device: torch.device):
+        self.buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.layer: int | None = None
+        self.ready = None  # event: upload done
+        self.free = None  # event: compute done reading
+
+
+class Streamer:
+    """Uploads streamed layers' expert bytes into staging slots, overlapped (or not) with compute.
+
+    overlap=False is the serial and pinned schedules: the copy is queued on the compute stream, one slot.
+    """
+
+    def __init__(self, dev, layers: dict[int, HostLayer], n_slots: int, overlap: bool,
+                 bounce: BounceRing | None = None):
+        if n_slots < 2 and overlap:
+            raise MoestreamError(f"--slots {n_slots}: overlapped streaming needs at least 2 staging slots")
+        self.dev = dev
+        self.layers = layers
+        self.overlap = overlap
+        self.bounce = bounce
+        slot_bytes = max((layer.nbytes for layer in layers.values()), default=0)
+        self.slots = [_Slot(slot_bytes, dev.device) for _ in range(n_slots if overlap else 1)]
+        self.next_slot = 0
+        self.visits: deque[int] = deque()
+        self.current: _Slot | None = None
+        self.bytes_uploaded = 0
+        self.uploads = 0
+
+    def begin(self, visits: list[int]) -> None:
+        """The streamed layers compute will ask for, in order; uploads start right away."""
+        self.finish()
+        self.visits = deque(visits)
+        self._prefetch()
+
+    def acquire(self, il: int) -> list[torch.Tensor]:
+        """The layer's expert bytes on the device; compute may use them until the next acquire or finish."""
+        if self.current is not None and self.current.layer == il:
+            return self._views(self.current)
+        self.finish()
+        if not self.visits or self.visits[0] != il:
+            raise MoestreamError(f"internal: layer {il} was not the next streamed visit ({list(self.visits)[:3]})")
+        slot = next((s for s in self.slots if s.layer == il and s.ready is not None), None)
+        if slot is None:
+            slot = self._upload(il)
+        self.visits.popleft()
+        self.dev.wait(slot.ready)
+        self.current = slot
+        self._prefetch()
+        return self._views(slot)
+
+    def finish(self) -> None:
+        """Compute is done queuing work on the current slot: the copy stream may overwrite it after that."""
+        if self.current is not None:
+            self.current.free = self.dev.record()
+            self.current.layer = None if not self.overlap else self.current.layer
+            self.current = None
+
+    def _prefetch(self) -> None:
+        if not self.overlap:
+            return
+        ahead = [il for il in list(self.visits)[: len(self.slots) - (self.current is not None)]]
+        for il in ahead:
+            if not any(s.layer == il for s in self.slots):
+                if self._free_slot() is None:
+                    break
+                self._upload(il)
+
+    def _free_slot(self) -> _Slot | None:
+        """The next slot in ring order that compute is not using and no upcoming visit still needs."""
+        upcoming = set(list(self.visits)[: len(self.slots)])
+        for k in range(len(self.slots)):
+            s = self.slots[(self.next_slot + k) % len(self.slots)]
+            if s is not self.current and (s.layer is None or s.layer not in upcoming):
+                self.next_slot = (self.next_slot + k + 1) % len(self.slots)
+                return s
+        return None
+
+    def _upload(self, il: int) -> _Slot:
+        slot = self._free_slot()
+        if slot is None:
+            raise MoestreamError("internal: no free staging slot")
+        layer = self.layers[il]
+        if self.bounce is not None:  # pinned staging copy on the CPU, then one DMA
+            if slot.ready is not None:
+                slot.ready.synchronize()  # this slot's bounce buffer may still be read by its last upload
+            staged = self.bounce.buffers[self.slots.index(slot)]
+            for view, part in zip(self._views_for_buf(staged, layer), layer.parts):
+                view.copy_(part)
+            src, dst = [staged[: layer.nbytes]], [slot.buf[: layer.nbytes]]
+        else:
+            src, dst = layer.parts, self._views_for_buf(slot.buf, layer)
+        after = slot.free
+        for d, s in zip(dst, src):
+            after = self.dev.copy(d, s, after, on_copy_stream=self.overlap)
+        slot.ready, slot.layer = after, il
+        self.bytes_uploaded += sum(p.numel() for p in layer.parts)
+        self.uploads += 1
+        return slot
+
+    def _views(self, slot: _Slot) -> list[torch.Tensor]:
+        return self._views_for_buf(slot.buf, self.layers[slot.layer])
+
+    @staticmethod
+    def _views_for_buf(buf: torch.Tensor, layer: HostLayer) -> list[torch.Tensor]:
+        """Each expert tensor's place in a slot-sized buffer: one after another, 256-byte aligned."""
+        out, off = [], 0
+        for p in layer.parts:
+            out.append(buf[off : off + p.numel()].view(p.shape))
+            off += _aligned(p.numel())
+        return out

@@ -1,0 +1,93 @@
+"""Every schedule and slot count gives the all-resident logits bit for bit when expert math runs on the device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moestream
+from moestream.errors import MoestreamError
+from moestream.offload.device import CpuDevice
+from moestream.offload.placement import Placement
+from moestream.runtime.sampling import SamplingParams
+
+TOKENS = torch.randint(0, 1280, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+
+
+def run(path, tokens=TOKENS, device_impl=None, **opts):
+    engine = moestream.load(path, device="cpu", ubatch=16, stream_min_batch=8, progress=False,
+                            device_impl=device_impl, **opts)
+    try:
+        return engine.logits(tokens), engine
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def reference(model_file):
+    return run(model_file("tiny", "Q4_K_M"), n_cpu_moe=0)[0]
+
+
+@pytest.mark.parametrize("stream", ["serial", "pinned", "overlap", "layer-major"])
+@pytest.mark.parametrize("n_cpu_moe,slots", [(1, 2), (2, 2), (2, 3), ("all", 4)])
+def test_bit_identical_to_resident(model_file, reference, stream, n_cpu_moe, slots):
+    logits, engine = run(model_file("tiny", "Q4_K_M"), n_cpu_moe=n_cpu_moe, stream=stream, slots=slots,
+                         device_impl=CpuDevice(copy_delay_s=0.002, compute_delay_s=0.001))
+    assert torch.equal(logits, reference), f"max diff {(logits - reference).abs().max():.3e}"
+
+
+def test_layer_major_uploads_each_layer_once(model_file):
+    """3 streamed layers, 2 slots, 3 micro-batches: token-major re-uploads, layer-major sends each layer once."""
+    path = model_file("tiny-odd", "Q8_0")
+    tm_logits, tm = run(path, n_cpu_moe="all", stream="overlap", slots=2)
+    lm_logits, lm = run(path, n_cpu_moe="all", stream="layer-major", slots=2)
+    s_tm, s_lm = tm.model.experts.streamer, lm.model.experts.streamer
+    one_pass = sum(p.numel() for layer in s_tm.layers.values() for p in layer.parts)
+    assert s_lm.bytes_uploaded == one_pass and s_lm.uploads == 3
+    assert s_tm.bytes_uploaded >= 2 * one_pass
+    assert torch.equal(tm_logits, lm_logits)
+
+
+def test_small_batches_compute_host_experts_on_cpu(model_file):
+    """Below --stream-min-batch nothing is uploaded; results agree within float32 tolerance, same tokens."""
+    path = model_file("tiny", "Q4_K_M")
+    ref = moestream.load(path, device="cpu", ubatch=4, progress=False)
+    cpu = moestream.load(path, device="cpu", ubatch=4, stream_min_batch=32, n_cpu_moe="all", progress=False)
+    a, b = ref.logits(TOKENS[:12]), cpu.logits(TOKENS[:12])
+    assert float((a - b).abs().max() / a.abs().max()) < 1e-5
+    assert cpu.model.experts.streamer.bytes_uploaded == 0
+    params = SamplingParams(max_tokens=16, stop_at_eos=False)
+    assert ref.generate(TOKENS[:12], params).tokens == cpu.generate(TOKENS[:12], params).tokens
+    ref.close()
+    cpu.close()
+
+
+@pytest.mark.parametrize("opts,words", [
+    (dict(n_cpu_moe=3), ["--n-cpu-moe 3", "between 0 and 2"]),
+    (dict(n_cpu_moe=-1), ["--n-cpu-moe -1"]),
+    (dict(n_cpu_moe="auto"), ["--vram-budget"]),
+    (dict(n_cpu_moe="auto", vram_budget="1MiB"), ["too small", "GiB"]),
+    (dict(n_cpu_moe=0, vram_budget="2MiB"), ["--n-cpu-moe 0 needs", "auto"]),
+    (dict(stream="fast"), ["--stream fast"]),
+    (dict(slots=1), ["--slots 1"]),
+])
+def test_placement_errors(model_file, opts, words):
+    with pytest.raises(MoestreamError) as e:
+        moestream.load(model_file("tiny", "Q4_K_M"), device="cpu", progress=False, **opts)
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_auto_picks_smallest_n_that_fits(model_file):
+    path = model_file("tiny-odd", "Q8_0")
+    e = moestream.load(path, device="cpu", progress=False, n_cpu_moe="auto", vram_budget="100GiB", slots=2)
+    assert e.offload.placement.n_cpu_moe == 0
+    fp, p0 = e.offload.footprint, e.offload.placement
+    e.close()
+    budget = p0.gpu_bytes(fp) - 1  # one byte short of everything resident
+    e = moestream.load(path, device="cpu", progress=False, n_cpu_moe="auto", vram_budget=budget, slots=2)
+    chosen = e.offload.placement
+    e.close()
+    assert chosen.n_cpu_moe > 0 and chosen.gpu_bytes(fp) <= budget
+    for n in range(chosen.n_cpu_moe):
+        assert Placement(n, p0.expert_bytes, 2, True).gpu_bytes(fp) > budget
