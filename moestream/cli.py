@@ -9,16 +9,58 @@ from collections import Counter
 from moestream.errors import MoestreamError
 
 
-def _engine_flags(p: argparse.ArgumentParser) -> None:
+def _engine_flags(p: argparse.ArgumentParser, lists: bool = False) -> None:
+    """Flags shared by run, bench and profile; with lists=True the numeric ones take comma lists."""
+    num = _int_list if lists else int
     p.add_argument("-m", "--model", required=True, help="path of a GGUF model file")
     p.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (default: cuda if present)")
     p.add_argument("--dtype", default="auto", help="float32, bfloat16 or float16 (default: bf16 on GPU, f32 on CPU)")
-    p.add_argument("-ub", "--ubatch", type=int, default=512, help="prefill micro-batch size in tokens")
-    p.add_argument("-c", "--ctx", type=int, default=4096, help="context size in tokens")
+    p.add_argument("-ub", "--ubatch", type=num, default=[512] if lists else 512, help="prefill micro-batch size")
+    p.add_argument("-c", "--ctx", type=int, default=None, help="context size in tokens (default 4096)")
+    p.add_argument("-ncmoe", "--n-cpu-moe", type=_ncmoe_list if lists else _ncmoe, default=[0] if lists else 0,
+                   help="keep the experts of the first N layers in host RAM and stream them; all or auto")
+    p.add_argument("--cpu-moe", action="store_true", help="keep every layer's experts in host RAM")
+    p.add_argument("--vram-budget", default=None, help="cap on GPU memory, e.g. 12GiB (with -ncmoe auto: fit)")
+    p.add_argument("--stream", type=_str_list if lists else str, default=None,
+                   help="serial, pinned, overlap or layer-major (default: $MOESTREAM_STREAM or overlap)")
+    p.add_argument("--slots", type=num, default=[3] if lists else 3, help="staging slots in the ring (>= 2)")
+    p.add_argument("--stream-min-batch", type=int, default=32,
+                   help="micro-batches smaller than this compute host experts on the CPU instead of uploading")
+
+
+def _ncmoe(text: str) -> int | str:
+    return text if text in ("all", "auto") else _int(text)
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def _int_list(text: str) -> list[int]:
+    return [_int(t) for t in text.split(",")]
+
+
+def _ncmoe_list(text: str) -> list[int | str]:
+    return [_ncmoe(t) for t in text.split(",")]
+
+
+def _str_list(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",")]
 
 
 def _engine_options(a: argparse.Namespace) -> dict:
-    return dict(device=a.device, dtype=a.dtype, ubatch=a.ubatch, n_ctx=a.ctx)
+    """The options every command shares; list-valued flags (bench) give their first value here."""
+    first = (lambda v: v[0]) if isinstance(a.ubatch, list) else (lambda v: v)
+    ncmoe = "all" if a.cpu_moe else first(a.n_cpu_moe)
+    stream = first(a.stream) if a.stream is not None else None
+    opts = dict(device=a.device, dtype=a.dtype, ubatch=first(a.ubatch), n_cpu_moe=ncmoe, vram_budget=a.vram_budget,
+                stream=stream, slots=first(a.slots), stream_min_batch=a.stream_min_batch)
+    if a.ctx is not None:
+        opts["n_ctx"] = a.ctx
+    return opts
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,6 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--routing", action="store_true", help="also print per-layer expert load on a random prompt")
     info.add_argument("--tokens", type=int, default=2048, help="prompt length for --routing")
     info.add_argument("--device", default="auto")
+
+    bench = sub.add_parser("bench", help="prefill/decode tokens/s per placement and schedule, against the floors")
+    _engine_flags(bench, lists=True)
+    bench.add_argument("-p", "--n-prompt", type=_int_list, default=[512], help="prompt lengths, e.g. 512,2048")
+    bench.add_argument("-n", "--n-gen", type=_int_list, default=[0], help="decode lengths (0: prefill only)")
+    bench.add_argument("-r", "--repetitions", type=int, default=3)
+    bench.add_argument("--no-floors", action="store_true", help="skip the all-resident compute-floor runs")
+    bench.add_argument("--json", action="store_true", help="print rows as JSON")
 
     make = sub.add_parser("make-model", help="write a GGUF model with random weights of a preset's shapes")
     make.add_argument("out")
@@ -111,6 +161,52 @@ def cmd_info(a: argparse.Namespace) -> None:
                   f"   {float(ratio):4.2f}x   {idle} idle")
 
 
+def cmd_bench(a: argparse.Namespace) -> None:
+    import json
+    from dataclasses import asdict
+
+    from moestream.runtime.bench import run_bench
+    from moestream.runtime.loader import load
+
+    if a.repetitions < 1:
+        raise MoestreamError(f"-r {a.repetitions}: must be at least 1")
+    streams = a.stream or ["overlap"]
+    opts = _engine_options(a) | {"progress": not a.json}
+    opts.setdefault("n_ctx", max(a.n_prompt) + max(a.n_gen) + 1)
+    engine = load(a.model, **opts)
+    header = (f"| {'model':<28} | {'size':>9} | {'ncmoe':>5} | {'ub':>5} | {'stream':<11} | {'test':>7} | "
+              f"{'t/s':>18} | {'GB up':>7} | {'used':>5} | {'GB/s':>6} | same |")
+
+    def show(r) -> None:
+        if not a.json:
+            same = ("yes" if r.same_tokens else "NO") + ("" if r.same_bits in (None, True) else "*")
+            print(f"| {r.model[:28]:<28} | {r.size_gib:6.2f} GiB | {r.n_cpu_moe:>5} | {r.ubatch:>5} | "
+                  f"{r.stream:<11} | {r.test:>7} | {r.tps:9.1f} ± {r.tps_std:6.1f} | {r.bytes_uploaded / 1e9:7.2f} | "
+                  f"{r.experts_used:5.2f} | {r.link_gbs:6.1f} | {same:<4} |", flush=True)
+
+    if not a.json:
+        print(header)
+        print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
+    try:
+        rows, link = run_bench(engine, a.n_prompt, a.n_gen, a.ubatch, ["all" if a.cpu_moe else n for n in a.n_cpu_moe],
+                               streams, a.slots, a.repetitions, floors=not a.no_floors, progress=show)
+    finally:
+        engine.close()
+    if a.json:
+        print(json.dumps({"link_gbs": link / 1e9, "rows": [asdict(r) for r in rows]}, indent=1))
+        return
+    print(f"\npinned host-to-device link: {link / 1e9:.1f} GB/s (measured now)")
+    if not a.no_floors:
+        print("floors per row: transfer = bytes up / link, compute = same test with every expert resident")
+        for r in rows:
+            bound = max(r.transfer_floor_s, r.compute_floor_s)
+            print(f"  ncmoe {r.n_cpu_moe:>2} ub {r.ubatch:>5} {r.stream:<11} {r.test:>7}: {r.seconds * 1e3:8.1f} ms; "
+                  f"transfer {r.transfer_floor_s * 1e3:7.1f} ms, compute {r.compute_floor_s * 1e3:7.1f} ms, "
+                  f"time / max(floors) = {r.seconds / bound if bound else float('nan'):.2f}")
+    print("same: greedy next token equals the first row's; * marks logits not bit-identical to the first row "
+          "with the same ubatch")
+
+
 def cmd_make_model(a: argparse.Namespace) -> None:
     from moestream.models.presets import get_preset
     from moestream.models.synthetic import make_model
@@ -120,7 +216,7 @@ def cmd_make_model(a: argparse.Namespace) -> None:
     print(f"wrote {a.out}: preset {preset.name}, {preset.n_layer} layers, {a.quant}")
 
 
-COMMANDS = {"run": cmd_run, "info": cmd_info, "make-model": cmd_make_model}
+COMMANDS = {"run": cmd_run, "info": cmd_info, "bench": cmd_bench, "make-model": cmd_make_model}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -136,10 +136,15 @@ def _byte_view(t: gguf.ReaderTensor) -> np.ndarray:
 
 def torch_bytes(view: TensorView):
     """The stored bytes as a CPU uint8 torch tensor sharing memory with the map (read-only: never write to it)."""
+    return torch_bytes_of(view.data)
+
+
+def torch_bytes_of(array: np.ndarray):
+    """A numpy view of the map as a torch tensor without copying."""
     import warnings
 
     import torch
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # torch warns that the read-only map is not writable
-        return torch.from_numpy(view.data)
+        return torch.from_numpy(array)

@@ -7,6 +7,7 @@ H / Hkv = query / key-value heads, Dh = head dim, E = experts, K = experts used 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -82,26 +83,29 @@ def route_softmax_topk(x: torch.Tensor, w_router: torch.Tensor, k: int, renorm: 
     return weights.to(x.dtype), ids
 
 
-def moe_swiglu(
-    x: torch.Tensor,
-    weights: torch.Tensor,
-    ids: torch.Tensor,
-    w_gate: torch.Tensor,
-    w_up: torch.Tensor,
-    w_down: torch.Tensor,
-) -> torch.Tensor:
+Stack = torch.Tensor | Callable[[], torch.Tensor]
+
+
+def moe_swiglu(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, n_expert: int,
+               w_gate: Stack, w_up: Stack, w_down: Stack) -> torch.Tensor:
     """Sum over chosen experts of weight * down(silu(gate(x)) * up(x)), as one grouped computation.
 
-    x [T, D]; weights, ids [T, K] (ids index the stacks); w_gate, w_up [E, F, D]; w_down [E, D, F].
+    x [T, D]; weights, ids [T, K] (ids index the stacks); w_gate, w_up [E, F, D]; w_down [E, D, F], each
+    a tensor or a function making it, called just before use so only one dequantized stack is alive.
     Deterministic: no atomics, so equal inputs give equal bits whatever the schedule.
     """
     T, K = ids.shape
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # token-expert pairs grouped by expert
     rows = x[order // K]  # [T*K, D]
-    offs = torch.bincount(flat, minlength=w_gate.shape[0]).cumsum(0).to(torch.int32)
-    h = F.silu(grouped_mm(rows, w_gate.transpose(1, 2), offs)) * grouped_mm(rows, w_up.transpose(1, 2), offs)
-    y_sorted = grouped_mm(h, w_down.transpose(1, 2), offs)  # [T*K, D]
+    offs = torch.bincount(flat, minlength=n_expert).cumsum(0).to(torch.int32)
+
+    def mm(a: torch.Tensor, w: Stack) -> torch.Tensor:
+        return grouped_mm(a, (w() if callable(w) else w).transpose(1, 2), offs)
+
+    h = F.silu(mm(rows, w_gate))
+    h = h * mm(rows, w_up)
+    y_sorted = mm(h, w_down)  # [T*K, D]
     y = torch.empty_like(y_sorted)
     y[order] = y_sorted
     return (y.view(T, K, -1) * weights[..., None]).sum(dim=1)

@@ -28,7 +28,7 @@ class Preset:
     tied_output: bool = False
     n_rot: int = 0  # rotated channels per head; 0 means all of head_dim
     n_ff_shexp: int = 0  # shared expert FFN size; 0 when the architecture has none
-    extra: dict[str, Any] = field(default_factory=dict)  # architecture-specific metadata, keys without `{arch}.`
+    extra: dict[str, Any] = field(default_factory=dict)  # architecture-specific keys, minus the `{arch}.`
 
     def common_metadata(self) -> dict[str, Any]:
         """The `{arch}.*` keys every MoE architecture reads through `spec.common_spec_fields`."""
@@ -52,8 +52,8 @@ class Preset:
         return meta
 
 
-def _qwen35_hybrid(k_heads: int, v_heads: int, head_dim: int, rope_sections: tuple[int, ...]) -> dict[str, Any]:
-    """qwen35moe's extra keys: delta-net heads (conv kernel 4), a full-attention layer every 4th, RoPE sections."""
+def _qwen35_hybrid(k_heads: int, v_heads: int, head_dim: int, rope_sections: tuple[int, ...]) -> dict:
+    """qwen35moe's extra keys: delta-net heads, conv kernel 4, attention every 4th layer, RoPE sections."""
     return {
         "rope.dimension_sections": list(rope_sections),
         "ssm.conv_kernel": 4,
@@ -76,13 +76,14 @@ PRESETS: dict[str, Preset] = {
                n_expert=6, n_expert_used=3, n_ff_exp=96, n_vocab=1291, tied_output=True),
         Preset("qwen3-30b-a3b", "qwen3moe", n_layer=48, n_embd=2048, n_head=32, n_head_kv=4, head_dim=128,
                n_expert=128, n_expert_used=8, n_ff_exp=768, n_vocab=151936, n_ctx=40960, n_ff=6144),
-        # 3 delta-net layers then 1 full-attention layer; rotary dim a quarter of the head, as in the real model
+        # 3 delta-net layers, then full attention; a quarter of each head rotates, as in the real model
         Preset("tiny-qwen35moe", "qwen35moe", n_layer=4, n_embd=256, n_head=4, n_head_kv=2, head_dim=64,
                n_expert=8, n_expert_used=2, n_ff_exp=256, n_vocab=1280, rope_base=10_000_000.0, n_rot=16,
-               n_ff_shexp=256, extra=_qwen35_hybrid(k_heads=2, v_heads=4, head_dim=64, rope_sections=(3, 3, 2, 0))),
+               n_ff_shexp=256,
+               extra=_qwen35_hybrid(k_heads=2, v_heads=4, head_dim=64, rope_sections=(3, 3, 2, 0))),
         Preset("qwen3.6-35b-a3b", "qwen35moe", n_layer=40, n_embd=2048, n_head=16, n_head_kv=2, head_dim=256,
-               n_expert=256, n_expert_used=8, n_ff_exp=512, n_vocab=248320, n_ctx=262144, rope_base=10_000_000.0,
-               n_rot=64, n_ff_shexp=512,
+               n_expert=256, n_expert_used=8, n_ff_exp=512, n_vocab=248320, n_ctx=262144,
+               rope_base=10_000_000.0, n_rot=64, n_ff_shexp=512,
                extra=_qwen35_hybrid(k_heads=16, v_heads=32, head_dim=128, rope_sections=(11, 11, 10, 0))),
     )
 }

@@ -1,6 +1,6 @@
 """qwen35moe (Qwen3.5 / Qwen3.6 MoE, e.g. Qwen3.6-35B-A3B): gated delta-net layers with, every few layers, a
 full-attention layer whose output is gated per channel; each layer ends in qwen3moe's routed MoE plus a shared
-expert behind a sigmoid gate. Tensor names and layouts are llama.cpp's (/work/shared/notes/qwen35moe-gguf.md).
+expert behind a sigmoid gate. Tensor names and layouts are llama.cpp's (see notes/qwen35moe-gguf.md).
 
 Legend: T = tokens in the micro-batch, D = hidden size, H / Hkv = query / KV heads, Dh = their head dim,
 Hk / Hv = delta-net key / value heads, Dk / Dv = their head dims, C = conv channels = 2*Hk*Dk + Hv*Dv.
@@ -42,12 +42,14 @@ def read_spec(meta: dict[str, Any], n_vocab: int) -> ModelSpec:
     inner = int(read_key(meta, p + "ssm.inner_size"))
     sections = [int(s) for s in read_key(meta, p + "rope.dimension_sections")]
     if k_heads <= 0 or v_heads % k_heads or inner % v_heads:
-        raise MoestreamError(f"model metadata: {v_heads} delta-net value heads of {inner} channels in all do not "
-                             f"tile over {k_heads} key heads")
+        raise MoestreamError(f"model metadata: {v_heads} delta-net value heads of {inner} channels in all "
+                             f"do not tile over {k_heads} key heads")
     if len(sections) != 4:
-        raise MoestreamError(f"model metadata: {p}rope.dimension_sections has {len(sections)} entries, expected 4")
+        raise MoestreamError(f"model metadata: {p}rope.dimension_sections has {len(sections)} entries, "
+                             "expected 4")
     if int(read_key(meta, p + "attention.value_length", head_dim)) != head_dim:
-        raise MoestreamError("model metadata: attention key and value head sizes differ; moestream needs them equal")
+        raise MoestreamError("model metadata: attention key and value head sizes differ; "
+                             "moestream needs them equal")
     if p + "attention.recurrent_layers" in meta:  # an explicit pattern wins over the interval
         recurrent = [bool(r) for r in meta[p + "attention.recurrent_layers"]]
     else:
@@ -70,13 +72,14 @@ def read_spec(meta: dict[str, Any], n_vocab: int) -> ModelSpec:
 
 
 def metadata(p: Preset) -> dict[str, Any]:
-    """The `qwen35moe.*` keys of a generated file of preset p (read back by `read_spec`); no feed_forward_length."""
+    """The `qwen35moe.*` keys of a generated file of preset p (read back by `read_spec`)."""
     a = ARCH + "."
     return (p.common_metadata() | {a + "expert_shared_feed_forward_length": p.n_ff_shexp}
             | {a + key: value for key, value in p.extra.items()})
 
 
 def conv_channels(spec: ModelSpec) -> int:
+    """Width of the qkv projection, which the short convolution runs over."""
     e = spec.extra
     return 2 * e["k_heads"] * e["k_dim"] + e["v_heads"] * e["v_dim"]
 
@@ -138,8 +141,8 @@ class Model(qwen3moe.Model):
     def new_recurrent_state(self, device: torch.device) -> dict[int, DeltaNetState]:
         e = self.spec.extra
         return {
-            il: DeltaNetState.zeros(conv_channels(self.spec), e["conv_kernel"], e["v_heads"], e["k_dim"], e["v_dim"],
-                                    device=device)
+            il: DeltaNetState.zeros(conv_channels(self.spec), e["conv_kernel"], e["v_heads"], e["k_dim"],
+                                    e["v_dim"], device=device)
             for il in range(self.spec.n_layer) if self.is_recurrent[il]
         }
 
@@ -158,12 +161,13 @@ class Model(qwen3moe.Model):
     def attention(self, il: int, x: torch.Tensor, batch: Batch, cache) -> torch.Tensor:
         """Full attention whose output is gated per channel by sigmoid(gate), the gate projected beside q."""
         s, T = self.spec, x.shape[0]
-        q, gate = F.linear(x, self.w(il, "attn_q")).view(T, s.n_head, 2, s.head_dim).unbind(2)  # [T, H, Dh] each
+        q_gate = F.linear(x, self.w(il, "attn_q")).view(T, s.n_head, 2, s.head_dim)  # per head [q_h | gate_h]
+        q, gate = q_gate.unbind(2)  # [T, H, Dh] each
         out = self.attend(il, q, x, batch, cache) * torch.sigmoid(gate)
         return F.linear(out.reshape(T, -1), self.w(il, "attn_output"))
 
     def delta_net(self, il: int, x: torch.Tensor, batch: Batch, cache) -> torch.Tensor:
-        """Gated delta-net: short conv over qkv, the delta rule with the layer's state, gated RMSNorm, ssm_out.
+        """Gated delta-net: short conv over qkv, the delta rule on the layer's state, gated RMSNorm, ssm_out.
 
         The state lives in cache.recurrent[il], so any split into micro-batches gives the same result.
         """
@@ -189,6 +193,7 @@ class Model(qwen3moe.Model):
 
     def moe(self, il: int, x: torch.Tensor) -> torch.Tensor:
         """Routed experts plus the shared expert scaled by sigmoid(x . ffn_gate_inp_shexp)."""
-        shared = swiglu(x, self.w(il, "ffn_gate_shexp"), self.w(il, "ffn_up_shexp"), self.w(il, "ffn_down_shexp"))
+        w_gate, w_up, w_down = (self.w(il, f"ffn_{t}_shexp") for t in ("gate", "up", "down"))
+        shared = swiglu(x, w_gate, w_up, w_down)
         gate = torch.sigmoid(F.linear(x, self.w(il, "ffn_gate_inp_shexp").reshape(1, -1)))  # [T, 1]
         return super().moe(il, x) + gate * shared

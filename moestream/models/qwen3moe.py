@@ -78,9 +78,10 @@ def expert_tensor_names(il: int) -> tuple[str, str, str]:
 class Model:
     """The forward pass, one layer at a time so the engine can order micro-batches and layers as it likes."""
 
-    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], experts):
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], embedding, experts):
         self.spec = spec
-        self.weights = weights  # dense tensors on the compute device
+        self.weights = weights  # dense tensors on the compute device; "output.weight" even when tied
+        self.embedding = embedding  # token ids -> rows [T, D] on the compute device
         self.experts = experts  # an ExpertSource
         self.attention_layers = list(range(spec.n_layer))
 
@@ -96,11 +97,11 @@ class Model:
         return Batch(pos0, cos, sin)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return F.embedding(tokens, self.weights["token_embd.weight"])  # [T, D]
+        return self.embedding(tokens)  # [T, D]
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.weights.get("output.weight", self.weights["token_embd.weight"])
-        return F.linear(rms_norm(x, self.weights["output_norm.weight"], self.spec.rms_eps), out)
+        x = rms_norm(x, self.weights["output_norm.weight"], self.spec.rms_eps)
+        return F.linear(x, self.weights["output.weight"])
 
     def layer(self, il: int, x: torch.Tensor, batch: Batch, cache) -> torch.Tensor:
         eps = self.spec.rms_eps
@@ -114,7 +115,7 @@ class Model:
         return F.linear(out.reshape(T, -1), self.w(il, "attn_output"))
 
     def attend(self, il: int, q: torch.Tensor, x: torch.Tensor, batch: Batch, cache) -> torch.Tensor:
-        """Heads q [T, H, Dh] attend over keys and values projected from x: q/k RMSNorm, RoPE, KV cache, softmax."""
+        """Heads q [T, H, Dh] attend to keys and values projected from x (q/k norm, RoPE, KV cache)."""
         s, T = self.spec, x.shape[0]
         k = F.linear(x, self.w(il, "attn_k")).view(T, s.n_head_kv, s.head_dim)
         v = F.linear(x, self.w(il, "attn_v")).view(T, s.n_head_kv, s.head_dim)

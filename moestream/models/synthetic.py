@@ -45,7 +45,7 @@ def _use_more_bits(i: int, n: int) -> bool:
 
 def tensor_type(name: str, shape: tuple[int, ...], quant: str, n_layer: int) -> Q:
     """The type a llama.cpp quantization of this preset gives the tensor."""
-    # the converter keeps routers, shared-expert gates, convolutions and non-weights (ssm_a, ssm_dt.bias) in F32
+    # the converter keeps routers, shared-expert gates, convolutions and non-weights (ssm_a, ssm_dt) in F32
     if (len(shape) == 1 or not name.endswith(".weight") or "ffn_gate_inp" in name or "ssm_conv1d" in name
             or quant == "F32"):
         return Q.F32

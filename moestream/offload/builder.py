@@ -26,9 +26,14 @@ class Offload:
     dev: CudaDevice | CpuDevice
     pinned: PinnedRanges | None
     bounce: bool  # registration was refused and bounce buffers carry the uploads
+    owns_dev: bool  # made here (closed here) rather than handed in
 
     def close(self) -> None:
-        self.dev.close()
+        if self.experts.streamer is not None:
+            self.experts.streamer.finish()
+        self.dev.synchronize()
+        if self.owns_dev:
+            self.dev.close()
         if self.pinned is not None:
             self.pinned.unregister()
 
@@ -60,6 +65,7 @@ def build_offload(f: GGUFFile, arch, spec, opts: EngineOptions, dense_bytes: int
     n_cpu_moe = spec.n_layer if opts.n_cpu_moe == "all" else opts.n_cpu_moe
     placement = plan([tensors[il].nbytes for il in range(spec.n_layer)], n_cpu_moe, opts.slots,
                      parse_size(opts.vram_budget), fp, streaming=True)
+    owns_dev = dev is None
     dev = dev or make_device(device)
 
     resident = {}
@@ -76,7 +82,7 @@ def build_offload(f: GGUFFile, arch, spec, opts: EngineOptions, dense_bytes: int
             bounce = BounceRing(placement.n_slots if overlap else 1, placement.slot_bytes)
     streamer = Streamer(dev, streamed, placement.n_slots, overlap, bounce) if streamed else None
     experts = LayerExperts(tensors, resident, streamer, dtype, opts.stream_min_batch)
-    off = Offload(placement, fp, experts, dev, pinned, bounce is not None)
+    off = Offload(placement, fp, experts, dev, pinned, bounce is not None, owns_dev)
     if opts.progress:
         print(off.describe(), file=sys.stderr)
     return off

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moestream.formats import quants
 from moestream.formats.gguf import TensorView, torch_bytes
+from moestream.kernels.dequant import dequantize
 from moestream.models.layers import moe_swiglu
 from moestream.offload.streamer import Streamer
 
@@ -28,18 +28,23 @@ class ExpertTensors:
     def nbytes(self) -> int:
         return sum(v.nbytes for v in self.views)
 
+    @property
+    def n_expert(self) -> int:
+        return self.views[0].shape[0]
+
     def host_bytes(self) -> list[torch.Tensor]:
         return [torch_bytes(v) for v in self.views]
 
-    def dequantize(self, raws: list[torch.Tensor], dtype: torch.dtype, rows: torch.Tensor | None = None):
-        """(gate, up, down) in dtype from stored bytes `raws` (anywhere); rows picks experts, in that order."""
-        out = []
-        for raw, v in zip(raws, self.views):
-            shape = v.shape
-            if rows is not None:
-                raw, shape = raw[rows], (rows.numel(), *v.shape[1:])
-            out.append(quants.dequantize(raw, v.qtype, shape, dtype))
-        return tuple(out)
+    def stacks(self, raws: list[torch.Tensor], dtype: torch.dtype, rows: torch.Tensor | None = None):
+        """(gate, up, down) as functions that dequantize stored bytes `raws` (on any device) when called;
+        rows picks experts, in that order. Lazy, so only one dequantized stack is alive at a time."""
+
+        def make(raw: torch.Tensor, v: TensorView):
+            if rows is None:
+                return lambda: dequantize(raw, v.qtype, v.shape, dtype)
+            return lambda: dequantize(raw[rows], v.qtype, (rows.numel(), *v.shape[1:]), dtype)
+
+        return tuple(make(raw, v) for raw, v in zip(raws, self.views))
 
 
 class LayerExperts:
@@ -52,7 +57,8 @@ class LayerExperts:
         self.streamer = streamer
         self.dtype = dtype
         self.min_batch = min_batch
-        self._stacks: tuple[int, tuple] | None = None  # last whole-layer dequantization, reused by layer-major
+        self.track_usage = False  # when set, record the fraction of experts each streamed micro-batch used
+        self.usage: list[torch.Tensor] = []
 
     def streams(self, il: int, n_tokens: int) -> bool:
         """Whether a micro-batch of n_tokens makes the streamer upload layer il."""
@@ -61,30 +67,28 @@ class LayerExperts:
     def ffn(self, il: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         t = self.tensors[il]
         if il in self.resident:
-            return self._on_device(il, t, self.resident[il], x, weights, ids)
+            return self._on_device(t, self.resident[il], x, weights, ids)
         if x.shape[0] < self.min_batch:
             return self._on_cpu(t, x, weights, ids)
-        return self._on_device(il, t, self.streamer.acquire(il), x, weights, ids)
+        if self.track_usage:  # stays on the device: no sync
+            self.usage.append((torch.bincount(ids.reshape(-1), minlength=t.n_expert) > 0).float().mean())
+        return self._on_device(t, self.streamer.acquire(il), x, weights, ids)
 
-    def _on_device(self, il, t: ExpertTensors, raws, x, weights, ids) -> torch.Tensor:
+    def _on_device(self, t: ExpertTensors, raws, x, weights, ids) -> torch.Tensor:
         T, K = ids.shape
-        if T * K < t.views[0].shape[0]:  # few tokens: dequantize just the chosen experts, one per pair
-            pairs = ids.reshape(-1)
-            stacks = t.dequantize(raws, self.dtype, rows=pairs)
-            return moe_swiglu(x, weights, torch.arange(T * K, device=x.device).view(T, K), *stacks)
-        if self._stacks is None or self._stacks[0] != il:
-            self._stacks = None  # free the previous layer's weights before making this one's
-            self._stacks = (il, t.dequantize(raws, self.dtype))
-        return moe_swiglu(x, weights, ids, *self._stacks[1])
+        if T * K < t.n_expert:  # few tokens: dequantize just the chosen experts, one per token-expert pair
+            pairs = torch.arange(T * K, device=x.device).view(T, K)
+            return moe_swiglu(x, weights, pairs, T * K, *t.stacks(raws, self.dtype, rows=ids.reshape(-1)))
+        return moe_swiglu(x, weights, ids, t.n_expert, *t.stacks(raws, self.dtype))
 
     def _on_cpu(self, t: ExpertTensors, x, weights, ids) -> torch.Tensor:
         """Compute the chosen experts on the CPU from the map: moving a few rows of x beats moving weights."""
         ids_c = ids.cpu()  # sync: the host must know which experts to read
         used = torch.unique(ids_c)
-        remap = torch.full((t.views[0].shape[0],), -1, dtype=torch.long)
+        remap = torch.full((t.n_expert,), -1, dtype=torch.long)
         remap[used] = torch.arange(used.numel())
-        stacks = t.dequantize(t.host_bytes(), torch.float32, rows=used)
-        out = moe_swiglu(x.float().cpu(), weights.float().cpu(), remap[ids_c], *stacks)
+        stacks = t.stacks(t.host_bytes(), torch.float32, rows=used)
+        out = moe_swiglu(x.float().cpu(), weights.float().cpu(), remap[ids_c], used.numel(), *stacks)
         return out.to(device=x.device, dtype=x.dtype)
 
     def begin(self, visits: list[int]) -> None:
@@ -93,7 +97,6 @@ class LayerExperts:
             self.streamer.begin(visits)
 
     def end_pass(self) -> None:
-        """Drop cached weights between forward passes so layer-major reuse never outlives its layer."""
-        self._stacks = None
+        """Compute has queued its last use of the current staging slot."""
         if self.streamer is not None:
             self.streamer.finish()

@@ -17,7 +17,7 @@ from moestream.errors import MoestreamError
 class Footprint:
     """Bytes the engine allocates on the GPU, besides the resident experts."""
 
-    dense: int  # attention, norms, routers, embeddings, head, shared experts (dequantized)
+    dense: int  # attention, norms, routers, output head, shared experts (dequantized)
     kv_cache: int
     workspace: int  # one layer's experts dequantized + activations of one micro-batch
 
@@ -108,8 +108,8 @@ def plan(expert_bytes: list[int], n_cpu_moe: int | str, n_slots: int, budget: in
 
 
 def workspace_bytes(n_expert: int, n_ff: int, n_embd: int, ubatch: int, n_used: int, dtype: torch.dtype) -> int:
-    """One layer's three expert stacks dequantized, plus the grouped activations of one micro-batch."""
+    """One dequantized expert stack (they are made one at a time), plus one micro-batch's grouped activations."""
     size = torch.empty((), dtype=dtype).element_size()
-    weights = 3 * n_expert * n_ff * n_embd * size
+    weights = n_expert * n_ff * n_embd * size
     acts = ubatch * n_used * (3 * n_ff + 2 * n_embd) * size
     return weights + acts

@@ -12,6 +12,10 @@ class RoutingCounter:
         self.inner = inner
         self.counts = torch.zeros(n_layer, n_expert, dtype=torch.int64)
 
+    def __getattr__(self, name: str):
+        """The engine's streaming hooks (streams, begin, end_pass) go to the wrapped source unchanged."""
+        return getattr(self.inner, name)
+
     def ffn(self, il: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         self.counts[il] += torch.bincount(ids.reshape(-1), minlength=self.counts.shape[1]).cpu()
         return self.inner.ffn(il, x, weights, ids)

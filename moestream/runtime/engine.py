@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,14 +36,26 @@ class Generation:
 
 
 class Engine:
-    def __init__(self, model, tokenizer, options: EngineOptions, source=None, offload=None):
+    def __init__(self, model, tokenizer, options: EngineOptions, source=None, offload=None, make_offload=None):
         self.model = model
         self.offload = offload  # placement, streamer and device resources, closed with the engine
+        self._make_offload = make_offload
         self.spec = model.spec
         self.tokenizer = tokenizer
         self.options = options
         self.source = source  # the open GGUF file the weights map, closed with the engine
         self.n_ctx = min(options.n_ctx, self.spec.n_ctx_train) if self.spec.n_ctx_train else options.n_ctx
+
+    def reconfigure(self, **changes) -> None:
+        """Change placement or schedule (n_cpu_moe, stream, slots, ubatch...) without reloading dense weights."""
+        options = dataclasses.replace(self.options, **changes)
+        if self.offload is not None:
+            self.offload.close()
+            self.offload = None
+        self.model.experts = None
+        self.offload = self._make_offload(options)
+        self.model.experts = self.offload.experts
+        self.options = options
 
     @property
     def device(self) -> torch.device:

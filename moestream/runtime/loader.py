@@ -14,6 +14,7 @@ from moestream.formats.gguf import GGUFFile, TensorView, torch_bytes
 from moestream.models.registry import architecture
 from moestream.models.spec import ModelSpec
 from moestream.offload.builder import build_offload
+from moestream.offload.embedding import HostEmbedding
 from moestream.runtime.engine import Engine
 from moestream.runtime.options import EngineOptions
 
@@ -56,17 +57,23 @@ def load(path: str | os.PathLike[str], device_impl=None, **options: Any) -> Engi
         arch, spec = describe(f)
         tokenizer = load_tokenizer(f)
         device, dtype = opts.torch_device, opts.torch_dtype
-        expert_names = {n for il in range(spec.n_layer) for n in arch.expert_tensor_names(il)}
+        host = {n for il in range(spec.n_layer) for n in arch.expert_tensor_names(il)} | {"token_embd.weight"}
         weights = {
             name: to_device(t, device, dtype)
             for name, t in tqdm(f.tensors.items(), desc="load", unit="tensor", disable=not opts.progress,
                                 leave=False)
-            if name not in expert_names
+            if name not in host
         }
+        if "output.weight" not in weights:  # tied: the head reads the embedding matrix, so it goes to the device
+            weights["output.weight"] = to_device(f.tensor("token_embd.weight"), device, dtype)
         dense_bytes = sum(w.numel() * w.element_size() for w in weights.values())
-        offload = build_offload(f, arch, spec, opts, dense_bytes, device_impl)
-        model = arch.Model(spec, weights, offload.experts)
-        return Engine(model, tokenizer, opts, source=f, offload=offload)
+        def make_offload(o: EngineOptions):
+            return build_offload(f, arch, spec, o, dense_bytes, device_impl)
+
+        offload = make_offload(opts)
+        embedding = HostEmbedding(f.tensor("token_embd.weight"), device, dtype)
+        model = arch.Model(spec, weights, embedding, offload.experts)
+        return Engine(model, tokenizer, opts, source=f, offload=offload, make_offload=make_offload)
     except BaseException:
         f.close()
         raise

@@ -10,6 +10,15 @@ from moestream.formats.gguf import GGUFFile
 from moestream.runtime.loader import describe
 
 
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b|."""
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def prompt_tokens(n: int, n_vocab: int, seed: int = 0) -> list[int]:
+    return torch.randint(0, n_vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
 def dequantized(f: GGUFFile, name: str) -> torch.Tensor:
     """A tensor dequantized by gguf's numpy code, independent of moestream's torch dequantization."""
     t = f.tensor(name)
@@ -99,7 +108,8 @@ def qwen35moe_reference(path: str) -> torch.nn.Module:
             rest = t.shape[1:]
             return t.reshape(hv // hk, hk, per_head, *rest).transpose(0, 1).reshape(t.shape)
 
-        sd = {"model.embed_tokens.weight": w("token_embd.weight"), "model.norm.weight": norm("output_norm.weight"),
+        sd = {"model.embed_tokens.weight": w("token_embd.weight"),
+              "model.norm.weight": norm("output_norm.weight"),
               "lm_head.weight": w("token_embd.weight" if tied else "output.weight")}
         for il in range(s.n_layer):
             b, m = f"blk.{il}.", f"model.layers.{il}."

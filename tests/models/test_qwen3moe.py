@@ -4,18 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import greedy, qwen3moe_reference
+from reference import greedy, prompt_tokens, qwen3moe_reference, rel_err
 
 import moestream
 from moestream.runtime.sampling import SamplingParams
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max())
-
-
-def prompt_tokens(n: int, n_vocab: int, seed: int = 0) -> list[int]:
-    return torch.randint(0, n_vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 @pytest.mark.parametrize("preset,quant", [("tiny", "F32"), ("tiny-odd", "F32"), ("tiny", "Q8_0"),

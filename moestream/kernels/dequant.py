@@ -1,0 +1,98 @@
+"""Dequantize expert stacks on the GPU in one pass.
+
+The torch reference (formats/quants.py) is bit-exact with gguf but runs a dozen elementwise kernels per
+tensor (~4 ms for a Qwen3-30B-A3B Q4_K stack on an H200); these Triton kernels read each block once and
+write the output once, so a layer's experts dequantize at memory speed. Types without a kernel, and the
+CPU, use the reference. Kernels may contract multiply-add into FMA, so they agree with the reference to
+float32 rounding, not bit for bit; every GPU path uses the same kernel, so schedules still agree exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from moestream.formats import quants
+
+Q = GGMLQuantizationType
+
+try:  # Triton ships with CUDA builds of torch; CPU-only installs take the reference path
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+BLOCKS_PER_PROGRAM = 8
+
+if triton is not None:
+
+    @triton.jit
+    def _f16_at(base, offset, ok):
+        lo = tl.load(base + offset, mask=ok, other=0).to(tl.uint16)
+        hi = tl.load(base + offset + 1, mask=ok, other=0).to(tl.uint16)
+        return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _q4_k_kernel(src, dst, n_blocks, BLOCKS: tl.constexpr):
+        b = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)[:, None]  # [BLOCKS, 1] block index
+        e = tl.arange(0, 256)[None, :]  # [1, 256] element within the block
+        ok = b < n_blocks
+        base = src + b.to(tl.int64) * 144
+        d, dmin = _f16_at(base, 0, ok), _f16_at(base, 2, ok)
+        s = e // 32  # sub-block of 32 with its own 6-bit scale and min
+        lo = s < 4
+        a = tl.load(base + 4 + s % 4, mask=ok, other=0).to(tl.int32)  # scales[0:4]
+        m = tl.load(base + 8 + s % 4, mask=ok, other=0).to(tl.int32)  # scales[4:8]
+        md = tl.load(base + 12 + s % 4, mask=ok, other=0).to(tl.int32)  # scales[8:12]
+        sc = tl.where(lo, a & 63, (md & 15) | ((a >> 6) << 4))
+        mn = tl.where(lo, m & 63, (md >> 4) | ((m >> 6) << 4))
+        byte = tl.load(base + 16 + (s // 2) * 32 + e % 32, mask=ok, other=0).to(tl.int32)
+        q = (byte >> ((s % 2) * 4)) & 15
+        x = (d * sc.to(tl.float32)) * q.to(tl.float32) - dmin * mn.to(tl.float32)
+        tl.store(dst + b.to(tl.int64) * 256 + e, x.to(dst.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _q6_k_kernel(src, dst, n_blocks, BLOCKS: tl.constexpr):
+        b = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)[:, None]
+        e = tl.arange(0, 256)[None, :]
+        ok = b < n_blocks
+        base = src + b.to(tl.int64) * 210
+        d = _f16_at(base, 208, ok)
+        h, r = e // 128, e % 128  # two halves of 128; each packs low nibbles in ql and 2 high bits in qh
+        ql = tl.load(base + h * 64 + r % 64, mask=ok, other=0).to(tl.int32)
+        qh = tl.load(base + 128 + h * 32 + r % 32, mask=ok, other=0).to(tl.int32)
+        q = (((ql >> ((r // 64) * 4)) & 15) | (((qh >> ((r // 32) * 2)) & 3) << 4)) - 32
+        sc = tl.load(base + 192 + e // 16, mask=ok, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+        x = (d * sc) * q.to(tl.float32)
+        tl.store(dst + b.to(tl.int64) * 256 + e, x.to(dst.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _q8_0_kernel(src, dst, n_blocks, BLOCKS: tl.constexpr):
+        b = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)[:, None]
+        e = tl.arange(0, 32)[None, :]
+        ok = b < n_blocks
+        base = src + b.to(tl.int64) * 34
+        q = tl.load(base + 2 + e, mask=ok, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+        x = q * _f16_at(base, 0, ok)
+        tl.store(dst + b.to(tl.int64) * 32 + e, x.to(dst.dtype.element_ty), mask=ok)
+
+    KERNELS = {Q.Q4_K: _q4_k_kernel, Q.Q6_K: _q6_k_kernel, Q.Q8_0: _q8_0_kernel}
+else:
+    KERNELS = {}
+
+
+def dequantize(raw: torch.Tensor, qtype: GGMLQuantizationType, shape: tuple[int, ...],
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Like quants.dequantize; one Triton kernel where there is one for this type and device."""
+    kernel = KERNELS.get(qtype)
+    if kernel is None or not raw.is_cuda:
+        return quants.dequantize(raw, qtype, shape, dtype)
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    raw = raw.contiguous()
+    n_blocks = raw.numel() // type_size
+    if n_blocks * block != torch.Size(shape).numel():
+        return quants.dequantize(raw, qtype, shape, dtype)  # raises the reference's clear error
+    out = torch.empty(shape, dtype=dtype, device=raw.device)
+    grid = (triton.cdiv(n_blocks, BLOCKS_PER_PROGRAM),)
+    kernel[grid](raw, out, n_blocks, BLOCKS=BLOCKS_PER_PROGRAM)
+    return out

@@ -1,0 +1,108 @@
+"""`moestream bench`: prefill and decode throughput per placement and schedule, against the two floors.
+
+Every row of one run shares the loaded weights; only the offload side is rebuilt between rows.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from dataclasses import dataclass
+
+import torch
+
+from moestream.profiling.probe import h2d_rate, timed
+
+
+@dataclass
+class BenchRow:
+    model: str
+    size_gib: float
+    n_cpu_moe: int
+    ubatch: int
+    stream: str
+    slots: int
+    test: str  # ppN (prefill N tokens) or tgN (decode N tokens)
+    tps: float
+    tps_std: float
+    seconds: float
+    bytes_uploaded: int  # per run
+    experts_used: float  # mean fraction of experts the router used per streamed layer and micro-batch
+    link_gbs: float  # bytes uploaded / run time
+    transfer_floor_s: float = 0.0  # bytes uploaded / pinned link rate
+    compute_floor_s: float = 0.0  # the same test with every expert resident
+    same_tokens: bool = True  # greedy next token equals the first row's
+    same_bits: bool | None = None  # last logits identical to the first row with the same ubatch
+
+
+def random_prompt(n: int, n_vocab: int, seed: int = 0) -> list[int]:
+    return torch.randint(0, n_vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _measure(engine, test: str, tokens: list[int], repeats: int):
+    """(seconds per run, last logits, bytes uploaded per run, mean experts-used fraction)."""
+    experts = engine.model.experts
+    streamer = experts.streamer
+    last = {}
+
+    def prefill():
+        last["logits"] = engine.forward(tokens, engine.new_cache())
+
+    def decode():
+        cache = engine.new_cache()
+        engine.forward(tokens[:1], cache)
+        for t in tokens[1:]:
+            engine.forward([t], cache)
+
+    fn = prefill if test.startswith("pp") else decode
+    fn()  # warm-up (also fills allocator caches)
+    experts.track_usage, experts.usage = True, []
+    before = streamer.bytes_uploaded if streamer else 0
+    times = timed(fn, engine.device, repeats=repeats, warmup=0)
+    moved = ((streamer.bytes_uploaded if streamer else 0) - before) // repeats
+    used = float(torch.stack(experts.usage).mean()) if experts.usage else 0.0
+    experts.track_usage, experts.usage = False, []
+    return times, last.get("logits"), moved, used
+
+
+def run_bench(engine, prompts: list[int], gens: list[int], ubatches: list[int], n_cpu_moes: list[int],
+              streams: list[str], slots: list[int], repeats: int, floors: bool, progress=None
+              ) -> tuple[list[BenchRow], float]:
+    """Every combination of the lists; returns the rows and the pinned link rate (bytes/s) measured first."""
+    f = engine.source
+    size = f.path.stat().st_size / 2**30
+    name = f.metadata.get("general.name", f.path.name)
+    link = h2d_rate(engine.device) if engine.device.type == "cuda" else h2d_rate(engine.device, 1 << 26)
+    rows: list[BenchRow] = []
+    first_logits: dict[tuple[str, int], torch.Tensor] = {}
+    first_token: dict[str, int] = {}
+    compute_floor: dict[tuple[str, int], float] = {}
+    tests = [(f"pp{p}", p) for p in prompts if p > 0] + [(f"tg{n}", n) for n in gens if n > 0]
+    for ub, ncmoe, stream, k in itertools.product(ubatches, n_cpu_moes, streams, slots):
+        engine.reconfigure(ubatch=ub, n_cpu_moe=ncmoe, stream=stream, slots=k, progress=False)
+        for test, n in tests:
+            tokens = random_prompt(n, engine.spec.n_vocab)
+            times, logits, moved, used = _measure(engine, test, tokens, repeats)
+            secs = statistics.mean(times)
+            tps = [n / t for t in times]
+            row = BenchRow(name, round(size, 2), engine.offload.placement.n_cpu_moe, ub, stream, k, test,
+                           statistics.mean(tps), statistics.pstdev(tps), secs, moved, used, moved / secs / 1e9,
+                           transfer_floor_s=moved / link)
+            if logits is not None:
+                tok = int(torch.argmax(logits[-1]))
+                row.same_tokens = first_token.setdefault(test, tok) == tok
+                ref = first_logits.setdefault((test, ub), logits)
+                row.same_bits = bool(torch.equal(ref, logits))
+            rows.append(row)
+            if progress:
+                progress(row)
+    if floors:
+        for ub in ubatches:
+            engine.reconfigure(ubatch=ub, n_cpu_moe=0, stream="overlap", progress=False)
+            for test, n in tests:
+                times, *_ = _measure(engine, test, random_prompt(n, engine.spec.n_vocab), repeats)
+                compute_floor[(test, ub)] = statistics.mean(times)
+        for row in rows:
+            row.compute_floor_s = compute_floor[(row.test, row.ubatch)]
+    return rows, link
+

@@ -1,0 +1,88 @@
+"""qwen35moe against transformers' Qwen3_5MoeForCausalLM on the same weights, plus its file conventions."""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+from reference import greedy, prompt_tokens, qwen35moe_reference, rel_err
+
+import moestream
+from moestream.formats.gguf import GGUFFile
+from moestream.models import qwen35moe
+from moestream.models.layers import imrope_text_cos_sin, rope_cos_sin
+from moestream.models.presets import get_preset
+from moestream.models.synthetic import preset_metadata
+from moestream.profiling.routing import routing_load
+from moestream.runtime.sampling import SamplingParams
+
+PRESET = "tiny-qwen35moe"
+
+
+@pytest.mark.parametrize("quant", ["F32", "Q4_K_M"])
+def test_logits_and_greedy_match_transformers(model_file, quant):
+    """Prefill in micro-batches of 7 (chunked delta rule, state carried), then 32 recurrent decode steps."""
+    path = model_file(PRESET, quant)
+    ref = qwen35moe_reference(path)
+    engine = moestream.load(path, device="cpu", ubatch=7, progress=False)
+    tokens = prompt_tokens(23, engine.spec.n_vocab)
+    ours = engine.logits(tokens)
+    with torch.inference_mode():
+        theirs = ref(torch.tensor([tokens])).logits[0]
+    err = rel_err(ours, theirs)
+    print(f"{PRESET} {quant}: max relative logit error vs transformers {err:.2e}")
+    assert err < 1e-4, f"{PRESET} {quant}: logits differ from transformers by {err:.2e} (relative)"
+
+    params = SamplingParams(max_tokens=32, temperature=0.0, stop_at_eos=False)
+    assert engine.generate(tokens, params).tokens == greedy(ref, tokens, 32)
+    engine.close()
+
+
+def test_ubatch_size_does_not_change_logits(model_file):
+    """100 tokens span two 64-token delta-rule chunks in one pass; ubatch 1 runs the recurrent form only."""
+    path = model_file(PRESET, "F32")
+    tokens = prompt_tokens(100, get_preset(PRESET).n_vocab, seed=3)
+    whole = moestream.load(path, device="cpu", ubatch=100, progress=False).logits(tokens)
+    for ubatch in (7, 1):
+        split = moestream.load(path, device="cpu", ubatch=ubatch, progress=False).logits(tokens)
+        err = rel_err(split, whole)
+        print(f"ubatch {ubatch} vs whole prompt: {err:.2e}")
+        assert err < 1e-5, f"ubatch {ubatch}: logits differ from one micro-batch by {err:.2e}"
+
+
+def test_routing_is_balanced(model_file):
+    engine = moestream.load(model_file(PRESET, "Q4_K_M"), device="cpu", progress=False)
+    counter = routing_load(engine, 2048)
+    engine.close()
+    assert bool((counter.counts > 0).all()), f"idle experts:\n{counter.counts}"
+    assert float(counter.imbalance().max()) <= 3, f"busiest expert over mean load: {counter.imbalance()}"
+
+
+def test_file_follows_llama_cpp_layout(model_file):
+    """Every 4th layer attends; the converter's F32 tensors stay F32 in Q4_K_M; attn_qkv gets Q5_K."""
+    Q = gguf.GGMLQuantizationType
+    with GGUFFile(model_file(PRESET, "Q4_K_M")) as f:
+        spec = qwen35moe.read_spec(f.metadata, get_preset(PRESET).n_vocab)
+        types = {name: t.qtype for name, t in f.tensors.items()}
+    assert qwen35moe.Model(spec, {}, None).attention_layers == [3]
+    for name in ("ssm_a", "ssm_dt.bias", "ssm_conv1d.weight", "ssm_norm.weight", "ffn_gate_inp_shexp.weight",
+                 "ffn_gate_inp.weight", "post_attention_norm.weight"):
+        assert types[f"blk.0.{name}"] == Q.F32, name
+    assert types["blk.0.attn_qkv.weight"] == Q.Q5_K
+    assert types["blk.0.ssm_alpha.weight"] == types["blk.0.ffn_gate_shexp.weight"] == Q.Q4_K
+
+
+def test_recurrent_layers_key_wins_over_interval():
+    p = get_preset(PRESET)
+    meta = preset_metadata(p, "F32") | {"qwen35moe.attention.recurrent_layers": [False, True, False, True]}
+    spec = qwen35moe.read_spec(meta, p.n_vocab)
+    assert qwen35moe.Model(spec, {}, None).attention_layers == [0, 2]
+
+
+def test_imrope_pairs_outside_the_text_sections_stay_still():
+    """Sections (1, 1, 1, 0) cover pairs 0-2 (time, height, width); pair 3 is the 4th section: position 0."""
+    positions = torch.arange(5, 9)
+    cos, sin = imrope_text_cos_sin(positions, 8, 10_000.0, (1, 1, 1, 0), torch.float32)
+    plain_cos, plain_sin = rope_cos_sin(positions, 8, 10_000.0, torch.float32)
+    assert torch.equal(cos[:, :3], plain_cos[:, :3]) and torch.equal(sin[:, :3], plain_sin[:, :3])
+    assert bool((cos[:, 3] == 1).all() and (sin[:, 3] == 0).all())
