@@ -133,8 +133,8 @@ class Model(qwen3moe.Model):
     Norm weights are used as plain multipliers: the file already stores 1 + w.
     """
 
-    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], experts):
-        super().__init__(spec, weights, experts)
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], embedding, experts):
+        super().__init__(spec, weights, embedding, experts)
         self.is_recurrent: tuple[bool, ...] = spec.extra["recurrent_layers"]
         self.attention_layers = [il for il in range(spec.n_layer) if not self.is_recurrent[il]]
 

@@ -61,10 +61,12 @@ def test_routing_is_balanced(model_file):
 def test_file_follows_llama_cpp_layout(model_file):
     """Every 4th layer attends; the converter's F32 tensors stay F32 in Q4_K_M; attn_qkv gets Q5_K."""
     Q = gguf.GGMLQuantizationType
-    with GGUFFile(model_file(PRESET, "Q4_K_M")) as f:
-        spec = qwen35moe.read_spec(f.metadata, get_preset(PRESET).n_vocab)
+    path = model_file(PRESET, "Q4_K_M")
+    engine = moestream.load(path, device="cpu", progress=False)
+    assert engine.model.attention_layers == [3]
+    engine.close()
+    with GGUFFile(path) as f:
         types = {name: t.qtype for name, t in f.tensors.items()}
-    assert qwen35moe.Model(spec, {}, None).attention_layers == [3]
     for name in ("ssm_a", "ssm_dt.bias", "ssm_conv1d.weight", "ssm_norm.weight", "ffn_gate_inp_shexp.weight",
                  "ffn_gate_inp.weight", "post_attention_norm.weight"):
         assert types[f"blk.0.{name}"] == Q.F32, name
@@ -75,8 +77,7 @@ def test_file_follows_llama_cpp_layout(model_file):
 def test_recurrent_layers_key_wins_over_interval():
     p = get_preset(PRESET)
     meta = preset_metadata(p, "F32") | {"qwen35moe.attention.recurrent_layers": [False, True, False, True]}
-    spec = qwen35moe.read_spec(meta, p.n_vocab)
-    assert qwen35moe.Model(spec, {}, None).attention_layers == [0, 2]
+    assert qwen35moe.read_spec(meta, p.n_vocab).extra["recurrent_layers"] == (False, True, False, True)
 
 
 def test_imrope_pairs_outside_the_text_sections_stay_still():

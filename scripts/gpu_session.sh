@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One device-machine session: GPU tests, a generated Qwen3-30B-A3B-shaped Q4_K_M model, routing, benches.
+# Usage (on the GPU machine, wheels carried in .whl): bash scripts/gpu_session.sh [tests|model|bench|all]
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+MS="python3 -m moestream.cli"
+MODEL=/tmp/qwen3-30b-a3b-Q4_K_M.gguf
+what=${1:-all}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+git log -1 --format='commit %H %cd' | tee -a "$OUT/gpu.txt"
+if [[ $what == tests || $what == all ]]; then
+  python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.txt" | tail -25
+fi
+if [[ $what == model || $what == bench || $what == all ]]; then
+  /usr/bin/time -f "make-model: %e s, max RSS %M KB" $MS make-model $MODEL --preset qwen3-30b-a3b --quant Q4_K_M \
+    2>&1 | grep -v '\r' | tail -3 | tee "$OUT/make_model.txt"
+  $MS info $MODEL --routing --tokens 2048 2>&1 | grep -v '%|' | tee "$OUT/info_routing.txt" | tail -60
+fi
+if [[ $what == bench || $what == all ]]; then
+  B="$MS bench -m $MODEL -ncmoe 26 -r 3"
+  $B -p 512 -ub 512 --stream serial,pinned,overlap,layer-major --vram-budget 12GiB 2>&1 | tee "$OUT/bench_pp512.txt"
+  $B -p 2048 -ub 2048 --stream serial,pinned,overlap,layer-major --vram-budget 12GiB 2>&1 | tee "$OUT/bench_pp2048.txt"
+  $B -p 8192,16384 -ub 2048 --stream overlap,layer-major -r 2 2>&1 | tee "$OUT/bench_long.txt"
+fi

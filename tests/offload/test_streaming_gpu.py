@@ -1,0 +1,64 @@
+"""Streaming on CUDA: every schedule bit-identical to all-resident; slots survive a slow consumer;
+registration refused falls back to bounce buffers with one warning."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moestream
+from moestream.offload.device import CudaDevice
+from moestream.offload.host import PinnedRanges
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+TOKENS = torch.randint(0, 1280, (96,), generator=torch.Generator().manual_seed(7)).tolist()
+
+
+def logits(path, device_impl=None, **opts):
+    e = moestream.load(path, device="cuda", ubatch=32, progress=False, device_impl=device_impl, **opts)
+    try:
+        return e.logits(TOKENS)
+    finally:
+        e.close()
+
+
+class SlowConsumer(CudaDevice):
+    """Compute spins for a while after each slot becomes ready, before the kernels that read it."""
+
+    def wait(self, event) -> None:
+        super().wait(event)
+        torch.cuda._sleep(2_000_000)  # ~1 ms of GPU time on the compute stream
+
+
+@pytest.mark.parametrize("stream", ["serial", "pinned", "overlap", "layer-major"])
+@pytest.mark.parametrize("slots", [2, 3])
+def test_schedules_bit_identical_on_cuda(model_file, stream, slots):
+    path = model_file("tiny", "Q4_K_M")
+    ref = logits(path, n_cpu_moe=0)
+    got = logits(path, n_cpu_moe="all", stream=stream, slots=slots)
+    assert torch.equal(ref, got), f"{stream}/{slots}: max diff {(ref - got).abs().max():.3e}"
+
+
+@pytest.mark.parametrize("stream", ["overlap", "layer-major"])
+def test_slot_not_overwritten_under_slow_consumer(model_file, stream):
+    path = model_file("tiny-odd", "Q8_0")  # 3 layers through 2 slots: every slot is reused
+    serial = logits(path, n_cpu_moe="all", stream="serial")
+    slow = logits(path, device_impl=SlowConsumer(torch.device("cuda")), n_cpu_moe="all", stream=stream, slots=2)
+    assert torch.equal(serial, slow)
+
+
+def test_registration_refused_falls_back_to_bounce_buffers(model_file):
+    path = model_file("tiny", "Q4_K_M")
+    e = moestream.load(path, device="cuda", ubatch=32, progress=False, n_cpu_moe=0)
+    ref = e.logits(TOKENS)
+    squatter = PinnedRanges()  # CUDA refuses to register the same pages of the same mapping twice
+    assert squatter.register([t.data for t in e.source.tensors.values() if "_exps" in t.name])
+    try:
+        with pytest.warns(UserWarning, match="refused"):
+            e.reconfigure(n_cpu_moe="all", stream="overlap")
+        assert e.offload.bounce
+        got = e.logits(TOKENS)
+    finally:
+        e.close()
+        squatter.unregister()
+    assert torch.equal(ref, got)
