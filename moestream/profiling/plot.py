@@ -14,7 +14,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from moestream.profiling.stats import summarize, union
+from moestream.profiling.stats import Summary, summarize, union
 from moestream.profiling.timeline import Span, ordered_lanes
 
 KIND_COLORS = {
@@ -38,8 +38,7 @@ def _colors(runs: Mapping[str, list[Span]]) -> dict[str, str]:
     return {n: KIND_COLORS.get(n) or next(others) for n in names}
 
 
-def _row_title(name: str, spans: list[Span]) -> str:
-    s = summarize(spans)
+def _row_title(name: str, s: Summary) -> str:
     parts = [f"{name}: wall {s.wall_s * 1e3:.1f} ms", f"compute idle {s.idle_pct:.0f}%"]
     if s.overlap_pct is not None:
         parts.append(f"overlap {s.overlap_pct:.0f}%")
@@ -55,7 +54,7 @@ def plot_timelines(runs: Mapping[str, list[Span]], path: str | Path, title: str 
     lanes = {name: ordered_lanes(spans) for name, spans in runs.items()}
     colors = _colors(runs)
     heights = [max(len(v), 1) + 0.8 for v in lanes.values()] or [1.0]
-    fig = Figure(figsize=(width_in, 0.9 + 0.45 * sum(heights)), dpi=120)
+    fig = Figure(figsize=(width_in, 0.9 + 0.45 * sum(heights)), dpi=120, layout="constrained")
     axes = fig.subplots(len(heights), 1, sharex=True, squeeze=False,
                         gridspec_kw={"height_ratios": heights})[:, 0]
     x_max = max((s.end for spans in runs.values() for s in spans), default=1.0) * 1e3
@@ -64,11 +63,13 @@ def plot_timelines(runs: Mapping[str, list[Span]], path: str | Path, title: str 
 
     for ax, (name, spans) in zip(axes, runs.items(), strict=False):
         rows = {lane: i for i, lane in enumerate(reversed(lanes[name]))}
+        summary = summarize(spans)
         by_lane_name: dict[tuple[str, str], list[tuple[float, float]]] = defaultdict(list)
         for s in sorted(spans, key=lambda s: -s.duration):  # long bars first, nested ones drawn over them
             by_lane_name[s.lane, s.name].append((s.start * 1e3, s.duration * 1e3))
         for (lane, kind), bars in by_lane_name.items():
-            ax.broken_barh(bars, (rows[lane] - 0.4, 0.8), facecolors=colors[kind], linewidth=0)
+            ax.broken_barh(bars, (rows[lane] - 0.4, 0.8), facecolors=colors[kind], edgecolors="white",
+                           linewidth=0.3)  # the edge keeps back-to-back bars apart
         blocks: dict[tuple[str, int, int | None], list[float]] = {}
         for s in spans:
             if s.layer is not None:
@@ -80,27 +81,27 @@ def plot_timelines(runs: Mapping[str, list[Span]], path: str | Path, title: str 
                 ax.text((a + b) / 2 * 1e3, rows[lane], label, ha="center", va="center", fontsize=FONT_SIZE,
                         color="white", clip_on=True)
         if "compute" in rows:
-            stalls = [(st.start * 1e3, st.duration * 1e3) for st in summarize(spans).stalls]
+            stalls = [(st.start * 1e3, st.duration * 1e3) for st in summary.stalls]
             ax.broken_barh(stalls, (rows["compute"] - 0.4, 0.8), facecolors="none", edgecolors=STALL_COLOR,
                            hatch="////", linewidth=0.6)
-            idle = _gaps(union((s.start, s.end) for s in spans if s.lane == "compute"), x_max / 1e3)
+            busy = union((s.start, s.end) for s in spans if s.lane == "compute")
+            idle = _gaps(busy, max(s.end for s in spans))
             ax.broken_barh([(a * 1e3, (b - a) * 1e3) for a, b in idle], (rows["compute"] - 0.45, 0.06),
                            facecolors=STALL_COLOR, linewidth=0)
         ax.set_yticks(range(len(rows)), list(rows))
         ax.set_ylim(-0.6, len(rows) - 0.4)
-        ax.set_title(_row_title(name, spans), fontsize=FONT_SIZE + 2, loc="left")
+        ax.set_title(_row_title(name, summary), fontsize=FONT_SIZE + 2, loc="left")
         ax.tick_params(labelsize=FONT_SIZE + 1)
         ax.grid(axis="x", linewidth=0.3, alpha=0.5)
     axes[-1].set_xlim(0, x_max * 1.005)
     axes[-1].set_xlabel("time since the pass started (ms)", fontsize=FONT_SIZE + 1)
     handles = [Patch(color=c, label=n) for n, c in colors.items()]
-    handles.append(Patch(facecolor="none", edgecolor=STALL_COLOR, hatch="////",
-                         label="stall: compute idle, upload in flight"))
-    fig.legend(handles=handles, loc="upper center", ncol=min(len(handles), 6), fontsize=FONT_SIZE + 1,
-               frameon=False, bbox_to_anchor=(0.5, 1.0))
+    handles += [Patch(facecolor="none", edgecolor=STALL_COLOR, hatch="////", label="stall: waits on uploads"),
+                Patch(color=STALL_COLOR, label="compute idle (thin line)")]
+    fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 8), fontsize=FONT_SIZE + 1,
+               frameon=False)
     if title:
-        fig.suptitle(title, y=1.0 - 0.35 / fig.get_figheight(), fontsize=FONT_SIZE + 4)
-    fig.tight_layout(rect=(0, 0, 1, 1 - (0.75 if title else 0.45) / fig.get_figheight()))
+        fig.suptitle(title, fontsize=FONT_SIZE + 4)
     fig.savefig(path, format="png")
 
 

@@ -1,13 +1,17 @@
 """Where the time of a pass went, computed from its timeline: idle compute, link speed, overlap, stalls.
 
 Compute busy time is the union of the "compute" lane (nested spans such as a dequant inside experts count
-once); copy busy time is the union of the "copy" lane. A stall is a gap in compute, followed by more compute,
-during which an upload was in flight (on the copy lane or on a CPU copy thread that stages it); the part of
-the gap with an upload in flight is the time compute spent waiting on uploads.
+once); copy busy time is the union of the "copy" lane.
+
+A stall is a gap in compute, followed by more compute, inside which an upload finished (on the copy lane or a
+CPU copy thread that stages it): compute resumed once the bytes were there. Its waiting time is the part of
+the gap from its start to the last upload that finished in it during which an upload was in flight. Gaps
+with no upload finishing in them (launch overhead, host work) are idle time but not waiting on uploads.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -52,7 +56,7 @@ def _is_upload_lane(lane: str) -> bool:
 
 @dataclass(frozen=True)
 class Stall:
-    """Compute idle from start to end before `layer`'s compute; upload_s of it had an upload in flight."""
+    """Compute idle from start to end before `layer`'s compute, of which upload_s waiting on uploads."""
 
     start: float
     end: float
@@ -78,6 +82,8 @@ class LayerStats:
 
 @dataclass
 class Summary:
+    """One pass in numbers (seconds, bytes, GB = 1e9 bytes); None where there were no copies to measure."""
+
     wall_s: float
     compute_busy_s: float
     idle_s: float
@@ -138,18 +144,21 @@ class Summary:
         return "\n".join(lines)
 
 
-def _stalls(spans: list[Span], compute: list[Interval], uploads: list[Interval]) -> list[Stall]:
-    """Gaps before each stretch of compute (from the pass start) that overlap an upload in flight."""
-    first_start = {}  # start of a compute stretch -> layer of the compute span that begins it
-    for s in spans:
-        if s.lane == "compute" and s.start not in first_start:
-            first_start[s.start] = s.layer
+def _stalls(spans: list[Span], compute: list[Interval]) -> list[Stall]:
+    """Gaps before stretches of compute (from the pass start) in which an upload finished; longest first."""
+    # start of a compute stretch -> layer of the (longest) compute span that begins it
+    first_layer: dict[float, int | None] = {}
+    for s in sorted(spans, key=lambda s: -s.duration):
+        if s.lane == "compute":
+            first_layer.setdefault(s.start, s.layer)
+    upload_spans = [(s.start, s.end) for s in spans if _is_upload_lane(s.lane)]
+    uploads, ends = union(upload_spans), sorted(b for _, b in upload_spans)
     stalls, prev_end = [], min(s.start for s in spans)
     for a, b in compute:
-        if a > prev_end:
-            waited = total(intersect([(prev_end, a)], uploads))
-            if waited > 0:
-                stalls.append(Stall(prev_end, a, first_start.get(a), waited))
+        i, j = bisect_right(ends, prev_end), bisect_right(ends, a)
+        if a > prev_end and j > i:
+            waited = total(intersect([(prev_end, ends[j - 1])], uploads))
+            stalls.append(Stall(prev_end, a, first_layer.get(a), waited))
         prev_end = b
     return sorted(stalls, key=lambda s: -s.duration)
 
@@ -166,12 +175,11 @@ def summarize(spans: list[Span], wall_s: float | None = None) -> Summary:
         by_lane[s.lane].append((s.start, s.end))
     lanes = {lane: union(iv) for lane, iv in by_lane.items()}
     compute, copy = lanes.get("compute", []), lanes.get("copy", [])
-    uploads = union(iv for lane, ivs in lanes.items() if _is_upload_lane(lane) for iv in ivs)
 
     busy, copy_s = total(compute), total(copy)
     hidden = total(intersect(copy, compute))
     nbytes = sum(s.nbytes for s in spans if s.lane == "copy")
-    stalls = _stalls(spans, compute, uploads) if compute else []
+    stalls = _stalls(spans, compute) if compute else []
 
     compute_by_name: dict[str, float] = defaultdict(float)
     layers: dict[int, LayerStats] = {}
@@ -193,7 +201,7 @@ def summarize(spans: list[Span], wall_s: float | None = None) -> Summary:
         else:
             layers[layer].copy_s = total(union(iv))
     for st in stalls:
-        if st.layer is not None and st.layer in layers:
+        if st.layer in layers:
             layers[st.layer].wait_s += st.upload_s
 
     return Summary(

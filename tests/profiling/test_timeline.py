@@ -85,20 +85,20 @@ def test_summary_exact():
         Span("compute", "dequant", 1.5, 2.0, layer=0),  # nested in experts: counts once in busy time
         Span("copy", "upload", 2.0, 4.0, layer=1, nbytes=3_000_000_000),  # 1 s hidden, 1 s exposed
         Span("compute", "experts", 4.0, 5.0, layer=1),
-        Span("compute", "experts", 5.5, 6.0, layer=1),  # a gap with no upload in flight: idle, not a stall
-        Span("copy", "upload", 6.0, 7.0, layer=2, nbytes=500_000_000),  # after the last compute: not a stall
+        Span("compute", "experts", 5.5, 6.0, layer=1),  # the gap before: idle, not a stall (no upload ended)
+        Span("copy", "upload", 5.2, 7.0, layer=2, nbytes=500_000_000),  # ends after the last compute
     ]
     s = summarize(spans)
     assert s.wall_s == pytest.approx(7.0)
     assert s.compute_busy_s == pytest.approx(3.5)
     assert s.idle_s == pytest.approx(3.5)
     assert s.idle_pct == pytest.approx(50.0)
-    assert s.copy_busy_s == pytest.approx(4.0)
+    assert s.copy_busy_s == pytest.approx(4.8)
     assert s.bytes_copied == 4_500_000_000
-    assert s.copy_gbps == pytest.approx(4.5 / 4.0)
+    assert s.copy_gbps == pytest.approx(4.5 / 4.8)
     assert s.avg_gbps == pytest.approx(4.5 / 7.0)
-    assert s.hidden_copy_s == pytest.approx(1.0)
-    assert s.overlap_pct == pytest.approx(25.0)
+    assert s.hidden_copy_s == pytest.approx(1.5)
+    assert s.overlap_pct == pytest.approx(1.5 / 4.8 * 100)
     stalls = [(st.start, st.end, st.layer, st.upload_s) for st in s.stalls]
     assert stalls == [(0.0, 1.0, 0, 1.0), (3.0, 4.0, 1, 1.0)]
     assert s.wait_on_upload_s == pytest.approx(2.0)
@@ -107,13 +107,13 @@ def test_summary_exact():
     assert (l0.layer, l0.compute_s, l0.copy_s, l0.nbytes, l0.wait_s) == (0, 2.0, 1.0, 1_000_000_000, 1.0)
     assert l0.by_name == pytest.approx({"attention": 0.5, "experts": 1.5, "dequant": 0.5})
     assert (l1.compute_s, l1.copy_s, l1.nbytes, l1.wait_s) == (1.5, 2.0, 3_000_000_000, 1.0)
-    assert (l2.compute_s, l2.copy_s, l2.wait_s) == (0.0, 1.0, 0.0)
-    assert s.lane_busy_s == pytest.approx({"copy": 4.0, "compute": 3.5})
+    assert (l2.compute_s, l2.copy_s, l2.wait_s) == (0.0, pytest.approx(1.8), 0.0)
+    assert s.lane_busy_s == pytest.approx({"copy": 4.8, "compute": 3.5})
 
     d = json.loads(json.dumps(s.as_dict()))
-    assert d["overlap_pct"] == pytest.approx(25.0) and d["stalls"][0]["duration"] == pytest.approx(1.0)
+    assert d["overlap_pct"] == pytest.approx(31.25) and d["stalls"][0]["duration"] == pytest.approx(1.0)
     table = s.table()
-    for line in ("compute idle", "50.0 %", "overlap", "25.0", "1.12 GB/s", "top stalls (2 in all)"):
+    for line in ("compute idle", "50.0 %", "overlap", "31.2", "0.94 GB/s", "top stalls (2 in all)"):
         assert line in table
     # totals; blank, title, header, 2 stalls; blank, header, 3 layers
     assert len(table.splitlines()) == 9 + 5 + 5

@@ -161,7 +161,7 @@ def test_chrome_trace_moves_partly_overlapping_spans_to_an_extra_track(tmp_path)
 
 
 def _trace_processor_shell() -> str | None:
-    """A trace_processor_shell that runs offline: $PERFETTO_TRACE_PROCESSOR or the perfetto package's cache."""
+    """A trace_processor_shell runnable offline: $PERFETTO_TRACE_PROCESSOR or the perfetto package's cache."""
     if path := os.environ.get("PERFETTO_TRACE_PROCESSOR"):
         return path
     cached = glob.glob(os.path.expanduser("~/.local/share/perfetto/prebuilts/trace_processor_shell-*"))
