@@ -6,14 +6,13 @@ sees distinct inputs per token and spreads them over all experts the way a train
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import gguf
 import numpy as np
-import torch
 
 from moestream.errors import MoestreamError
 from moestream.formats.quantize import quantize
@@ -80,24 +79,32 @@ def init_std(name: str, shape: tuple[int, ...], n_layer: int) -> float:
     return 1.0 / fan_in**0.5
 
 
-def _float_tensor(name: str, shape: tuple[int, ...], n_layer: int, seed: int) -> np.ndarray:
+CHUNK_ELEMENTS = 1 << 22  # generation unit: fixed, so a file does not depend on the number of workers
+
+
+def _float_rows(name: str, shape: tuple[int, ...], n_layer: int, seed: int, part: int,
+                n_rows: int) -> np.ndarray:
+    """Rows [part * chunk, part * chunk + n_rows) of the tensor, flattened to [n_rows, shape[-1]]."""
     # crc32, not hash(): Python salts hash() per process
-    g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()) % 1_000_003)
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode()), part])
+    size = (n_rows, shape[-1])
     if name.endswith(".ssm_a"):  # -exp(A_log): decay rates from slow to fast, as transformers initialises A
-        return -torch.empty(shape).uniform_(0.01, 16, generator=g).numpy()
+        return -rng.uniform(0.01, 16, size).astype(np.float32)
     if len(shape) == 1:  # norm weights and dt bias: near one
-        return (1.0 + 0.05 * torch.randn(shape, generator=g)).numpy()
-    return (init_std(name, shape, n_layer) * torch.randn(shape, generator=g)).numpy()
+        return (1.0 + 0.05 * rng.standard_normal(size, dtype=np.float32)).astype(np.float32)
+    return init_std(name, shape, n_layer) * rng.standard_normal(size, dtype=np.float32)
 
 
-def _quantize_parallel(x: np.ndarray, qtype: Q) -> np.ndarray:
-    """Quantize along the first axis in threads (numpy releases the GIL on big arrays)."""
-    workers = min(os.cpu_count() or 1, 16)
-    if x.ndim < 2 or x.shape[0] < 2 or x.size < 1 << 22 or workers == 1:
-        return quantize(x, qtype)
-    parts = np.array_split(x, min(workers, x.shape[0]), axis=0)
-    with ThreadPoolExecutor(workers) as pool:
-        return np.concatenate(list(pool.map(lambda part: quantize(part, qtype), parts)), axis=0)
+def _make_chunk(task: tuple) -> np.ndarray:
+    name, shape, qtype, n_layer, seed, part, n_rows = task
+    return quantize(_float_rows(name, shape, n_layer, seed, part, n_rows), qtype)
+
+
+def _chunks(p: TensorPlan, n_layer: int, seed: int) -> list[tuple]:
+    n_rows = int(np.prod(p.shape[:-1]))
+    step = max(1, CHUNK_ELEMENTS // p.shape[-1])
+    return [(p.name, p.shape, p.qtype, n_layer, seed, k, min(step, n_rows - start))
+            for k, start in enumerate(range(0, n_rows, step))]
 
 
 def make_model(out: str | os.PathLike[str], preset: Preset, quant: str = "Q4_K_M", seed: int = 0,
@@ -111,7 +118,18 @@ def make_model(out: str | os.PathLike[str], preset: Preset, quant: str = "Q4_K_M
     shapes = arch.tensor_shapes(spec, tied_output=preset.tied_output)
     plans = [TensorPlan(n, tensor_type(n, s, quant, preset.n_layer), s) for n, s in shapes.items()]
 
-    def produce(p: TensorPlan) -> np.ndarray:
-        return _quantize_parallel(_float_tensor(p.name, p.shape, preset.n_layer, seed), p.qtype)
+    tasks = {p.name: _chunks(p, preset.n_layer, seed) for p in plans}
+    workers = min(os.cpu_count() or 1, 32)
+    # big files: worker processes generate and quantize chunks (numpy holds the GIL too often for threads)
+    pool = mp.get_context("fork").Pool(workers) if workers > 1 and max(map(len, tasks.values())) > 1 else None
 
-    write_gguf(out, preset.arch, meta, plans, produce, progress)
+    def produce(p: TensorPlan) -> np.ndarray:
+        parts = pool.map(_make_chunk, tasks[p.name]) if pool and len(tasks[p.name]) > 1 else [
+            _make_chunk(t) for t in tasks[p.name]]
+        return np.concatenate(parts).reshape(p.byte_shape)
+
+    try:
+        write_gguf(out, preset.arch, meta, plans, produce, progress)
+    finally:
+        if pool is not None:
+            pool.close()

@@ -41,7 +41,7 @@ class PinnedRanges:
         for start, end in merged:
             err = cudart.cudaHostRegister(start, end - start, CUDA_HOST_REGISTER_READ_ONLY)
             if int(err) != 0:
-                torch.cuda.synchronize()
+                _clear_cuda_error()
                 warnings.warn(
                     f"page-locking {end - start} bytes of the model file was refused (CUDA error {int(err)}); "
                     "falling back to pinned bounce buffers (slower). Raise the locked-memory limit "
@@ -58,6 +58,15 @@ class PinnedRanges:
         for start, _ in self.ranges:
             cudart.cudaHostUnregister(ctypes.c_void_p(start).value)
         self.ranges.clear()
+
+
+def _clear_cuda_error() -> None:
+    """A refused cudaHostRegister leaves a sticky 'last error' that torch would report at its next launch;
+    read it off through the CUDA runtime torch itself loaded."""
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "libcudart" in line}
+    for path in paths:
+        ctypes.CDLL(path).cudaGetLastError()
 
 
 class BounceRing:

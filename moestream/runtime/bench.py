@@ -98,7 +98,7 @@ def run_bench(engine, prompts: list[int], gens: list[int], ubatches: list[int], 
                 progress(row)
     if floors:
         for ub in ubatches:
-            engine.reconfigure(ubatch=ub, n_cpu_moe=0, stream="overlap", progress=False)
+            engine.reconfigure(ubatch=ub, n_cpu_moe=0, stream="overlap", vram_budget=None, progress=False)
             for test, n in tests:
                 times, *_ = _measure(engine, test, random_prompt(n, engine.spec.n_vocab), repeats)
                 compute_floor[(test, ub)] = statistics.mean(times)
