@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from moestream.kernels.grouped_moe import grouped_mm
 
@@ -61,15 +62,18 @@ def rope_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s, rest), dim=-1)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos0: int) -> torch.Tensor:
-    """Softmax attention of q [T, H, Dh] (positions pos0..pos0+T-1) over k, v [S, Hkv, Dh] (positions 0..S-1)."""
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Softmax attention of q [T, H, Dh] (the last T positions) over k, v [S, Hkv, Dh] (positions 0..S-1).
+
+    The causal mask is aligned to the bottom right (query i sees keys up to S - T + i), passed as a bias
+    object rather than a dense mask so SDPA can pick its flash / memory-efficient kernels.
+    """
     T, H, _ = q.shape
     S, Hkv, _ = k.shape
     if Hkv != H:  # GQA: query head h reads KV head h // (H / Hkv)
         k = k.repeat_interleave(H // Hkv, dim=1)
         v = v.repeat_interleave(H // Hkv, dim=1)
-    q_pos = torch.arange(pos0, pos0 + T, device=q.device)[:, None]
-    mask = torch.arange(S, device=q.device)[None, :] <= q_pos  # [T, S]
+    mask = causal_lower_right(T, S)
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask)
     return out.transpose(0, 1)  # [T, H, Dh]
 

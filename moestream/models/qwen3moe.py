@@ -122,7 +122,7 @@ class Model:
         q = rope_neox(rms_norm(q, self.w(il, "attn_q_norm"), s.rms_eps), batch.cos, batch.sin)
         k = rope_neox(rms_norm(k, self.w(il, "attn_k_norm"), s.rms_eps), batch.cos, batch.sin)
         k_all, v_all = cache.kv.update(il, batch.pos0, k, v)
-        return causal_attention(q, k_all, v_all, batch.pos0)  # [T, H, Dh]
+        return causal_attention(q, k_all, v_all)  # [T, H, Dh]
 
     def moe(self, il: int, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route_softmax_topk(x, self.w(il, "ffn_gate_inp"), self.spec.n_expert_used)
