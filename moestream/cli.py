@@ -91,6 +91,21 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-floors", action="store_true", help="skip the all-resident compute-floor runs")
     bench.add_argument("--json", action="store_true", help="print rows as JSON")
 
+    prof = sub.add_parser("profile", help="timeline of one prefill pass per schedule: idle %, link GB/s, overlap")
+    _engine_flags(prof, lists=True)
+    prof.add_argument("-p", "--n-prompt", type=int, default=2048, help="prompt length")
+    prof.add_argument("-r", "--repetitions", type=int, default=3, help="passes timed with recording on and off")
+    prof.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace JSON here")
+    prof.add_argument("--plot", default=None, help="write a PNG timeline (a row per schedule) here")
+    prof.add_argument("--json", default=None, help="write the summaries as JSON here")
+
+    probe = sub.add_parser("probe", help="this machine's link and GEMM rates, and the floors of a run")
+    probe.add_argument("--device", default="auto")
+    probe.add_argument("-m", "--model", default=None, help="also print the floors of this model's prefill")
+    probe.add_argument("-p", "--n-prompt", type=int, default=2048)
+    probe.add_argument("-ub", "--ubatch", type=int, default=2048)
+    probe.add_argument("-ncmoe", "--n-cpu-moe", type=int, default=0)
+
     make = sub.add_parser("make-model", help="write a GGUF model with random weights of a preset's shapes")
     make.add_argument("out")
     make.add_argument("--preset", required=True)
@@ -207,6 +222,81 @@ def cmd_bench(a: argparse.Namespace) -> None:
           "with the same ubatch")
 
 
+def cmd_profile(a: argparse.Namespace) -> None:
+    import json
+
+    from moestream.profiling.session import profile_pass
+    from moestream.runtime.bench import random_prompt
+    from moestream.runtime.loader import load
+
+    opts = _engine_options(a)
+    opts.setdefault("n_ctx", a.n_prompt + 1)
+    engine = load(a.model, **opts)
+    results = []
+    try:
+        tokens = random_prompt(a.n_prompt, engine.spec.n_vocab)
+        for schedule in a.stream or ["serial", "overlap"]:
+            r = profile_pass(engine, tokens, schedule, a.repetitions)
+            results.append(r)
+            print(f"\n== {schedule}: pp{a.n_prompt} ub{opts['ubatch']} ncmoe {engine.offload.placement.n_cpu_moe}: "
+                  f"{r.wall_off_s * 1e3:.1f} ms unrecorded, {r.wall_on_s * 1e3:.1f} ms recorded "
+                  f"({r.overhead_pct:+.1f}%)")
+            print(r.summary.table())
+    finally:
+        engine.close()
+    runs = {r.schedule: r.spans for r in results}
+    if a.trace:
+        from moestream.profiling.trace import write_chrome_trace
+
+        write_chrome_trace(runs, a.trace)
+        print(f"wrote {a.trace}")
+    if a.plot:
+        from moestream.profiling.plot import plot_timelines
+
+        plot_timelines(runs, a.plot, title=f"{engine.spec.arch} pp{a.n_prompt} ub{opts['ubatch']}")
+        print(f"wrote {a.plot}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({r.schedule: r.summary.as_dict() | {"wall_on_s": r.wall_on_s, "wall_off_s": r.wall_off_s}
+                       for r in results}, f, indent=1)
+
+
+def cmd_probe(a: argparse.Namespace) -> None:
+    import torch
+
+    from moestream.profiling.probe import grouped_gemm_rate, h2d_rate, registered_rate
+
+    device = torch.device(a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    size = 1 << 30 if device.type == "cuda" else 1 << 26
+    pinned, pageable = h2d_rate(device, size), h2d_rate(device, size, pinned=False)
+    print(f"host-to-device: pinned {pinned / 1e9:.1f} GB/s, pageable {pageable / 1e9:.1f} GB/s ({device})")
+    spec, f = None, None
+    if a.model:
+        from moestream.formats.gguf import GGUFFile
+        from moestream.runtime.loader import describe, expert_bytes_per_layer
+
+        f = GGUFFile(a.model)
+        _, spec = describe(f)
+        if device.type == "cuda":
+            region = max(f.tensors.values(), key=lambda t: t.nbytes).data
+            print(f"registered mmap (page-locked in place): {registered_rate(device, region) / 1e9:.1f} GB/s")
+    shape = (spec.n_embd, spec.n_ff_exp, spec.n_expert, spec.n_expert_used) if spec else (2048, 768, 128, 8)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    gemm = grouped_gemm_rate(a.ubatch, *shape, device=device, dtype=dtype)
+    print(f"grouped expert GEMM (D={shape[0]}, F={shape[1]}, E={shape[2]}, top-{shape[3]}, "
+          f"{a.ubatch} tokens, {dtype}): {gemm / 1e12:.1f} TFLOP/s")
+    if spec is not None:
+        n_chunks = -(-a.n_prompt // a.ubatch)
+        streamed = sum(expert_bytes_per_layer(f, spec)[: a.n_cpu_moe])
+        f.close()
+        flops = 6 * a.n_prompt * spec.n_expert_used * spec.n_embd * spec.n_ff_exp * spec.n_layer
+        print(f"floors for pp{a.n_prompt} ub{a.ubatch} ncmoe {a.n_cpu_moe}:")
+        print(f"  transfer: token-major {n_chunks * streamed / pinned * 1e3:.1f} ms "
+              f"({n_chunks} x {streamed / 1e9:.2f} GB), layer-major {streamed / pinned * 1e3:.1f} ms")
+        print(f"  compute (expert GEMMs only, at the rate above): {flops / gemm * 1e3:.1f} ms; "
+              "`moestream bench` measures the full compute floor (every expert resident)")
+
+
 def cmd_make_model(a: argparse.Namespace) -> None:
     from moestream.models.presets import get_preset
     from moestream.models.synthetic import make_model
@@ -216,7 +306,8 @@ def cmd_make_model(a: argparse.Namespace) -> None:
     print(f"wrote {a.out}: preset {preset.name}, {preset.n_layer} layers, {a.quant}")
 
 
-COMMANDS = {"run": cmd_run, "info": cmd_info, "bench": cmd_bench, "make-model": cmd_make_model}
+COMMANDS = {"run": cmd_run, "info": cmd_info, "bench": cmd_bench, "profile": cmd_profile, "probe": cmd_probe,
+            "make-model": cmd_make_model}
 
 
 def main(argv: list[str] | None = None) -> int:

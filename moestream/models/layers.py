@@ -90,6 +90,12 @@ def route_softmax_topk(x: torch.Tensor, w_router: torch.Tensor, k: int, renorm: 
 Stack = torch.Tensor | Callable[[], torch.Tensor]
 
 
+def expert_counts(ids: torch.Tensor, n_expert: int) -> torch.Tensor:
+    """Token-expert pairs per expert. Not torch.bincount: on CUDA it reads the max id back to the host."""
+    return torch.zeros(n_expert, dtype=torch.int32, device=ids.device).index_add_(
+        0, ids, torch.ones_like(ids, dtype=torch.int32))
+
+
 def moe_swiglu(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, n_expert: int,
                w_gate: Stack, w_up: Stack, w_down: Stack) -> torch.Tensor:
     """Sum over chosen experts of weight * down(silu(gate(x)) * up(x)), as one grouped computation.
@@ -102,7 +108,7 @@ def moe_swiglu(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, n_expe
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # token-expert pairs grouped by expert
     rows = x[order // K]  # [T*K, D]
-    offs = torch.bincount(flat, minlength=n_expert).cumsum(0).to(torch.int32)
+    offs = expert_counts(flat, n_expert).cumsum(0).to(torch.int32)
 
     def mm(a: torch.Tensor, w: Stack) -> torch.Tensor:
         return grouped_mm(a, (w() if callable(w) else w).transpose(1, 2), offs)

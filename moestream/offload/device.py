@@ -13,7 +13,10 @@ import threading
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
+
+from moestream.profiling.timeline import NULL, Timeline
 
 
 class CudaDevice:
@@ -23,21 +26,26 @@ class CudaDevice:
         self.device = device
         self.copy_stream = torch.cuda.Stream(device)
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: torch.cuda.Event | None, on_copy_stream: bool = True
-             ) -> torch.cuda.Event:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: torch.cuda.Event | None, on_copy_stream: bool = True,
+             timeline: Timeline = NULL, **label) -> torch.cuda.Event:
         """Queue dst <- src; it starts once `after` has fired. Returns the event that fires when it is done."""
         stream = self.copy_stream if on_copy_stream else torch.cuda.current_stream(self.device)
         done = torch.cuda.Event()
         with torch.cuda.stream(stream):
             if after is not None:
                 stream.wait_event(after)
+            start = timeline.stamp(stream)
             dst.copy_(src, non_blocking=True)
+            timeline.add("copy", "upload", start, timeline.stamp(stream), nbytes=src.numel(), **label)
             done.record(stream)
         return done
 
     def wait(self, event: torch.cuda.Event) -> None:
         """Make the compute stream wait for event (no host sync)."""
         torch.cuda.current_stream(self.device).wait_event(event)
+
+    def compute(self) -> None:
+        """Nothing injected on a real GPU."""
 
     def record(self) -> torch.cuda.Event:
         """An event on the compute stream: fires when everything queued so far has run."""
@@ -71,8 +79,8 @@ class CpuEvent:
 class CpuDevice:
     """Copies run in order on a worker thread (the copy stream); compute is the calling thread.
 
-    copy_delay_s / compute_delay_s inject slowness: each copy sleeps before writing, and each wait on a
-    copy sleeps after the copy is done (standing in for kernels that still read the previous slot).
+    copy_delay_s / compute_delay_s inject slowness: each copy sleeps before writing (a slow link), and each
+    expert computation sleeps while it holds its slot (slow kernels).
     """
 
     def __init__(self, copy_delay_s: float = 0.0, compute_delay_s: float = 0.0):
@@ -91,16 +99,20 @@ class CpuDevice:
             except BaseException as e:  # surfaced to the compute thread at its next wait
                 self._error = e
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: CpuEvent | None, on_copy_stream: bool = True
-             ) -> CpuEvent:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: CpuEvent | None, on_copy_stream: bool = True,
+             timeline: Timeline = NULL, **label) -> CpuEvent:
         done = CpuEvent()
 
         def job() -> None:
             if after is not None:
                 after.synchronize()
-            if self.copy_delay_s:
+            start = timeline.stamp()
+            if self.copy_delay_s:  # a slow link
                 time.sleep(self.copy_delay_s)
-            dst.copy_(src)
+            # numpy, not torch: a torch op here would start a second OpenMP team whose spinning threads
+            # steal the cores from compute on the main thread
+            np.copyto(dst.numpy(), src.numpy())
+            timeline.add("copy", "upload", start, timeline.stamp(), nbytes=src.numel(), **label)
             done.set()
 
         if on_copy_stream:
@@ -113,6 +125,9 @@ class CpuDevice:
         event.synchronize()
         if self._error is not None:
             raise self._error
+
+    def compute(self) -> None:
+        """Injected compute time, spent where the kernels of a layer's experts run."""
         if self.compute_delay_s:
             time.sleep(self.compute_delay_s)
 

@@ -14,8 +14,9 @@ import torch
 
 from moestream.formats.gguf import TensorView, torch_bytes
 from moestream.kernels.dequant import dequantize
-from moestream.models.layers import moe_swiglu
+from moestream.models.layers import expert_counts, moe_swiglu
 from moestream.offload.streamer import Streamer
+from moestream.profiling.timeline import NULL, Timeline
 
 
 @dataclass(frozen=True)
@@ -35,51 +36,77 @@ class ExpertTensors:
     def host_bytes(self) -> list[torch.Tensor]:
         return [torch_bytes(v) for v in self.views]
 
-    def stacks(self, raws: list[torch.Tensor], dtype: torch.dtype, rows: torch.Tensor | None = None):
+    def stacks(self, raws: list[torch.Tensor], dtype: torch.dtype, rows: torch.Tensor | None = None,
+               timeline: Timeline = NULL, layer: int | None = None):
         """(gate, up, down) as functions that dequantize stored bytes `raws` (on any device) when called;
         rows picks experts, in that order. Lazy, so only one dequantized stack is alive at a time."""
 
         def make(raw: torch.Tensor, v: TensorView):
-            if rows is None:
-                return lambda: dequantize(raw, v.qtype, v.shape, dtype)
-            return lambda: dequantize(raw[rows], v.qtype, (rows.numel(), *v.shape[1:]), dtype)
+            def dequantized() -> torch.Tensor:
+                start = timeline.stamp()
+                if rows is None:
+                    out = dequantize(raw, v.qtype, v.shape, dtype)
+                else:
+                    out = dequantize(raw[rows], v.qtype, (rows.numel(), *v.shape[1:]), dtype)
+                timeline.add("compute", "dequant", start, timeline.stamp(), layer=layer)
+                return out
 
-        return tuple(make(raw, v) for raw, v in zip(raws, self.views))
+            return dequantized
+
+        return tuple(make(raw, v) for raw, v in zip(raws, self.views, strict=True))
 
 
 class LayerExperts:
     """The ExpertSource the model calls: resident layers, streamed layers and the CPU path for small batches."""
 
     def __init__(self, tensors: dict[int, ExpertTensors], resident: dict[int, list[torch.Tensor]],
-                 streamer: Streamer | None, dtype: torch.dtype, min_batch: int):
+                 streamer: Streamer | None, dtype: torch.dtype, min_batch: int, dev):
         self.tensors = tensors
+        self.dev = dev
         self.resident = resident  # il -> stored bytes on the compute device
         self.streamer = streamer
         self.dtype = dtype
         self.min_batch = min_batch
         self.track_usage = False  # when set, record the fraction of experts each streamed micro-batch used
         self.usage: list[torch.Tensor] = []
+        self.timeline = NULL
+        self._layer: tuple[int, int, object] = (-1, -1, None)  # (layer, micro-batch, stamp) the engine started
 
+    def start_layer(self, il: int, ubatch: int) -> None:
+        """The engine begins layer il of a micro-batch: attention and router run from here to ffn()."""
+        self._layer = (il, ubatch, self.timeline.stamp())
     def streams(self, il: int, n_tokens: int) -> bool:
         """Whether a micro-batch of n_tokens makes the streamer upload layer il."""
         return il not in self.resident and n_tokens >= self.min_batch
 
     def ffn(self, il: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        t = self.tensors[il]
+        t, tl = self.tensors[il], self.timeline
+        layer, ubatch, layer_start = self._layer
+        label = dict(layer=il, ubatch=ubatch) if layer == il else dict(layer=il)
+        if layer == il:
+            tl.add("compute", "attention", layer_start, tl.stamp(), **label)
         if il in self.resident:
-            return self._on_device(t, self.resident[il], x, weights, ids)
-        if x.shape[0] < self.min_batch:
-            return self._on_cpu(t, x, weights, ids)
-        if self.track_usage:  # stays on the device: no sync
-            self.usage.append((torch.bincount(ids.reshape(-1), minlength=t.n_expert) > 0).float().mean())
-        return self._on_device(t, self.streamer.acquire(il), x, weights, ids)
+            raws = self.resident[il]
+        elif x.shape[0] < self.min_batch:
+            with tl.span("compute", "experts-cpu", **label):
+                return self._on_cpu(t, x, weights, ids)
+        else:
+            if self.track_usage:  # stays on the device: no sync
+                self.usage.append((expert_counts(ids.reshape(-1), t.n_expert) > 0).float().mean())
+            raws = self.streamer.acquire(il)  # the compute stream now waits for the upload
+        start = tl.stamp()
+        out = self._on_device(il, t, raws, x, weights, ids)
+        tl.add("compute", "experts", start, tl.stamp(), **label)
+        return out
 
-    def _on_device(self, t: ExpertTensors, raws, x, weights, ids) -> torch.Tensor:
+    def _on_device(self, il: int, t: ExpertTensors, raws, x, weights, ids) -> torch.Tensor:
+        self.dev.compute()  # injected slowness on the CPU device; nothing on a GPU
         T, K = ids.shape
         if T * K < t.n_expert:  # few tokens: dequantize just the chosen experts, one per token-expert pair
             pairs = torch.arange(T * K, device=x.device).view(T, K)
-            return moe_swiglu(x, weights, pairs, T * K, *t.stacks(raws, self.dtype, rows=ids.reshape(-1)))
-        return moe_swiglu(x, weights, ids, t.n_expert, *t.stacks(raws, self.dtype))
+            stacks = t.stacks(raws, self.dtype, ids.reshape(-1), self.timeline, il)
+            return moe_swiglu(x, weights, pairs, T * K, *stacks)
+        return moe_swiglu(x, weights, ids, t.n_expert, *t.stacks(raws, self.dtype, None, self.timeline, il))
 
     def _on_cpu(self, t: ExpertTensors, x, weights, ids) -> torch.Tensor:
         """Compute the chosen experts on the CPU from the map: moving a few rows of x beats moving weights."""

@@ -15,6 +15,7 @@ import torch
 
 from moestream.errors import MoestreamError
 from moestream.offload.host import BounceRing
+from moestream.profiling.timeline import NULL
 
 ALIGN = 256  # bytes between tensors inside a slot
 
@@ -63,6 +64,7 @@ class Streamer:
         self.current: _Slot | None = None
         self.bytes_uploaded = 0
         self.uploads = 0
+        self.timeline = NULL
 
     def begin(self, visits: list[int]) -> None:
         """The streamed layers compute will ask for, in order; uploads start right away."""
@@ -77,9 +79,9 @@ class Streamer:
         self.finish()
         if not self.visits or self.visits[0] != il:
             raise MoestreamError(f"internal: layer {il} was not the next streamed visit ({list(self.visits)[:3]})")
-        slot = next((s for s in self.slots if s.layer == il and s.ready is not None), None)
+        slot = next((s for s in self.slots if s.layer == il and s.ready is not None), None) or self._upload(il)
         if slot is None:
-            slot = self._upload(il)
+            raise MoestreamError("internal: no free staging slot")
         self.visits.popleft()
         self.dev.wait(slot.ready)
         self.current = slot
@@ -94,29 +96,30 @@ class Streamer:
             self.current = None
 
     def _prefetch(self) -> None:
+        """Start uploads for the next visits, as many as there are slots besides the one in use."""
         if not self.overlap:
             return
-        ahead = [il for il in list(self.visits)[: len(self.slots) - (self.current is not None)]]
-        for il in ahead:
-            if not any(s.layer == il for s in self.slots):
-                if self._free_slot() is None:
-                    break
-                self._upload(il)
+        for ahead, il in enumerate(list(self.visits)[: len(self.slots) - (self.current is not None)]):
+            if not any(s.layer == il for s in self.slots) and self._upload(il, ahead) is None:
+                break
 
-    def _free_slot(self) -> _Slot | None:
-        """The next slot in ring order that compute is not using and no upcoming visit still needs."""
-        upcoming = set(list(self.visits)[: len(self.slots)])
+    def _free_slot(self, ahead: int) -> _Slot | None:
+        """The next slot in ring order that compute is not using and that no visit before `ahead` still needs.
+
+        A layer wanted only later may be evicted: the nearer visit's upload matters more."""
+        needed = set(list(self.visits)[:ahead])
         for k in range(len(self.slots)):
             s = self.slots[(self.next_slot + k) % len(self.slots)]
-            if s is not self.current and (s.layer is None or s.layer not in upcoming):
+            if s is not self.current and (s.layer is None or s.layer not in needed):
                 self.next_slot = (self.next_slot + k + 1) % len(self.slots)
                 return s
         return None
 
-    def _upload(self, il: int) -> _Slot:
-        slot = self._free_slot()
+    def _upload(self, il: int, ahead: int = 0) -> _Slot | None:
+        """Queue layer il's bytes into a free slot (None if every slot is still needed)."""
+        slot = self._free_slot(ahead)
         if slot is None:
-            raise MoestreamError("internal: no free staging slot")
+            return None
         layer = self.layers[il]
         if self.bounce is not None:  # pinned staging copy on the CPU, then one DMA
             if slot.ready is not None:
@@ -128,8 +131,9 @@ class Streamer:
         else:
             src, dst = layer.parts, self._views_for_buf(slot.buf, layer)
         after = slot.free
-        for d, s in zip(dst, src):
-            after = self.dev.copy(d, s, after, on_copy_stream=self.overlap)
+        for d, s in zip(dst, src, strict=True):
+            after = self.dev.copy(d, s, after, on_copy_stream=self.overlap, timeline=self.timeline, layer=il,
+                                  slot=self.slots.index(slot))
         slot.ready, slot.layer = after, il
         self.bytes_uploaded += sum(p.numel() for p in layer.parts)
         self.uploads += 1

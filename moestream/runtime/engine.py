@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from moestream.errors import MoestreamError
 from moestream.formats.tokenizer import TextStream
+from moestream.profiling.timeline import NULL, Timeline
 from moestream.runtime.kv_cache import KVCache, SequenceCache
 from moestream.runtime.options import EngineOptions
 from moestream.runtime.sampling import Sampler, SamplingParams
@@ -40,11 +41,19 @@ class Engine:
         self.model = model
         self.offload = offload  # placement, streamer and device resources, closed with the engine
         self._make_offload = make_offload
+        self.timeline: Timeline = NULL
         self.spec = model.spec
         self.tokenizer = tokenizer
         self.options = options
         self.source = source  # the open GGUF file the weights map, closed with the engine
         self.n_ctx = min(options.n_ctx, self.spec.n_ctx_train) if self.spec.n_ctx_train else options.n_ctx
+
+    def record(self, timeline: Timeline) -> None:
+        """Send copy and compute spans of the following passes to timeline (NULL turns recording off)."""
+        self.timeline = timeline
+        self.model.experts.timeline = timeline
+        if self.model.experts.streamer is not None:
+            self.model.experts.streamer.timeline = timeline
 
     def reconfigure(self, **changes) -> None:
         """Change placement or schedule (n_cpu_moe, stream, slots, ubatch...) without reloading dense weights."""
@@ -56,6 +65,7 @@ class Engine:
         self.offload = self._make_offload(options)
         self.model.experts = self.offload.experts
         self.options = options
+        self.record(self.timeline)
 
     @property
     def device(self) -> torch.device:
@@ -99,13 +109,15 @@ class Engine:
         experts.begin(visits)
         try:
             for il, j in tqdm(order, desc="prefill", unit="layer", disable=not show, leave=False):
+                experts.start_layer(il, j)
                 xs[j] = self.model.layer(il, xs[j], batches[j], cache)
         finally:
             experts.end_pass()
         cache.n_past += len(tokens)
-        if all_logits:
-            return torch.cat([self.model.head(x).float() for x in xs])
-        return self.model.head(xs[-1][-1:]).float()
+        with self.timeline.span("compute", "head"):
+            if all_logits:
+                return torch.cat([self.model.head(x).float() for x in xs])
+            return self.model.head(xs[-1][-1:]).float()
 
     def logits(self, tokens: list[int]) -> torch.Tensor:
         """Logits [T, V] (float32, CPU) of a fresh sequence: the hook for reference comparisons."""

@@ -27,6 +27,7 @@ def test_slots_hold_the_right_bytes_while_in_use(n_slots, copy_delay, compute_de
     s.begin(visits)
     for il in visits:
         views = s.acquire(il)
+        dev.compute()
         first = [v.clone() for v in views]
         time.sleep(0.003)  # a slow consumer: prefetches run meanwhile on the copy thread
         for v, expected, again in zip(views, layers[il].parts, first):

@@ -1,0 +1,43 @@
+"""Profile one prefill pass per schedule: a recorded timeline, its summary, and the cost of recording."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+from moestream.profiling.probe import timed
+from moestream.profiling.stats import Summary, summarize
+from moestream.profiling.timeline import NULL, Span, Timeline
+
+
+@dataclass
+class Profile:
+    schedule: str
+    spans: list[Span]
+    summary: Summary
+    wall_on_s: float  # mean pass time with recording on
+    wall_off_s: float  # mean pass time with recording off, same run
+
+    @property
+    def overhead_pct(self) -> float:
+        return 100 * (self.wall_on_s / self.wall_off_s - 1)
+
+
+def profile_pass(engine, tokens: list[int], schedule: str, repeats: int = 3) -> Profile:
+    """Time the pass with recording off and on (alternating, after warm-up); keep the last recorded timeline."""
+    engine.reconfigure(stream=schedule, progress=False)
+
+    def run() -> None:
+        engine.forward(tokens, engine.new_cache())
+
+    run()  # warm-up
+    off, on, last = [], [], None
+    for _ in range(repeats):
+        engine.record(NULL)
+        off += timed(run, engine.device, repeats=1, warmup=0)
+        last = Timeline(engine.device)
+        engine.record(last)
+        on += timed(run, engine.device, repeats=1, warmup=0)
+    engine.record(NULL)
+    spans = last.resolve()
+    return Profile(schedule, spans, summarize(spans, on[-1]), statistics.mean(on), statistics.mean(off))

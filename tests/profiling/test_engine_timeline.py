@@ -1,0 +1,59 @@
+"""The engine's own timeline on the CPU device with injected slow copies or slow compute: the summary must
+report what the injection implies."""
+
+from __future__ import annotations
+
+import pytest
+
+import moestream
+from moestream.offload.device import CpuDevice
+from moestream.profiling.session import profile_pass
+
+TOKENS = list(range(7, 103))  # 96 tokens: 3 micro-batches of 32
+
+
+def profile(model_file, schedule: str, copy_s: float, compute_s: float):
+    dev = CpuDevice(copy_delay_s=copy_s, compute_delay_s=compute_s)
+    e = moestream.load(model_file("tiny-odd", "Q8_0"), device="cpu", ubatch=32, stream_min_batch=8,
+                       n_cpu_moe="all", slots=2, progress=False, device_impl=dev)
+    try:
+        return profile_pass(e, TOKENS, schedule, repeats=1), e.model.experts.streamer
+    finally:
+        e.close()
+        dev.close()
+
+
+def test_serial_hides_nothing(model_file):
+    r, streamer = profile(model_file, "serial", copy_s=0.01, compute_s=0.002)
+    s = r.summary
+    assert s.overlap_pct < 10, s.overlap_pct
+    n_copies = 3 * 9  # gate, up, down of 3 layers, for each of 3 micro-batches (one slot: nothing stays)
+    assert s.copy_busy_s >= 0.9 * n_copies * 0.01
+    assert s.idle_pct > 50  # compute waits for every upload
+    assert s.wait_on_upload_s > 0.5 * s.copy_busy_s
+
+
+def test_overlap_copy_bound_keeps_the_link_busy(model_file):
+    r, _ = profile(model_file, "overlap", copy_s=0.01, compute_s=0.001)
+    s = r.summary
+    assert s.copy_busy_s / s.wall_s > 0.8, f"link busy {s.copy_busy_s / s.wall_s:.0%} of the pass"
+    assert s.overlap_pct > 5  # compute runs under copies
+    expected_gbs = s.bytes_copied / (s.copy_busy_s * 1e9)
+    assert s.copy_gbps == pytest.approx(expected_gbs, rel=0.01)
+    per_copy_gbs = s.bytes_copied / (r.summary.layers and sum(1 for sp in r.spans if sp.lane == "copy")) / 0.01 / 1e9
+    assert s.copy_gbps == pytest.approx(per_copy_gbs, rel=0.35)  # each copy lasted about the injected 10 ms
+
+
+def test_overlap_compute_bound_has_little_idle(model_file):
+    r, _ = profile(model_file, "overlap", copy_s=0.001, compute_s=0.02)
+    s = r.summary
+    assert s.idle_pct < 20, s.idle_pct
+    assert s.overlap_pct > 70, s.overlap_pct
+
+
+def test_layer_major_uploads_once(model_file):
+    r, streamer = profile(model_file, "layer-major", copy_s=0.005, compute_s=0.001)
+    layers = [sp.layer for sp in r.spans if sp.lane == "copy"]
+    # 3 tensors per layer, each layer at most once; a layer still in a slot from the warm-up pass is reused
+    assert len(layers) % 3 == 0 and sorted(set(layers)) == sorted(set(layers) & {0, 1, 2})
+    assert all(layers.count(il) == 3 for il in set(layers)) and len(set(layers)) >= 2
