@@ -17,18 +17,18 @@ if [[ $what == tests || $what == all ]]; then
 fi
 if [[ $what == model || $what == bench || $what == all ]]; then
   /usr/bin/time -f "make-model: %e s, max RSS %M KB" $MS make-model $MODEL --preset qwen3-30b-a3b --quant Q4_K_M \
-    2>&1 | grep -v '\r' | tail -3 | tee "$OUT/make_model.txt"
-  $MS info $MODEL --routing --tokens 2048 2>&1 | grep -v '%|' | tee "$OUT/info_routing.txt" | tail -60
+    2>&1 | grep -v '\r' | tail -3 | tee "$OUT/model.txt"
+  $MS info $MODEL --routing --tokens 2048 2>&1 | grep -v '%|' | tee -a "$OUT/model.txt" | tail -60
 fi
 if [[ $what == bench || $what == all ]]; then
-  $MS probe -m $MODEL -p 2048 -ub 2048 -ncmoe 26 2>&1 | tee "$OUT/probe.txt"
+  $MS probe -m $MODEL -p 2048 -ub 2048 -ncmoe 26 2>&1 | tee -a "$OUT/gpu.txt"
   B="$MS bench -m $MODEL -ncmoe 26 -r 3"
   $B -p 512 -ub 512 --stream serial,pinned,overlap,layer-major --vram-budget 12GiB 2>&1 | grep -v '%|' \
-    | tee "$OUT/bench_pp512.txt"
+    | tee -a "$OUT/bench.txt"
   $B -p 2048 -ub 2048 --stream serial,pinned,overlap,layer-major --vram-budget 12GiB 2>&1 | grep -v '%|' \
-    | tee "$OUT/bench_pp2048.txt"
-  $B -p 8192,16384 -ub 2048 --stream overlap,layer-major -r 2 2>&1 | grep -v '%|' | tee "$OUT/bench_long.txt"
+    | tee -a "$OUT/bench.txt"
+  $B -p 8192,16384 -ub 2048 --stream overlap,layer-major -r 2 2>&1 | grep -v '%|' | tee -a "$OUT/bench.txt"
   $MS profile -m $MODEL -p 2048 -ub 2048 -ncmoe 26 --vram-budget 12GiB --stream serial,overlap \
-    --trace "$OUT/trace_pp2048.json" --plot "$OUT/timeline_pp2048.png" --json "$OUT/profile.json" 2>&1 \
+    --trace "$OUT/trace_pp2048.json" --plot "$OUT/timeline_pp2048.png" 2>&1 \
     | grep -v '%|' | tee "$OUT/profile.txt"
 fi

@@ -73,9 +73,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     if Hkv != H:  # GQA: query head h reads KV head h // (H / Hkv)
         k = k.repeat_interleave(H // Hkv, dim=1)
         v = v.repeat_interleave(H // Hkv, dim=1)
-    mask = causal_lower_right(T, S)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask)
-    return out.transpose(0, 1)  # [T, H, Dh]
+    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, T|S, Dh]: 4-D, as flash needs
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T, S))
+    return out[0].transpose(0, 1)  # [T, H, Dh]
 
 
 def route_softmax_topk(x: torch.Tensor, w_router: torch.Tensor, k: int, renorm: bool = True):

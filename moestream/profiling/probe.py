@@ -47,7 +47,7 @@ def registered_rate(device: torch.device, array, repeats: int = 5) -> float:
     if not pins.register([array]):
         return 0.0
     try:
-        src = torch_bytes_of(array)
+        src = torch_bytes_of(array).reshape(-1)
         dst = torch.empty(src.numel(), dtype=torch.uint8, device=device)
         return src.numel() / min(timed(lambda: dst.copy_(src, non_blocking=True), device, repeats))
     finally:

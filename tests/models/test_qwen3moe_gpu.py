@@ -1,8 +1,10 @@
-"""The GPU path against the float32 CPU reference: float32 on the GPU must agree to rounding; bf16 within 1e-2.
+"""The GPU path against the float32 CPU reference: float32 on the GPU agrees to rounding; bf16 within 1e-2.
 
-Greedy decoding of a random-weight model has near-ties that bf16 rounding may legitimately flip, so the bf16
-comparison of generated tokens stops at the first step where the float32 reference's top two logits are
-within 2% of each other (an ambiguous argmax), and requires at least 8 unambiguous steps.
+A random-weight model has near-ties that bf16 rounding may legitimately flip: a token whose k-th and
+(k+1)-th router probabilities are within 2% at some layer can switch experts, and then its logits differ
+by far more than rounding. The bf16 logits comparison skips such tokens (and the tokens after them, whose
+attention reads the changed KV), and the greedy comparison stops at the first step where the float32
+reference's top two logits are within 2%; both must still cover most of the sequence.
 """
 
 from __future__ import annotations
@@ -22,6 +24,28 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / a.abs().max())
 
 
+class RouterMargins:
+    """Wraps the CPU engine's expert source; records each token's smallest top-k boundary margin."""
+
+    def __init__(self, engine):
+        self.engine, self.inner = engine, engine.model.experts
+        self.margin = torch.full((len(TOKENS),), float("inf"))
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def ffn(self, il, x, weights, ids):
+        k = ids.shape[1]
+        probs = torch.softmax(x.float() @ self.engine.model.w(il, "ffn_gate_inp").float().T, dim=-1)
+        top = probs.topk(k + 1, dim=-1).values
+        start = self.engine.options.ubatch * self.chunk
+        rel = (top[:, k - 1] - top[:, k]) / top[:, k - 1]
+        self.margin[start : start + len(x)] = torch.minimum(self.margin[start : start + len(x)], rel)
+        if il == self.engine.spec.n_layer - 1:
+            self.chunk += 1
+        return self.inner.ffn(il, x, weights, ids)
+
+
 @pytest.mark.parametrize("quant", ["F32", "Q4_K_M"])
 def test_float32_gpu_matches_cpu(model_file, quant):
     path = model_file("tiny", quant)
@@ -38,8 +62,15 @@ def test_bf16_gpu_matches_f32_cpu(model_file, quant):
     path = model_file("tiny", quant)
     cpu = moestream.load(path, device="cpu", ubatch=16, progress=False)
     gpu = moestream.load(path, device="cuda", dtype="bfloat16", ubatch=16, progress=False)
-    err = rel_err(cpu.logits(TOKENS), gpu.logits(TOKENS))
-    assert err < 1e-2, f"bf16 GPU logits differ from f32 CPU by {err:.2e}"
+    margins = RouterMargins(cpu)
+    margins.chunk, cpu.model.experts = 0, margins
+    ref = cpu.logits(TOKENS)
+    cpu.model.experts = margins.inner
+    ambiguous = (margins.margin < 0.02).nonzero()
+    clear = int(ambiguous[0]) if len(ambiguous) else len(TOKENS)
+    assert clear >= len(TOKENS) // 2, f"routing near-tie at token {clear}"
+    err = rel_err(ref[:clear], gpu.logits(TOKENS)[:clear])
+    assert err < 1e-2, f"bf16 GPU logits differ from f32 CPU by {err:.2e} over the first {clear} tokens"
     ours = gpu.generate(TOKENS, GREEDY).tokens
     seq, compared = list(TOKENS), 0
     for tok in ours:
