@@ -2,9 +2,9 @@
 
 A random-weight model has near-ties that bf16 rounding may legitimately flip: a token whose k-th and
 (k+1)-th router probabilities are within 2% at some layer can switch experts, and then its logits differ
-by far more than rounding. The bf16 logits comparison skips such tokens (and the tokens after them, whose
-attention reads the changed KV), and the greedy comparison stops at the first step where the float32
-reference's top two logits are within 2%; both must still cover most of the sequence.
+by far more than rounding (seen on the H200: one such token at 6.6e-2, every other token below 6e-3). The
+bf16 logits comparison skips those tokens, and the greedy comparison stops at the first step where the
+float32 reference's top two logits are within 2%; both must still cover most of the sequence.
 """
 
 from __future__ import annotations
@@ -66,11 +66,10 @@ def test_bf16_gpu_matches_f32_cpu(model_file, quant):
     margins.chunk, cpu.model.experts = 0, margins
     ref = cpu.logits(TOKENS)
     cpu.model.experts = margins.inner
-    ambiguous = (margins.margin < 0.02).nonzero()
-    clear = int(ambiguous[0]) if len(ambiguous) else len(TOKENS)
-    assert clear >= len(TOKENS) // 2, f"routing near-tie at token {clear}"
-    err = rel_err(ref[:clear], gpu.logits(TOKENS)[:clear])
-    assert err < 1e-2, f"bf16 GPU logits differ from f32 CPU by {err:.2e} over the first {clear} tokens"
+    clear = margins.margin >= 0.02
+    assert clear.sum() >= 0.8 * len(TOKENS), f"routing near-ties at tokens {(~clear).nonzero().flatten().tolist()}"
+    err = float((ref[clear] - gpu.logits(TOKENS)[clear]).abs().max() / ref.abs().max())
+    assert err < 1e-2, f"bf16 GPU logits differ from f32 CPU by {err:.2e} on tokens without routing near-ties"
     ours = gpu.generate(TOKENS, GREEDY).tokens
     seq, compared = list(TOKENS), 0
     for tok in ours:
