@@ -17,15 +17,34 @@ def _engine_flags(p: argparse.ArgumentParser, lists: bool = False) -> None:
     p.add_argument("--dtype", default="auto", help="float32, bfloat16 or float16 (default: bf16 on GPU, f32 on CPU)")
     p.add_argument("-ub", "--ubatch", type=num, default=[512] if lists else 512, help="prefill micro-batch size")
     p.add_argument("-c", "--ctx", type=int, default=None, help="context size in tokens (default 4096)")
-    p.add_argument("-ncmoe", "--n-cpu-moe", type=_ncmoe_list if lists else _ncmoe, default=[0] if lists else 0,
-                   help="keep the experts of the first N layers in host RAM and stream them; all or auto")
+    p.add_argument(
+        "-ncmoe",
+        "--n-cpu-moe",
+        type=_ncmoe_list if lists else _ncmoe,
+        default=[0] if lists else 0,
+        help="keep the experts of the first N layers in host RAM and stream them; all or auto",
+    )
     p.add_argument("--cpu-moe", action="store_true", help="keep every layer's experts in host RAM")
+    p.add_argument(
+        "--streamed-layers",
+        type=_str_list if lists else str,
+        default=["first"] if lists else "first",
+        help="which N layers stream: first (0..N-1, as llama.cpp) or spread (evenly spaced)",
+    )
     p.add_argument("--vram-budget", default=None, help="cap on GPU memory, e.g. 12GiB (with -ncmoe auto: fit)")
-    p.add_argument("--stream", type=_str_list if lists else str, default=None,
-                   help="serial, pinned, overlap or layer-major (default: $MOESTREAM_STREAM or overlap)")
+    p.add_argument(
+        "--stream",
+        type=_str_list if lists else str,
+        default=None,
+        help="serial, pinned, overlap or layer-major (default: $MOESTREAM_STREAM or overlap)",
+    )
     p.add_argument("--slots", type=num, default=[3] if lists else 3, help="staging slots in the ring (>= 2)")
-    p.add_argument("--stream-min-batch", type=int, default=32,
-                   help="micro-batches smaller than this compute host experts on the CPU instead of uploading")
+    p.add_argument(
+        "--stream-min-batch",
+        type=int,
+        default=32,
+        help="micro-batches smaller than this compute host experts on the CPU instead of uploading",
+    )
 
 
 def _ncmoe(text: str) -> int | str:
@@ -56,8 +75,17 @@ def _engine_options(a: argparse.Namespace) -> dict:
     first = (lambda v: v[0]) if isinstance(a.ubatch, list) else (lambda v: v)
     ncmoe = "all" if a.cpu_moe else first(a.n_cpu_moe)
     stream = first(a.stream) if a.stream is not None else None
-    opts = dict(device=a.device, dtype=a.dtype, ubatch=first(a.ubatch), n_cpu_moe=ncmoe, vram_budget=a.vram_budget,
-                stream=stream, slots=first(a.slots), stream_min_batch=a.stream_min_batch)
+    opts = dict(
+        device=a.device,
+        dtype=a.dtype,
+        ubatch=first(a.ubatch),
+        n_cpu_moe=ncmoe,
+        vram_budget=a.vram_budget,
+        stream=stream,
+        slots=first(a.slots),
+        stream_min_batch=a.stream_min_batch,
+        streamed_layers=first(a.streamed_layers),
+    )
     if a.ctx is not None:
         opts["n_ctx"] = a.ctx
     return opts
@@ -157,8 +185,11 @@ def cmd_info(a: argparse.Namespace) -> None:
             mix[t.qtype.name] += t.nbytes
         print("quant mix     " + ", ".join(f"{k} {_size(v)}" for k, v in mix.most_common()))
         per_layer = expert_bytes_per_layer(f, s)
-        print(f"expert bytes  {_size(sum(per_layer))} total; per layer: "
-              + " ".join(_size(b) for b in per_layer[:8]) + (" ..." if len(per_layer) > 8 else ""))
+        print(
+            f"expert bytes  {_size(sum(per_layer))} total; per layer: "
+            + " ".join(_size(b) for b in per_layer[:8])
+            + (" ..." if len(per_layer) > 8 else "")
+        )
         print(f"other bytes   {_size(sum(t.nbytes for t in f.tensors.values()) - sum(per_layer))}")
     if a.routing:
         from moestream.profiling.routing import routing_load
@@ -170,10 +201,12 @@ def cmd_info(a: argparse.Namespace) -> None:
         finally:
             engine.close()
         print(f"routing on {a.tokens} random tokens: per layer min / mean / max load, max/mean, idle experts")
-        for il, (row, ratio) in enumerate(zip(counter.counts, counter.imbalance())):
+        for il, (row, ratio) in enumerate(zip(counter.counts, counter.imbalance(), strict=True)):
             idle = int((row == 0).sum())
-            print(f"  layer {il:3d}  {int(row.min()):6d} {row.float().mean():8.1f} {int(row.max()):6d}"
-                  f"   {float(ratio):4.2f}x   {idle} idle")
+            print(
+                f"  layer {il:3d}  {int(row.min()):6d} {row.float().mean():8.1f} {int(row.max()):6d}"
+                f"   {float(ratio):4.2f}x   {idle} idle"
+            )
 
 
 def cmd_bench(a: argparse.Namespace) -> None:
@@ -189,22 +222,39 @@ def cmd_bench(a: argparse.Namespace) -> None:
     opts = _engine_options(a) | {"progress": not a.json}
     opts.setdefault("n_ctx", max(a.n_prompt) + max(a.n_gen) + 1)
     engine = load(a.model, **opts)
-    header = (f"| {'model':<28} | {'size':>9} | {'ncmoe':>5} | {'ub':>5} | {'stream':<11} | {'test':>7} | "
-              f"{'t/s':>18} | {'GB up':>7} | {'used':>5} | {'GB/s':>6} | same |")
+    header = (
+        f"| {'model':<28} | {'size':>9} | {'ncmoe':>5} | {'layers':<6} | {'ub':>5} | {'stream':<11} | {'test':>7} | "
+        f"{'t/s':>18} | {'GB up':>7} | {'used':>5} | {'GB/s':>6} | same |"
+    )
 
     def show(r) -> None:
         if not a.json:
             same = ("yes" if r.same_tokens else "NO") + ("" if r.same_bits in (None, True) else "*")
-            print(f"| {r.model[:28]:<28} | {r.size_gib:6.2f} GiB | {r.n_cpu_moe:>5} | {r.ubatch:>5} | "
-                  f"{r.stream:<11} | {r.test:>7} | {r.tps:9.1f} ± {r.tps_std:6.1f} | {r.bytes_uploaded / 1e9:7.2f} | "
-                  f"{r.experts_used:5.2f} | {r.link_gbs:6.1f} | {same:<4} |", flush=True)
+            print(
+                f"| {r.model[:28]:<28} | {r.size_gib:6.2f} GiB | {r.n_cpu_moe:>5} | {r.streamed_layers:<6} | "
+                f"{r.ubatch:>5} | "
+                f"{r.stream:<11} | {r.test:>7} | {r.tps:9.1f} ± {r.tps_std:6.1f} | {r.bytes_uploaded / 1e9:7.2f} | "
+                f"{r.experts_used:5.2f} | {r.link_gbs:6.1f} | {same:<4} |",
+                flush=True,
+            )
 
     if not a.json:
         print(header)
         print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
     try:
-        rows, link = run_bench(engine, a.n_prompt, a.n_gen, a.ubatch, ["all" if a.cpu_moe else n for n in a.n_cpu_moe],
-                               streams, a.slots, a.repetitions, floors=not a.no_floors, progress=show)
+        rows, link = run_bench(
+            engine,
+            a.n_prompt,
+            a.n_gen,
+            a.ubatch,
+            ["all" if a.cpu_moe else n for n in a.n_cpu_moe],
+            streams,
+            a.slots,
+            a.streamed_layers,
+            a.repetitions,
+            floors=not a.no_floors,
+            progress=show,
+        )
     finally:
         engine.close()
     if a.json:
@@ -215,11 +265,15 @@ def cmd_bench(a: argparse.Namespace) -> None:
         print("floors per row: transfer = bytes up / link, compute = same test with every expert resident")
         for r in rows:
             bound = max(r.transfer_floor_s, r.compute_floor_s)
-            print(f"  ncmoe {r.n_cpu_moe:>2} ub {r.ubatch:>5} {r.stream:<11} {r.test:>7}: {r.seconds * 1e3:8.1f} ms; "
-                  f"transfer {r.transfer_floor_s * 1e3:7.1f} ms, compute {r.compute_floor_s * 1e3:7.1f} ms, "
-                  f"time / max(floors) = {r.seconds / bound if bound else float('nan'):.2f}")
-    print("same: greedy next token equals the first row's; * marks logits not bit-identical to the first row "
-          "with the same ubatch")
+            print(
+                f"  ncmoe {r.n_cpu_moe:>2} ub {r.ubatch:>5} {r.stream:<11} {r.test:>7}: {r.seconds * 1e3:8.1f} ms; "
+                f"transfer {r.transfer_floor_s * 1e3:7.1f} ms, compute {r.compute_floor_s * 1e3:7.1f} ms, "
+                f"time / max(floors) = {r.seconds / bound if bound else float('nan'):.2f}"
+            )
+    print(
+        "same: greedy next token equals the first row's; * marks logits not bit-identical to the first row "
+        "with the same ubatch"
+    )
 
 
 def cmd_profile(a: argparse.Namespace) -> None:
@@ -238,9 +292,11 @@ def cmd_profile(a: argparse.Namespace) -> None:
         for schedule in a.stream or ["serial", "overlap"]:
             r = profile_pass(engine, tokens, schedule, a.repetitions)
             results.append(r)
-            print(f"\n== {schedule}: pp{a.n_prompt} ub{opts['ubatch']} ncmoe {engine.offload.placement.n_cpu_moe}: "
-                  f"{r.wall_off_s * 1e3:.1f} ms unrecorded, {r.wall_on_s * 1e3:.1f} ms recorded "
-                  f"({r.overhead_pct:+.1f}%)")
+            print(
+                f"\n== {schedule}: pp{a.n_prompt} ub{opts['ubatch']} ncmoe {engine.offload.placement.n_cpu_moe}: "
+                f"{r.wall_off_s * 1e3:.1f} ms unrecorded, {r.wall_on_s * 1e3:.1f} ms recorded "
+                f"({r.overhead_pct:+.1f}%)"
+            )
             print(r.summary.table())
     finally:
         engine.close()
@@ -257,8 +313,14 @@ def cmd_profile(a: argparse.Namespace) -> None:
         print(f"wrote {a.plot}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({r.schedule: r.summary.as_dict() | {"wall_on_s": r.wall_on_s, "wall_off_s": r.wall_off_s}
-                       for r in results}, f, indent=1)
+            json.dump(
+                {
+                    r.schedule: r.summary.as_dict() | {"wall_on_s": r.wall_on_s, "wall_off_s": r.wall_off_s}
+                    for r in results
+                },
+                f,
+                indent=1,
+            )
 
 
 def cmd_probe(a: argparse.Namespace) -> None:
@@ -283,18 +345,24 @@ def cmd_probe(a: argparse.Namespace) -> None:
     shape = (spec.n_embd, spec.n_ff_exp, spec.n_expert, spec.n_expert_used) if spec else (2048, 768, 128, 8)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     gemm = grouped_gemm_rate(a.ubatch, *shape, device=device, dtype=dtype)
-    print(f"grouped expert GEMM (D={shape[0]}, F={shape[1]}, E={shape[2]}, top-{shape[3]}, "
-          f"{a.ubatch} tokens, {dtype}): {gemm / 1e12:.1f} TFLOP/s")
+    print(
+        f"grouped expert GEMM (D={shape[0]}, F={shape[1]}, E={shape[2]}, top-{shape[3]}, "
+        f"{a.ubatch} tokens, {dtype}): {gemm / 1e12:.1f} TFLOP/s"
+    )
     if spec is not None:
         n_chunks = -(-a.n_prompt // a.ubatch)
         streamed = sum(expert_bytes_per_layer(f, spec)[: a.n_cpu_moe])
         f.close()
         flops = 6 * a.n_prompt * spec.n_expert_used * spec.n_embd * spec.n_ff_exp * spec.n_layer
         print(f"floors for pp{a.n_prompt} ub{a.ubatch} ncmoe {a.n_cpu_moe}:")
-        print(f"  transfer: token-major {n_chunks * streamed / pinned * 1e3:.1f} ms "
-              f"({n_chunks} x {streamed / 1e9:.2f} GB), layer-major {streamed / pinned * 1e3:.1f} ms")
-        print(f"  compute (expert GEMMs only, at the rate above): {flops / gemm * 1e3:.1f} ms; "
-              "`moestream bench` measures the full compute floor (every expert resident)")
+        print(
+            f"  transfer: token-major {n_chunks * streamed / pinned * 1e3:.1f} ms "
+            f"({n_chunks} x {streamed / 1e9:.2f} GB), layer-major {streamed / pinned * 1e3:.1f} ms"
+        )
+        print(
+            f"  compute (expert GEMMs only, at the rate above): {flops / gemm * 1e3:.1f} ms; "
+            "`moestream bench` measures the full compute floor (every expert resident)"
+        )
 
 
 def cmd_make_model(a: argparse.Namespace) -> None:
@@ -306,8 +374,14 @@ def cmd_make_model(a: argparse.Namespace) -> None:
     print(f"wrote {a.out}: preset {preset.name}, {preset.n_layer} layers, {a.quant}")
 
 
-COMMANDS = {"run": cmd_run, "info": cmd_info, "bench": cmd_bench, "profile": cmd_profile, "probe": cmd_probe,
-            "make-model": cmd_make_model}
+COMMANDS = {
+    "run": cmd_run,
+    "info": cmd_info,
+    "bench": cmd_bench,
+    "profile": cmd_profile,
+    "probe": cmd_probe,
+    "make-model": cmd_make_model,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

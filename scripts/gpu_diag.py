@@ -14,8 +14,10 @@ from moestream.models.synthetic import make_model
 
 def per_layer(path: str, dtype: str) -> None:
     tokens = torch.randint(0, 1280, (50,), generator=torch.Generator().manual_seed(2)).tolist()
-    engines = [moestream.load(path, device="cpu", progress=False),
-               moestream.load(path, device="cuda", dtype=dtype, progress=False)]
+    engines = [
+        moestream.load(path, device="cpu", progress=False),
+        moestream.load(path, device="cuda", dtype=dtype, progress=False),
+    ]
     hs = []
     for e in engines:
         cache = e.new_cache()
@@ -28,7 +30,7 @@ def per_layer(path: str, dtype: str) -> None:
             out.append(x.float().cpu())
         out.append(e.model.head(x).float().cpu())
         hs.append(out)
-    errs = [float((a - b).abs().max() / a.abs().max()) for a, b in zip(*hs)]
+    errs = [float((a - b).abs().max() / a.abs().max()) for a, b in zip(*hs, strict=True)]
     print(f"{path} {dtype}: rel err embed, layers..., logits = " + " ".join(f"{x:.1e}" for x in errs))
 
 
@@ -37,8 +39,9 @@ def profile(path: str, n_tokens: int) -> None:
     tokens = torch.randint(0, e.spec.n_vocab, (n_tokens,)).tolist()
     e.forward(tokens, e.new_cache())
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
-                                            torch.profiler.ProfilerActivity.CPU]) as prof:
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]
+    ) as prof:
         e.forward(tokens, e.new_cache())
         torch.cuda.synchronize()
     print(f"--- {path} pp{n_tokens}, all resident")

@@ -25,9 +25,14 @@ def rewrite(src: str, dst, meta_changes=None, drop=(), retype=None) -> str:
             qtype = retype[1] if retype and retype[0] == name else t.qtype
             plans.append(TensorPlan(name, qtype, t.shape))
             data[name] = np.array(t.data) if qtype == t.qtype else None
+
         def produce(p):
-            return data[p.name] if data[p.name] is not None else np.random.default_rng(0).integers(
-                0, 255, p.byte_shape, dtype=np.uint8)
+            return (
+                data[p.name]
+                if data[p.name] is not None
+                else np.random.default_rng(0).integers(0, 255, p.byte_shape, dtype=np.uint8)
+            )
+
         write_gguf(dst, meta["general.architecture"], meta, plans, produce, progress=False)
     return str(dst)
 
@@ -69,10 +74,14 @@ def test_unknown_architecture(model_file, tmp_path, capsys):
 
 
 def test_unsupported_tensor_type(model_file, tmp_path, capsys):
-    p = rewrite(model_file("tiny", "F32"), tmp_path / "x.gguf",
-                retype=("blk.1.ffn_up_exps.weight", gguf.GGMLQuantizationType.IQ4_NL))
-    assert_one_clear_line(*run_cli(capsys, "run", "-m", p, "-p", "hi", "--device", "cpu"),
-                          "blk.1.ffn_up_exps.weight", "IQ4_NL")
+    p = rewrite(
+        model_file("tiny", "F32"),
+        tmp_path / "x.gguf",
+        retype=("blk.1.ffn_up_exps.weight", gguf.GGMLQuantizationType.IQ4_NL),
+    )
+    assert_one_clear_line(
+        *run_cli(capsys, "run", "-m", p, "-p", "hi", "--device", "cpu"), "blk.1.ffn_up_exps.weight", "IQ4_NL"
+    )
 
 
 def test_missing_tensor(model_file, tmp_path, capsys):
@@ -81,13 +90,21 @@ def test_missing_tensor(model_file, tmp_path, capsys):
 
 
 def test_prompt_longer_than_context(model_file, capsys):
-    code, line = run_cli(capsys, "run", "-m", model_file("tiny", "F32"), "-p", "word " * 200, "-c", "32",
-                         "--device", "cpu")
+    code, line = run_cli(
+        capsys, "run", "-m", model_file("tiny", "F32"), "-p", "word " * 200, "-c", "32", "--device", "cpu"
+    )
     assert_one_clear_line(code, line, "context", "--ctx")
 
 
-@pytest.mark.parametrize("flags,word", [(["-ub", "0"], "--ubatch"), (["--temp", "-1"], "--temp"),
-                                        (["--top-p", "0"], "--top-p"), (["--device", "tpu"], "--device")])
+@pytest.mark.parametrize(
+    "flags,word",
+    [
+        (["-ub", "0"], "--ubatch"),
+        (["--temp", "-1"], "--temp"),
+        (["--top-p", "0"], "--top-p"),
+        (["--device", "tpu"], "--device"),
+    ],
+)
 def test_flags_out_of_range(model_file, capsys, flags, word):
     assert_one_clear_line(*run_cli(capsys, "run", "-m", model_file("tiny", "F32"), "-p", "hi", *flags), word)
 

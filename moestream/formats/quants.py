@@ -200,9 +200,7 @@ def dequantize(
     block, type_size = GGML_QUANT_SIZES[qtype]
     n_bytes = math.prod(shape[:-1]) * row_bytes(qtype, shape[-1])
     if raw.numel() != n_bytes:
-        raise MoestreamError(
-            f"{qtype.name} tensor of shape {tuple(shape)} needs {n_bytes} bytes, got {raw.numel()}"
-        )
+        raise MoestreamError(f"{qtype.name} tensor of shape {tuple(shape)} needs {n_bytes} bytes, got {raw.numel()}")
     blocks = raw.reshape(-1, type_size)
     out = torch.empty(blocks.shape[0], block, dtype=dtype, device=raw.device)
     step = max(1, _CHUNK_ELEMENTS.get(raw.device.type, _CHUNK_ELEMENTS_DEFAULT) // block)

@@ -30,19 +30,32 @@ NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 # marks (\p{M}) with the letters they modify instead of splitting them off as punctuation.
 _CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
 _SPLIT_REGEX = {
-    "qwen2": _CONTRACTIONS
-    + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "qwen2": _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
     "qwen35": _CONTRACTIONS
     + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 }
 
 # Token texts llama.cpp treats as end of generation whatever the eos id says (llama-vocab.cpp, EOG and FIM
 # detection by text): a chat model ends its turn with one of these.
-_END_OF_GENERATION = frozenset({
-    "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<|return|>", "<|call|>",
-    "<end_of_turn>", "<|end_of_text|>", "<EOT>", "_<EOT>", "<end_of_utterance>",
-    "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
-})
+_END_OF_GENERATION = frozenset(
+    {
+        "<|endoftext|>",
+        "<|im_end|>",
+        "<|eot_id|>",
+        "<|eom_id|>",
+        "<|end|>",
+        "<|return|>",
+        "<|call|>",
+        "<end_of_turn>",
+        "<|end_of_text|>",
+        "<EOT>",
+        "_<EOT>",
+        "<end_of_utterance>",
+        "<|fim_pad|>",
+        "<|repo_name|>",
+        "<|file_sep|>",
+    }
+)
 
 
 @cache
@@ -65,18 +78,29 @@ def _byte_level_alphabet() -> list[str]:
 
 
 def _pre_tokenizer(split_regex: str) -> tokenizers.pre_tokenizers.PreTokenizer:
-    return tokenizers.pre_tokenizers.Sequence([
-        tokenizers.pre_tokenizers.Split(tokenizers.Regex(split_regex), behavior="isolated"),
-        tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    return tokenizers.pre_tokenizers.Sequence(
+        [
+            tokenizers.pre_tokenizers.Split(tokenizers.Regex(split_regex), behavior="isolated"),
+            tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
 
 
 class Tokenizer:
     """Text <-> token ids and chat prompts for one GGUF model."""
 
-    def __init__(self, hf: tokenizers.Tokenizer, tokens: list[str], token_types: list[int], *,
-                 bos_id: int | None, eos_id: int | None, eos_ids: frozenset[int], add_bos: bool,
-                 chat_template: str | None) -> None:
+    def __init__(
+        self,
+        hf: tokenizers.Tokenizer,
+        tokens: list[str],
+        token_types: list[int],
+        *,
+        bos_id: int | None,
+        eos_id: int | None,
+        eos_ids: frozenset[int],
+        add_bos: bool,
+        chat_template: str | None,
+    ) -> None:
         self._hf = hf
         self.tokens = tokens
         self.token_types = token_types
@@ -92,9 +116,7 @@ class Tokenizer:
         """Build from the `tokenizer.*` keys of a GGUF file's metadata."""
         model = meta.get("tokenizer.ggml.model")
         if model != "gpt2":
-            raise MoestreamError(
-                f"tokenizer.ggml.model is {model!r}; moestream supports only 'gpt2' (byte-level BPE)"
-            )
+            raise MoestreamError(f"tokenizer.ggml.model is {model!r}; moestream supports only 'gpt2' (byte-level BPE)")
         pre = meta.get("tokenizer.ggml.pre")
         if pre not in _SPLIT_REGEX:
             raise MoestreamError(
@@ -119,16 +141,25 @@ class Tokenizer:
         hf.pre_tokenizer = _pre_tokenizer(_SPLIT_REGEX[pre])
         # Control, unknown and user-defined tokens are matched whole in the raw text before splitting
         # (decoding is done here, so Hugging Face's special/non-special distinction does not matter).
-        hf.add_tokens([
-            tokenizers.AddedToken(text, special=True, normalized=False)
-            for text, kind in zip(tokens, types, strict=True)
-            if kind in (CONTROL, UNKNOWN, USER_DEFINED) and text
-        ])
+        hf.add_tokens(
+            [
+                tokenizers.AddedToken(text, special=True, normalized=False)
+                for text, kind in zip(tokens, types, strict=True)
+                if kind in (CONTROL, UNKNOWN, USER_DEFINED) and text
+            ]
+        )
         eos_ids = {i for k, i in ids.items() if k != "bos" and i is not None}
         eos_ids.update(i for i, text in enumerate(tokens) if text in _END_OF_GENERATION)
-        return cls(hf, tokens, types, bos_id=ids["bos"], eos_id=ids["eos"], eos_ids=frozenset(eos_ids),
-                   add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-                   chat_template=meta.get("tokenizer.chat_template"))
+        return cls(
+            hf,
+            tokens,
+            types,
+            bos_id=ids["bos"],
+            eos_id=ids["eos"],
+            eos_ids=frozenset(eos_ids),
+            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+            chat_template=meta.get("tokenizer.chat_template"),
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -174,8 +205,10 @@ class Tokenizer:
         """
         if not self.chat_template:
             raise MoestreamError("the model file has no chat template (tokenizer.chat_template)")
-        special = {f"{name}_token": "" if i is None else self.tokens[i]
-                   for name, i in (("bos", self.bos_id), ("eos", self.eos_id))}
+        special = {
+            f"{name}_token": "" if i is None else self.tokens[i]
+            for name, i in (("bos", self.bos_id), ("eos", self.eos_id))
+        }
         try:
             return _compile_template(self.chat_template).render(
                 messages=messages, add_generation_prompt=add_generation_prompt, **special, **variables
@@ -203,17 +236,20 @@ def _raise_exception(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 @cache
 def _compile_template(source: str) -> jinja2.Template:
     """Compile as transformers does, so GGUF templates written for it render the same."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -281,17 +317,20 @@ _CHATML_TEMPLATE = (
 )
 
 # (text, token type) after the BPE tokens, in Qwen3's order.
-_QWEN3_SPECIALS = (("<|endoftext|>", CONTROL), ("<|im_start|>", CONTROL), ("<|im_end|>", CONTROL),
-                   ("<think>", USER_DEFINED), ("</think>", USER_DEFINED))
+_QWEN3_SPECIALS = (
+    ("<|endoftext|>", CONTROL),
+    ("<|im_start|>", CONTROL),
+    ("<|im_end|>", CONTROL),
+    ("<think>", USER_DEFINED),
+    ("</think>", USER_DEFINED),
+)
 _BASE_VOCAB = 512  # bytes + merges + specials, so a 512-row tiny model has no padding at all
 
 
 @cache
 def _trained_bpe() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """A byte-level BPE learned on `_CORPUS`: the classic greedy loop, ties broken by the pair's text."""
-    words = Counter(
-        piece for piece, _ in _pre_tokenizer(_SPLIT_REGEX["qwen2"]).pre_tokenize_str(_CORPUS)
-    )
+    words = Counter(piece for piece, _ in _pre_tokenizer(_SPLIT_REGEX["qwen2"]).pre_tokenize_str(_CORPUS))
     split = {word: list(word) for word in words}
     tokens, merges = _byte_level_alphabet(), []
     known = set(tokens)
@@ -309,7 +348,7 @@ def _trained_bpe() -> tuple[tuple[str, ...], tuple[str, ...]]:
             i = 0
             while i < len(symbols) - 1:
                 if symbols[i] == a and symbols[i + 1] == b:
-                    symbols[i:i + 2] = [a + b]
+                    symbols[i : i + 2] = [a + b]
                 i += 1
     return tuple(tokens), tuple(merges)
 

@@ -40,8 +40,13 @@ def _add_value(w: gguf.GGUFWriter, key: str, value: Any) -> None:
     elif isinstance(value, str):
         w.add_string(key, value)
     elif isinstance(value, (list, tuple)):
-        sub = T.STRING if value and isinstance(value[0], str) else T.FLOAT32 if value and isinstance(
-            value[0], float) else T.INT32
+        sub = (
+            T.STRING
+            if value and isinstance(value[0], str)
+            else T.FLOAT32
+            if value and isinstance(value[0], float)
+            else T.INT32
+        )
         w.add_key_value(key, list(value), T.ARRAY, sub_type=sub)
     else:
         raise TypeError(f"metadata {key}: cannot write a {type(value).__name__}")

@@ -81,8 +81,9 @@ else:
     KERNELS = {}
 
 
-def dequantize(raw: torch.Tensor, qtype: GGMLQuantizationType, shape: tuple[int, ...],
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize(
+    raw: torch.Tensor, qtype: GGMLQuantizationType, shape: tuple[int, ...], dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Like quants.dequantize; one Triton kernel where there is one for this type and device."""
     kernel = KERNELS.get(qtype)
     if kernel is None or not raw.is_cuda:

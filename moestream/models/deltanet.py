@@ -69,9 +69,7 @@ def l2_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def causal_conv1d(
-    x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Short causal depthwise convolution followed by SiLU, continuing from `conv_state`.
 
     x [T, C], weight [C, K] (oldest tap first, no bias), conv_state [K-1, C] = the K-1 inputs before x.

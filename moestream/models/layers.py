@@ -6,8 +6,7 @@ H / Hkv = query / key-value heads, Dh = head dim, E = experts, K = experts used 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -93,11 +92,19 @@ Stack = torch.Tensor | Callable[[], torch.Tensor]
 def expert_counts(ids: torch.Tensor, n_expert: int) -> torch.Tensor:
     """Token-expert pairs per expert. Not torch.bincount: on CUDA it reads the max id back to the host."""
     return torch.zeros(n_expert, dtype=torch.int32, device=ids.device).index_add_(
-        0, ids, torch.ones_like(ids, dtype=torch.int32))
+        0, ids, torch.ones_like(ids, dtype=torch.int32)
+    )
 
 
-def moe_swiglu(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, n_expert: int,
-               w_gate: Stack, w_up: Stack, w_down: Stack) -> torch.Tensor:
+def moe_swiglu(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    n_expert: int,
+    w_gate: Stack,
+    w_up: Stack,
+    w_down: Stack,
+) -> torch.Tensor:
     """Sum over chosen experts of weight * down(silu(gate(x)) * up(x)), as one grouped computation.
 
     x [T, D]; weights, ids [T, K] (ids index the stacks); w_gate, w_up [E, F, D]; w_down [E, D, F], each

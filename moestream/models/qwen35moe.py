@@ -42,22 +42,23 @@ def read_spec(meta: dict[str, Any], n_vocab: int) -> ModelSpec:
     inner = int(read_key(meta, p + "ssm.inner_size"))
     sections = [int(s) for s in read_key(meta, p + "rope.dimension_sections")]
     if k_heads <= 0 or v_heads % k_heads or inner % v_heads:
-        raise MoestreamError(f"model metadata: {v_heads} delta-net value heads of {inner} channels in all "
-                             f"do not tile over {k_heads} key heads")
+        raise MoestreamError(
+            f"model metadata: {v_heads} delta-net value heads of {inner} channels in all "
+            f"do not tile over {k_heads} key heads"
+        )
     if len(sections) != 4:
-        raise MoestreamError(f"model metadata: {p}rope.dimension_sections has {len(sections)} entries, "
-                             "expected 4")
+        raise MoestreamError(f"model metadata: {p}rope.dimension_sections has {len(sections)} entries, expected 4")
     if int(read_key(meta, p + "attention.value_length", head_dim)) != head_dim:
-        raise MoestreamError("model metadata: attention key and value head sizes differ; "
-                             "moestream needs them equal")
+        raise MoestreamError("model metadata: attention key and value head sizes differ; moestream needs them equal")
     if p + "attention.recurrent_layers" in meta:  # an explicit pattern wins over the interval
         recurrent = [bool(r) for r in meta[p + "attention.recurrent_layers"]]
     else:
         interval = int(read_key(meta, p + "full_attention_interval", 4))
         recurrent = [(il + 1) % interval != 0 for il in range(n_layer)]
     if len(recurrent) != n_layer:
-        raise MoestreamError(f"model metadata: {p}attention.recurrent_layers has {len(recurrent)} entries "
-                             f"for {n_layer} layers")
+        raise MoestreamError(
+            f"model metadata: {p}attention.recurrent_layers has {len(recurrent)} entries for {n_layer} layers"
+        )
     extra = dict(
         conv_kernel=int(read_key(meta, p + "ssm.conv_kernel")),
         k_heads=k_heads,
@@ -74,8 +75,11 @@ def read_spec(meta: dict[str, Any], n_vocab: int) -> ModelSpec:
 def metadata(p: Preset) -> dict[str, Any]:
     """The `qwen35moe.*` keys of a generated file of preset p (read back by `read_spec`)."""
     a = ARCH + "."
-    return (p.common_metadata() | {a + "expert_shared_feed_forward_length": p.n_ff_shexp}
-            | {a + key: value for key, value in p.extra.items()})
+    return (
+        p.common_metadata()
+        | {a + "expert_shared_feed_forward_length": p.n_ff_shexp}
+        | {a + key: value for key, value in p.extra.items()}
+    )
 
 
 def conv_channels(spec: ModelSpec) -> int:
@@ -141,9 +145,16 @@ class Model(qwen3moe.Model):
     def new_recurrent_state(self, device: torch.device) -> dict[int, DeltaNetState]:
         e = self.spec.extra
         return {
-            il: DeltaNetState.zeros(conv_channels(self.spec), e["conv_kernel"], e["v_heads"], e["k_dim"],
-                                    e["v_dim"], device=device)
-            for il in range(self.spec.n_layer) if self.is_recurrent[il]
+            il: DeltaNetState.zeros(
+                conv_channels(self.spec),
+                e["conv_kernel"],
+                e["v_heads"],
+                e["k_dim"],
+                e["v_dim"],
+                device=device,
+            )
+            for il in range(self.spec.n_layer)
+            if self.is_recurrent[il]
         }
 
     def make_batch(self, pos0: int, n_tokens: int, device: torch.device, dtype: torch.dtype) -> Batch:

@@ -28,8 +28,17 @@ class ModelSpec:
     extra: dict[str, Any] = field(default_factory=dict)  # architecture-specific constants
 
     def __post_init__(self) -> None:
-        for name in ("n_layer", "n_embd", "n_head", "n_head_kv", "head_dim", "n_expert", "n_expert_used",
-                     "n_ff_exp", "n_vocab"):
+        for name in (
+            "n_layer",
+            "n_embd",
+            "n_head",
+            "n_head_kv",
+            "head_dim",
+            "n_expert",
+            "n_expert_used",
+            "n_ff_exp",
+            "n_vocab",
+        ):
             if getattr(self, name) <= 0:
                 raise MoestreamError(f"model metadata: {name} = {getattr(self, name)} must be positive")
         if self.n_head % self.n_head_kv:

@@ -45,8 +45,13 @@ def _use_more_bits(i: int, n: int) -> bool:
 def tensor_type(name: str, shape: tuple[int, ...], quant: str, n_layer: int) -> Q:
     """The type a llama.cpp quantization of this preset gives the tensor."""
     # the converter keeps routers, shared-expert gates, convolutions and non-weights (ssm_a, ssm_dt) in F32
-    if (len(shape) == 1 or not name.endswith(".weight") or "ffn_gate_inp" in name or "ssm_conv1d" in name
-            or quant == "F32"):
+    if (
+        len(shape) == 1
+        or not name.endswith(".weight")
+        or "ffn_gate_inp" in name
+        or "ssm_conv1d" in name
+        or quant == "F32"
+    ):
         return Q.F32
     if quant == "BF16":
         return Q.BF16
@@ -82,8 +87,7 @@ def init_std(name: str, shape: tuple[int, ...], n_layer: int) -> float:
 CHUNK_ELEMENTS = 1 << 22  # generation unit: fixed, so a file does not depend on the number of workers
 
 
-def _float_rows(name: str, shape: tuple[int, ...], n_layer: int, seed: int, part: int,
-                n_rows: int) -> np.ndarray:
+def _float_rows(name: str, shape: tuple[int, ...], n_layer: int, seed: int, part: int, n_rows: int) -> np.ndarray:
     """Rows [part * chunk, part * chunk + n_rows) of the tensor, flattened to [n_rows, shape[-1]]."""
     # crc32, not hash(): Python salts hash() per process
     rng = np.random.default_rng([seed, zlib.crc32(name.encode()), part])
@@ -103,12 +107,15 @@ def _make_chunk(task: tuple) -> np.ndarray:
 def _chunks(p: TensorPlan, n_layer: int, seed: int) -> list[tuple]:
     n_rows = int(np.prod(p.shape[:-1]))
     step = max(1, CHUNK_ELEMENTS // p.shape[-1])
-    return [(p.name, p.shape, p.qtype, n_layer, seed, k, min(step, n_rows - start))
-            for k, start in enumerate(range(0, n_rows, step))]
+    return [
+        (p.name, p.shape, p.qtype, n_layer, seed, k, min(step, n_rows - start))
+        for k, start in enumerate(range(0, n_rows, step))
+    ]
 
 
-def make_model(out: str | os.PathLike[str], preset: Preset, quant: str = "Q4_K_M", seed: int = 0,
-               progress: bool = True) -> None:
+def make_model(
+    out: str | os.PathLike[str], preset: Preset, quant: str = "Q4_K_M", seed: int = 0, progress: bool = True
+) -> None:
     """Write a generated model of the preset to `out`, one tensor at a time."""
     if quant not in QUANTS:
         raise MoestreamError(f"--quant {quant}: choose from {', '.join(QUANTS)}")
@@ -124,8 +131,11 @@ def make_model(out: str | os.PathLike[str], preset: Preset, quant: str = "Q4_K_M
     pool = mp.get_context("fork").Pool(workers) if workers > 1 and max(map(len, tasks.values())) > 1 else None
 
     def produce(p: TensorPlan) -> np.ndarray:
-        parts = pool.map(_make_chunk, tasks[p.name]) if pool and len(tasks[p.name]) > 1 else [
-            _make_chunk(t) for t in tasks[p.name]]
+        parts = (
+            pool.map(_make_chunk, tasks[p.name])
+            if pool and len(tasks[p.name]) > 1
+            else [_make_chunk(t) for t in tasks[p.name]]
+        )
         return np.concatenate(parts).reshape(p.byte_shape)
 
     try:

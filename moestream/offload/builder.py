@@ -5,7 +5,6 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-import torch
 from tqdm import tqdm
 
 from moestream.formats.gguf import GGUFFile, torch_bytes
@@ -41,30 +40,46 @@ class Offload:
         p, gib = self.placement, 2**30
         lines = [
             f"placement: {len(p.resident)} layers' experts on the device ({p.resident_bytes / gib:.2f} GiB), "
-            f"{len(p.streamed)} streamed from host RAM ({p.host_bytes / gib:.2f} GiB)",
+            f"{len(p.streamed)} streamed from host RAM ({p.host_bytes / gib:.2f} GiB)"
+            + (f": layers {p.streamed}" if p.spread else ""),
         ]
         if p.streamed:
             pinned = self.pinned.nbytes if self.pinned is not None else 0
             how = "bounce buffers" if self.bounce else f"{pinned / gib:.2f} GiB page-locked in place"
-            lines.append(f"staging: {p.n_slots if self.experts.streamer.overlap else 1} slots x "
-                         f"{p.slot_bytes / 2**20:.1f} MiB; host: {how}")
+            lines.append(
+                f"staging: {p.n_slots if self.experts.streamer.overlap else 1} slots x "
+                f"{p.slot_bytes / 2**20:.1f} MiB; host: {how}"
+            )
         return "\n".join(lines)
 
 
-def build_offload(f: GGUFFile, arch, spec, opts: EngineOptions, dense_bytes: int,
-                  dev: CudaDevice | CpuDevice | None = None) -> Offload:
+def build_offload(
+    f: GGUFFile, arch, spec, opts: EngineOptions, dense_bytes: int, dev: CudaDevice | CpuDevice | None = None
+) -> Offload:
     device, dtype = opts.torch_device, opts.torch_dtype
-    tensors = {il: ExpertTensors(tuple(f.tensor(n) for n in arch.expert_tensor_names(il)))
-               for il in range(spec.n_layer)}
+    tensors = {
+        il: ExpertTensors(tuple(f.tensor(n) for n in arch.expert_tensor_names(il))) for il in range(spec.n_layer)
+    }
     fp = Footprint(
         dense=dense_bytes,
-        kv_cache=KVCache.bytes_needed(spec.n_layer, min(opts.n_ctx, spec.n_ctx_train or opts.n_ctx),
-                                      spec.n_head_kv, spec.head_dim, dtype),
+        kv_cache=KVCache.bytes_needed(
+            spec.n_layer,
+            min(opts.n_ctx, spec.n_ctx_train or opts.n_ctx),
+            spec.n_head_kv,
+            spec.head_dim,
+            dtype,
+        ),
         workspace=workspace_bytes(spec.n_expert, spec.n_ff_exp, spec.n_embd, opts.ubatch, spec.n_expert_used, dtype),
     )
     n_cpu_moe = spec.n_layer if opts.n_cpu_moe == "all" else opts.n_cpu_moe
-    placement = plan([tensors[il].nbytes for il in range(spec.n_layer)], n_cpu_moe, opts.slots,
-                     parse_size(opts.vram_budget), fp, streaming=True)
+    placement = plan(
+        [tensors[il].nbytes for il in range(spec.n_layer)],
+        n_cpu_moe,
+        opts.slots,
+        parse_size(opts.vram_budget),
+        fp,
+        opts.streamed_layers == "spread",
+    )
     owns_dev = dev is None
     dev = dev or make_device(device)
 

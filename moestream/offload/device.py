@@ -26,8 +26,15 @@ class CudaDevice:
         self.device = device
         self.copy_stream = torch.cuda.Stream(device)
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: torch.cuda.Event | None, on_copy_stream: bool = True,
-             timeline: Timeline = NULL, **label) -> torch.cuda.Event:
+    def copy(
+        self,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        after: torch.cuda.Event | None,
+        on_copy_stream: bool = True,
+        timeline: Timeline = NULL,
+        **label,
+    ) -> torch.cuda.Event:
         """Queue dst <- src; it starts once `after` has fired. Returns the event that fires when it is done."""
         stream = self.copy_stream if on_copy_stream else torch.cuda.current_stream(self.device)
         done = torch.cuda.Event()
@@ -99,8 +106,15 @@ class CpuDevice:
             except BaseException as e:  # surfaced to the compute thread at its next wait
                 self._error = e
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: CpuEvent | None, on_copy_stream: bool = True,
-             timeline: Timeline = NULL, **label) -> CpuEvent:
+    def copy(
+        self,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        after: CpuEvent | None,
+        on_copy_stream: bool = True,
+        timeline: Timeline = NULL,
+        **label,
+    ) -> CpuEvent:
         done = CpuEvent()
 
         def job() -> None:

@@ -36,8 +36,14 @@ class ExpertTensors:
     def host_bytes(self) -> list[torch.Tensor]:
         return [torch_bytes(v) for v in self.views]
 
-    def stacks(self, raws: list[torch.Tensor], dtype: torch.dtype, rows: torch.Tensor | None = None,
-               timeline: Timeline = NULL, layer: int | None = None):
+    def stacks(
+        self,
+        raws: list[torch.Tensor],
+        dtype: torch.dtype,
+        rows: torch.Tensor | None = None,
+        timeline: Timeline = NULL,
+        layer: int | None = None,
+    ):
         """(gate, up, down) as functions that dequantize stored bytes `raws` (on any device) when called;
         rows picks experts, in that order. Lazy, so only one dequantized stack is alive at a time."""
 
@@ -59,8 +65,15 @@ class ExpertTensors:
 class LayerExperts:
     """The ExpertSource the model calls: resident layers, streamed layers and the CPU path for small batches."""
 
-    def __init__(self, tensors: dict[int, ExpertTensors], resident: dict[int, list[torch.Tensor]],
-                 streamer: Streamer | None, dtype: torch.dtype, min_batch: int, dev):
+    def __init__(
+        self,
+        tensors: dict[int, ExpertTensors],
+        resident: dict[int, list[torch.Tensor]],
+        streamer: Streamer | None,
+        dtype: torch.dtype,
+        min_batch: int,
+        dev,
+    ):
         self.tensors = tensors
         self.dev = dev
         self.resident = resident  # il -> stored bytes on the compute device
@@ -70,11 +83,16 @@ class LayerExperts:
         self.track_usage = False  # when set, record the fraction of experts each streamed micro-batch used
         self.usage: list[torch.Tensor] = []
         self.timeline = NULL
-        self._layer: tuple[int, int, object] = (-1, -1, None)  # (layer, micro-batch, stamp) the engine started
+        self._layer: tuple[int, int, object] = (
+            -1,
+            -1,
+            None,
+        )  # (layer, micro-batch, stamp) the engine started
 
     def start_layer(self, il: int, ubatch: int) -> None:
         """The engine begins layer il of a micro-batch: attention and router run from here to ffn()."""
         self._layer = (il, ubatch, self.timeline.stamp())
+
     def streams(self, il: int, n_tokens: int) -> bool:
         """Whether a micro-batch of n_tokens makes the streamer upload layer il."""
         return il not in self.resident and n_tokens >= self.min_batch

@@ -1,6 +1,8 @@
 """Placement: which layers' experts stay in host RAM (streamed) and which live on the GPU, within a budget.
 
-`n_cpu_moe` = N keeps the experts of layers 0..N-1 in the mapped file, as llama.cpp's --n-cpu-moe does.
+`n_cpu_moe` = N keeps the experts of layers 0..N-1 in the mapped file, as llama.cpp's --n-cpu-moe does;
+with `spread`, N layers spaced evenly through the model instead, so resident layers compute while streamed
+ones upload (with the first N, a one-micro-batch prompt computes every resident layer after the last upload).
 With a VRAM budget and N = "auto", the smallest N whose GPU footprint fits is chosen.
 """
 
@@ -27,15 +29,19 @@ class Placement:
     n_cpu_moe: int
     expert_bytes: list[int]  # stored bytes of each layer's experts
     n_slots: int
-    streaming: bool  # whether streamed layers use staging slots on the GPU (false on CPU-only runs)
+    spread: bool = False  # stream N evenly spaced layers rather than the first N
 
     @property
     def streamed(self) -> list[int]:
-        return list(range(self.n_cpu_moe))
+        n, n_layer = self.n_cpu_moe, len(self.expert_bytes)
+        if not self.spread:
+            return list(range(n))
+        return [int((i + 0.5) * n_layer / n) for i in range(n)]
 
     @property
     def resident(self) -> list[int]:
-        return list(range(self.n_cpu_moe, len(self.expert_bytes)))
+        streamed = set(self.streamed)
+        return [il for il in range(len(self.expert_bytes)) if il not in streamed]
 
     @property
     def slot_bytes(self) -> int:
@@ -43,7 +49,7 @@ class Placement:
 
     @property
     def staging_bytes(self) -> int:
-        return self.n_slots * self.slot_bytes if self.streamed and self.streaming else 0
+        return self.n_slots * self.slot_bytes if self.streamed else 0
 
     @property
     def resident_bytes(self) -> int:
@@ -62,8 +68,21 @@ def parse_size(text: str | int | None) -> int | None:
     if text is None or isinstance(text, int):
         return text
     t = text.strip().lower().replace(" ", "")
-    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9,
-             "tb": 10**12, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40, "b": 1}
+    units = {
+        "kib": 2**10,
+        "mib": 2**20,
+        "gib": 2**30,
+        "tib": 2**40,
+        "kb": 10**3,
+        "mb": 10**6,
+        "gb": 10**9,
+        "tb": 10**12,
+        "k": 2**10,
+        "m": 2**20,
+        "g": 2**30,
+        "t": 2**40,
+        "b": 1,
+    }
     for suffix, scale in units.items():
         if t.endswith(suffix):
             t, mult = t[: -len(suffix)], scale
@@ -76,8 +95,14 @@ def parse_size(text: str | int | None) -> int | None:
         raise MoestreamError(f"--vram-budget {text!r}: expected a size like 12GiB, 8000MiB or 12e9") from None
 
 
-def plan(expert_bytes: list[int], n_cpu_moe: int | str, n_slots: int, budget: int | None, fp: Footprint,
-         streaming: bool) -> Placement:
+def plan(
+    expert_bytes: list[int],
+    n_cpu_moe: int | str,
+    n_slots: int,
+    budget: int | None,
+    fp: Footprint,
+    spread: bool = False,
+) -> Placement:
     """Choose the placement; raise a clear error when the asked one cannot fit."""
     n_layer = len(expert_bytes)
     if n_slots < 1:
@@ -86,10 +111,10 @@ def plan(expert_bytes: list[int], n_cpu_moe: int | str, n_slots: int, budget: in
         if budget is None:
             raise MoestreamError("--n-cpu-moe auto needs --vram-budget SIZE to know what fits")
         for n in range(n_layer + 1):
-            p = Placement(n, expert_bytes, n_slots, streaming)
+            p = Placement(n, expert_bytes, n_slots, spread)
             if p.gpu_bytes(fp) <= budget:
                 return p
-        smallest = Placement(n_layer, expert_bytes, n_slots, streaming)
+        smallest = Placement(n_layer, expert_bytes, n_slots, spread)
         raise MoestreamError(
             f"--vram-budget {budget / 2**30:.2f} GiB is too small: even with every layer's experts in host RAM "
             f"the GPU needs {smallest.gpu_bytes(fp) / 2**30:.2f} GiB (weights {fp.dense / 2**30:.2f}, "
@@ -98,7 +123,7 @@ def plan(expert_bytes: list[int], n_cpu_moe: int | str, n_slots: int, budget: in
         )
     if not isinstance(n_cpu_moe, int) or not 0 <= n_cpu_moe <= n_layer:
         raise MoestreamError(f"--n-cpu-moe {n_cpu_moe}: must be between 0 and {n_layer} (the layer count) or auto")
-    p = Placement(n_cpu_moe, expert_bytes, n_slots, streaming)
+    p = Placement(n_cpu_moe, expert_bytes, n_slots, spread)
     if budget is not None and p.gpu_bytes(fp) > budget:
         raise MoestreamError(
             f"--n-cpu-moe {n_cpu_moe} needs {p.gpu_bytes(fp) / 2**30:.2f} GiB on the GPU but --vram-budget is "

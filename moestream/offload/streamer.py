@@ -49,8 +49,9 @@ class Streamer:
     overlap=False is the serial and pinned schedules: the copy is queued on the compute stream, one slot.
     """
 
-    def __init__(self, dev, layers: dict[int, HostLayer], n_slots: int, overlap: bool,
-                 bounce: BounceRing | None = None):
+    def __init__(
+        self, dev, layers: dict[int, HostLayer], n_slots: int, overlap: bool, bounce: BounceRing | None = None
+    ):
         if n_slots < 2 and overlap:
             raise MoestreamError(f"--slots {n_slots}: overlapped streaming needs at least 2 staging slots")
         self.dev = dev
@@ -125,15 +126,22 @@ class Streamer:
             if slot.ready is not None:
                 slot.ready.synchronize()  # this slot's bounce buffer may still be read by its last upload
             staged = self.bounce.buffers[self.slots.index(slot)]
-            for view, part in zip(self._views_for_buf(staged, layer), layer.parts):
+            for view, part in zip(self._views_for_buf(staged, layer), layer.parts, strict=True):
                 view.copy_(part)
             src, dst = [staged[: layer.nbytes]], [slot.buf[: layer.nbytes]]
         else:
             src, dst = layer.parts, self._views_for_buf(slot.buf, layer)
         after = slot.free
         for d, s in zip(dst, src, strict=True):
-            after = self.dev.copy(d, s, after, on_copy_stream=self.overlap, timeline=self.timeline, layer=il,
-                                  slot=self.slots.index(slot))
+            after = self.dev.copy(
+                d,
+                s,
+                after,
+                on_copy_stream=self.overlap,
+                timeline=self.timeline,
+                layer=il,
+                slot=self.slots.index(slot),
+            )
         slot.ready, slot.layer = after, il
         self.bytes_uploaded += sum(p.numel() for p in layer.parts)
         self.uploads += 1

@@ -54,8 +54,15 @@ def registered_rate(device: torch.device, array, repeats: int = 5) -> float:
         pins.unregister()
 
 
-def grouped_gemm_rate(n_tokens: int, n_embd: int, n_ff: int, n_expert: int, n_used: int,
-                      device: torch.device, dtype: torch.dtype) -> float:
+def grouped_gemm_rate(
+    n_tokens: int,
+    n_embd: int,
+    n_ff: int,
+    n_expert: int,
+    n_used: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> float:
     """FLOP/s of one MoE layer's grouped SwiGLU on random routing (the compute side of the floors)."""
     from moestream.models.layers import moe_swiglu
 

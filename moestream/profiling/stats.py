@@ -108,6 +108,7 @@ class Summary:
 
     def table(self, top: int = 5, per_layer: bool = True) -> str:
         """Plain-text report: totals, the `top` longest stalls and (optionally) one row per layer."""
+
         def ms(s: float) -> str:
             return f"{s * 1e3:9.2f} ms"
 
@@ -128,19 +129,44 @@ class Summary:
             ops = sorted(self.compute_by_name.items(), key=lambda x: -x[1])
             lines.append("compute by op      " + ", ".join(f"{name} {s * 1e3:.2f} ms" for name, s in ops))
         if self.stalls:
-            lines += ["", f"top stalls ({len(self.stalls)} in all)",
-                      f"{'at ms':>10} {'idle ms':>10} {'upload ms':>10} {'before layer':>13}"]
-            lines += [f"{s.start * 1e3:10.2f} {s.duration * 1e3:10.2f} {s.upload_s * 1e3:10.2f} "
-                      f"{'-' if s.layer is None else s.layer:>13}" for s in self.stalls[:top]]
+            lines += [
+                "",
+                f"top stalls ({len(self.stalls)} in all)",
+                f"{'at ms':>10} {'idle ms':>10} {'upload ms':>10} {'before layer':>13}",
+            ]
+            lines += [
+                f"{s.start * 1e3:10.2f} {s.duration * 1e3:10.2f} {s.upload_s * 1e3:10.2f} "
+                f"{'-' if s.layer is None else s.layer:>13}"
+                for s in self.stalls[:top]
+            ]
         if per_layer and self.layers:
             names = sorted({n for ls in self.layers for n in ls.by_name})
-            lines += ["", " ".join([f"{'layer':>5}", f"{'compute ms':>10}", *(f"{n[:10]:>10}" for n in names),
-                                    f"{'copy ms':>10}", f"{'MiB':>8}", f"{'wait ms':>10}"])]
-            lines += [" ".join([f"{ls.layer:>5}", f"{ls.compute_s * 1e3:10.2f}",
-                                *(f"{ls.by_name.get(n, 0.0) * 1e3:10.2f}" for n in names),
-                                f"{ls.copy_s * 1e3:10.2f}", f"{ls.nbytes / 2**20:8.1f}",
-                                f"{ls.wait_s * 1e3:10.2f}"])
-                      for ls in self.layers]
+            lines += [
+                "",
+                " ".join(
+                    [
+                        f"{'layer':>5}",
+                        f"{'compute ms':>10}",
+                        *(f"{n[:10]:>10}" for n in names),
+                        f"{'copy ms':>10}",
+                        f"{'MiB':>8}",
+                        f"{'wait ms':>10}",
+                    ]
+                ),
+            ]
+            lines += [
+                " ".join(
+                    [
+                        f"{ls.layer:>5}",
+                        f"{ls.compute_s * 1e3:10.2f}",
+                        *(f"{ls.by_name.get(n, 0.0) * 1e3:10.2f}" for n in names),
+                        f"{ls.copy_s * 1e3:10.2f}",
+                        f"{ls.nbytes / 2**20:8.1f}",
+                        f"{ls.wait_s * 1e3:10.2f}",
+                    ]
+                )
+                for ls in self.layers
+            ]
         return "\n".join(lines)
 
 

@@ -80,8 +80,17 @@ class Timeline:
         """Now on the host clock, for lanes that are host threads (CPU copy threads) even on CUDA."""
         return time.perf_counter()
 
-    def add(self, lane: str, name: str, start: Stamp, end: Stamp, layer: int | None = None, nbytes: int = 0,
-            slot: int | None = None, ubatch: int | None = None) -> None:
+    def add(
+        self,
+        lane: str,
+        name: str,
+        start: Stamp,
+        end: Stamp,
+        layer: int | None = None,
+        nbytes: int = 0,
+        slot: int | None = None,
+        ubatch: int | None = None,
+    ) -> None:
         """Record that `name` ran on `lane` from `start` to `end` (stamps from `stamp` or `host_stamp`)."""
         self._raw.append((lane, name, start, end, layer, nbytes, slot, ubatch))
 
@@ -96,8 +105,7 @@ class Timeline:
         """All spans in seconds from the earliest start, sorted by start. Synchronises once on CUDA."""
         if self._cuda and self._raw:
             torch.cuda.synchronize(self.device)
-        rows = [(lane, name, self._seconds(a), self._seconds(b), *rest)
-                for lane, name, a, b, *rest in self._raw]
+        rows = [(lane, name, self._seconds(a), self._seconds(b), *rest) for lane, name, a, b, *rest in self._raw]
         if not rows:
             return []
         t0 = self.origin = min(r[2] for r in rows)
@@ -124,12 +132,22 @@ class NullTimeline(Timeline):
     def host_stamp(self) -> Stamp:
         return 0.0
 
-    def add(self, lane: str, name: str, start: Stamp, end: Stamp, layer: int | None = None, nbytes: int = 0,
-            slot: int | None = None, ubatch: int | None = None) -> None:
+    def add(
+        self,
+        lane: str,
+        name: str,
+        start: Stamp,
+        end: Stamp,
+        layer: int | None = None,
+        nbytes: int = 0,
+        slot: int | None = None,
+        ubatch: int | None = None,
+    ) -> None:
         pass
 
-    def span(self, lane: str, name: str, stream: torch.cuda.Stream | None = None,
-             **fields) -> contextlib.AbstractContextManager[None]:
+    def span(
+        self, lane: str, name: str, stream: torch.cuda.Stream | None = None, **fields
+    ) -> contextlib.AbstractContextManager[None]:
         return _NO_SPAN
 
     def resolve(self) -> list[Span]:
@@ -142,6 +160,7 @@ NULL = NullTimeline()
 
 def ordered_lanes(spans: Iterable[Span]) -> list[str]:
     """Lanes in display order: copy, compute, then CPU copy threads by number, then anything else by name."""
+
     def key(lane: str) -> tuple:
         if lane == "copy":
             return (0,)

@@ -47,30 +47,57 @@ def chrome_trace(runs: Mapping[str, list[Span]], process_name: str = "moestream"
     meta, events = [], []
     for pid, (run, spans) in enumerate(runs.items(), start=1):
         name = process_name if len(runs) == 1 and not run else f"{process_name} {run}".strip()
-        meta += [{"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": name}},
-                 {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}}]
+        meta += [
+            {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": name}},
+            {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}},
+        ]
         tid = 0
         for lane in ordered_lanes(spans):
-            timed = sorted(((round(s.start * 1e9), round(s.end * 1e9), s) for s in spans if s.lane == lane),
-                           key=lambda t: (t[0], -t[1]))
+            timed = sorted(
+                ((round(s.start * 1e9), round(s.end * 1e9), s) for s in spans if s.lane == lane),
+                key=lambda t: (t[0], -t[1]),
+            )
             tracks = _pack(timed)
             tids = []
             for k in range(max(tracks) + 1):
                 tid += 1
                 tids.append(tid)
-                meta += [{"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
-                          "args": {"name": lane if k == 0 else f"{lane} #{k + 1}"}},
-                         {"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid,
-                          "args": {"sort_index": tid}}]
-            events += [{"name": s.name, "cat": lane, "ph": "X", "pid": pid, "tid": tids[k],
-                        "ts": a / 1e3, "dur": (b - a) / 1e3, "args": _args(s)}
-                       for (a, b, s), k in zip(timed, tracks, strict=True)]
+                meta += [
+                    {
+                        "ph": "M",
+                        "name": "thread_name",
+                        "pid": pid,
+                        "tid": tid,
+                        "args": {"name": lane if k == 0 else f"{lane} #{k + 1}"},
+                    },
+                    {
+                        "ph": "M",
+                        "name": "thread_sort_index",
+                        "pid": pid,
+                        "tid": tid,
+                        "args": {"sort_index": tid},
+                    },
+                ]
+            events += [
+                {
+                    "name": s.name,
+                    "cat": lane,
+                    "ph": "X",
+                    "pid": pid,
+                    "tid": tids[k],
+                    "ts": a / 1e3,
+                    "dur": (b - a) / 1e3,
+                    "args": _args(s),
+                }
+                for (a, b, s), k in zip(timed, tracks, strict=True)
+            ]
     events.sort(key=lambda e: (e["ts"], -e["dur"]))
     return {"traceEvents": meta + events, "displayTimeUnit": "ms"}
 
 
-def write_chrome_trace(spans: list[Span] | Mapping[str, list[Span]], path: str | Path,
-                       process_name: str = "moestream") -> None:
+def write_chrome_trace(
+    spans: list[Span] | Mapping[str, list[Span]], path: str | Path, process_name: str = "moestream"
+) -> None:
     """Write spans (one run) or {schedule: spans} (one process each) as a Chrome trace JSON file."""
     runs = spans if isinstance(spans, Mapping) else {"": spans}
     Path(path).write_text(json.dumps(chrome_trace(runs, process_name)))

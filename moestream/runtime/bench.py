@@ -22,6 +22,7 @@ class BenchRow:
     ubatch: int
     stream: str
     slots: int
+    streamed_layers: str  # first | spread
     test: str  # ppN (prefill N tokens) or tgN (decode N tokens)
     tps: float
     tps_std: float
@@ -65,9 +66,19 @@ def _measure(engine, test: str, tokens: list[int], repeats: int):
     return times, last.get("logits"), moved, used
 
 
-def run_bench(engine, prompts: list[int], gens: list[int], ubatches: list[int], n_cpu_moes: list[int],
-              streams: list[str], slots: list[int], repeats: int, floors: bool, progress=None
-              ) -> tuple[list[BenchRow], float]:
+def run_bench(
+    engine,
+    prompts: list[int],
+    gens: list[int],
+    ubatches: list[int],
+    n_cpu_moes: list[int],
+    streams: list[str],
+    slots: list[int],
+    picks: list[str],
+    repeats: int,
+    floors: bool,
+    progress=None,
+) -> tuple[list[BenchRow], float]:
     """Every combination of the lists; returns the rows and the pinned link rate (bytes/s) measured first."""
     f = engine.source
     size = f.path.stat().st_size / 2**30
@@ -78,16 +89,30 @@ def run_bench(engine, prompts: list[int], gens: list[int], ubatches: list[int], 
     first_token: dict[str, int] = {}
     compute_floor: dict[tuple[str, int], float] = {}
     tests = [(f"pp{p}", p) for p in prompts if p > 0] + [(f"tg{n}", n) for n in gens if n > 0]
-    for ub, ncmoe, stream, k in itertools.product(ubatches, n_cpu_moes, streams, slots):
-        engine.reconfigure(ubatch=ub, n_cpu_moe=ncmoe, stream=stream, slots=k, progress=False)
+    for ub, ncmoe, pick, stream, k in itertools.product(ubatches, n_cpu_moes, picks, streams, slots):
+        engine.reconfigure(ubatch=ub, n_cpu_moe=ncmoe, streamed_layers=pick, stream=stream, slots=k, progress=False)
         for test, n in tests:
             tokens = random_prompt(n, engine.spec.n_vocab)
             times, logits, moved, used = _measure(engine, test, tokens, repeats)
             secs = statistics.mean(times)
             tps = [n / t for t in times]
-            row = BenchRow(name, round(size, 2), engine.offload.placement.n_cpu_moe, ub, stream, k, test,
-                           statistics.mean(tps), statistics.pstdev(tps), secs, moved, used, moved / secs / 1e9,
-                           transfer_floor_s=moved / link)
+            row = BenchRow(
+                name,
+                round(size, 2),
+                engine.offload.placement.n_cpu_moe,
+                ub,
+                stream,
+                k,
+                pick,
+                test,
+                statistics.mean(tps),
+                statistics.pstdev(tps),
+                secs,
+                moved,
+                used,
+                moved / secs / 1e9,
+                transfer_floor_s=moved / link,
+            )
             if logits is not None:
                 tok = int(torch.argmax(logits[-1]))
                 row.same_tokens = first_token.setdefault(test, tok) == tok
@@ -105,4 +130,3 @@ def run_bench(engine, prompts: list[int], gens: list[int], ubatches: list[int], 
         for row in rows:
             row.compute_floor_s = compute_floor[(row.test, row.ubatch)]
     return rows, link
-

@@ -96,7 +96,9 @@ class Engine:
         ub, n_layer, experts = self.options.ubatch, self.spec.n_layer, self.model.experts
         chunks = [tokens[i : i + ub] for i in range(0, len(tokens), ub)]
         starts = [cache.n_past + i * ub for i in range(len(chunks))]
-        batches = [self.model.make_batch(p, len(c), self.device, self.dtype) for p, c in zip(starts, chunks)]
+        batches = [
+            self.model.make_batch(p, len(c), self.device, self.dtype) for p, c in zip(starts, chunks, strict=True)
+        ]
         xs = [self.model.embed(torch.tensor(c, device=self.device)) for c in chunks]
         layer_major = self.options.stream == "layer-major" and len(chunks) > 1
         if layer_major:

@@ -10,8 +10,15 @@ from moestream.errors import MoestreamError
 class KVCache:
     """K and V for each attention layer: [n_ctx, Hkv, Dh], filled left to right."""
 
-    def __init__(self, layers: list[int], n_ctx: int, n_head_kv: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        layers: list[int],
+        n_ctx: int,
+        n_head_kv: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         self.n_ctx = n_ctx
         shape = (n_ctx, n_head_kv, head_dim)
         self.k = {il: torch.zeros(shape, dtype=dtype, device=device) for il in layers}

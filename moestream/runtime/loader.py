@@ -60,13 +60,13 @@ def load(path: str | os.PathLike[str], device_impl=None, **options: Any) -> Engi
         host = {n for il in range(spec.n_layer) for n in arch.expert_tensor_names(il)} | {"token_embd.weight"}
         weights = {
             name: to_device(t, device, dtype)
-            for name, t in tqdm(f.tensors.items(), desc="load", unit="tensor", disable=not opts.progress,
-                                leave=False)
+            for name, t in tqdm(f.tensors.items(), desc="load", unit="tensor", disable=not opts.progress, leave=False)
             if name not in host
         }
         if "output.weight" not in weights:  # tied: the head reads the embedding matrix, so it goes to the device
             weights["output.weight"] = to_device(f.tensor("token_embd.weight"), device, dtype)
         dense_bytes = sum(w.numel() * w.element_size() for w in weights.values())
+
         def make_offload(o: EngineOptions):
             return build_offload(f, arch, spec, o, dense_bytes, device_impl)
 

@@ -21,6 +21,7 @@ class EngineOptions:
     n_ctx: int = 4096  # context size (clipped to the model's training context)
     progress: bool = True  # progress bars for load and long prefill
     n_cpu_moe: int | str = 0  # experts of layers 0..N-1 stay in host RAM; "all" or "auto" (with vram_budget)
+    streamed_layers: str = "first"  # first: layers 0..N-1, as llama.cpp; spread: N layers evenly spaced
     vram_budget: int | str | None = None  # cap on GPU bytes: weights + KV cache + staging + workspace
     stream: str | None = None  # serial | pinned | overlap | layer-major (default: $MOESTREAM_STREAM or overlap)
     slots: int = 3  # staging slots in the ring
@@ -47,6 +48,8 @@ class EngineOptions:
             raise MoestreamError(f"--stream {self.stream}: expected one of {', '.join(STREAMS)}")
         if self.slots < 2 and self.stream in ("overlap", "layer-major"):
             raise MoestreamError(f"--slots {self.slots}: {self.stream} needs at least 2 staging slots")
+        if self.streamed_layers not in ("first", "spread"):
+            raise MoestreamError(f"--streamed-layers {self.streamed_layers}: expected first or spread")
         if self.stream_min_batch < 1:
             raise MoestreamError(f"--stream-min-batch {self.stream_min_batch}: must be at least 1")
         if isinstance(self.n_cpu_moe, str) and self.n_cpu_moe not in ("auto", "all"):

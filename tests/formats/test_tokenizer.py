@@ -50,25 +50,33 @@ def with_word_merges(meta: dict, words: list[str]) -> dict:
         chars = byte_level(word)
         for end in range(2, len(chars) + 1):
             if chars[:end] not in bpe:
-                merges.append(f"{chars[:end - 1]} {chars[end - 1]}")
+                merges.append(f"{chars[: end - 1]} {chars[end - 1]}")
                 bpe.append(chars[:end])
     specials = [(t, k) for t, k in typed if k in (3, 4)]
     n_used = len(bpe) + len(specials)
     tokens = bpe + [t for t, _ in specials] + [f"[PAD{i}]" for i in range(n_used, len(typed))]
     types = [1] * len(bpe) + [k for _, k in specials] + [5] * (len(typed) - n_used)
-    return {**meta, "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
-            "tokenizer.ggml.merges": merges, "tokenizer.ggml.bos_token_id": tokens.index("<|endoftext|>"),
-            "tokenizer.ggml.eos_token_id": tokens.index("<|im_end|>"),
-            "tokenizer.ggml.padding_token_id": tokens.index("<|endoftext|>")}
+    return {
+        **meta,
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.bos_token_id": tokens.index("<|endoftext|>"),
+        "tokenizer.ggml.eos_token_id": tokens.index("<|im_end|>"),
+        "tokenizer.ggml.padding_token_id": tokens.index("<|endoftext|>"),
+    }
 
 
 def transformers_reference(meta: dict, cls: type):
     """transformers' tokenizer from the vocabulary, merges and added tokens a Hugging Face repo would ship."""
     tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
     typed = list(enumerate(zip(tokens, types, strict=True)))
-    ref = cls(vocab={t: i for i, (t, k) in typed if k != 5},
-              merges=[tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]],
-              eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    ref = cls(
+        vocab={t: i for i, (t, k) in typed if k != 5},
+        merges=[tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]],
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
     added = [(i, t, k) for i, (t, k) in typed if k in (3, 4)]
     ref.add_tokens([AddedToken(t, special=k == 3, normalized=False) for _, t, k in added])
     assert [ref.convert_tokens_to_ids(t) for _, t, _ in added] == [i for i, _, _ in added]
@@ -164,14 +172,17 @@ def test_chat_template():
     ref = transformers_reference(meta, Qwen2Tokenizer)
     for kwargs in ({}, {"enable_thinking": False}):
         for add in (True, False):
-            assert Tokenizer.from_metadata(meta).apply_chat_template(messages, add, **kwargs) == \
-                ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=add, **kwargs)
+            assert Tokenizer.from_metadata(meta).apply_chat_template(
+                messages, add, **kwargs
+            ) == ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=add, **kwargs)
 
 
 def test_chat_template_helpers_and_errors():
     meta = tiny_tokenizer_metadata(600)
-    template = ("{% if messages[0]['role'] != 'system' %}{{ raise_exception('needs a system turn') }}"
-                "{% endif %}{{ bos_token }}{{ messages | tojson }}")
+    template = (
+        "{% if messages[0]['role'] != 'system' %}{{ raise_exception('needs a system turn') }}"
+        "{% endif %}{{ bos_token }}{{ messages | tojson }}"
+    )
     tok = Tokenizer.from_metadata({**meta, "tokenizer.chat_template": template})
     system = [{"role": "system", "content": "日本"}]
     assert tok.apply_chat_template(system) == '<|endoftext|>[{"role": "system", "content": "日本"}]'
@@ -184,14 +195,17 @@ def test_chat_template_helpers_and_errors():
         Tokenizer.from_metadata({**meta, "tokenizer.chat_template": "{% for %}"}).apply_chat_template(system)
 
 
-@pytest.mark.parametrize(("key", "value", "named"), [
-    ("tokenizer.ggml.model", "llama", "'llama'.*'gpt2'"),
-    ("tokenizer.ggml.pre", "llama-bpe", "'llama-bpe'.*qwen2"),
-    ("tokenizer.ggml.pre", None, "None.*qwen35"),
-    ("tokenizer.ggml.token_type", [1, 1], "token types"),
-    ("tokenizer.ggml.tokens", [], "no vocabulary"),
-    ("tokenizer.ggml.eos_token_id", 10**6, "eos_token_id"),
-])
+@pytest.mark.parametrize(
+    ("key", "value", "named"),
+    [
+        ("tokenizer.ggml.model", "llama", "'llama'.*'gpt2'"),
+        ("tokenizer.ggml.pre", "llama-bpe", "'llama-bpe'.*qwen2"),
+        ("tokenizer.ggml.pre", None, "None.*qwen35"),
+        ("tokenizer.ggml.token_type", [1, 1], "token types"),
+        ("tokenizer.ggml.tokens", [], "no vocabulary"),
+        ("tokenizer.ggml.eos_token_id", 10**6, "eos_token_id"),
+    ],
+)
 def test_unsupported_metadata(key, value, named):
     with pytest.raises(MoestreamError, match=named):
         Tokenizer.from_metadata({**tiny_tokenizer_metadata(600), key: value})
@@ -216,12 +230,17 @@ def test_real_size_vocabulary_builds_fast():
     alphabet = sorted(bytes_to_unicode().values())
     letters = string.ascii_letters
     pairs = [(a, b) for a in alphabet for b in alphabet]
-    pairs += [(a + b, c) for a in letters for b in letters for c in alphabet][:151643 - 256 - len(pairs)]
+    pairs += [(a + b, c) for a in letters for b in letters for c in alphabet][: 151643 - 256 - len(pairs)]
     tokens = alphabet + [a + b for a, b in pairs] + ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tokens += [f"[PAD{i}]" for i in range(len(tokens), 151936)]
     types = [1] * 151643 + [3] * 3 + [5] * (151936 - 151646)
-    meta.update({"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
-                 "tokenizer.ggml.merges": [f"{a} {b}" for a, b in pairs]})
+    meta.update(
+        {
+            "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": types,
+            "tokenizer.ggml.merges": [f"{a} {b}" for a, b in pairs],
+        }
+    )
     start = time.perf_counter()
     tok = Tokenizer.from_metadata(meta)
     seconds = time.perf_counter() - start

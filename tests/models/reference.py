@@ -32,17 +32,30 @@ def qwen3moe_reference(path: str) -> torch.nn.Module:
         _, s = describe(f)
         tied = "output.weight" not in f.tensors
         config = Qwen3MoeConfig(
-            vocab_size=s.n_vocab, hidden_size=s.n_embd, intermediate_size=s.n_ff_exp,
-            num_hidden_layers=s.n_layer, num_attention_heads=s.n_head, num_key_value_heads=s.n_head_kv,
-            head_dim=s.head_dim, max_position_embeddings=s.n_ctx_train, rms_norm_eps=s.rms_eps,
-            rope_parameters={"rope_type": "default", "rope_theta": s.rope_base}, tie_word_embeddings=tied,
-            num_experts=s.n_expert, num_experts_per_tok=s.n_expert_used, moe_intermediate_size=s.n_ff_exp,
-            norm_topk_prob=True, decoder_sparse_step=1, attn_implementation="eager",
+            vocab_size=s.n_vocab,
+            hidden_size=s.n_embd,
+            intermediate_size=s.n_ff_exp,
+            num_hidden_layers=s.n_layer,
+            num_attention_heads=s.n_head,
+            num_key_value_heads=s.n_head_kv,
+            head_dim=s.head_dim,
+            max_position_embeddings=s.n_ctx_train,
+            rms_norm_eps=s.rms_eps,
+            rope_parameters={"rope_type": "default", "rope_theta": s.rope_base},
+            tie_word_embeddings=tied,
+            num_experts=s.n_expert,
+            num_experts_per_tok=s.n_expert_used,
+            moe_intermediate_size=s.n_ff_exp,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            attn_implementation="eager",
         )
         model = Qwen3MoeForCausalLM(config).float().eval()
-        sd = {"model.embed_tokens.weight": dequantized(f, "token_embd.weight"),
-              "model.norm.weight": dequantized(f, "output_norm.weight"),
-              "lm_head.weight": dequantized(f, "token_embd.weight" if tied else "output.weight")}
+        sd = {
+            "model.embed_tokens.weight": dequantized(f, "token_embd.weight"),
+            "model.norm.weight": dequantized(f, "output_norm.weight"),
+            "lm_head.weight": dequantized(f, "token_embd.weight" if tied else "output.weight"),
+        }
         for il in range(s.n_layer):
             b, m = f"blk.{il}.", f"model.layers.{il}."
             sd |= {
@@ -56,10 +69,12 @@ def qwen3moe_reference(path: str) -> torch.nn.Module:
                 m + "post_attention_layernorm.weight": dequantized(f, b + "ffn_norm.weight"),
                 m + "mlp.gate.weight": dequantized(f, b + "ffn_gate_inp.weight"),
                 m + "mlp.experts.gate_up_proj": torch.cat(
-                    [dequantized(f, b + "ffn_gate_exps.weight"), dequantized(f, b + "ffn_up_exps.weight")], dim=1),
+                    [dequantized(f, b + "ffn_gate_exps.weight"), dequantized(f, b + "ffn_up_exps.weight")],
+                    dim=1,
+                ),
                 m + "mlp.experts.down_proj": dequantized(f, b + "ffn_down_exps.weight"),
             }
-    missing, unexpected = model.load_state_dict(sd, strict=False)
+    missing, unexpected = model.load_state_dict(sd, strict=True)
     assert not unexpected and all(k == "lm_head.weight" for k in missing), (missing, unexpected)
     return model
 
@@ -83,17 +98,33 @@ def qwen35moe_reference(path: str) -> torch.nn.Module:
         tied = "output.weight" not in f.tensors
         hk, hv, dv = e["k_heads"], e["v_heads"], e["v_dim"]
         config = Qwen3_5MoeTextConfig(
-            vocab_size=s.n_vocab, hidden_size=s.n_embd, num_hidden_layers=s.n_layer,
-            num_attention_heads=s.n_head, num_key_value_heads=s.n_head_kv, head_dim=s.head_dim,
-            max_position_embeddings=s.n_ctx_train, rms_norm_eps=s.rms_eps, tie_word_embeddings=tied,
-            rope_parameters={"rope_type": "default", "rope_theta": s.rope_base,
-                             "partial_rotary_factor": s.rot_dim / s.head_dim,
-                             "mrope_section": list(e["rope_sections"][:3]), "mrope_interleaved": True},
+            vocab_size=s.n_vocab,
+            hidden_size=s.n_embd,
+            num_hidden_layers=s.n_layer,
+            num_attention_heads=s.n_head,
+            num_key_value_heads=s.n_head_kv,
+            head_dim=s.head_dim,
+            max_position_embeddings=s.n_ctx_train,
+            rms_norm_eps=s.rms_eps,
+            tie_word_embeddings=tied,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": s.rope_base,
+                "partial_rotary_factor": s.rot_dim / s.head_dim,
+                "mrope_section": list(e["rope_sections"][:3]),
+                "mrope_interleaved": True,
+            },
             layer_types=["linear_attention" if r else "full_attention" for r in e["recurrent_layers"]],
-            linear_conv_kernel_dim=e["conv_kernel"], linear_key_head_dim=e["k_dim"], linear_value_head_dim=dv,
-            linear_num_key_heads=hk, linear_num_value_heads=hv,
-            num_experts=s.n_expert, num_experts_per_tok=s.n_expert_used, moe_intermediate_size=s.n_ff_exp,
-            shared_expert_intermediate_size=s.n_ff_shexp, attn_implementation="eager",
+            linear_conv_kernel_dim=e["conv_kernel"],
+            linear_key_head_dim=e["k_dim"],
+            linear_value_head_dim=dv,
+            linear_num_key_heads=hk,
+            linear_num_value_heads=hv,
+            num_experts=s.n_expert,
+            num_experts_per_tok=s.n_expert_used,
+            moe_intermediate_size=s.n_ff_exp,
+            shared_expert_intermediate_size=s.n_ff_shexp,
+            attn_implementation="eager",
         )
         model = Qwen3_5MoeForCausalLM(config).float().eval()
 
@@ -108,17 +139,20 @@ def qwen35moe_reference(path: str) -> torch.nn.Module:
             rest = t.shape[1:]
             return t.reshape(hv // hk, hk, per_head, *rest).transpose(0, 1).reshape(t.shape)
 
-        sd = {"model.embed_tokens.weight": w("token_embd.weight"),
-              "model.norm.weight": norm("output_norm.weight"),
-              "lm_head.weight": w("token_embd.weight" if tied else "output.weight")}
+        sd = {
+            "model.embed_tokens.weight": w("token_embd.weight"),
+            "model.norm.weight": norm("output_norm.weight"),
+            "lm_head.weight": w("token_embd.weight" if tied else "output.weight"),
+        }
         for il in range(s.n_layer):
             b, m = f"blk.{il}.", f"model.layers.{il}."
             sd |= {
                 m + "input_layernorm.weight": norm(b + "attn_norm.weight"),
                 m + "post_attention_layernorm.weight": norm(b + "post_attention_norm.weight"),
                 m + "mlp.gate.weight": w(b + "ffn_gate_inp.weight"),
-                m + "mlp.experts.gate_up_proj": torch.cat([w(b + "ffn_gate_exps.weight"),
-                                                           w(b + "ffn_up_exps.weight")], dim=1),
+                m + "mlp.experts.gate_up_proj": torch.cat(
+                    [w(b + "ffn_gate_exps.weight"), w(b + "ffn_up_exps.weight")], dim=1
+                ),
                 m + "mlp.experts.down_proj": w(b + "ffn_down_exps.weight"),
                 m + "mlp.shared_expert.gate_proj.weight": w(b + "ffn_gate_shexp.weight"),
                 m + "mlp.shared_expert.up_proj.weight": w(b + "ffn_up_shexp.weight"),
@@ -150,7 +184,7 @@ def qwen35moe_reference(path: str) -> torch.nn.Module:
                 a + "norm.weight": w(b + "ssm_norm.weight"),
                 a + "out_proj.weight": grouped(w(b + "ssm_out.weight").T, dv).T,  # value channels are columns
             }
-    missing, unexpected = model.load_state_dict(sd, strict=False)
+    missing, unexpected = model.load_state_dict(sd, strict=True)
     assert not unexpected and all(k == "lm_head.weight" for k in missing), (missing, unexpected)
     return model
 
@@ -162,4 +196,4 @@ def greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
     for _ in range(n):
         logits = model(torch.tensor([seq])).logits[0, -1]
         seq.append(int(torch.argmax(logits)))
-    return seq[len(prompt):]
+    return seq[len(prompt) :]

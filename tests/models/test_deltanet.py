@@ -35,9 +35,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
 
 
-def inputs(
-    t: int, dtype: torch.dtype = torch.float32, seed: int = 0, n_k_heads: int = H
-) -> tuple[torch.Tensor, ...]:
+def inputs(t: int, dtype: torch.dtype = torch.float32, seed: int = 0, n_k_heads: int = H) -> tuple[torch.Tensor, ...]:
     """Random delta-rule inputs shaped like the model makes them (unit q/k, g <= 0, beta in (0, 1)).
 
     g spans weak to very strong decay (down to about -20 per token) so masked exponents are exercised.
@@ -181,9 +179,7 @@ def test_conv_matches_transformers() -> None:
     y_hf_next = ref["causal_conv1d_update"](x_next.T[None], hf_state, w, activation="silu")[0].T
     y_next, state = causal_conv1d(x_next, w, state)
     err_decode = rel_err(y_next, y_hf_next)
-    assert err_prefill < 1e-6 and err_decode < 1e-6, (
-        f"conv vs hf: fn {err_prefill:.2e}, update {err_decode:.2e}"
-    )
+    assert err_prefill < 1e-6 and err_decode < 1e-6, f"conv vs hf: fn {err_prefill:.2e}, update {err_decode:.2e}"
     assert torch.equal(state, hf_state[0, :, 1:].T), "conv state differs from transformers' last K-1 columns"
 
 

@@ -67,8 +67,15 @@ def test_file_follows_llama_cpp_layout(model_file):
     engine.close()
     with GGUFFile(path) as f:
         types = {name: t.qtype for name, t in f.tensors.items()}
-    for name in ("ssm_a", "ssm_dt.bias", "ssm_conv1d.weight", "ssm_norm.weight", "ffn_gate_inp_shexp.weight",
-                 "ffn_gate_inp.weight", "post_attention_norm.weight"):
+    for name in (
+        "ssm_a",
+        "ssm_dt.bias",
+        "ssm_conv1d.weight",
+        "ssm_norm.weight",
+        "ffn_gate_inp_shexp.weight",
+        "ffn_gate_inp.weight",
+        "post_attention_norm.weight",
+    ):
         assert types[f"blk.0.{name}"] == Q.F32, name
     assert types["blk.0.attn_qkv.weight"] == Q.Q5_K
     assert types["blk.0.ssm_alpha.weight"] == types["blk.0.ffn_gate_shexp.weight"] == Q.Q4_K

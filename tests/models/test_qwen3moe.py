@@ -10,8 +10,10 @@ import moestream
 from moestream.runtime.sampling import SamplingParams
 
 
-@pytest.mark.parametrize("preset,quant", [("tiny", "F32"), ("tiny-odd", "F32"), ("tiny", "Q8_0"),
-                                          ("tiny", "Q4_K_M"), ("tiny-odd", "Q4_K_M")])
+@pytest.mark.parametrize(
+    "preset,quant",
+    [("tiny", "F32"), ("tiny-odd", "F32"), ("tiny", "Q8_0"), ("tiny", "Q4_K_M"), ("tiny-odd", "Q4_K_M")],
+)
 def test_logits_and_greedy_match_transformers(model_file, preset, quant):
     path = model_file(preset, quant)
     ref = qwen3moe_reference(path)

@@ -15,8 +15,9 @@ TOKENS = torch.randint(0, 1280, (40,), generator=torch.Generator().manual_seed(5
 
 
 def run(path, tokens=TOKENS, device_impl=None, **opts):
-    engine = moestream.load(path, device="cpu", ubatch=16, stream_min_batch=8, progress=False,
-                            device_impl=device_impl, **opts)
+    engine = moestream.load(
+        path, device="cpu", ubatch=16, stream_min_batch=8, progress=False, device_impl=device_impl, **opts
+    )
     try:
         return engine.logits(tokens), engine
     finally:
@@ -25,15 +26,32 @@ def run(path, tokens=TOKENS, device_impl=None, **opts):
 
 @pytest.fixture(scope="module")
 def reference(model_file):
-    return run(model_file("tiny", "Q4_K_M"), n_cpu_moe=0)[0]
+    return {p: run(model_file(p, "Q4_K_M"), n_cpu_moe=0)[0] for p in ("tiny", "tiny-qwen35moe")}
 
 
 @pytest.mark.parametrize("stream", ["serial", "pinned", "overlap", "layer-major"])
-@pytest.mark.parametrize("n_cpu_moe,slots", [(1, 2), (2, 2), (2, 3), ("all", 4)])
-def test_bit_identical_to_resident(model_file, reference, stream, n_cpu_moe, slots):
-    logits, engine = run(model_file("tiny", "Q4_K_M"), n_cpu_moe=n_cpu_moe, stream=stream, slots=slots,
-                         device_impl=CpuDevice(copy_delay_s=0.002, compute_delay_s=0.001))
-    assert torch.equal(logits, reference), f"max diff {(logits - reference).abs().max():.3e}"
+@pytest.mark.parametrize(
+    "preset,n_cpu_moe,slots",
+    [
+        ("tiny", 1, 2),
+        ("tiny", 2, 2),
+        ("tiny", 2, 3),
+        ("tiny", "all", 4),
+        ("tiny-qwen35moe", 3, 2),
+        ("tiny-qwen35moe", "all", 3),
+    ],
+)
+def test_bit_identical_to_resident(model_file, reference, stream, preset, n_cpu_moe, slots):
+    """Layer-major must also carry qwen35moe's delta-net state across micro-batches exactly."""
+    logits, engine = run(
+        model_file(preset, "Q4_K_M"),
+        n_cpu_moe=n_cpu_moe,
+        stream=stream,
+        slots=slots,
+        device_impl=CpuDevice(copy_delay_s=0.002, compute_delay_s=0.001),
+    )
+    ref = reference[preset]
+    assert torch.equal(logits, ref), f"max diff {(logits - ref).abs().max():.3e}"
 
 
 def test_layer_major_uploads_each_layer_once(model_file):
@@ -62,15 +80,18 @@ def test_small_batches_compute_host_experts_on_cpu(model_file):
     cpu.close()
 
 
-@pytest.mark.parametrize("opts,words", [
-    (dict(n_cpu_moe=3), ["--n-cpu-moe 3", "between 0 and 2"]),
-    (dict(n_cpu_moe=-1), ["--n-cpu-moe -1"]),
-    (dict(n_cpu_moe="auto"), ["--vram-budget"]),
-    (dict(n_cpu_moe="auto", vram_budget="1MiB"), ["too small", "GiB"]),
-    (dict(n_cpu_moe=0, vram_budget="2MiB"), ["--n-cpu-moe 0 needs", "auto"]),
-    (dict(stream="fast"), ["--stream fast"]),
-    (dict(slots=1), ["--slots 1"]),
-])
+@pytest.mark.parametrize(
+    "opts,words",
+    [
+        (dict(n_cpu_moe=3), ["--n-cpu-moe 3", "between 0 and 2"]),
+        (dict(n_cpu_moe=-1), ["--n-cpu-moe -1"]),
+        (dict(n_cpu_moe="auto"), ["--vram-budget"]),
+        (dict(n_cpu_moe="auto", vram_budget="1MiB"), ["too small", "GiB"]),
+        (dict(n_cpu_moe=0, vram_budget="2MiB"), ["--n-cpu-moe 0 needs", "auto"]),
+        (dict(stream="fast"), ["--stream fast"]),
+        (dict(slots=1), ["--slots 1"]),
+    ],
+)
 def test_placement_errors(model_file, opts, words):
     with pytest.raises(MoestreamError) as e:
         moestream.load(model_file("tiny", "Q4_K_M"), device="cpu", progress=False, **opts)
@@ -90,4 +111,14 @@ def test_auto_picks_smallest_n_that_fits(model_file):
     e.close()
     assert chosen.n_cpu_moe > 0 and chosen.gpu_bytes(fp) <= budget
     for n in range(chosen.n_cpu_moe):
-        assert Placement(n, p0.expert_bytes, 2, True).gpu_bytes(fp) > budget
+        assert Placement(n, p0.expert_bytes, 2).gpu_bytes(fp) > budget
+
+
+def test_spread_streams_evenly_spaced_layers_with_the_same_bits(model_file, reference):
+    path = model_file("tiny-qwen35moe", "Q4_K_M")
+    logits, engine = run(path, n_cpu_moe=2, streamed_layers="spread", stream="overlap")
+    assert engine.offload is None  # closed
+    assert torch.equal(logits, reference["tiny-qwen35moe"])
+    assert Placement(2, [1] * 4, 3, spread=True).streamed == [1, 3]
+    assert Placement(26, [1] * 48, 3, spread=True).streamed == sorted(set(Placement(26, [1] * 48, 3, True).streamed))
+    assert Placement(3, [1] * 4, 3, spread=True).resident == [1]

@@ -13,8 +13,15 @@ from moestream.offload.streamer import HostLayer, Streamer
 
 def host_layers(n: int) -> dict[int, HostLayer]:
     g = torch.Generator().manual_seed(0)
-    return {il: HostLayer([torch.randint(0, 255, (3, 100 + il), generator=g, dtype=torch.uint8),
-                           torch.randint(0, 255, (2, 77), generator=g, dtype=torch.uint8)]) for il in range(n)}
+    return {
+        il: HostLayer(
+            [
+                torch.randint(0, 255, (3, 100 + il), generator=g, dtype=torch.uint8),
+                torch.randint(0, 255, (2, 77), generator=g, dtype=torch.uint8),
+            ]
+        )
+        for il in range(n)
+    }
 
 
 @pytest.mark.parametrize("n_slots", [2, 3, 5])
@@ -30,7 +37,7 @@ def test_slots_hold_the_right_bytes_while_in_use(n_slots, copy_delay, compute_de
         dev.compute()
         first = [v.clone() for v in views]
         time.sleep(0.003)  # a slow consumer: prefetches run meanwhile on the copy thread
-        for v, expected, again in zip(views, layers[il].parts, first):
+        for v, expected, again in zip(views, layers[il].parts, first, strict=True):
             assert torch.equal(v, expected), f"layer {il}: slot holds other bytes"
             assert torch.equal(v, again), f"layer {il}: slot overwritten while in use"
     s.finish()
@@ -64,6 +71,6 @@ def test_serial_uses_one_slot_on_the_compute_thread():
     assert len(s.slots) == 1
     s.begin([0, 1, 2])
     for il in range(3):
-        assert all(torch.equal(v, p) for v, p in zip(s.acquire(il), layers[il].parts))
+        assert all(torch.equal(v, p) for v, p in zip(s.acquire(il), layers[il].parts, strict=True))
     s.finish()
     dev.close()

@@ -14,8 +14,16 @@ TOKENS = list(range(7, 103))  # 96 tokens: 3 micro-batches of 32
 
 def profile(model_file, schedule: str, copy_s: float, compute_s: float):
     dev = CpuDevice(copy_delay_s=copy_s, compute_delay_s=compute_s)
-    e = moestream.load(model_file("tiny-odd", "Q8_0"), device="cpu", ubatch=32, stream_min_batch=8,
-                       n_cpu_moe="all", slots=2, progress=False, device_impl=dev)
+    e = moestream.load(
+        model_file("tiny-odd", "Q8_0"),
+        device="cpu",
+        ubatch=32,
+        stream_min_batch=8,
+        n_cpu_moe="all",
+        slots=2,
+        progress=False,
+        device_impl=dev,
+    )
     try:
         return profile_pass(e, TOKENS, schedule, repeats=1), e.model.experts.streamer
     finally:

@@ -49,6 +49,7 @@ def simulate(copy_s: float, compute_s: float, overlap: bool, n_layers: int = L) 
             time.sleep(0.6 * compute_s)
 
     if overlap:
+
         def copier() -> None:
             for il in range(n_layers):
                 free.acquire()
@@ -178,11 +179,18 @@ def test_timeline_add_from_threads():
     spans = tl.resolve()
     assert len(spans) == 800 and min(s.start for s in spans) == 0.0
     assert ordered_lanes(spans + [Span("compute", "x", 0, 1), Span("copy", "y", 0, 1)]) == [
-        "copy", "compute", "cpu-copy-0", "cpu-copy-1", "cpu-copy-2", "cpu-copy-3"]
+        "copy",
+        "compute",
+        "cpu-copy-0",
+        "cpu-copy-1",
+        "cpu-copy-2",
+        "cpu-copy-3",
+    ]
 
 
 def _retained_by_timeline_module(timeline: Timeline, calls: int) -> int:
     """Bytes that timeline.py still holds after `calls` layers' worth of hooks."""
+
     def layer_hooks(il: int) -> None:
         t0 = timeline.stamp()
         timeline.add("copy", "upload", t0, timeline.stamp(), layer=il, nbytes=123, slot=il % 2)

@@ -178,10 +178,13 @@ def test_perfetto_trace_processor_loads_the_trace(passes, tmp_path):
     write_chrome_trace(traces, path)
     tp = tp_api.TraceProcessor(trace=str(path), config=tp_api.TraceProcessorConfig(bin_path=shell))
     try:
-        rows = list(tp.query(
-            "select p.name as process, t.name as thread, s.name as name, s.ts as ts, s.dur as dur "
-            "from slice s join thread_track tt on s.track_id = tt.id join thread t using (utid) "
-            "join process p using (upid)"))
+        rows = list(
+            tp.query(
+                "select p.name as process, t.name as thread, s.name as name, s.ts as ts, s.dur as dur "
+                "from slice s join thread_track tt on s.track_id = tt.id join thread t using (utid) "
+                "join process p using (upid)"
+            )
+        )
     finally:
         tp.close()
     assert len(rows) == sum(len(spans) for spans in traces.values())
