@@ -95,21 +95,20 @@ class Engine:
             )
         ub, n_layer, experts = self.options.ubatch, self.spec.n_layer, self.model.experts
         chunks = [tokens[i : i + ub] for i in range(0, len(tokens), ub)]
-        starts = [cache.n_past + i * ub for i in range(len(chunks))]
-        batches = [
-            self.model.make_batch(p, len(c), self.device, self.dtype) for p, c in zip(starts, chunks, strict=True)
-        ]
-        xs = [self.model.embed(torch.tensor(c, device=self.device)) for c in chunks]
-        layer_major = self.options.stream == "layer-major" and len(chunks) > 1
-        if layer_major:
+        if self.options.stream == "layer-major" and len(chunks) > 1:
             order = [(il, j) for il in range(n_layer) for j in range(len(chunks))]
             visits = [il for il in range(n_layer) if any(experts.streams(il, len(c)) for c in chunks)]
         else:
             order = [(il, j) for j in range(len(chunks)) for il in range(n_layer)]
             visits = [il for c in chunks for il in range(n_layer) if experts.streams(il, len(c))]
         show = self.options.progress and len(chunks) > 1
-        experts.begin(visits)
+        experts.begin(visits)  # the first uploads start before anything else is queued
         try:
+            starts = [cache.n_past + i * ub for i in range(len(chunks))]
+            batches = [
+                self.model.make_batch(p, len(c), self.device, self.dtype) for p, c in zip(starts, chunks, strict=True)
+            ]
+            xs = [self.model.embed(torch.tensor(c)) for c in chunks]  # token ids stay on the host: rows are read there
             for il, j in tqdm(order, desc="prefill", unit="layer", disable=not show, leave=False):
                 experts.start_layer(il, j)
                 xs[j] = self.model.layer(il, xs[j], batches[j], cache)
