@@ -93,6 +93,8 @@ class Engine:
                 f"the prompt needs {cache.n_past + len(tokens)} positions but the context is {self.n_ctx}; "
                 f"raise --ctx (the model was trained for {self.spec.n_ctx_train}) or shorten the prompt"
             )
+        if tokens and not 0 <= min(tokens) <= max(tokens) < self.spec.n_vocab:
+            raise MoestreamError(f"token ids must be in [0, {self.spec.n_vocab}); got {min(tokens)}..{max(tokens)}")
         ub, n_layer, experts = self.options.ubatch, self.spec.n_layer, self.model.experts
         chunks = [tokens[i : i + ub] for i in range(0, len(tokens), ub)]
         if self.options.stream == "layer-major" and len(chunks) > 1:

@@ -27,7 +27,7 @@ def describe(f: GGUFFile):
     expected = arch.tensor_shapes(spec, tied_output="output.weight" not in f.tensors)
     for name, shape in expected.items():
         t = f.tensor(name)  # a missing tensor is a named error
-        if tuple(t.shape) != tuple(shape):
+        if _squeezed(t.shape) != _squeezed(shape):  # {n, 1} and {n} are the same tensor (converters differ)
             raise MoestreamError(
                 f"{f.path}: tensor {name} has shape {list(t.shape)}, expected {list(shape)} from the metadata; "
                 "the file is damaged or its metadata disagrees with its weights"
@@ -38,6 +38,10 @@ def describe(f: GGUFFile):
                 f"(supported: {', '.join(sorted(q.name for q in quants.SUPPORTED))}); requantize the model"
             )
     return arch, spec
+
+
+def _squeezed(shape) -> tuple[int, ...]:
+    return tuple(d for d in shape if d != 1)
 
 
 def to_device(t: TensorView, device: torch.device, dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,34 @@
+"""Loading details: tensor shapes that converters write either way, token ids out of range."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import moestream
+from moestream.errors import MoestreamError
+from moestream.formats.gguf import GGUFFile
+from moestream.formats.writer import TensorPlan, write_gguf
+
+
+def test_shared_expert_gate_stored_as_a_vector(model_file, tmp_path):
+    """ffn_gate_inp_shexp may be {n_embd, 1} or {n_embd}: both load and give the same logits."""
+    src, dst = model_file("tiny-qwen35moe", "F32"), tmp_path / "flat-gate.gguf"
+    with GGUFFile(src) as f:
+        plans = [
+            TensorPlan(n, t.qtype, t.shape[1:] if "ffn_gate_inp_shexp" in n else t.shape) for n, t in f.tensors.items()
+        ]
+        data = {n: np.array(t.data).reshape(-1, t.data.shape[-1]) for n, t in f.tensors.items()}
+        write_gguf(dst, f.architecture, dict(f.metadata), plans, lambda p: data[p.name].reshape(p.byte_shape), False)
+    tokens = list(range(3, 40))
+    a = moestream.load(src, device="cpu", progress=False).logits(tokens)
+    b = moestream.load(dst, device="cpu", progress=False).logits(tokens)
+    assert torch.equal(a, b)
+
+
+def test_token_ids_out_of_range(model_file):
+    engine = moestream.load(model_file("tiny", "F32"), device="cpu", progress=False)
+    with pytest.raises(MoestreamError, match="token ids must be in"):
+        engine.logits([1, 2, 1280])
+    engine.close()

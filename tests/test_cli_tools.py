@@ -1,0 +1,121 @@
+"""bench, profile, probe and run with streaming flags, end to end on a generated model (CPU)."""
+
+from __future__ import annotations
+
+import json
+
+import matplotlib.image
+
+from moestream.cli import main
+
+
+def test_bench_json_rows_and_invariants(model_file, capsys):
+    path = model_file("tiny-odd", "Q8_0")
+    argv = [
+        "bench",
+        "-m",
+        path,
+        "--device",
+        "cpu",
+        "-p",
+        "40,64",
+        "-n",
+        "4",
+        "-ub",
+        "16",
+        "-ncmoe",
+        "0,3",
+        "--stream",
+        "serial,overlap,layer-major",
+        "-r",
+        "1",
+        "--stream-min-batch",
+        "8",
+        "--json",
+    ]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = out["rows"]
+    assert len(rows) == 2 * 3 * 3  # n_cpu_moe x stream x (pp40, pp64, tg4)
+    assert all(r["same_tokens"] for r in rows)
+    assert all(r["same_bits"] in (None, True) for r in rows)
+    streamed = [r for r in rows if r["n_cpu_moe"] == 3 and r["test"].startswith("pp")]
+    assert all(r["experts_used"] > 0 for r in streamed)
+    assert all(r["compute_floor_s"] > 0 for r in rows)
+
+
+def test_profile_writes_trace_and_plot(model_file, tmp_path, capsys):
+    trace, plot = tmp_path / "t.json", tmp_path / "t.png"
+    argv = [
+        "profile",
+        "-m",
+        model_file("tiny-odd", "Q8_0"),
+        "--device",
+        "cpu",
+        "-p",
+        "48",
+        "-ub",
+        "16",
+        "-ncmoe",
+        "all",
+        "--slots",
+        "2",
+        "--stream",
+        "serial,overlap",
+        "-r",
+        "1",
+        "--stream-min-batch",
+        "8",
+        "--trace",
+        str(trace),
+        "--plot",
+        str(plot),
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "== serial" in out and "== overlap" in out and "link while copying" in out
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e["args"]["name"] for e in events if e.get("name") == "process_name"} >= {"moestream serial"}
+    assert matplotlib.image.imread(plot).shape[0] > 100
+
+
+def test_probe_prints_rates_and_floors(model_file, capsys):
+    assert (
+        main(["probe", "--device", "cpu", "-m", model_file("tiny", "Q4_K_M"), "-p", "64", "-ub", "32", "-ncmoe", "1"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "pinned" in out and "TFLOP/s" in out and "transfer: token-major" in out
+
+
+def test_run_streams_text_with_experts_in_host_ram(model_file, capsys):
+    argv = [
+        "run",
+        "-m",
+        model_file("tiny", "Q4_K_M"),
+        "-p",
+        "Hello there",
+        "-n",
+        "8",
+        "--device",
+        "cpu",
+        "-ncmoe",
+        "all",
+        "--stream",
+        "layer-major",
+        "-ub",
+        "4",
+        "--stream-min-batch",
+        "2",
+        "--seed",
+        "3",
+        "--temp",
+        "0.8",
+        "--top-k",
+        "40",
+        "--top-p",
+        "0.9",
+    ]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "generated" in captured.err and "tok/s" in captured.err
