@@ -26,7 +26,6 @@ class TensorView:
     qtype: GGMLType
     shape: tuple[int, ...]  # numpy order: a 2-D weight is [out, in], an expert stack [n_expert, out, in]
     data: np.ndarray  # uint8 view of the stored bytes, shape [..., row_bytes]
-    file_offset: int  # absolute byte offset of the first byte in the file
 
     @property
     def nbytes(self) -> int:
@@ -70,7 +69,6 @@ class GGUFFile:
                 qtype=GGMLType(int(t.tensor_type)),
                 shape=tuple(int(d) for d in reversed(t.shape.tolist())),
                 data=_byte_view(t),
-                file_offset=int(t.data_offset),
             )
 
     @property

@@ -79,9 +79,6 @@ class CpuEvent:
     def synchronize(self) -> None:
         self._flag.wait()
 
-    def query(self) -> bool:
-        return self._flag.is_set()
-
 
 class CpuDevice:
     """Copies run in order on a worker thread (the copy stream); compute is the calling thread.

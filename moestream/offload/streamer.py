@@ -126,8 +126,10 @@ class Streamer:
             if slot.ready is not None:
                 slot.ready.synchronize()  # this slot's bounce buffer may still be read by its last upload
             staged = self.bounce.buffers[self.slots.index(slot)]
+            start = self.timeline.host_stamp()
             for view, part in zip(self._views_for_buf(staged, layer), layer.parts, strict=True):
                 view.copy_(part)
+            self.timeline.add("cpu-copy-0", "stage", start, self.timeline.host_stamp(), layer=il, nbytes=layer.nbytes)
             src, dst = [staged[: layer.nbytes]], [slot.buf[: layer.nbytes]]
         else:
             src, dst = layer.parts, self._views_for_buf(slot.buf, layer)

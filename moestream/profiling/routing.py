@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from moestream.models.layers import expert_counts
+
 
 class RoutingCounter:
     """Wraps an ExpertSource and counts the router's choices on their way through."""
@@ -17,7 +19,7 @@ class RoutingCounter:
         return getattr(self.inner, name)
 
     def ffn(self, il: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        self.counts[il] += torch.bincount(ids.reshape(-1), minlength=self.counts.shape[1]).cpu()
+        self.counts[il] += expert_counts(ids.reshape(-1), self.counts.shape[1]).cpu()
         return self.inner.ffn(il, x, weights, ids)
 
     def imbalance(self) -> torch.Tensor:
