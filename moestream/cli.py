@@ -43,7 +43,13 @@ def _engine_flags(p: argparse.ArgumentParser, lists: bool = False) -> None:
         "--stream-min-batch",
         type=int,
         default=32,
-        help="micro-batches smaller than this compute host experts on the CPU instead of uploading",
+        help="micro-batches smaller than this do not upload whole layers (see --small-batch)",
+    )
+    p.add_argument(
+        "--small-batch",
+        default="upload",
+        choices=("upload", "cpu"),
+        help="below --stream-min-batch: upload only the chosen experts (default) or compute them on the CPU",
     )
 
 
@@ -85,6 +91,7 @@ def _engine_options(a: argparse.Namespace) -> dict:
         slots=first(a.slots),
         stream_min_batch=a.stream_min_batch,
         streamed_layers=first(a.streamed_layers),
+        small_batch=a.small_batch,
     )
     if a.ctx is not None:
         opts["n_ctx"] = a.ctx

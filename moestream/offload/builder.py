@@ -96,7 +96,7 @@ def build_offload(
             pinned = None
             bounce = BounceRing(placement.n_slots if overlap else 1, placement.slot_bytes)
     streamer = Streamer(dev, streamed, placement.n_slots, overlap, bounce) if streamed else None
-    experts = LayerExperts(tensors, resident, streamer, dtype, opts.stream_min_batch, dev)
+    experts = LayerExperts(tensors, resident, streamer, dtype, opts.stream_min_batch, dev, opts.small_batch)
     off = Offload(placement, fp, experts, dev, pinned, bounce is not None, owns_dev)
     if opts.progress:
         print(off.describe(), file=sys.stderr)

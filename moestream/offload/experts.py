@@ -50,10 +50,8 @@ class ExpertTensors:
         def make(raw: torch.Tensor, v: TensorView):
             def dequantized() -> torch.Tensor:
                 start = timeline.stamp()
-                if rows is None:
-                    out = dequantize(raw, v.qtype, v.shape, dtype)
-                else:
-                    out = dequantize(raw[rows], v.qtype, (rows.numel(), *v.shape[1:]), dtype)
+                picked = raw if rows is None else raw[rows]  # raw may already hold just some experts
+                out = dequantize(picked, v.qtype, (picked.shape[0], *v.shape[1:]), dtype)
                 timeline.add("compute", "dequant", start, timeline.stamp(), layer=layer)
                 return out
 
@@ -73,8 +71,10 @@ class LayerExperts:
         dtype: torch.dtype,
         min_batch: int,
         dev,
+        small_batch: str = "upload",
     ):
         self.tensors = tensors
+        self.small_batch = small_batch  # below min_batch: "upload" just the chosen experts, or compute on "cpu"
         self.dev = dev
         self.resident = resident  # il -> stored bytes on the compute device
         self.streamer = streamer
@@ -83,11 +83,7 @@ class LayerExperts:
         self.track_usage = False  # when set, record the fraction of experts each streamed micro-batch used
         self.usage: list[torch.Tensor] = []
         self.timeline = NULL
-        self._layer: tuple[int, int, object] = (
-            -1,
-            -1,
-            None,
-        )  # (layer, micro-batch, stamp) the engine started
+        self._layer: tuple[int, int, object] = (-1, -1, None)  # (layer, micro-batch, stamp) the engine started
 
     def start_layer(self, il: int, ubatch: int) -> None:
         """The engine begins layer il of a micro-batch: attention and router run from here to ffn()."""
@@ -106,8 +102,17 @@ class LayerExperts:
         if il in self.resident:
             raws = self.resident[il]
         elif x.shape[0] < self.min_batch:
-            with tl.span("compute", "experts-cpu", **label):
-                return self._on_cpu(t, x, weights, ids)
+            used = torch.unique(ids.cpu())  # sync: the host must know which experts to move or read
+            views = self.streamer.upload_experts(il, used.tolist()) if self.small_batch == "upload" else None
+            if views is None:
+                with tl.span("compute", "experts-cpu", **label):
+                    return self._on_cpu(t, used, x, weights, ids)
+            remap = torch.full((t.n_expert,), -1, dtype=torch.long)
+            remap[used] = torch.arange(used.numel())
+            start = tl.stamp()
+            out = moe_swiglu(x, weights, remap.to(x.device)[ids], used.numel(), *t.stacks(views, self.dtype))
+            tl.add("compute", "experts", start, tl.stamp(), **label)
+            return out
         else:
             if self.track_usage:  # stays on the device: no sync
                 self.usage.append((expert_counts(ids.reshape(-1), t.n_expert) > 0).float().mean())
@@ -126,10 +131,9 @@ class LayerExperts:
             return moe_swiglu(x, weights, pairs, T * K, *stacks)
         return moe_swiglu(x, weights, ids, t.n_expert, *t.stacks(raws, self.dtype, None, self.timeline, il))
 
-    def _on_cpu(self, t: ExpertTensors, x, weights, ids) -> torch.Tensor:
-        """Compute the chosen experts on the CPU from the map: moving a few rows of x beats moving weights."""
-        ids_c = ids.cpu()  # sync: the host must know which experts to read
-        used = torch.unique(ids_c)
+    def _on_cpu(self, t: ExpertTensors, used: torch.Tensor, x, weights, ids) -> torch.Tensor:
+        """Compute the chosen experts on the CPU from the map, moving a few rows of x instead of weights."""
+        ids_c = ids.cpu()
         remap = torch.full((t.n_expert,), -1, dtype=torch.long)
         remap[used] = torch.arange(used.numel())
         stacks = t.stacks(t.host_bytes(), torch.float32, rows=used)

@@ -89,11 +89,40 @@ class Streamer:
         self._prefetch()
         return self._views(slot)
 
+    def upload_experts(self, il: int, experts: list[int]) -> list[torch.Tensor] | None:
+        """Just the given experts (sorted ids) of layer il, for a small batch outside the visit plan.
+
+        Runs of consecutive ids go up as one copy each. Uses a slot no planned visit needs; None if there is
+        none (the caller computes elsewhere). The slot stays in use until the next acquire or finish."""
+        self.finish()
+        slot = self._free_slot(len(self.visits))
+        if slot is None:
+            return None
+        runs, start = [], 0
+        for k in range(1, len(experts) + 1):
+            if k == len(experts) or experts[k] != experts[k - 1] + 1:
+                runs.append((start, experts[start], experts[k - 1] + 1))
+                start = k
+        after, views, off = slot.free, [], 0
+        for part in self.layers[il].parts:
+            size = len(experts) * part[0].numel()
+            view = slot.buf[off : off + size].view(len(experts), *part.shape[1:])
+            for at, a, b in runs:
+                after = self.dev.copy(view[at : at + b - a], part[a:b], after, self.overlap, self.timeline, layer=il)
+            views.append(view)
+            off += _aligned(size)
+            self.bytes_uploaded += size
+        slot.ready, slot.layer = after, None  # partial contents: never matched by a visit
+        self.dev.wait(after)
+        self.current = slot
+        return views
+
     def finish(self) -> None:
         """Compute is done queuing work on the current slot: the copy stream may overwrite it after that."""
         if self.current is not None:
             self.current.free = self.dev.record()
-            self.current.layer = None if not self.overlap else self.current.layer
+            if not self.overlap:
+                self.current.layer = None
             self.current = None
 
     def _prefetch(self) -> None:

@@ -66,18 +66,34 @@ def test_layer_major_uploads_each_layer_once(model_file):
     assert torch.equal(tm_logits, lm_logits)
 
 
-def test_small_batches_compute_host_experts_on_cpu(model_file):
-    """Below --stream-min-batch nothing is uploaded; results agree within float32 tolerance, same tokens."""
+@pytest.mark.parametrize("small_batch", ["cpu", "upload"])
+def test_small_batches_skip_whole_layer_uploads(model_file, small_batch):
+    """Below --stream-min-batch, host experts are computed on the CPU, or only the chosen ones are uploaded;
+    results agree with all-resident within float32 tolerance, and greedy tokens are the same."""
     path = model_file("tiny", "Q4_K_M")
     ref = moestream.load(path, device="cpu", ubatch=4, progress=False)
-    cpu = moestream.load(path, device="cpu", ubatch=4, stream_min_batch=32, n_cpu_moe="all", progress=False)
-    a, b = ref.logits(TOKENS[:12]), cpu.logits(TOKENS[:12])
+    small = moestream.load(
+        path,
+        device="cpu",
+        ubatch=4,
+        stream_min_batch=32,
+        n_cpu_moe="all",
+        progress=False,
+        small_batch=small_batch,
+        device_impl=CpuDevice(copy_delay_s=0.001),
+    )
+    a, b = ref.logits(TOKENS[:12]), small.logits(TOKENS[:12])
     assert float((a - b).abs().max() / a.abs().max()) < 1e-5
-    assert cpu.model.experts.streamer.bytes_uploaded == 0
+    streamer = small.model.experts.streamer
+    every_layer = sum(p.numel() for layer in streamer.layers.values() for p in layer.parts)
+    if small_batch == "cpu":
+        assert streamer.bytes_uploaded == 0
+    else:  # 3 micro-batches of 4 tokens: each uploads only the experts it chose, never a whole layer
+        assert 0 < streamer.bytes_uploaded < 3 * every_layer
     params = SamplingParams(max_tokens=16, stop_at_eos=False)
-    assert ref.generate(TOKENS[:12], params).tokens == cpu.generate(TOKENS[:12], params).tokens
+    assert ref.generate(TOKENS[:12], params).tokens == small.generate(TOKENS[:12], params).tokens
     ref.close()
-    cpu.close()
+    small.close()
 
 
 @pytest.mark.parametrize(

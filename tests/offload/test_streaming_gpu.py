@@ -62,3 +62,20 @@ def test_registration_refused_falls_back_to_bounce_buffers(model_file):
         e.close()
         squatter.unregister()
     assert torch.equal(ref, got)
+
+
+@pytest.mark.parametrize("small_batch", ["upload", "cpu"])
+def test_decode_with_streamed_layers(model_file, small_batch):
+    """Decode (1-token batches) with every layer's experts in host RAM matches all-resident decode."""
+    from moestream.runtime.sampling import SamplingParams
+
+    path = model_file("tiny", "Q4_K_M")
+    params = SamplingParams(max_tokens=16, stop_at_eos=False)
+    ref = moestream.load(path, device="cuda", dtype="float32", ubatch=32, progress=False)
+    got = moestream.load(
+        path, device="cuda", dtype="float32", ubatch=32, progress=False, n_cpu_moe="all", small_batch=small_batch
+    )
+    a, b = ref.generate(TOKENS, params), got.generate(TOKENS, params)
+    assert a.tokens == b.tokens
+    ref.close()
+    got.close()
