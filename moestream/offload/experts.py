@@ -99,28 +99,16 @@ class LayerExperts:
         label = dict(layer=il, ubatch=ubatch) if layer == il else dict(layer=il)
         if layer == il:
             tl.add("compute", "attention", layer_start, tl.stamp(), **label)
+        if il not in self.resident and x.shape[0] < self.min_batch:
+            return self._small_batch(il, t, x, weights, ids, label)
         if il in self.resident:
             raws = self.resident[il]
-        elif x.shape[0] < self.min_batch:
-            used = torch.unique(ids.cpu())  # sync: the host must know which experts to move or read
-            views = self.streamer.upload_experts(il, used.tolist()) if self.small_batch == "upload" else None
-            if views is None:
-                with tl.span("compute", "experts-cpu", **label):
-                    return self._on_cpu(t, used, x, weights, ids)
-            remap = torch.full((t.n_expert,), -1, dtype=torch.long)
-            remap[used] = torch.arange(used.numel())
-            start = tl.stamp()
-            out = moe_swiglu(x, weights, remap.to(x.device)[ids], used.numel(), *t.stacks(views, self.dtype))
-            tl.add("compute", "experts", start, tl.stamp(), **label)
-            return out
         else:
             if self.track_usage:  # stays on the device: no sync
                 self.usage.append((expert_counts(ids.reshape(-1), t.n_expert) > 0).float().mean())
             raws = self.streamer.acquire(il)  # the compute stream now waits for the upload
-        start = tl.stamp()
-        out = self._on_device(il, t, raws, x, weights, ids)
-        tl.add("compute", "experts", start, tl.stamp(), **label)
-        return out
+        with tl.span("compute", "experts", **label):
+            return self._on_device(il, t, raws, x, weights, ids)
 
     def _on_device(self, il: int, t: ExpertTensors, raws, x, weights, ids) -> torch.Tensor:
         self.dev.compute()  # injected slowness on the CPU device; nothing on a GPU
@@ -131,14 +119,20 @@ class LayerExperts:
             return moe_swiglu(x, weights, pairs, T * K, *stacks)
         return moe_swiglu(x, weights, ids, t.n_expert, *t.stacks(raws, self.dtype, None, self.timeline, il))
 
-    def _on_cpu(self, t: ExpertTensors, used: torch.Tensor, x, weights, ids) -> torch.Tensor:
-        """Compute the chosen experts on the CPU from the map, moving a few rows of x instead of weights."""
-        ids_c = ids.cpu()
-        remap = torch.full((t.n_expert,), -1, dtype=torch.long)
-        remap[used] = torch.arange(used.numel())
-        stacks = t.stacks(t.host_bytes(), torch.float32, rows=used)
-        out = moe_swiglu(x.float().cpu(), weights.float().cpu(), remap[ids_c], used.numel(), *stacks)
-        return out.to(device=x.device, dtype=x.dtype)
+    def _small_batch(self, il: int, t: ExpertTensors, x, weights, ids, label: dict) -> torch.Tensor:
+        """A streamed layer for a few tokens: upload only the experts they chose, or compute those on the CPU
+        straight from the map (moving a few rows of x instead of weights)."""
+        used = torch.unique(ids.cpu())  # sync: the host must know which experts to move or read
+        local = torch.full((t.n_expert,), -1, dtype=torch.long)
+        local[used] = torch.arange(used.numel())  # expert id -> its row among the chosen ones
+        views = self.streamer.upload_experts(il, used.tolist()) if self.small_batch == "upload" else None
+        if views is not None:
+            with self.timeline.span("compute", "experts", **label):
+                return moe_swiglu(x, weights, local.to(x.device)[ids], used.numel(), *t.stacks(views, self.dtype))
+        with self.timeline.span("compute", "experts-cpu", **label):
+            stacks = t.stacks(t.host_bytes(), torch.float32, rows=used)
+            out = moe_swiglu(x.float().cpu(), weights.float().cpu(), local[ids.cpu()], used.numel(), *stacks)
+            return out.to(device=x.device, dtype=x.dtype)
 
     def begin(self, visits: list[int]) -> None:
         """The streamed layers the coming pass will visit, in order (uploads start now)."""
