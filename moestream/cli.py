@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections import Counter
+from pathlib import Path
 
 from moestream.errors import MoestreamError
 
@@ -199,6 +200,7 @@ def cmd_info(a: argparse.Namespace) -> None:
         )
         print(f"other bytes   {_size(sum(t.nbytes for t in f.tensors.values()) - sum(per_layer))}")
     if a.routing:
+        _at_least(a.tokens, 1, "--tokens")
         from moestream.profiling.routing import routing_load
         from moestream.runtime.loader import load
 
@@ -223,8 +225,13 @@ def cmd_bench(a: argparse.Namespace) -> None:
     from moestream.runtime.bench import run_bench
     from moestream.runtime.loader import load
 
-    if a.repetitions < 1:
-        raise MoestreamError(f"-r {a.repetitions}: must be at least 1")
+    _at_least(a.repetitions, 1, "-r")
+    for n in a.n_prompt:
+        _at_least(n, 0, "-p")
+    for n in a.n_gen:
+        _at_least(n, 0, "-n")
+    if max(a.n_prompt) == 0 and max(a.n_gen) == 0:
+        raise MoestreamError("-p 0 -n 0: nothing to measure; give a prompt length (-p) or a decode length (-n)")
     streams = a.stream or ["overlap"]
     opts = _engine_options(a) | {"progress": not a.json}
     opts.setdefault("n_ctx", max(a.n_prompt) + max(a.n_gen) + 1)
@@ -290,6 +297,10 @@ def cmd_profile(a: argparse.Namespace) -> None:
     from moestream.runtime.bench import random_prompt
     from moestream.runtime.loader import load
 
+    _at_least(a.n_prompt, 1, "-p")
+    _at_least(a.repetitions, 1, "-r")
+    for path, flag in ((a.trace, "--trace"), (a.plot, "--plot"), (a.json, "--json")):
+        _writable(path, flag)
     opts = _engine_options(a)
     opts.setdefault("n_ctx", a.n_prompt + 1)
     engine = load(a.model, **opts)
@@ -334,8 +345,11 @@ def cmd_probe(a: argparse.Namespace) -> None:
     import torch
 
     from moestream.profiling.probe import grouped_gemm_rate, h2d_rate, registered_rate
+    from moestream.runtime.options import EngineOptions
 
-    device = torch.device(a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    _at_least(a.ubatch, 1, "-ub")
+    _at_least(a.n_prompt, 1, "-p")
+    device = EngineOptions(device=a.device).torch_device  # the same checks as every other command
     size = 1 << 30 if device.type == "cuda" else 1 << 26
     pinned, pageable = h2d_rate(device, size), h2d_rate(device, size, pinned=False)
     print(f"host-to-device: pinned {pinned / 1e9:.1f} GB/s, pageable {pageable / 1e9:.1f} GB/s ({device})")
@@ -358,6 +372,8 @@ def cmd_probe(a: argparse.Namespace) -> None:
     )
     if spec is not None:
         n_chunks = -(-a.n_prompt // a.ubatch)
+        if not 0 <= a.n_cpu_moe <= spec.n_layer:
+            raise MoestreamError(f"--n-cpu-moe {a.n_cpu_moe}: must be between 0 and {spec.n_layer} (the layer count)")
         streamed = sum(expert_bytes_per_layer(f, spec)[: a.n_cpu_moe])
         f.close()
         flops = 6 * a.n_prompt * spec.n_expert_used * spec.n_embd * spec.n_ff_exp * spec.n_layer
@@ -377,6 +393,7 @@ def cmd_make_model(a: argparse.Namespace) -> None:
     from moestream.models.synthetic import make_model
 
     preset = get_preset(a.preset, a.layers)
+    _writable(a.out, "make-model")
     make_model(a.out, preset, quant=a.quant, seed=a.seed)
     print(f"wrote {a.out}: preset {preset.name}, {preset.n_layer} layers, {a.quant}")
 
@@ -398,9 +415,41 @@ def main(argv: list[str] | None = None) -> int:
     except MoestreamError as e:
         print(f"moestream: error: {e}", file=sys.stderr)
         return 2
+    except (MemoryError, RuntimeError) as e:
+        if not _is_out_of_memory(e):
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(
+            f"moestream: error: out of memory ({first}); lower --ctx or --ubatch, stream more layers "
+            "(--n-cpu-moe, or --n-cpu-moe auto --vram-budget SIZE), or use fewer --slots",
+            file=sys.stderr,
+        )
+        return 2
     except KeyboardInterrupt:
         return 130
     return 0
+
+
+def _is_out_of_memory(e: BaseException) -> bool:
+    """torch.OutOfMemoryError on a GPU; on the CPU the allocator raises a RuntimeError saying so."""
+    text = str(e).lower()
+    return isinstance(e, MemoryError) or "out of memory" in text or "can't allocate memory" in text
+
+
+def _writable(path: str | None, flag: str) -> None:
+    """Fail before a long run, not after it, when an output path cannot be written."""
+    if path is None:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise MoestreamError(f"{flag} {path}: is a directory; give a file name")
+    if not p.parent.is_dir():
+        raise MoestreamError(f"{flag} {path}: the folder {p.parent} does not exist")
+
+
+def _at_least(value: int, least: int, flag: str) -> None:
+    if value < least:
+        raise MoestreamError(f"{flag} {value}: must be at least {least}")
 
 
 if __name__ == "__main__":

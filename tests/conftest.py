@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from moestream.models.presets import get_preset
 from moestream.models.synthetic import make_model
@@ -23,3 +24,12 @@ def model_file(tmp_path_factory):
         return made[key]
 
     return get
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny tensors and timing tests: intra-op threads only add spin-wait contention on a busy 2-core box."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)

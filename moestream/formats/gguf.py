@@ -38,7 +38,8 @@ class GGUFFile:
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
         if not self.path.is_file():
-            raise MoestreamError(f"{self.path}: no such file; pass the path of a .gguf model file")
+            what = "is a directory" if self.path.is_dir() else "no such file"
+            raise MoestreamError(f"{self.path}: {what}; pass the path of a .gguf model file")
         with open(self.path, "rb") as f:
             magic = f.read(4)
         if magic != b"GGUF":
@@ -56,6 +57,13 @@ class GGUFFile:
             name: _field_value(field) for name, field in self._reader.fields.items() if not name.startswith("GGUF.")
         }
         self.tensors: dict[str, TensorView] = {}
+        try:
+            self._index_tensors()
+        except BaseException:
+            self.close()
+            raise
+
+    def _index_tensors(self) -> None:
         size = self.path.stat().st_size
         for t in self._reader.tensors:
             end = int(t.data_offset) + int(t.n_bytes)

@@ -41,7 +41,7 @@ def read_spec(meta: dict[str, Any], n_vocab: int) -> ModelSpec:
     v_heads = int(read_key(meta, p + "ssm.time_step_rank"))
     inner = int(read_key(meta, p + "ssm.inner_size"))
     sections = [int(s) for s in read_key(meta, p + "rope.dimension_sections")]
-    if k_heads <= 0 or v_heads % k_heads or inner % v_heads:
+    if k_heads <= 0 or v_heads <= 0 or v_heads % k_heads or inner % v_heads:
         raise MoestreamError(
             f"model metadata: {v_heads} delta-net value heads of {inner} channels in all "
             f"do not tile over {k_heads} key heads"
@@ -54,6 +54,8 @@ def read_spec(meta: dict[str, Any], n_vocab: int) -> ModelSpec:
         recurrent = [bool(r) for r in meta[p + "attention.recurrent_layers"]]
     else:
         interval = int(read_key(meta, p + "full_attention_interval", 4))
+        if interval <= 0:
+            raise MoestreamError(f"model metadata: {p}full_attention_interval = {interval} must be positive")
         recurrent = [(il + 1) % interval != 0 for il in range(n_layer)]
     if len(recurrent) != n_layer:
         raise MoestreamError(
@@ -140,7 +142,7 @@ class Model(qwen3moe.Model):
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], embedding, experts):
         super().__init__(spec, weights, embedding, experts)
         self.is_recurrent: tuple[bool, ...] = spec.extra["recurrent_layers"]
-        self.attention_layers = [il for il in range(spec.n_layer) if not self.is_recurrent[il]]
+        self.attention_layers = spec.attention_layers
 
     def new_recurrent_state(self, device: torch.device) -> dict[int, DeltaNetState]:
         e = self.spec.extra

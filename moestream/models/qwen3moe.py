@@ -83,7 +83,7 @@ class Model:
         self.weights = weights  # dense tensors on the compute device; "output.weight" even when tied
         self.embedding = embedding  # token ids -> rows [T, D] on the compute device
         self.experts = experts  # an ExpertSource
-        self.attention_layers = list(range(spec.n_layer))
+        self.attention_layers = spec.attention_layers
 
     def new_recurrent_state(self, device: torch.device) -> dict:
         return {}  # attention only: the KV cache holds everything

@@ -47,6 +47,17 @@ class ModelSpec:
             raise MoestreamError(
                 f"model metadata: {self.n_expert_used} experts used per token but only {self.n_expert} exist"
             )
+        if not 0 <= self.n_rot <= self.head_dim or self.n_rot % 2:
+            raise MoestreamError(
+                f"model metadata: rope.dimension_count = {self.n_rot} must be even and at most the head size "
+                f"{self.head_dim}"
+            )
+
+    @property
+    def attention_layers(self) -> list[int]:
+        """Layers with a KV cache: all of them, unless the architecture marks some recurrent."""
+        recurrent = self.extra.get("recurrent_layers", (False,) * self.n_layer)
+        return [il for il in range(self.n_layer) if not recurrent[il]]
 
     @property
     def rot_dim(self) -> int:
@@ -73,7 +84,7 @@ def common_spec_fields(meta: dict[str, Any], arch: str, n_vocab: int) -> dict[st
         n_embd=n_embd,
         n_head=n_head,
         n_head_kv=int(read_key(meta, p + "attention.head_count_kv", n_head)),
-        head_dim=int(read_key(meta, p + "attention.key_length", n_embd // n_head)),
+        head_dim=int(read_key(meta, p + "attention.key_length", n_embd // n_head if n_head > 0 else 0)),
         n_expert=int(read_key(meta, p + "expert_count")),
         n_expert_used=int(read_key(meta, p + "expert_used_count")),
         n_ff_exp=int(read_key(meta, p + "expert_feed_forward_length")),

@@ -10,7 +10,7 @@ from tqdm import tqdm
 from moestream.formats.gguf import GGUFFile, torch_bytes
 from moestream.offload.device import CpuDevice, CudaDevice, make_device
 from moestream.offload.experts import ExpertTensors, LayerExperts
-from moestream.offload.host import BounceRing, PinnedRanges
+from moestream.offload.host import PinnedRanges
 from moestream.offload.placement import Footprint, Placement, parse_size, plan, workspace_bytes
 from moestream.offload.streamer import HostLayer, Streamer
 from moestream.runtime.kv_cache import KVCache
@@ -63,7 +63,7 @@ def build_offload(
     fp = Footprint(
         dense=dense_bytes,
         kv_cache=KVCache.bytes_needed(
-            spec.n_layer,
+            len(spec.attention_layers),
             min(opts.n_ctx, spec.n_ctx_train or opts.n_ctx),
             spec.n_head_kv,
             spec.head_dim,
@@ -82,22 +82,25 @@ def build_offload(
     )
     owns_dev = dev is None
     dev = dev or make_device(device)
-
-    resident = {}
-    for il in tqdm(placement.resident, desc="experts", unit="layer", disable=not opts.progress, leave=False):
-        resident[il] = [torch_bytes(v).to(device) for v in tensors[il].views]
-
-    pinned, bounce = None, None
-    streamed = {il: HostLayer(tensors[il].host_bytes()) for il in placement.streamed}
-    overlap = opts.stream in ("overlap", "layer-major")
-    if streamed and device.type == "cuda" and opts.stream != "serial":
-        pinned = PinnedRanges()
-        if not pinned.register([v.data for il in placement.streamed for v in tensors[il].views]):
-            pinned = None
-            bounce = BounceRing(placement.n_slots if overlap else 1, placement.slot_bytes)
-    streamer = Streamer(dev, streamed, placement.n_slots, overlap, bounce) if streamed else None
-    experts = LayerExperts(tensors, resident, streamer, dtype, opts.stream_min_batch, dev, opts.small_batch)
-    off = Offload(placement, fp, experts, dev, pinned, bounce is not None, owns_dev)
+    pinned = PinnedRanges() if device.type == "cuda" else None
+    try:
+        resident = {}
+        for il in tqdm(placement.resident, desc="experts", unit="layer", disable=not opts.progress, leave=False):
+            resident[il] = [torch_bytes(v).to(device) for v in tensors[il].views]
+        streamed = {il: HostLayer(tensors[il].host_bytes()) for il in placement.streamed}
+        bounce = False
+        if streamed and pinned is not None and opts.stream != "serial":
+            bounce = not pinned.register([v.data for il in placement.streamed for v in tensors[il].views])
+        overlap = opts.stream in ("overlap", "layer-major")
+        streamer = Streamer(dev, streamed, placement.n_slots, overlap, bounce) if streamed else None
+        experts = LayerExperts(tensors, resident, streamer, dtype, opts.stream_min_batch, dev, opts.small_batch)
+    except BaseException:
+        if pinned is not None:
+            pinned.unregister()
+        if owns_dev:
+            dev.close()
+        raise
+    off = Offload(placement, fp, experts, dev, pinned, bounce, owns_dev)
     if opts.progress:
         print(off.describe(), file=sys.stderr)
     return off

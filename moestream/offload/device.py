@@ -70,6 +70,7 @@ class CudaDevice:
 class CpuEvent:
     def __init__(self, fired: bool = False):
         self._flag = threading.Event()
+        self.error: BaseException | None = None  # the failure of the copy this event ends
         if fired:
             self._flag.set()
 
@@ -94,14 +95,10 @@ class CpuDevice:
         self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._worker = threading.Thread(target=self._run, name="moestream-copy", daemon=True)
         self._worker.start()
-        self._error: BaseException | None = None
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
-            try:
-                job()
-            except BaseException as e:  # surfaced to the compute thread at its next wait
-                self._error = e
+            job()
 
     def copy(
         self,
@@ -115,16 +112,22 @@ class CpuDevice:
         done = CpuEvent()
 
         def job() -> None:
-            if after is not None:
-                after.synchronize()
-            start = timeline.stamp()
-            if self.copy_delay_s:  # a slow link
-                time.sleep(self.copy_delay_s)
-            # numpy, not torch: a torch op here would start a second OpenMP team whose spinning threads
-            # steal the cores from compute on the main thread
-            np.copyto(dst.numpy(), src.numpy())
-            timeline.add("copy", "upload", start, timeline.stamp(), nbytes=src.numel(), **label)
-            done.set()
+            try:
+                if after is not None:
+                    after.synchronize()
+                    if after.error is not None:
+                        raise after.error
+                start = timeline.stamp()
+                if self.copy_delay_s:  # a slow link
+                    time.sleep(self.copy_delay_s)
+                # numpy, not torch: a torch op here would start a second OpenMP team whose spinning threads
+                # steal the cores from compute on the main thread
+                np.copyto(dst.numpy(), src.numpy())
+                timeline.add("copy", "upload", start, timeline.stamp(), nbytes=src.numel(), **label)
+            except BaseException as e:  # handed to whoever waits on this copy (and to copies chained on it)
+                done.error = e
+            finally:
+                done.set()
 
         if on_copy_stream:
             self._jobs.put(job)
@@ -134,8 +137,8 @@ class CpuDevice:
 
     def wait(self, event: CpuEvent) -> None:
         event.synchronize()
-        if self._error is not None:
-            raise self._error
+        if event.error is not None:
+            raise event.error
 
     def compute(self) -> None:
         """Injected compute time, spent where the kernels of a layer's experts run."""

@@ -122,11 +122,16 @@ class LayerExperts:
     def _small_batch(self, il: int, t: ExpertTensors, x, weights, ids, label: dict) -> torch.Tensor:
         """A streamed layer for a few tokens: upload only the experts they chose, or compute those on the CPU
         straight from the map (moving a few rows of x instead of weights)."""
+        whole = self.streamer.held(il)
+        if whole is not None:
+            with self.timeline.span("compute", "experts", **label):
+                return self._on_device(il, t, whole, x, weights, ids)
         used = torch.unique(ids.cpu())  # sync: the host must know which experts to move or read
         local = torch.full((t.n_expert,), -1, dtype=torch.long)
         local[used] = torch.arange(used.numel())  # expert id -> its row among the chosen ones
         views = self.streamer.upload_experts(il, used.tolist()) if self.small_batch == "upload" else None
         if views is not None:
+            self.dev.compute()
             with self.timeline.span("compute", "experts", **label):
                 return moe_swiglu(x, weights, local.to(x.device)[ids], used.numel(), *t.stacks(views, self.dtype))
         with self.timeline.span("compute", "experts-cpu", **label):

@@ -8,6 +8,7 @@ With a VRAM budget and N = "auto", the smallest N whose GPU footprint fits is ch
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -49,7 +50,7 @@ class Placement:
 
     @property
     def staging_bytes(self) -> int:
-        return self.n_slots * self.slot_bytes if self.streamed else 0
+        return min(self.n_slots, len(self.streamed)) * self.slot_bytes
 
     @property
     def resident_bytes(self) -> int:
@@ -90,9 +91,12 @@ def parse_size(text: str | int | None) -> int | None:
     else:
         mult = 1
     try:
-        return int(float(t) * mult)
+        value = float(t) * mult
     except ValueError:
-        raise MoestreamError(f"--vram-budget {text!r}: expected a size like 12GiB, 8000MiB or 12e9") from None
+        value = float("nan")
+    if not math.isfinite(value) or value <= 0:
+        raise MoestreamError(f"--vram-budget {text!r}: expected a positive size like 12GiB, 8000MiB or 12e9")
+    return int(value)
 
 
 def plan(

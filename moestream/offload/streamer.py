@@ -49,17 +49,15 @@ class Streamer:
     overlap=False is the serial and pinned schedules: the copy is queued on the compute stream, one slot.
     """
 
-    def __init__(
-        self, dev, layers: dict[int, HostLayer], n_slots: int, overlap: bool, bounce: BounceRing | None = None
-    ):
-        if n_slots < 2 and overlap:
-            raise MoestreamError(f"--slots {n_slots}: overlapped streaming needs at least 2 staging slots")
+    def __init__(self, dev, layers: dict[int, HostLayer], n_slots: int, overlap: bool, bounce: bool = False):
+        """bounce: the host bytes are not page-locked; stage each upload through a pinned buffer per slot."""
         self.dev = dev
         self.layers = layers
         self.overlap = overlap
-        self.bounce = bounce
         slot_bytes = max((layer.nbytes for layer in layers.values()), default=0)
-        self.slots = [_Slot(slot_bytes, dev.device) for _ in range(n_slots if overlap else 1)]
+        n_slots = max(1, min(n_slots, len(layers))) if overlap else 1  # more slots than layers hold nothing
+        self.slots = [_Slot(slot_bytes, dev.device) for _ in range(n_slots)]
+        self.bounce = BounceRing(n_slots, slot_bytes) if bounce else None
         self.next_slot = 0
         self.visits: deque[int] = deque()
         self.current: _Slot | None = None
@@ -89,6 +87,18 @@ class Streamer:
         self._prefetch()
         return self._views(slot)
 
+    def held(self, il: int) -> list[torch.Tensor] | None:
+        """Layer il's bytes if a slot already holds all of them (say a layer-major tail chunk), else None."""
+        if self.current is not None and self.current.layer == il:
+            return self._views(self.current)
+        slot = next((s for s in self.slots if s.layer == il and s.ready is not None), None)
+        if slot is None:
+            return None
+        self.finish()
+        self.dev.wait(slot.ready)
+        self.current = slot
+        return self._views(slot)
+
     def upload_experts(self, il: int, experts: list[int]) -> list[torch.Tensor] | None:
         """Just the given experts (sorted ids) of layer il, for a small batch outside the visit plan.
 
@@ -103,6 +113,7 @@ class Streamer:
             if k == len(experts) or experts[k] != experts[k - 1] + 1:
                 runs.append((start, experts[start], experts[k - 1] + 1))
                 start = k
+        slot.layer = slot.ready = None
         after, views, off = slot.free, [], 0
         for part in self.layers[il].parts:
             size = len(experts) * part[0].numel()
@@ -162,6 +173,7 @@ class Streamer:
             src, dst = [staged[: layer.nbytes]], [slot.buf[: layer.nbytes]]
         else:
             src, dst = layer.parts, self._views_for_buf(slot.buf, layer)
+        slot.layer = slot.ready = None  # until every copy is queued, the slot holds nothing usable
         after = slot.free
         for d, s in zip(dst, src, strict=True):
             after = self.dev.copy(

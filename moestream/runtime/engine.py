@@ -56,13 +56,18 @@ class Engine:
             self.model.experts.streamer.timeline = timeline
 
     def reconfigure(self, **changes) -> None:
-        """Change placement or schedule (n_cpu_moe, stream, slots, ubatch...) without reloading dense weights."""
+        """Change placement or schedule (n_cpu_moe, stream, slots, ubatch...) without reloading dense weights.
+
+        On a bad change the engine keeps working with its previous options."""
         options = dataclasses.replace(self.options, **changes)
-        if self.offload is not None:
-            self.offload.close()
-            self.offload = None
-        self.model.experts = None
-        self.offload = self._make_offload(options)
+        self.offload.close()  # first: the new placement may page-lock the same ranges
+        try:
+            self.offload = self._make_offload(options)
+        except BaseException:
+            self.offload = self._make_offload(self.options)
+            self.model.experts = self.offload.experts
+            self.record(self.timeline)
+            raise
         self.model.experts = self.offload.experts
         self.options = options
         self.record(self.timeline)
@@ -88,10 +93,13 @@ class Engine:
         layer L before layer L+1, so each streamed layer crosses the link once per prompt. Both compute
         exactly what chunked prefill computes. Returns logits [T, V] if all_logits else [1, V].
         """
+        if not tokens:
+            raise MoestreamError("no tokens to run: the prompt is empty")
         if cache.n_past + len(tokens) > self.n_ctx:
             raise MoestreamError(
-                f"the prompt needs {cache.n_past + len(tokens)} positions but the context is {self.n_ctx}; "
-                f"raise --ctx (the model was trained for {self.spec.n_ctx_train}) or shorten the prompt"
+                f"the prompt needs {cache.n_past + len(tokens)} positions but the context is {self.n_ctx} "
+                f"(--ctx, at most the {self.spec.n_ctx_train} the model was trained for); raise --ctx up to "
+                "that or shorten the prompt"
             )
         if tokens and not 0 <= min(tokens) <= max(tokens) < self.spec.n_vocab:
             raise MoestreamError(f"token ids must be in [0, {self.spec.n_vocab}); got {min(tokens)}..{max(tokens)}")

@@ -23,7 +23,10 @@ def describe(f: GGUFFile):
     """The architecture module and ModelSpec of an open file, with every expected tensor checked."""
     arch = architecture(f.architecture, f.path)
     n_vocab = f.tensor("token_embd.weight").shape[0]
-    spec = arch.read_spec(f.metadata, n_vocab)
+    try:
+        spec = arch.read_spec(f.metadata, n_vocab)
+    except (ValueError, TypeError) as e:  # a count that is no number, a list where a number belongs...
+        raise MoestreamError(f"{f.path}: model metadata is malformed ({e}); the file is damaged") from None
     expected = arch.tensor_shapes(spec, tied_output="output.weight" not in f.tensors)
     for name, shape in expected.items():
         t = f.tensor(name)  # a missing tensor is a named error
@@ -75,9 +78,13 @@ def load(path: str | os.PathLike[str], device_impl=None, **options: Any) -> Engi
             return build_offload(f, arch, spec, o, dense_bytes, device_impl)
 
         offload = make_offload(opts)
-        embedding = HostEmbedding(f.tensor("token_embd.weight"), device, dtype)
-        model = arch.Model(spec, weights, embedding, offload.experts)
-        return Engine(model, tokenizer, opts, source=f, offload=offload, make_offload=make_offload)
+        try:
+            embedding = HostEmbedding(f.tensor("token_embd.weight"), device, dtype)
+            model = arch.Model(spec, weights, embedding, offload.experts)
+            return Engine(model, tokenizer, opts, source=f, offload=offload, make_offload=make_offload)
+        except BaseException:
+            offload.close()
+            raise
     except BaseException:
         f.close()
         raise

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens < 0:
             raise MoestreamError(f"-n {self.max_tokens}: the number of tokens to generate must be >= 0")
+        if not math.isfinite(self.temperature) or not math.isfinite(self.top_p):
+            raise MoestreamError("--temp and --top-p must be finite numbers")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise MoestreamError(f"--seed {self.seed}: must fit in 64 bits")
         if self.temperature < 0:
             raise MoestreamError(f"--temp {self.temperature}: must be >= 0")
         if self.top_k < 0:

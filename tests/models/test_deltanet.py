@@ -16,18 +16,11 @@ from moestream.models.deltanet import (
     l2_normalize,
 )
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: no thread contention
+
 H, DK, DV = 4, 32, 16
 C, K = 24, 4
 EPS = 1e-6
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: intra-op threads only add spin-wait contention (60x slower on a busy 2-core box)."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

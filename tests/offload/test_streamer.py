@@ -74,3 +74,17 @@ def test_serial_uses_one_slot_on_the_compute_thread():
         assert all(torch.equal(v, p) for v, p in zip(s.acquire(il), layers[il].parts, strict=True))
     s.finish()
     dev.close()
+
+
+def test_a_failed_copy_is_raised_not_hung():
+    """A copy that fails on the worker thread surfaces at the wait, fails the copies chained on it, and the
+    device still closes."""
+    dev = CpuDevice()
+    bad = dev.copy(torch.empty(4, dtype=torch.uint8), torch.zeros(5, dtype=torch.uint8), None)
+    chained = dev.copy(torch.empty(3, dtype=torch.uint8), torch.zeros(3, dtype=torch.uint8), bad)
+    with pytest.raises(ValueError):
+        dev.wait(bad)
+    with pytest.raises(ValueError):
+        dev.wait(chained)
+    dev.synchronize()
+    dev.close()

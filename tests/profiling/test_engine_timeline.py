@@ -9,6 +9,8 @@ import moestream
 from moestream.offload.device import CpuDevice
 from moestream.profiling.session import profile_pass
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # timing and tiny tensors: no thread contention
+
 TOKENS = list(range(7, 103))  # 96 tokens: 3 micro-batches of 32
 
 
@@ -32,31 +34,31 @@ def profile(model_file, schedule: str, copy_s: float, compute_s: float):
 
 
 def test_serial_hides_nothing(model_file):
-    r, streamer = profile(model_file, "serial", copy_s=0.01, compute_s=0.002)
+    r, streamer = profile(model_file, "serial", copy_s=0.02, compute_s=0.002)
     s = r.summary
     assert s.overlap_pct < 10, s.overlap_pct
     n_copies = 3 * 9  # gate, up, down of 3 layers, for each of 3 micro-batches (one slot: nothing stays)
-    assert s.copy_busy_s >= 0.9 * n_copies * 0.01
+    assert s.copy_busy_s >= 0.9 * n_copies * 0.02
     assert s.idle_pct > 50  # compute waits for every upload
     assert s.wait_on_upload_s > 0.5 * s.copy_busy_s
 
 
 def test_overlap_copy_bound_keeps_the_link_busy(model_file):
-    r, _ = profile(model_file, "overlap", copy_s=0.01, compute_s=0.001)
+    r, _ = profile(model_file, "overlap", copy_s=0.03, compute_s=0.001)
     s = r.summary
     assert s.copy_busy_s / s.wall_s > 0.8, f"link busy {s.copy_busy_s / s.wall_s:.0%} of the pass"
-    assert s.overlap_pct > 5  # compute runs under copies
+    assert s.hidden_copy_s >= 0.5 * s.compute_busy_s  # compute runs under the copies
     expected_gbs = s.bytes_copied / (s.copy_busy_s * 1e9)
     assert s.copy_gbps == pytest.approx(expected_gbs, rel=0.01)
-    per_copy_gbs = s.bytes_copied / (r.summary.layers and sum(1 for sp in r.spans if sp.lane == "copy")) / 0.01 / 1e9
-    assert s.copy_gbps == pytest.approx(per_copy_gbs, rel=0.35)  # each copy lasted about the injected 10 ms
+    per_copy_gbs = s.bytes_copied / sum(1 for sp in r.spans if sp.lane == "copy") / 0.03 / 1e9
+    assert s.copy_gbps == pytest.approx(per_copy_gbs, rel=0.35)  # each copy lasted about the injected 30 ms
 
 
 def test_overlap_compute_bound_has_little_idle(model_file):
-    r, _ = profile(model_file, "overlap", copy_s=0.001, compute_s=0.02)
+    r, _ = profile(model_file, "overlap", copy_s=0.001, compute_s=0.04)
     s = r.summary
     assert s.idle_pct < 20, s.idle_pct
-    assert s.overlap_pct > 70, s.overlap_pct
+    assert s.overlap_pct > 50, s.overlap_pct  # ~90% idle machine; serial hides 0%
 
 
 def test_layer_major_uploads_once(model_file):
