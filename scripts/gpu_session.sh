@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine session: GPU tests, a generated Qwen3-30B-A3B-shaped Q4_K_M model, routing, benches.
 # Usage (on the GPU machine, wheels carried in .whl): bash scripts/gpu_session.sh [tests|model|bench|all]
+# At most 8 files come back from $OUT: keep appending to the ones below.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -23,12 +24,12 @@ fi
 if [[ $what == bench || $what == all ]]; then
   $MS probe -m $MODEL -p 2048 -ub 2048 -ncmoe 26 2>&1 | tee -a "$OUT/gpu.txt"
   B="$MS bench -m $MODEL -ncmoe 26 -r 3"
-  $B -p 512 -ub 512 --stream serial,pinned,overlap,layer-major --vram-budget 12GiB 2>&1 | grep -v '%|' \
-    | tee -a "$OUT/bench.txt"
-  $B -p 2048 -ub 2048 --stream serial,pinned,overlap,layer-major --vram-budget 12GiB 2>&1 | grep -v '%|' \
-    | tee -a "$OUT/bench.txt"
+  $B -p 512 -ub 512 --stream serial,pinned,overlap,layer-major --streamed-layers first,spread \
+    --vram-budget 12GiB 2>&1 | grep -v '%|' | tee -a "$OUT/bench.txt"
+  $B -p 2048 -n 64 -ub 2048 --stream serial,pinned,overlap,layer-major --streamed-layers first,spread \
+    --vram-budget 12GiB 2>&1 | grep -v '%|' | tee -a "$OUT/bench.txt"
   $B -p 8192,16384 -ub 2048 --stream overlap,layer-major -r 2 2>&1 | grep -v '%|' | tee -a "$OUT/bench.txt"
-  $MS profile -m $MODEL -p 2048 -ub 2048 -ncmoe 26 --vram-budget 12GiB --stream serial,overlap \
+  $MS profile -m $MODEL -p 2048 -ub 2048 -ncmoe 26 --vram-budget 12GiB --stream serial,overlap,layer-major \
     --trace "$OUT/trace_pp2048.json" --plot "$OUT/timeline_pp2048.png" 2>&1 \
     | grep -v '%|' | tee "$OUT/profile.txt"
 fi
