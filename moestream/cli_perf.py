@@ -1,0 +1,178 @@
+"""`moestream bench`, `profile` and `probe`: measure a run against the machine's floors and show where time goes."""
+
+from __future__ import annotations
+
+import argparse
+
+from moestream.cli_args import at_least, engine_options, writable
+from moestream.errors import MoestreamError
+
+
+def cmd_bench(a: argparse.Namespace) -> None:
+    import json
+    from dataclasses import asdict
+
+    from moestream.runtime.bench import run_bench
+    from moestream.runtime.loader import load
+
+    at_least(a.repetitions, 1, "-r")
+    for n in a.n_prompt:
+        at_least(n, 0, "-p")
+    for n in a.n_gen:
+        at_least(n, 0, "-n")
+    if max(a.n_prompt) == 0 and max(a.n_gen) == 0:
+        raise MoestreamError("-p 0 -n 0: nothing to measure; give a prompt length (-p) or a decode length (-n)")
+    streams = a.stream or ["overlap"]
+    opts = engine_options(a) | {"progress": not a.json}
+    opts.setdefault("n_ctx", max(a.n_prompt) + max(a.n_gen) + 1)
+    engine = load(a.model, **opts)
+    header = (
+        f"| {'model':<28} | {'size':>9} | {'ncmoe':>5} | {'layers':<6} | {'ub':>5} | {'stream':<11} | {'test':>7} | "
+        f"{'t/s':>18} | {'GB up':>7} | {'used':>5} | {'GB/s':>6} | same |"
+    )
+
+    def show(r) -> None:
+        if not a.json:
+            same = ("yes" if r.same_tokens else "NO") + ("" if r.same_bits in (None, True) else "*")
+            print(
+                f"| {r.model[:28]:<28} | {r.size_gib:6.2f} GiB | {r.n_cpu_moe:>5} | {r.streamed_layers:<6} | "
+                f"{r.ubatch:>5} | "
+                f"{r.stream:<11} | {r.test:>7} | {r.tps:9.1f} ± {r.tps_std:6.1f} | {r.bytes_uploaded / 1e9:7.2f} | "
+                f"{r.experts_used:5.2f} | {r.link_gbs:6.1f} | {same:<4} |",
+                flush=True,
+            )
+
+    if not a.json:
+        print(header)
+        print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
+    try:
+        rows, link = run_bench(
+            engine,
+            a.n_prompt,
+            a.n_gen,
+            a.ubatch,
+            ["all" if a.cpu_moe else n for n in a.n_cpu_moe],
+            streams,
+            a.slots,
+            a.streamed_layers,
+            a.repetitions,
+            floors=not a.no_floors,
+            progress=show,
+        )
+    finally:
+        engine.close()
+    if a.json:
+        print(json.dumps({"link_gbs": link / 1e9, "rows": [asdict(r) for r in rows]}, indent=1))
+        return
+    print(f"\npinned host-to-device link: {link / 1e9:.1f} GB/s (measured now)")
+    if not a.no_floors:
+        print("floors per row: transfer = bytes up / link, compute = same test with every expert resident")
+        for r in rows:
+            bound = max(r.transfer_floor_s, r.compute_floor_s)
+            print(
+                f"  ncmoe {r.n_cpu_moe:>2} ub {r.ubatch:>5} {r.stream:<11} {r.test:>7}: {r.seconds * 1e3:8.1f} ms; "
+                f"transfer {r.transfer_floor_s * 1e3:7.1f} ms, compute {r.compute_floor_s * 1e3:7.1f} ms, "
+                f"time / max(floors) = {r.seconds / bound if bound else float('nan'):.2f}"
+            )
+    print(
+        "same: greedy next token equals the first row's; * marks logits not bit-identical to the first row "
+        "with the same ubatch"
+    )
+
+
+def cmd_profile(a: argparse.Namespace) -> None:
+    import json
+
+    from moestream.profiling.session import profile_pass
+    from moestream.runtime.bench import random_prompt
+    from moestream.runtime.loader import load
+
+    at_least(a.n_prompt, 1, "-p")
+    at_least(a.repetitions, 1, "-r")
+    for path, flag in ((a.trace, "--trace"), (a.plot, "--plot"), (a.json, "--json")):
+        writable(path, flag)
+    opts = engine_options(a)
+    opts.setdefault("n_ctx", a.n_prompt + 1)
+    engine = load(a.model, **opts)
+    results = []
+    try:
+        tokens = random_prompt(a.n_prompt, engine.spec.n_vocab)
+        for schedule in a.stream or ["serial", "overlap"]:
+            r = profile_pass(engine, tokens, schedule, a.repetitions)
+            results.append(r)
+            print(
+                f"\n== {schedule}: pp{a.n_prompt} ub{opts['ubatch']} ncmoe {engine.offload.placement.n_cpu_moe}: "
+                f"{r.wall_off_s * 1e3:.1f} ms unrecorded, {r.wall_on_s * 1e3:.1f} ms recorded "
+                f"({r.overhead_pct:+.1f}%)"
+            )
+            print(r.summary.table())
+    finally:
+        engine.close()
+    runs = {r.schedule: r.spans for r in results}
+    if a.trace:
+        from moestream.profiling.trace import write_chrome_trace
+
+        write_chrome_trace(runs, a.trace)
+        print(f"wrote {a.trace}")
+    if a.plot:
+        from moestream.profiling.plot import plot_timelines
+
+        plot_timelines(runs, a.plot, title=f"{engine.spec.arch} pp{a.n_prompt} ub{opts['ubatch']}")
+        print(f"wrote {a.plot}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(
+                {
+                    r.schedule: r.summary.as_dict() | {"wall_on_s": r.wall_on_s, "wall_off_s": r.wall_off_s}
+                    for r in results
+                },
+                f,
+                indent=1,
+            )
+
+
+def cmd_probe(a: argparse.Namespace) -> None:
+    import torch
+
+    from moestream.profiling.probe import grouped_gemm_rate, h2d_rate, registered_rate
+    from moestream.runtime.options import EngineOptions
+
+    at_least(a.ubatch, 1, "-ub")
+    at_least(a.n_prompt, 1, "-p")
+    device = EngineOptions(device=a.device).torch_device  # the same checks as every other command
+    size = 1 << 30 if device.type == "cuda" else 1 << 26
+    pinned, pageable = h2d_rate(device, size), h2d_rate(device, size, pinned=False)
+    print(f"host-to-device: pinned {pinned / 1e9:.1f} GB/s, pageable {pageable / 1e9:.1f} GB/s ({device})")
+    spec, f = None, None
+    if a.model:
+        from moestream.formats.gguf import GGUFFile
+        from moestream.runtime.loader import describe, expert_bytes_per_layer
+
+        f = GGUFFile(a.model)
+        _, spec = describe(f)
+        if device.type == "cuda":
+            region = max(f.tensors.values(), key=lambda t: t.nbytes).data
+            print(f"registered mmap (page-locked in place): {registered_rate(device, region) / 1e9:.1f} GB/s")
+    shape = (spec.n_embd, spec.n_ff_exp, spec.n_expert, spec.n_expert_used) if spec else (2048, 768, 128, 8)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    gemm = grouped_gemm_rate(a.ubatch, *shape, device=device, dtype=dtype)
+    print(
+        f"grouped expert GEMM (D={shape[0]}, F={shape[1]}, E={shape[2]}, top-{shape[3]}, "
+        f"{a.ubatch} tokens, {dtype}): {gemm / 1e12:.1f} TFLOP/s"
+    )
+    if spec is not None:
+        n_chunks = -(-a.n_prompt // a.ubatch)
+        if not 0 <= a.n_cpu_moe <= spec.n_layer:
+            raise MoestreamError(f"--n-cpu-moe {a.n_cpu_moe}: must be between 0 and {spec.n_layer} (the layer count)")
+        streamed = sum(expert_bytes_per_layer(f, spec)[: a.n_cpu_moe])
+        f.close()
+        flops = 6 * a.n_prompt * spec.n_expert_used * spec.n_embd * spec.n_ff_exp * spec.n_layer
+        print(f"floors for pp{a.n_prompt} ub{a.ubatch} ncmoe {a.n_cpu_moe}:")
+        print(
+            f"  transfer: token-major {n_chunks * streamed / pinned * 1e3:.1f} ms "
+            f"({n_chunks} x {streamed / 1e9:.2f} GB), layer-major {streamed / pinned * 1e3:.1f} ms"
+        )
+        print(
+            f"  compute (expert GEMMs only, at the rate above): {flops / gemm * 1e3:.1f} ms; "
+            "`moestream bench` measures the full compute floor (every expert resident)"
+        )
