@@ -140,19 +140,23 @@ def cmd_probe(a: argparse.Namespace) -> None:
     at_least(a.ubatch, 1, "-ub")
     at_least(a.n_prompt, 1, "-p")
     device = EngineOptions(device=a.device).torch_device  # the same checks as every other command
-    size = 1 << 30 if device.type == "cuda" else 1 << 26
-    pinned, pageable = h2d_rate(device, size), h2d_rate(device, size, pinned=False)
-    print(f"host-to-device: pinned {pinned / 1e9:.1f} GB/s, pageable {pageable / 1e9:.1f} GB/s ({device})")
-    spec, f = None, None
+    spec, streamed, registered = None, 0, None
     if a.model:
         from moestream.formats.gguf import GGUFFile
         from moestream.runtime.loader import describe, expert_bytes_per_layer
 
-        f = GGUFFile(a.model)
-        _, spec = describe(f)
-        if device.type == "cuda":
-            region = max(f.tensors.values(), key=lambda t: t.nbytes).data
-            print(f"registered mmap (page-locked in place): {registered_rate(device, region) / 1e9:.1f} GB/s")
+        with GGUFFile(a.model) as f:
+            _, spec = describe(f)
+            if not 0 <= a.n_cpu_moe <= spec.n_layer:
+                raise MoestreamError(f"--n-cpu-moe {a.n_cpu_moe}: must be between 0 and {spec.n_layer} (layers)")
+            streamed = sum(expert_bytes_per_layer(f, spec)[: a.n_cpu_moe])
+            if device.type == "cuda":
+                registered = registered_rate(device, max(f.tensors.values(), key=lambda t: t.nbytes).data)
+    size = 1 << 30 if device.type == "cuda" else 1 << 26
+    pinned, pageable = h2d_rate(device, size), h2d_rate(device, size, pinned=False)
+    print(f"host-to-device: pinned {pinned / 1e9:.1f} GB/s, pageable {pageable / 1e9:.1f} GB/s ({device})")
+    if registered is not None:
+        print(f"registered mmap (page-locked in place): {registered / 1e9:.1f} GB/s")
     shape = (spec.n_embd, spec.n_ff_exp, spec.n_expert, spec.n_expert_used) if spec else (2048, 768, 128, 8)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     gemm = grouped_gemm_rate(a.ubatch, *shape, device=device, dtype=dtype)
@@ -162,10 +166,6 @@ def cmd_probe(a: argparse.Namespace) -> None:
     )
     if spec is not None:
         n_chunks = -(-a.n_prompt // a.ubatch)
-        if not 0 <= a.n_cpu_moe <= spec.n_layer:
-            raise MoestreamError(f"--n-cpu-moe {a.n_cpu_moe}: must be between 0 and {spec.n_layer} (the layer count)")
-        streamed = sum(expert_bytes_per_layer(f, spec)[: a.n_cpu_moe])
-        f.close()
         flops = 6 * a.n_prompt * spec.n_expert_used * spec.n_embd * spec.n_ff_exp * spec.n_layer
         print(f"floors for pp{a.n_prompt} ub{a.ubatch} ncmoe {a.n_cpu_moe}:")
         print(

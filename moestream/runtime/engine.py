@@ -95,6 +95,8 @@ class Engine:
         """
         if not tokens:
             raise MoestreamError("no tokens to run: the prompt is empty")
+        if cache.broken:
+            raise MoestreamError("this sequence's cache was left half-updated by an interrupted pass; start a new one")
         if cache.n_past + len(tokens) > self.n_ctx:
             raise MoestreamError(
                 f"the prompt needs {cache.n_past + len(tokens)} positions but the context is {self.n_ctx} "
@@ -122,6 +124,9 @@ class Engine:
             for il, j in tqdm(order, desc="prefill", unit="layer", disable=not show, leave=False):
                 experts.start_layer(il, j)
                 xs[j] = self.model.layer(il, xs[j], batches[j], cache)
+        except BaseException:
+            cache.broken = True  # some layers' KV / recurrent state already moved on: the cache is unusable
+            raise
         finally:
             experts.end_pass()
         cache.n_past += len(tokens)
@@ -192,6 +197,7 @@ class Engine:
         if self.offload is not None:
             self.offload.close()  # waits for copies and unpins before the map goes
             self.offload = None
+        self.model = None  # drop every view of the map, so closing it unmaps the file
         if self.source is not None:
             self.source.close()
             self.source = None

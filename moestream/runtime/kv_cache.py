@@ -45,3 +45,4 @@ class SequenceCache:
         self.kv = kv
         self.recurrent = recurrent or {}  # il -> the architecture's state object (e.g. delta-net conv + S)
         self.n_past = 0  # tokens already in the cache
+        self.broken = False  # set when a pass failed half-way

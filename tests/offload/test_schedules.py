@@ -19,7 +19,7 @@ def run(path, tokens=TOKENS, device_impl=None, **opts):
         path, device="cpu", ubatch=16, stream_min_batch=8, progress=False, device_impl=device_impl, **opts
     )
     try:
-        return engine.logits(tokens), engine
+        return engine.logits(tokens), engine.model.experts.streamer
     finally:
         engine.close()
 
@@ -43,7 +43,7 @@ def reference(model_file):
 )
 def test_bit_identical_to_resident(model_file, reference, stream, preset, n_cpu_moe, slots):
     """Layer-major must also carry qwen35moe's delta-net state across micro-batches exactly."""
-    logits, engine = run(
+    logits, _ = run(
         model_file(preset, "Q4_K_M"),
         n_cpu_moe=n_cpu_moe,
         stream=stream,
@@ -57,9 +57,8 @@ def test_bit_identical_to_resident(model_file, reference, stream, preset, n_cpu_
 def test_layer_major_uploads_each_layer_once(model_file):
     """3 streamed layers, 2 slots, 3 micro-batches: token-major re-uploads, layer-major sends each layer once."""
     path = model_file("tiny-odd", "Q8_0")
-    tm_logits, tm = run(path, n_cpu_moe="all", stream="overlap", slots=2)
-    lm_logits, lm = run(path, n_cpu_moe="all", stream="layer-major", slots=2)
-    s_tm, s_lm = tm.model.experts.streamer, lm.model.experts.streamer
+    tm_logits, s_tm = run(path, n_cpu_moe="all", stream="overlap", slots=2)
+    lm_logits, s_lm = run(path, n_cpu_moe="all", stream="layer-major", slots=2)
     one_pass = sum(p.numel() for layer in s_tm.layers.values() for p in layer.parts)
     assert s_lm.bytes_uploaded == one_pass and s_lm.uploads == 3
     assert s_tm.bytes_uploaded >= 2 * one_pass
@@ -132,8 +131,7 @@ def test_auto_picks_smallest_n_that_fits(model_file):
 
 def test_spread_streams_evenly_spaced_layers_with_the_same_bits(model_file, reference):
     path = model_file("tiny-qwen35moe", "Q4_K_M")
-    logits, engine = run(path, n_cpu_moe=2, streamed_layers="spread", stream="overlap")
-    assert engine.offload is None  # closed
+    logits, _ = run(path, n_cpu_moe=2, streamed_layers="spread", stream="overlap")
     assert torch.equal(logits, reference["tiny-qwen35moe"])
     assert Placement(2, [1] * 4, 3, spread=True).streamed == [1, 3]
     assert Placement(26, [1] * 48, 3, spread=True).streamed == sorted(set(Placement(26, [1] * 48, 3, True).streamed))

@@ -32,3 +32,23 @@ def test_token_ids_out_of_range(model_file):
     with pytest.raises(MoestreamError, match="token ids must be in"):
         engine.logits([1, 2, 1280])
     engine.close()
+
+
+def test_a_pass_that_fails_half_way_retires_its_cache(model_file):
+    """Some layers' KV (or recurrent) state already advanced: reusing the cache would be silently wrong."""
+    engine = moestream.load(model_file("tiny-qwen35moe", "F32"), device="cpu", progress=False)
+    cache = engine.new_cache()
+    layer = engine.model.layer
+
+    def fail_in_layer_2(il, *args):
+        if il == 2:
+            raise KeyboardInterrupt
+        return layer(il, *args)
+
+    engine.model.layer = fail_in_layer_2
+    with pytest.raises(KeyboardInterrupt):
+        engine.forward([1, 2, 3], cache)
+    engine.model.layer = layer
+    with pytest.raises(MoestreamError, match="half-updated"):
+        engine.forward([4], cache)
+    engine.close()
