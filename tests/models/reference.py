@@ -197,3 +197,21 @@ def greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
         logits = model(torch.tensor([seq])).logits[0, -1]
         seq.append(int(torch.argmax(logits)))
     return seq[len(prompt) :]
+
+
+def assert_matches_reference(path: str, reference: torch.nn.Module, label: str) -> None:
+    """Logits of a 23-token prompt (micro-batches of 7) within 1e-4 of the reference, then 32 greedy tokens."""
+    import moestream
+    from moestream.runtime.sampling import SamplingParams
+
+    engine = moestream.load(path, device="cpu", ubatch=7, progress=False)
+    tokens = prompt_tokens(23, engine.spec.n_vocab)
+    ours = engine.logits(tokens)
+    with torch.inference_mode():
+        theirs = reference(torch.tensor([tokens])).logits[0]
+    err = rel_err(ours, theirs)
+    print(f"{label}: max relative logit error vs transformers {err:.2e}")
+    assert err < 1e-4, f"{label}: logits differ from transformers by {err:.2e} (relative)"
+    params = SamplingParams(max_tokens=32, temperature=0.0, stop_at_eos=False)
+    assert engine.generate(tokens, params).tokens == greedy(reference, tokens, 32)
+    engine.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import gguf
 import pytest
 import torch
-from reference import greedy, prompt_tokens, qwen35moe_reference, rel_err
+from reference import assert_matches_reference, prompt_tokens, qwen35moe_reference, rel_err
 
 import moestream
 from moestream.formats.gguf import GGUFFile
@@ -14,7 +14,6 @@ from moestream.models.layers import imrope_text_cos_sin, rope_cos_sin
 from moestream.models.presets import get_preset
 from moestream.models.synthetic import preset_metadata
 from moestream.profiling.routing import routing_load
-from moestream.runtime.sampling import SamplingParams
 
 PRESET = "tiny-qwen35moe"
 
@@ -23,19 +22,7 @@ PRESET = "tiny-qwen35moe"
 def test_logits_and_greedy_match_transformers(model_file, quant):
     """Prefill in micro-batches of 7 (chunked delta rule, state carried), then 32 recurrent decode steps."""
     path = model_file(PRESET, quant)
-    ref = qwen35moe_reference(path)
-    engine = moestream.load(path, device="cpu", ubatch=7, progress=False)
-    tokens = prompt_tokens(23, engine.spec.n_vocab)
-    ours = engine.logits(tokens)
-    with torch.inference_mode():
-        theirs = ref(torch.tensor([tokens])).logits[0]
-    err = rel_err(ours, theirs)
-    print(f"{PRESET} {quant}: max relative logit error vs transformers {err:.2e}")
-    assert err < 1e-4, f"{PRESET} {quant}: logits differ from transformers by {err:.2e} (relative)"
-
-    params = SamplingParams(max_tokens=32, temperature=0.0, stop_at_eos=False)
-    assert engine.generate(tokens, params).tokens == greedy(ref, tokens, 32)
-    engine.close()
+    assert_matches_reference(path, qwen35moe_reference(path), f"{PRESET} {quant}")
 
 
 def test_ubatch_size_does_not_change_logits(model_file):

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import pytest
-import torch
-from reference import greedy, prompt_tokens, qwen3moe_reference, rel_err
+from reference import assert_matches_reference, prompt_tokens, qwen3moe_reference, rel_err
 
 import moestream
-from moestream.runtime.sampling import SamplingParams
 
 
 @pytest.mark.parametrize(
@@ -15,19 +13,7 @@ from moestream.runtime.sampling import SamplingParams
     [("tiny", "F32"), ("tiny-odd", "F32"), ("tiny", "Q8_0"), ("tiny", "Q4_K_M"), ("tiny-odd", "Q4_K_M")],
 )
 def test_logits_and_greedy_match_transformers(model_file, preset, quant):
-    path = model_file(preset, quant)
-    ref = qwen3moe_reference(path)
-    engine = moestream.load(path, device="cpu", ubatch=7, progress=False)
-    tokens = prompt_tokens(23, engine.spec.n_vocab)
-    ours = engine.logits(tokens)
-    with torch.inference_mode():
-        theirs = ref(torch.tensor([tokens])).logits[0]
-    err = rel_err(ours, theirs)
-    assert err < 1e-4, f"{preset} {quant}: logits differ from transformers by {err:.2e} (relative)"
-
-    params = SamplingParams(max_tokens=32, temperature=0.0, stop_at_eos=False)
-    assert engine.generate(tokens, params).tokens == greedy(ref, tokens, 32)
-    engine.close()
+    assert_matches_reference(model_file(preset, quant), qwen3moe_reference(model_file(preset, quant)), preset + quant)
 
 
 def test_ubatch_size_does_not_change_logits(model_file):
