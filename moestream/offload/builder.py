@@ -47,7 +47,7 @@ class Offload:
             pinned = self.pinned.nbytes if self.pinned is not None else 0
             how = "bounce buffers" if self.bounce else f"{pinned / gib:.2f} GiB page-locked in place"
             lines.append(
-                f"staging: {p.n_slots if self.experts.streamer.overlap else 1} slots x "
+                f"staging: {len(self.experts.streamer.slots)} slots x "
                 f"{p.slot_bytes / 2**20:.1f} MiB; host: {how}"
             )
         return "\n".join(lines)
