@@ -29,7 +29,7 @@ class Offload:
 
     def close(self) -> None:
         if self.experts.streamer is not None:
-            self.experts.streamer.finish()
+            self.experts.streamer.close()
         self.dev.synchronize()
         if self.owns_dev:
             self.dev.close()
@@ -47,8 +47,7 @@ class Offload:
             pinned = self.pinned.nbytes if self.pinned is not None else 0
             how = "bounce buffers" if self.bounce else f"{pinned / gib:.2f} GiB page-locked in place"
             lines.append(
-                f"staging: {len(self.experts.streamer.slots)} slots x "
-                f"{p.slot_bytes / 2**20:.1f} MiB; host: {how}"
+                f"staging: {len(self.experts.streamer.slots)} slots x {p.slot_bytes / 2**20:.1f} MiB; host: {how}"
             )
         return "\n".join(lines)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import mmap as _mmap
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -70,7 +71,26 @@ def _clear_cuda_error() -> None:
 
 
 class BounceRing:
-    """Fallback when registration is refused: one pinned buffer per staging slot, filled by a CPU copy."""
+    """Fallback when registration is refused: one pinned buffer per staging slot, filled by CPU threads.
 
-    def __init__(self, n_buffers: int, nbytes: int):
-        self.buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(n_buffers)]
+    Staging runs on its own thread (in upload order), so compute keeps queuing kernels meanwhile; each copy is
+    split over a few threads, since one memcpy thread moves far less than the link."""
+
+    def __init__(self, n_buffers: int, nbytes: int, copy_threads: int = 8):
+        pin = torch.cuda.is_available()  # the CPU device (tests) has nothing to pin to
+        self.buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(n_buffers)]
+        self.stager = ThreadPoolExecutor(1, thread_name_prefix="moestream-stage")
+        self.copiers = ThreadPoolExecutor(copy_threads, thread_name_prefix="moestream-stage-copy")
+
+    def fill(self, views: list[torch.Tensor], parts: list[torch.Tensor]) -> None:
+        """views[i] <- parts[i], in chunks on the copy threads (numpy: no torch thread pools off the main thread)."""
+        jobs = []
+        for view, part in zip(views, parts, strict=True):
+            dst, src = view.numpy().reshape(-1), part.numpy().reshape(-1)
+            step = max(1 << 22, -(-src.size // 8))
+            jobs += [(dst[a : a + step], src[a : a + step]) for a in range(0, src.size, step)]
+        list(self.copiers.map(lambda job: np.copyto(*job), jobs))
+
+    def close(self) -> None:
+        self.stager.shutdown(wait=True)
+        self.copiers.shutdown(wait=True)

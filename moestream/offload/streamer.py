@@ -9,6 +9,7 @@ up to K-1 visits ahead.
 from __future__ import annotations
 
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,11 @@ class HostLayer:
     @property
     def nbytes(self) -> int:
         return sum(_aligned(p.numel()) for p in self.parts)
+
+
+def _resolved(ready):
+    """A slot's `ready`: an event, or (bounce staging) a future that yields the event once the DMA is queued."""
+    return ready.result() if isinstance(ready, Future) else ready
 
 
 def _aligned(n: int) -> int:
@@ -82,7 +88,7 @@ class Streamer:
         if slot is None:
             raise MoestreamError("internal: no free staging slot")
         self.visits.popleft()
-        self.dev.wait(slot.ready)
+        self.dev.wait(_resolved(slot.ready))
         self.current = slot
         self._prefetch()
         return self._views(slot)
@@ -95,7 +101,7 @@ class Streamer:
         if slot is None:
             return None
         self.finish()
-        self.dev.wait(slot.ready)
+        self.dev.wait(_resolved(slot.ready))
         self.current = slot
         return self._views(slot)
 
@@ -113,6 +119,8 @@ class Streamer:
             if k == len(experts) or experts[k] != experts[k - 1] + 1:
                 runs.append((start, experts[start], experts[k - 1] + 1))
                 start = k
+        if slot.ready is not None:
+            _resolved(slot.ready)  # a staged upload into this slot is queued before ours (streams run in order)
         slot.layer = slot.ready = None
         after, views, off = slot.free, [], 0
         for part in self.layers[il].parts:
@@ -162,33 +170,38 @@ class Streamer:
         if slot is None:
             return None
         layer = self.layers[il]
-        if self.bounce is not None:  # pinned staging copy on the CPU, then one DMA
-            if slot.ready is not None:
-                slot.ready.synchronize()  # this slot's bounce buffer may still be read by its last upload
-            staged = self.bounce.buffers[self.slots.index(slot)]
-            start = self.timeline.host_stamp()
-            for view, part in zip(self._views_for_buf(staged, layer), layer.parts, strict=True):
-                view.copy_(part)
-            self.timeline.add("cpu-copy-0", "stage", start, self.timeline.host_stamp(), layer=il, nbytes=layer.nbytes)
-            src, dst = [staged[: layer.nbytes]], [slot.buf[: layer.nbytes]]
-        else:
-            src, dst = layer.parts, self._views_for_buf(slot.buf, layer)
+        index, previous, after = self.slots.index(slot), slot.ready, slot.free
         slot.layer = slot.ready = None  # until every copy is queued, the slot holds nothing usable
-        after = slot.free
-        for d, s in zip(dst, src, strict=True):
-            after = self.dev.copy(
-                d,
-                s,
-                after,
-                on_copy_stream=self.overlap,
-                timeline=self.timeline,
-                layer=il,
-                slot=self.slots.index(slot),
-            )
-        slot.ready, slot.layer = after, il
+
+        def upload(src: list[torch.Tensor], dst: list[torch.Tensor]):
+            done = after
+            for d, s in zip(dst, src, strict=True):
+                done = self.dev.copy(d, s, done, self.overlap, self.timeline, layer=il, slot=index)
+            return done
+
+        if self.bounce is None:
+            slot.ready = upload(layer.parts, self._views_for_buf(slot.buf, layer))
+        else:  # stage into this slot's pinned buffer on the CPU threads, then one DMA; compute goes on meanwhile
+            staged, tl = self.bounce.buffers[index], self.timeline
+
+            def stage():
+                if previous is not None:
+                    _resolved(previous).synchronize()  # the last DMA out of this bounce buffer is done
+                start = tl.host_stamp()
+                self.bounce.fill(self._views_for_buf(staged, layer), layer.parts)
+                tl.add("cpu-copy-0", "stage", start, tl.host_stamp(), layer=il, nbytes=layer.nbytes)
+                return upload([staged[: layer.nbytes]], [slot.buf[: layer.nbytes]])
+
+            slot.ready = self.bounce.stager.submit(stage)
+        slot.layer = il
         self.bytes_uploaded += sum(p.numel() for p in layer.parts)
         self.uploads += 1
         return slot
+
+    def close(self) -> None:
+        self.finish()
+        if self.bounce is not None:
+            self.bounce.close()
 
     def _views(self, slot: _Slot) -> list[torch.Tensor]:
         return self._views_for_buf(slot.buf, self.layers[slot.layer])

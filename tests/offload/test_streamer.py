@@ -88,3 +88,19 @@ def test_a_failed_copy_is_raised_not_hung():
         dev.wait(chained)
     dev.synchronize()
     dev.close()
+
+
+@pytest.mark.parametrize("n_slots", [2, 3])
+def test_bounce_staging_on_cpu_threads(n_slots):
+    """The registration-refused fallback: staging threads fill per-slot buffers, then one copy each."""
+    layers = host_layers(5)
+    dev = CpuDevice(copy_delay_s=0.002)
+    s = Streamer(dev, layers, n_slots, overlap=True, bounce=True)
+    visits = [0, 1, 2, 3, 4, 0, 1, 2, 3, 4]
+    s.begin(visits)
+    for il in visits:
+        views = s.acquire(il)
+        time.sleep(0.002)  # compute holds the slot while the next layers stage
+        assert all(torch.equal(v, p) for v, p in zip(views, layers[il].parts, strict=True)), f"layer {il}"
+    s.close()
+    dev.close()
