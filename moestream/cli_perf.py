@@ -72,7 +72,8 @@ def cmd_bench(a: argparse.Namespace) -> None:
             print(
                 f"  ncmoe {r.n_cpu_moe:>2} ub {r.ubatch:>5} {r.stream:<11} {r.test:>7}: {r.seconds * 1e3:8.1f} ms; "
                 f"transfer {r.transfer_floor_s * 1e3:7.1f} ms, compute {r.compute_floor_s * 1e3:7.1f} ms, "
-                f"time / max(floors) = {r.seconds / bound if bound else float('nan'):.2f}"
+                f"time / max(floors) = {r.seconds / bound if bound else float('nan'):.2f}; "
+                f"peak GPU memory {r.gpu_peak_gib:.2f} GiB"
             )
     print(
         "same: greedy next token equals the first row's; * marks logits not bit-identical to the first row "

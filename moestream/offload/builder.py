@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
+import torch
 from tqdm import tqdm
 
 from moestream.formats.gguf import GGUFFile, torch_bytes
@@ -59,26 +60,25 @@ def build_offload(
     tensors = {
         il: ExpertTensors(tuple(f.tensor(n) for n in arch.expert_tensor_names(il))) for il in range(spec.n_layer)
     }
+    n_ctx = min(opts.n_ctx, spec.n_ctx_train or opts.n_ctx)
     fp = Footprint(
         dense=dense_bytes,
-        kv_cache=KVCache.bytes_needed(
-            len(spec.attention_layers),
-            min(opts.n_ctx, spec.n_ctx_train or opts.n_ctx),
-            spec.n_head_kv,
-            spec.head_dim,
-            dtype,
-        ),
-        workspace=workspace_bytes(spec.n_expert, spec.n_ff_exp, spec.n_embd, opts.ubatch, spec.n_expert_used, dtype),
+        kv_cache=KVCache.bytes_needed(len(spec.attention_layers), n_ctx, spec.n_head_kv, spec.head_dim, dtype),
+        workspace=workspace_bytes(spec, opts.ubatch, n_ctx, dtype),
     )
     n_cpu_moe = spec.n_layer if opts.n_cpu_moe == "all" else opts.n_cpu_moe
+    budget = parse_size(opts.vram_budget)
     placement = plan(
         [tensors[il].nbytes for il in range(spec.n_layer)],
         n_cpu_moe,
         opts.slots,
-        parse_size(opts.vram_budget),
+        budget,
         fp,
         opts.streamed_layers == "spread",
     )
+    if device.type == "cuda":  # the budget is a real cap: allocations past it fail (and say out of memory)
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total) if budget else 1.0, device)
     owns_dev = dev is None
     dev = dev or make_device(device)
     pinned = PinnedRanges() if device.type == "cuda" else None

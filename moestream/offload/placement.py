@@ -136,9 +136,11 @@ def plan(
     return p
 
 
-def workspace_bytes(n_expert: int, n_ff: int, n_embd: int, ubatch: int, n_used: int, dtype: torch.dtype) -> int:
-    """One dequantized expert stack (they are made one at a time), plus one micro-batch's grouped activations."""
+def workspace_bytes(spec, ubatch: int, n_ctx: int, dtype: torch.dtype) -> int:
+    """Peak temporaries of one layer: a dequantized expert stack (they are made one at a time), one
+    micro-batch's grouped activations, and attention's keys and values repeated to every query head."""
     size = torch.empty((), dtype=dtype).element_size()
-    weights = n_expert * n_ff * n_embd * size
-    acts = ubatch * n_used * (3 * n_ff + 2 * n_embd) * size
-    return weights + acts
+    weights = spec.n_expert * spec.n_ff_exp * spec.n_embd * size
+    acts = ubatch * spec.n_expert_used * (3 * spec.n_ff_exp + 2 * spec.n_embd) * size
+    attention = (2 * n_ctx + 4 * ubatch) * spec.n_head * spec.head_dim * size
+    return weights + acts + attention

@@ -30,6 +30,7 @@ class BenchRow:
     bytes_uploaded: int  # per run
     experts_used: float  # mean fraction of experts the router used per streamed layer and micro-batch
     link_gbs: float  # bytes uploaded / run time
+    gpu_peak_gib: float  # the most GPU memory allocated during the timed runs (0 on the CPU)
     transfer_floor_s: float = 0.0  # bytes uploaded / pinned link rate
     compute_floor_s: float = 0.0  # the same test with every expert resident
     same_tokens: bool = True  # greedy next token equals the first row's
@@ -41,7 +42,7 @@ def random_prompt(n: int, n_vocab: int, seed: int = 0) -> list[int]:
 
 
 def _measure(engine, test: str, tokens: list[int], repeats: int):
-    """(seconds per run, last logits, bytes uploaded per run, mean experts-used fraction)."""
+    """(seconds per run, last logits, bytes uploaded per run, mean experts-used fraction, peak GPU GiB)."""
     experts = engine.model.experts
     streamer = experts.streamer
     last = {}
@@ -59,11 +60,15 @@ def _measure(engine, test: str, tokens: list[int], repeats: int):
     fn()  # warm-up (also fills allocator caches)
     experts.track_usage, experts.usage = True, []
     before = streamer.bytes_uploaded if streamer else 0
+    cuda = engine.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(engine.device)
     times = timed(fn, engine.device, repeats=repeats, warmup=0)
+    peak = torch.cuda.max_memory_allocated(engine.device) / 2**30 if cuda else 0.0
     moved = ((streamer.bytes_uploaded if streamer else 0) - before) // repeats
     used = float(torch.stack(experts.usage).mean()) if experts.usage else 0.0
     experts.track_usage, experts.usage = False, []
-    return times, last.get("logits"), moved, used
+    return times, last.get("logits"), moved, used, peak
 
 
 def run_bench(
@@ -93,7 +98,7 @@ def run_bench(
         engine.reconfigure(ubatch=ub, n_cpu_moe=ncmoe, streamed_layers=pick, stream=stream, slots=k, progress=False)
         for test, n in tests:
             tokens = random_prompt(n, engine.spec.n_vocab)
-            times, logits, moved, used = _measure(engine, test, tokens, repeats)
+            times, logits, moved, used, peak = _measure(engine, test, tokens, repeats)
             secs = statistics.mean(times)
             tps = [n / t for t in times]
             row = BenchRow(
@@ -111,6 +116,7 @@ def run_bench(
                 moved,
                 used,
                 moved / secs / 1e9,
+                peak,
                 transfer_floor_s=moved / link,
             )
             if logits is not None:
