@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device-machine session: GPU tests, a generated Qwen3-30B-A3B-shaped Q4_K_M model, routing, benches.
-# Usage (on the GPU machine, wheels carried in .whl): bash scripts/gpu_session.sh [tests|model|bench|all]
+# Usage (on the GPU machine, wheels carried in .whl): bash scripts/gpu_session.sh [tests|model|bench|all|qwen35]
 # At most 8 files come back from $OUT: keep appending to the ones below.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -33,3 +33,12 @@ if [[ $what == bench || $what == all ]]; then
     --trace "$OUT/trace_pp2048.json" --plot "$OUT/timeline_pp2048.png" 2>&1 \
     | grep -v '%|' | tee "$OUT/profile.txt"
 fi
+if [[ $what == qwen35 ]]; then  # the headline configuration of issue 5: Qwen3.6-35B-A3B shapes, 12 GiB card
+  Q35=/tmp/qwen3.6-35b-a3b-Q4_K_M.gguf
+  /usr/bin/time -f "make-model: %e s" $MS make-model $Q35 --preset qwen3.6-35b-a3b --quant Q4_K_M 2>&1 \
+    | grep -v '\r' | tail -2 | tee "$OUT/model35.txt"
+  $MS info $Q35 --routing --tokens 2048 2>&1 | grep -v '%|' | tee -a "$OUT/model35.txt" | tail -45
+  $MS bench -m $Q35 -ncmoe 26 -r 3 -p 2048 -ub 2048 --stream serial,pinned,overlap,layer-major \
+    --streamed-layers first,spread --vram-budget 12GiB 2>&1 | grep -v '%|' | tee "$OUT/bench35.txt"
+fi
+
