@@ -8,12 +8,27 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from moestream.kernels.grouped_moe import grouped_mm
+
+
+class ExpertSource(Protocol):
+    """What a MoE layer asks of the offload layer: its routed experts' output, wherever the weights live."""
+
+    def ffn(self, il: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor: ...
+
+
+class Cache(Protocol):
+    """A sequence's state between passes: `kv.update(il, pos0, k, v)` for attention layers and
+    `recurrent[il]` for layers that carry a state (delta-net)."""
+
+    kv: Any
+    recurrent: dict[int, Any]
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ Hk / Hv = delta-net key / value heads, Dk / Dv = their head dims, C = conv chann
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,7 +23,7 @@ from moestream.models.deltanet import (
     delta_rule_recurrent,
     l2_normalize,
 )
-from moestream.models.layers import Batch, imrope_text_cos_sin, rms_norm, swiglu
+from moestream.models.layers import Batch, Cache, ExpertSource, imrope_text_cos_sin, rms_norm, swiglu
 from moestream.models.spec import ModelSpec, common_spec_fields, read_key
 
 if TYPE_CHECKING:
@@ -139,7 +140,13 @@ class Model(qwen3moe.Model):
     Norm weights are used as plain multipliers: the file already stores 1 + w.
     """
 
-    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], embedding, experts):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        weights: dict[str, torch.Tensor],
+        embedding: Callable[[torch.Tensor], torch.Tensor],
+        experts: ExpertSource,
+    ):
         super().__init__(spec, weights, embedding, experts)
         self.is_recurrent: tuple[bool, ...] = spec.extra["recurrent_layers"]
         self.attention_layers = spec.attention_layers
@@ -165,13 +172,13 @@ class Model(qwen3moe.Model):
         cos, sin = imrope_text_cos_sin(positions, s.rot_dim, s.rope_base, s.extra["rope_sections"], dtype)
         return Batch(pos0, cos, sin)
 
-    def layer(self, il: int, x: torch.Tensor, batch: Batch, cache) -> torch.Tensor:
+    def layer(self, il: int, x: torch.Tensor, batch: Batch, cache: Cache) -> torch.Tensor:
         eps = self.spec.rms_eps
         mix = self.delta_net if self.is_recurrent[il] else self.attention
         h = x + mix(il, rms_norm(x, self.w(il, "attn_norm"), eps), batch, cache)
         return h + self.moe(il, rms_norm(h, self.w(il, "post_attention_norm"), eps))
 
-    def attention(self, il: int, x: torch.Tensor, batch: Batch, cache) -> torch.Tensor:
+    def attention(self, il: int, x: torch.Tensor, batch: Batch, cache: Cache) -> torch.Tensor:
         """Full attention whose output is gated per channel by sigmoid(gate), the gate projected beside q."""
         s, T = self.spec, x.shape[0]
         q_gate = F.linear(x, self.w(il, "attn_q")).view(T, s.n_head, 2, s.head_dim)  # per head [q_h | gate_h]
@@ -179,7 +186,7 @@ class Model(qwen3moe.Model):
         out = self.attend(il, q, x, batch, cache) * torch.sigmoid(gate)
         return F.linear(out.reshape(T, -1), self.w(il, "attn_output"))
 
-    def delta_net(self, il: int, x: torch.Tensor, batch: Batch, cache) -> torch.Tensor:
+    def delta_net(self, il: int, x: torch.Tensor, batch: Batch, cache: Cache) -> torch.Tensor:
         """Gated delta-net: short conv over qkv, the delta rule on the layer's state, gated RMSNorm, ssm_out.
 
         The state lives in cache.recurrent[il], so any split into micro-batches gives the same result.

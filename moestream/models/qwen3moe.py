@@ -6,6 +6,7 @@ Legend: T = tokens in the micro-batch, D = hidden size, H / Hkv = query / KV hea
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -13,6 +14,8 @@ import torch.nn.functional as F
 
 from moestream.models.layers import (
     Batch,
+    Cache,
+    ExpertSource,
     causal_attention,
     rms_norm,
     rope_cos_sin,
@@ -78,7 +81,13 @@ def expert_tensor_names(il: int) -> tuple[str, str, str]:
 class Model:
     """The forward pass, one layer at a time so the engine can order micro-batches and layers as it likes."""
 
-    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], embedding, experts):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        weights: dict[str, torch.Tensor],
+        embedding: Callable[[torch.Tensor], torch.Tensor],
+        experts: ExpertSource,
+    ):
         self.spec = spec
         self.weights = weights  # dense tensors on the compute device; "output.weight" even when tied
         self.embedding = embedding  # token ids -> rows [T, D] on the compute device
@@ -103,18 +112,18 @@ class Model:
         x = rms_norm(x, self.weights["output_norm.weight"], self.spec.rms_eps)
         return F.linear(x, self.weights["output.weight"])
 
-    def layer(self, il: int, x: torch.Tensor, batch: Batch, cache) -> torch.Tensor:
+    def layer(self, il: int, x: torch.Tensor, batch: Batch, cache: Cache) -> torch.Tensor:
         eps = self.spec.rms_eps
         h = x + self.attention(il, rms_norm(x, self.w(il, "attn_norm"), eps), batch, cache)
         return h + self.moe(il, rms_norm(h, self.w(il, "ffn_norm"), eps))
 
-    def attention(self, il: int, x: torch.Tensor, batch: Batch, cache) -> torch.Tensor:
+    def attention(self, il: int, x: torch.Tensor, batch: Batch, cache: Cache) -> torch.Tensor:
         s, T = self.spec, x.shape[0]
         q = F.linear(x, self.w(il, "attn_q")).view(T, s.n_head, s.head_dim)
         out = self.attend(il, q, x, batch, cache)  # [T, H, Dh]
         return F.linear(out.reshape(T, -1), self.w(il, "attn_output"))
 
-    def attend(self, il: int, q: torch.Tensor, x: torch.Tensor, batch: Batch, cache) -> torch.Tensor:
+    def attend(self, il: int, q: torch.Tensor, x: torch.Tensor, batch: Batch, cache: Cache) -> torch.Tensor:
         """Heads q [T, H, Dh] attend to keys and values projected from x (q/k norm, RoPE, KV cache)."""
         s, T = self.spec, x.shape[0]
         k = F.linear(x, self.w(il, "attn_k")).view(T, s.n_head_kv, s.head_dim)

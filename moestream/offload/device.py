@@ -158,5 +158,8 @@ class CpuDevice:
         self._worker.join()
 
 
-def make_device(device: torch.device) -> CudaDevice | CpuDevice:
+Device = CudaDevice | CpuDevice
+
+
+def make_device(device: torch.device) -> Device:
     return CudaDevice(device) if device.type == "cuda" else CpuDevice()

@@ -15,6 +15,7 @@ import torch
 from moestream.formats.gguf import TensorView, torch_bytes
 from moestream.kernels.dequant import dequantize
 from moestream.models.layers import expert_counts, moe_swiglu
+from moestream.offload.device import Device
 from moestream.offload.streamer import Streamer
 from moestream.profiling.timeline import NULL, Timeline
 
@@ -70,7 +71,7 @@ class LayerExperts:
         streamer: Streamer | None,
         dtype: torch.dtype,
         min_batch: int,
-        dev,
+        dev: Device,
         small_batch: str = "upload",
     ):
         self.tensors = tensors

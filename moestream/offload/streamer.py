@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from moestream.errors import MoestreamError
+from moestream.offload.device import Device
 from moestream.offload.host import BounceRing
 from moestream.profiling.timeline import NULL
 
@@ -55,7 +56,7 @@ class Streamer:
     overlap=False is the serial and pinned schedules: the copy is queued on the compute stream, one slot.
     """
 
-    def __init__(self, dev, layers: dict[int, HostLayer], n_slots: int, overlap: bool, bounce: bool = False):
+    def __init__(self, dev: Device, layers: dict[int, HostLayer], n_slots: int, overlap: bool, bounce: bool = False):
         """bounce: the host bytes are not page-locked; stage each upload through a pinned buffer per slot."""
         self.dev = dev
         self.layers = layers
