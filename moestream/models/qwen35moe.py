@@ -8,7 +8,6 @@ Hk / Hv = delta-net key / value heads, Dk / Dv = their head dims, C = conv chann
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,7 +22,7 @@ from moestream.models.deltanet import (
     delta_rule_recurrent,
     l2_normalize,
 )
-from moestream.models.layers import Batch, Cache, ExpertSource, imrope_text_cos_sin, rms_norm, swiglu
+from moestream.models.layers import Batch, Cache, imrope_text_cos_sin, rms_norm, swiglu
 from moestream.models.spec import ModelSpec, common_spec_fields, read_key
 
 if TYPE_CHECKING:
@@ -140,16 +139,9 @@ class Model(qwen3moe.Model):
     Norm weights are used as plain multipliers: the file already stores 1 + w.
     """
 
-    def __init__(
-        self,
-        spec: ModelSpec,
-        weights: dict[str, torch.Tensor],
-        embedding: Callable[[torch.Tensor], torch.Tensor],
-        experts: ExpertSource,
-    ):
-        super().__init__(spec, weights, embedding, experts)
-        self.is_recurrent: tuple[bool, ...] = spec.extra["recurrent_layers"]
-        self.attention_layers = spec.attention_layers
+    @property
+    def is_recurrent(self) -> tuple[bool, ...]:
+        return self.spec.extra["recurrent_layers"]
 
     def new_recurrent_state(self, device: torch.device) -> dict[int, DeltaNetState]:
         e = self.spec.extra
