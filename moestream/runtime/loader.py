@@ -5,15 +5,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import torch
-from tqdm import tqdm
-
 from moestream.errors import MoestreamError
 from moestream.formats import quants
-from moestream.formats.gguf import GGUFFile, TensorView, torch_bytes
+from moestream.formats.gguf import GGUFFile
 from moestream.models.registry import architecture
 from moestream.models.spec import ModelSpec
 from moestream.offload.builder import build_offload
+from moestream.offload.dense import DenseWeights
 from moestream.offload.embedding import HostEmbedding
 from moestream.runtime.engine import Engine
 from moestream.runtime.options import EngineOptions
@@ -47,12 +45,6 @@ def _squeezed(shape) -> tuple[int, ...]:
     return tuple(d for d in shape if d != 1)
 
 
-def to_device(t: TensorView, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """Upload the stored bytes and dequantize where they land (so a GPU dequantizes, not the CPU)."""
-    raw = torch_bytes(t).to(device)
-    return quants.dequantize(raw, t.qtype, t.shape, dtype)
-
-
 def load(path: str | os.PathLike[str], device_impl=None, **options: Any) -> Engine:
     """Open a GGUF MoE model and return an Engine ready to generate.
 
@@ -65,14 +57,11 @@ def load(path: str | os.PathLike[str], device_impl=None, **options: Any) -> Engi
         tokenizer = load_tokenizer(f)
         device, dtype = opts.torch_device, opts.torch_dtype
         host = {n for il in range(spec.n_layer) for n in arch.expert_tensor_names(il)} | {"token_embd.weight"}
-        weights = {
-            name: to_device(t, device, dtype)
-            for name, t in tqdm(f.tensors.items(), desc="load", unit="tensor", disable=not opts.progress, leave=False)
-            if name not in host
-        }
-        if "output.weight" not in weights:  # tied: the head reads the embedding matrix, so it goes to the device
-            weights["output.weight"] = to_device(f.tensor("token_embd.weight"), device, dtype)
-        dense_bytes = sum(w.numel() * w.element_size() for w in weights.values())
+        dense = {name: t for name, t in f.tensors.items() if name not in host}
+        if "output.weight" not in dense:  # tied: the head reads the embedding matrix, so it goes to the device
+            dense["output.weight"] = f.tensor("token_embd.weight")
+        weights = DenseWeights(dense, device, dtype, progress=opts.progress)
+        dense_bytes = weights.nbytes
 
         def make_offload(o: EngineOptions):
             return build_offload(f, arch, spec, o, dense_bytes, device_impl)
