@@ -46,7 +46,12 @@ class Offload:
         ]
         if p.streamed:
             pinned = self.pinned.nbytes if self.pinned is not None else 0
-            how = "bounce buffers" if self.bounce else f"{pinned / gib:.2f} GiB page-locked in place"
+            if self.bounce:
+                how = "pinned bounce buffers (page-locking was refused)"
+            elif pinned:
+                how = f"{pinned / gib:.2f} GiB page-locked in place"
+            else:
+                how = "the mapped file, pageable (serial schedule or CPU device)"
             lines.append(
                 f"staging: {len(self.experts.streamer.slots)} slots x {p.slot_bytes / 2**20:.1f} MiB; host: {how}"
             )
