@@ -95,5 +95,6 @@ def dequantize(
         return quants.dequantize(raw, qtype, shape, dtype)  # raises the reference's clear error
     out = torch.empty(shape, dtype=dtype, device=raw.device)
     grid = (triton.cdiv(n_blocks, BLOCKS_PER_PROGRAM),)
-    kernel[grid](raw, out, n_blocks, BLOCKS=BLOCKS_PER_PROGRAM)
+    with torch.cuda.device(raw.device):  # Triton launches on the current device
+        kernel[grid](raw, out, n_blocks, BLOCKS=BLOCKS_PER_PROGRAM)
     return out

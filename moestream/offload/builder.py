@@ -5,11 +5,10 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-import torch
 from tqdm import tqdm
 
 from moestream.formats.gguf import GGUFFile, torch_bytes
-from moestream.offload.device import CpuDevice, CudaDevice, make_device
+from moestream.offload.device import CpuDevice, CudaDevice, cap_vram, make_device
 from moestream.offload.experts import ExpertTensors, LayerExperts
 from moestream.offload.host import PinnedRanges
 from moestream.offload.placement import Footprint, Placement, parse_size, plan, workspace_bytes
@@ -81,9 +80,7 @@ def build_offload(
         fp,
         opts.streamed_layers == "spread",
     )
-    if device.type == "cuda":  # the budget is a real cap: allocations past it fail (and say out of memory)
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total) if budget else 1.0, device)
+    cap_vram(device, budget)  # allocations past the budget now fail, and the CLI says out of memory
     owns_dev = dev is None
     dev = dev or make_device(device)
     pinned = PinnedRanges() if device.type == "cuda" else None

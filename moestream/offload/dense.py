@@ -27,19 +27,22 @@ class DenseWeights(Mapping[str, torch.Tensor]):
     def __init__(self, views: dict[str, TensorView], device: torch.device, dtype: torch.dtype, progress: bool = False):
         self.dtype = dtype
         self._floats: dict[str, torch.Tensor] = {}
-        self._blocks: dict[str, tuple[torch.Tensor, TensorView]] = {}
+        self._blocks: dict[str, tuple[torch.Tensor, Q, tuple[int, ...]]] = {}  # stored bytes, type, shape
         for name, v in tqdm(views.items(), desc="load", unit="tensor", disable=not progress, leave=False):
             raw = torch_bytes(v).to(device)  # upload the stored bytes; any dequantization happens on the device
             if v.qtype in FLOAT_TYPES:
                 self._floats[name] = quants.dequantize(raw, v.qtype, v.shape, dtype)
             else:
-                self._blocks[name] = (raw, v)
+                self._blocks[name] = (raw, v.qtype, v.shape)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name in self._floats:
             return self._floats[name]
-        raw, v = self._blocks[name]
-        return dequantize(raw, v.qtype, v.shape, self.dtype)
+        raw, qtype, shape = self._blocks[name]
+        return dequantize(raw, qtype, shape, self.dtype)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._floats or name in self._blocks  # without dequantizing anything
 
     def __iter__(self) -> Iterator[str]:
         yield from self._floats
@@ -52,4 +55,4 @@ class DenseWeights(Mapping[str, torch.Tensor]):
     def nbytes(self) -> int:
         """Device bytes held: what the VRAM budget counts."""
         floats = sum(t.numel() * t.element_size() for t in self._floats.values())
-        return floats + sum(raw.numel() for raw, _ in self._blocks.values())
+        return floats + sum(raw.numel() for raw, _, _ in self._blocks.values())

@@ -161,5 +161,14 @@ class CpuDevice:
 Device = CudaDevice | CpuDevice
 
 
+def cap_vram(device: torch.device, budget: int | None) -> None:
+    """Make a VRAM budget a real limit: the caching allocator refuses to grow past it (None lifts it)."""
+    if device.type != "cuda":
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total) if budget else 1.0, index)
+
+
 def make_device(device: torch.device) -> Device:
     return CudaDevice(device) if device.type == "cuda" else CpuDevice()

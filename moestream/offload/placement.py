@@ -136,11 +136,15 @@ def plan(
     return p
 
 
+ALLOCATOR_SLACK = 256 * 2**20  # rounding in the caching allocator, cuBLAS workspaces, small temporaries
+
+
 def workspace_bytes(spec, ubatch: int, n_ctx: int, dtype: torch.dtype) -> int:
-    """Peak temporaries of one layer: a dequantized expert stack (they are made one at a time), one
-    micro-batch's grouped activations, and attention's keys and values repeated to every query head."""
+    """Peak temporaries: the largest weight dequantized at once (an expert stack, made one at a time, or the
+    output head), one micro-batch's grouped activations, attention's keys and values repeated to every query
+    head, and allocator slack."""
     size = torch.empty((), dtype=dtype).element_size()
-    weights = spec.n_expert * spec.n_ff_exp * spec.n_embd * size
+    weights = max(spec.n_expert * spec.n_ff_exp * spec.n_embd, spec.n_vocab * spec.n_embd) * size
     acts = ubatch * spec.n_expert_used * (3 * spec.n_ff_exp + 2 * spec.n_embd) * size
     attention = (2 * n_ctx + 4 * ubatch) * spec.n_head * spec.head_dim * size
-    return weights + acts + attention
+    return weights + acts + attention + ALLOCATOR_SLACK

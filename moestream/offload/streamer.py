@@ -38,6 +38,11 @@ def _resolved(ready):
     return ready.result() if isinstance(ready, Future) else ready
 
 
+def _failed(ready) -> bool:
+    """A staging future that raised: nothing of that upload is in flight."""
+    return isinstance(ready, Future) and ready.done() and ready.exception() is not None
+
+
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
@@ -89,7 +94,7 @@ class Streamer:
         if slot is None:
             raise MoestreamError("internal: no free staging slot")
         self.visits.popleft()
-        self.dev.wait(_resolved(slot.ready))
+        self._wait_ready(slot)
         self.current = slot
         self._prefetch()
         return self._views(slot)
@@ -102,7 +107,7 @@ class Streamer:
         if slot is None:
             return None
         self.finish()
-        self.dev.wait(_resolved(slot.ready))
+        self._wait_ready(slot)
         self.current = slot
         return self._views(slot)
 
@@ -120,7 +125,7 @@ class Streamer:
             if k == len(experts) or experts[k] != experts[k - 1] + 1:
                 runs.append((start, experts[start], experts[k - 1] + 1))
                 start = k
-        if slot.ready is not None:
+        if slot.ready is not None and not _failed(slot.ready):
             _resolved(slot.ready)  # a staged upload into this slot is queued before ours (streams run in order)
         slot.layer = slot.ready = None
         after, views, off = slot.free, [], 0
@@ -186,18 +191,28 @@ class Streamer:
             staged, tl = self.bounce.buffers[index], self.timeline
 
             def stage():
-                if previous is not None:
-                    _resolved(previous).synchronize()  # the last DMA out of this bounce buffer is done
-                start = tl.host_stamp()
-                self.bounce.fill(self._views_for_buf(staged, layer), layer.parts)
-                tl.add("cpu-copy-0", "stage", start, tl.host_stamp(), layer=il, nbytes=layer.nbytes)
-                return upload([staged[: layer.nbytes]], [slot.buf[: layer.nbytes]])
+                with torch.inference_mode():  # thread-local: slot buffers may be inference tensors
+                    if previous is not None and not _failed(previous):
+                        _resolved(previous).synchronize()  # the last DMA out of this bounce buffer is done
+                    start = tl.host_stamp()
+                    self.bounce.fill(self._views_for_buf(staged, layer), layer.parts)
+                    tl.add("cpu-copy-0", "stage", start, tl.host_stamp(), layer=il, nbytes=layer.nbytes)
+                    return upload([staged[: layer.nbytes]], [slot.buf[: layer.nbytes]])
 
             slot.ready = self.bounce.stager.submit(stage)
         slot.layer = il
         self.bytes_uploaded += sum(p.numel() for p in layer.parts)
         self.uploads += 1
         return slot
+
+    def _wait_ready(self, slot: _Slot) -> None:
+        """Compute waits for the slot's upload; a failed upload empties the slot before the error goes up."""
+        try:
+            ready = _resolved(slot.ready)
+        except BaseException:
+            slot.layer = slot.ready = None
+            raise
+        self.dev.wait(ready)
 
     def close(self) -> None:
         self.finish()

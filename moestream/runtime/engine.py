@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from moestream.errors import MoestreamError
 from moestream.formats.tokenizer import TextStream
+from moestream.offload.device import cap_vram
 from moestream.profiling.timeline import NULL, Timeline
 from moestream.runtime.kv_cache import KVCache, SequenceCache
 from moestream.runtime.options import EngineOptions
@@ -61,16 +62,20 @@ class Engine:
         On a bad change the engine keeps working with its previous options."""
         options = dataclasses.replace(self.options, **changes)
         self.offload.close()  # first: the new placement may page-lock the same ranges
+        self.offload = self.model.experts = None  # and let its device memory go before the new one is made
+        failed = None
         try:
             self.offload = self._make_offload(options)
-        except BaseException:
+        except BaseException as e:
+            failed = e.with_traceback(None)  # the traceback would keep the half-built placement's memory alive
+        if failed is not None:
             self.offload = self._make_offload(self.options)
-            self.model.experts = self.offload.experts
-            self.record(self.timeline)
-            raise
+        else:
+            self.options = options
         self.model.experts = self.offload.experts
-        self.options = options
         self.record(self.timeline)
+        if failed is not None:
+            raise failed
 
     @property
     def device(self) -> torch.device:
@@ -80,7 +85,12 @@ class Engine:
     def dtype(self) -> torch.dtype:
         return self.options.torch_dtype
 
+    def _require_open(self) -> None:
+        if self.model is None:
+            raise MoestreamError("this engine is closed; load the model again")
+
     def new_cache(self) -> SequenceCache:
+        self._require_open()
         s = self.spec
         kv = KVCache(self.model.attention_layers, self.n_ctx, s.n_head_kv, s.head_dim, self.dtype, self.device)
         return SequenceCache(kv, self.model.new_recurrent_state(self.device))
@@ -93,6 +103,7 @@ class Engine:
         layer L before layer L+1, so each streamed layer crosses the link once per prompt. Both compute
         exactly what chunked prefill computes. Returns logits [T, V] if all_logits else [1, V].
         """
+        self._require_open()
         if not tokens:
             raise MoestreamError("no tokens to run: the prompt is empty")
         if cache.broken:
@@ -115,6 +126,7 @@ class Engine:
             visits = [il for c in chunks for il in range(n_layer) if experts.streams(il, len(c))]
         show = self.options.progress and len(chunks) > 1
         experts.begin(visits)  # the first uploads start before anything else is queued
+        started = False
         try:
             starts = [cache.n_past + i * ub for i in range(len(chunks))]
             batches = [
@@ -123,9 +135,11 @@ class Engine:
             xs = [self.model.embed(torch.tensor(c)) for c in chunks]  # token ids stay on the host: rows are read there
             for il, j in tqdm(order, desc="prefill", unit="layer", disable=not show, leave=False):
                 experts.start_layer(il, j)
+                started = True
                 xs[j] = self.model.layer(il, xs[j], batches[j], cache)
         except BaseException:
-            cache.broken = True  # some layers' KV / recurrent state already moved on: the cache is unusable
+            if started:  # some layers' KV / recurrent state already moved on: the cache is unusable
+                cache.broken = True
             raise
         finally:
             experts.end_pass()
@@ -194,10 +208,14 @@ class Engine:
         return gen
 
     def close(self) -> None:
-        if self.offload is not None:
-            self.offload.close()  # waits for copies and unpins before the map goes
+        """Wait for copies, unpin, lift the VRAM cap, drop every view of the map, then close it."""
+        try:
+            if self.offload is not None:
+                self.offload.close()
+                cap_vram(self.device, None)
+        finally:
             self.offload = None
-        self.model = None  # drop every view of the map, so closing it unmaps the file
-        if self.source is not None:
-            self.source.close()
-            self.source = None
+            self.model = None
+            if self.source is not None:
+                self.source.close()
+                self.source = None

@@ -12,7 +12,9 @@ from moestream.models.registry import architecture
 from moestream.models.spec import ModelSpec
 from moestream.offload.builder import build_offload
 from moestream.offload.dense import DenseWeights
+from moestream.offload.device import cap_vram
 from moestream.offload.embedding import HostEmbedding
+from moestream.offload.placement import parse_size
 from moestream.runtime.engine import Engine
 from moestream.runtime.options import EngineOptions
 
@@ -60,6 +62,7 @@ def load(path: str | os.PathLike[str], device_impl=None, **options: Any) -> Engi
         dense = {name: t for name, t in f.tensors.items() if name not in host}
         if "output.weight" not in dense:  # tied: the head reads the embedding matrix, so it goes to the device
             dense["output.weight"] = f.tensor("token_embd.weight")
+        cap_vram(device, parse_size(opts.vram_budget))  # before the first upload: dense weights count too
         weights = DenseWeights(dense, device, dtype, progress=opts.progress)
         dense_bytes = weights.nbytes
 
