@@ -17,15 +17,26 @@ Per head and token t, with the state S [Dk, Dv] (float32):
 
 `delta_rule_recurrent` runs that literally (decode); `delta_rule_chunked` computes the same thing with
 matmuls within chunks of L tokens and the recurrence only across chunks (prefill). Both take and return
-the state, so a prompt split into micro-batches gives the same result as one pass.
+the state, so a prompt split into micro-batches gives the same result as one pass. `delta_rule_fla` is the
+chunked form on flash-linear-attention's Triton kernels (optional, CUDA only); `prefill_rule` picks it or
+`delta_rule_chunked`, which stays the reference and the fallback.
 """
 
 from __future__ import annotations
 
+import functools
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from moestream.errors import MoestreamError
+
+DeltaRule = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+DELTANET_ENV = "MOESTREAM_DELTANET"  # torch | fla | auto (default): the prefill delta rule
+FLA_INSTALL = "pip install flash-linear-attention (or moestream[fla])"
 
 
 @dataclass
@@ -199,3 +210,75 @@ def delta_rule_chunked(
         s = s * chunk_decay[:, n] + k_to_end[:, n] @ d
     out = out.reshape(n_heads, n_chunks * chunk, dv)[:, :n_tokens]
     return out.transpose(0, 1).to(out_dtype), s
+
+
+@functools.cache
+def _fla_chunk_kernel() -> DeltaRule | None:
+    """fla's `chunk_gated_delta_rule`, or None if it cannot be imported (fla, Triton or a driver missing).
+
+    Imported on first use only, never at module import: importing fla pulls in Triton and transformers.
+    Any failure to import counts as "not installed", so `auto` falls back to torch silently.
+    """
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except Exception:
+        return None
+    return chunk_gated_delta_rule
+
+
+def delta_rule_fla(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    chunk: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`delta_rule_chunked` on flash-linear-attention's `chunk_gated_delta_rule` (Triton, CUDA only).
+
+    Same arguments and result. fla takes q, k [B, T, H, Dk], v [B, T, H, Dv], g and beta [B, T, H] (g the
+    log decay, beta after the sigmoid), `scale` applied to q inside, and the state as [N, H, Dk, Dv] float32
+    in our orientation (S^T q reads it, k-major); we pass one sequence as B = N = 1. Its GQA ("GVA") maps
+    value head h to key head h // (H / Hk), not GGUF's h % Hk, so q and k go in already tiled to H.
+
+    Everything goes in as float32, the state's dtype, like the torch forms: fla keeps its accumulators and
+    the state in float32, but Triton runs its matmuls on float32 inputs in TF32 (10-bit mantissa), so it
+    agrees with `delta_rule_chunked` to TF32 precision, not to float32 rounding (the bound is fla's own;
+    test_deltanet_gpu.py). A float64 state (references only) runs `delta_rule_chunked`: fla has no float64
+    kernels.
+    """
+    if state.dtype != torch.float32:
+        return delta_rule_chunked(q, k, v, g, beta, state, chunk=chunk)
+    kernel = _fla_chunk_kernel()
+    if kernel is None:
+        raise MoestreamError(f"the fla delta rule needs flash-linear-attention: {FLA_INSTALL}")
+    out, new_state = kernel(
+        *(t.to(torch.float32)[None] for t in (q, k, v, g, beta)),
+        scale=q.shape[-1] ** -0.5,
+        initial_state=state[None],
+        output_final_state=True,
+        chunk_size=chunk,
+    )
+    return out[0].to(v.dtype), new_state[0]
+
+
+def prefill_rule(device: torch.device | str) -> DeltaRule:
+    """The delta rule for prefill (T > 1) on `device`, as $MOESTREAM_DELTANET says.
+
+    auto (default): `delta_rule_fla` on CUDA when fla imports, else `delta_rule_chunked`; torch: always
+    `delta_rule_chunked`; fla: `delta_rule_fla`, and an error if the device is not CUDA or fla is missing.
+    """
+    mode = os.environ.get(DELTANET_ENV, "").strip().lower() or "auto"
+    if mode not in ("auto", "torch", "fla"):
+        raise MoestreamError(f"{DELTANET_ENV}={mode}: expected torch, fla or auto")
+    if mode == "torch":
+        return delta_rule_chunked
+    on_cuda = torch.device(device).type == "cuda"
+    if mode == "auto":
+        return delta_rule_fla if on_cuda and _fla_chunk_kernel() is not None else delta_rule_chunked
+    if not on_cuda:
+        raise MoestreamError(f"{DELTANET_ENV}=fla: fla's kernels run on CUDA only, not on {device}")
+    if _fla_chunk_kernel() is None:
+        raise MoestreamError(f"{DELTANET_ENV}=fla: flash-linear-attention is not installed: {FLA_INSTALL}")
+    return delta_rule_fla

@@ -18,9 +18,9 @@ from moestream.models import qwen3moe
 from moestream.models.deltanet import (
     DeltaNetState,
     causal_conv1d,
-    delta_rule_chunked,
     delta_rule_recurrent,
     l2_normalize,
+    prefill_rule,
 )
 from moestream.models.layers import Batch, Cache, imrope_text_cos_sin, rms_norm, swiglu
 from moestream.models.spec import ModelSpec, common_spec_fields, read_key
@@ -197,7 +197,7 @@ class Model(qwen3moe.Model):
         dt_bias, ssm_a = self.weights[f"blk.{il}.ssm_dt.bias"], self.weights[f"blk.{il}.ssm_a"]
         g = F.softplus(alpha + dt_bias.float()) * ssm_a.float()  # log decay, <= 0
         beta = torch.sigmoid(F.linear(x, self.w(il, "ssm_beta")).float())
-        rule = delta_rule_recurrent if T == 1 else delta_rule_chunked  # decode | prefill
+        rule = delta_rule_recurrent if T == 1 else prefill_rule(x.device)  # decode | prefill (fla or torch)
         out, state.recurrent_state = rule(q, k, v, g, beta, state.recurrent_state)  # [T, Hv, Dv]
         z = F.linear(x, self.w(il, "attn_gate")).view(T, Hv, Dv)
         out = rms_norm(out, self.w(il, "ssm_norm"), eps) * F.silu(z.float())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import gguf
 import numpy as np
 import torch
@@ -91,6 +93,12 @@ def qwen35moe_reference(path: str) -> torch.nn.Module:
     attn_q's per-head [q_h | gate_h] rows are transformers' q_proj layout as is.
     """
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as modeling
+
+    # Where flash-linear-attention is installed (moestream[fla]), transformers swaps these for fla's Triton
+    # kernels, which cannot take the CPU tensors of this reference: keep transformers' own torch forms.
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+        setattr(modeling, name, inspect.unwrap(getattr(modeling, name)))
 
     with GGUFFile(path) as f:
         _, s = describe(f)

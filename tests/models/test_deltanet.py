@@ -1,19 +1,28 @@
-"""Gated delta-net primitives: chunked == recurrent, state carry, and agreement with transformers."""
+"""Gated delta-net primitives: chunked == recurrent, state carry, agreement with transformers, and the choice
+of prefill rule (fla's kernels themselves run in test_deltanet_gpu.py)."""
 
 from __future__ import annotations
 
 import inspect
+import sys
+import types
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import moestream
+from moestream.errors import MoestreamError
+from moestream.models import deltanet
 from moestream.models.deltanet import (
+    DELTANET_ENV,
     DeltaNetState,
     causal_conv1d,
     delta_rule_chunked,
+    delta_rule_fla,
     delta_rule_recurrent,
     l2_normalize,
+    prefill_rule,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: no thread contention
@@ -191,3 +200,121 @@ def test_state_zeros_runs_a_layer_step() -> None:
     q, k, v, g, beta = inputs(1)
     out, st.recurrent_state = delta_rule_recurrent(q, k, v, g, beta, st.recurrent_state)
     assert out.shape == (1, H, DV) and st.recurrent_state.abs().sum() > 0
+
+
+@pytest.fixture
+def fake_fla(monkeypatch):
+    """fake_fla(kernel): make `from fla.ops.gated_delta_rule import chunk_gated_delta_rule` give `kernel`, or
+    raise ImportError for kernel=None (whether or not fla is installed here). The import cache is reset."""
+    deltanet._fla_chunk_kernel.cache_clear()
+
+    def install(kernel):
+        for name in ("fla", "fla.ops", "fla.ops.gated_delta_rule"):  # all three: transformers may import fla
+            monkeypatch.setitem(sys.modules, name, None if kernel is None else types.ModuleType(name))
+        if kernel is not None:
+            sys.modules["fla.ops.gated_delta_rule"].chunk_gated_delta_rule = kernel
+
+    yield install
+    deltanet._fla_chunk_kernel.cache_clear()
+
+
+def fla_convention(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, chunk_size=64):
+    """fla's calling convention (q, k, v [B, T, H, D]; g, beta [B, T, H]; state [N, H, Dk, Dv]; explicit scale)
+    over transformers' torch form of the same layout, which applies the Dk^-0.5 scale itself."""
+    assert q.shape[0] == 1 and q.dim() == 4 and g.shape == beta.shape == q.shape[:3]
+    assert initial_state.shape == (1, q.shape[2], q.shape[3], v.shape[3]) and output_final_state
+    assert all(t.dtype == torch.float32 for t in (q, k, v, g, beta, initial_state))
+    assert scale == q.shape[-1] ** -0.5
+    fn = transformers_fns()["torch_chunk_gated_delta_rule"]
+    return fn(q, k, v, g, beta, chunk_size=chunk_size, initial_state=initial_state, output_final_state=True)
+
+
+def unreachable(*args, **kwargs):
+    raise AssertionError("fla must not be called here")
+
+
+@pytest.mark.parametrize("t", [7, 100, 257])
+def test_fla_rule_passes_fla_its_layout(fake_fla, t: int) -> None:
+    """delta_rule_fla's transposes, scale and state layout, checked on the CPU against a stand-in kernel."""
+    fake_fla(fla_convention)
+    q, k, v, g, beta = inputs(t)
+    s0 = initial_state()
+    s0_copy = s0.clone()
+    out_ref, s_ref = delta_rule_chunked(q, k, v, g, beta, s0)
+    out, s = delta_rule_fla(q, k, v, g, beta, s0)
+    assert torch.equal(s0, s0_copy), "the incoming state must not be modified"
+    assert out.shape == (t, H, DV) and out.dtype == torch.float32
+    assert s.shape == (H, DK, DV) and s.dtype == torch.float32
+    e_out, e_state = rel_err(out, out_ref), rel_err(s, s_ref)
+    assert e_out < 1e-5 and e_state < 1e-5, f"fla layout: out {e_out:.2e}, state {e_state:.2e}"
+    assert delta_rule_fla(q, k, v.bfloat16(), g, beta, s0)[0].dtype == torch.bfloat16, "out comes in v's dtype"
+
+
+def test_fla_rule_float64_state_runs_torch(fake_fla) -> None:
+    fake_fla(unreachable)
+    q, k, v, g, beta = inputs(30, torch.float64)
+    out, s = delta_rule_fla(q, k, v, g, beta, initial_state(torch.float64))
+    out_ref, s_ref = delta_rule_chunked(q, k, v, g, beta, initial_state(torch.float64))
+    assert torch.equal(out, out_ref) and torch.equal(s, s_ref)
+
+
+def test_fla_rule_without_fla_names_the_fix(fake_fla) -> None:
+    fake_fla(None)
+    q, k, v, g, beta = inputs(5)
+    with pytest.raises(MoestreamError, match="pip install flash-linear-attention"):
+        delta_rule_fla(q, k, v, g, beta, initial_state())
+
+
+@pytest.mark.parametrize("mode", [None, "", "auto", " AUTO "])
+def test_auto_picks_fla_on_cuda_only(fake_fla, monkeypatch, mode) -> None:
+    if mode is None:
+        monkeypatch.delenv(DELTANET_ENV, raising=False)
+    else:
+        monkeypatch.setenv(DELTANET_ENV, mode)
+    fake_fla(unreachable)
+    assert prefill_rule(torch.device("cpu")) is delta_rule_chunked
+    assert prefill_rule("cuda") is delta_rule_fla
+    assert prefill_rule(torch.device("cuda", 0)) is delta_rule_fla
+
+
+def test_auto_without_fla_is_torch(fake_fla, monkeypatch) -> None:
+    monkeypatch.delenv(DELTANET_ENV, raising=False)
+    fake_fla(None)
+    assert prefill_rule("cuda") is delta_rule_chunked
+    assert prefill_rule("cpu") is delta_rule_chunked
+
+
+def test_torch_forced(fake_fla, monkeypatch) -> None:
+    monkeypatch.setenv(DELTANET_ENV, "torch")
+    fake_fla(unreachable)
+    assert prefill_rule("cuda") is delta_rule_chunked
+    assert prefill_rule("cpu") is delta_rule_chunked
+
+
+def test_fla_forced(fake_fla, monkeypatch) -> None:
+    monkeypatch.setenv(DELTANET_ENV, "fla")
+    fake_fla(None)
+    with pytest.raises(MoestreamError, match="not installed: pip install flash-linear-attention"):
+        prefill_rule("cuda")
+    with pytest.raises(MoestreamError, match="CUDA only"):
+        prefill_rule("cpu")
+    deltanet._fla_chunk_kernel.cache_clear()
+    fake_fla(unreachable)
+    assert prefill_rule("cuda") is delta_rule_fla
+    with pytest.raises(MoestreamError, match="CUDA only"):
+        prefill_rule("cpu")
+
+
+def test_bad_mode(monkeypatch) -> None:
+    monkeypatch.setenv(DELTANET_ENV, "triton")
+    with pytest.raises(MoestreamError, match=f"{DELTANET_ENV}=triton: expected torch, fla or auto"):
+        prefill_rule("cpu")
+
+
+def test_model_prefill_goes_through_the_selector(model_file, monkeypatch) -> None:
+    """qwen35moe's delta-net layers ask prefill_rule: forcing fla on the CPU fails with the selector's error."""
+    engine = moestream.load(model_file("tiny-qwen35moe", "F32"), device="cpu", ubatch=8, progress=False)
+    monkeypatch.setenv(DELTANET_ENV, "fla")
+    with pytest.raises(MoestreamError, match="CUDA only"):
+        engine.logits([1, 2, 3])
+    engine.close()
