@@ -4,7 +4,7 @@
 #   tests    pytest -m gpu
 #   model    generate the qwen3-30b-a3b Q4_K_M model (skipped when a warm machine still has it) + routing
 #   pp512 pp2048 long profile   the issue-3/4 benches on that model
-#   qwen35   the issue-5 headline table (generates the qwen3.6-35b-a3b model first)
+#   qwen35 routing35   the issue-5 headline table (generates the qwen3.6-35b-a3b model first), its routing
 # At most 8 files come back from $OUT: keep appending to the ones below.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -39,10 +39,10 @@ for step in "$@"; do
     profile) $MS profile -m $MODEL -p 2048 -ub 2048 -ncmoe 26 --vram-budget 12GiB --streamed-layers spread \
                --stream serial,overlap,layer-major --trace "$OUT/trace_pp2048.json" --plot "$OUT/timeline_pp2048.png" \
                2>&1 | quiet | tee -a "$OUT/profile.txt" ;;
-    qwen35) { make_model $Q35 qwen3.6-35b-a3b; $MS info $Q35 --routing --tokens 2048 2>&1 | quiet | tail -45; } \
-              | tee -a "$OUT/model35.txt" | tail -5
-            $MS bench -m $Q35 -ncmoe 26 -r 3 -p 2048 -n 64 -ub 2048 --stream serial,pinned,overlap,layer-major \
-              --streamed-layers first,spread --vram-budget 12GiB 2>&1 | quiet | tee -a "$OUT/bench35.txt" ;;
+    qwen35) make_model $Q35 qwen3.6-35b-a3b | tee -a "$OUT/model35.txt"
+            $MS bench -m $Q35 -ncmoe 26 -r 2 -p 2048 -ub 2048 --stream serial,pinned,overlap,layer-major \
+              --streamed-layers spread --vram-budget 12GiB 2>&1 | quiet | tee -a "$OUT/bench35.txt" ;;
+    routing35) $MS info $Q35 --routing --tokens 2048 2>&1 | quiet | tail -45 | tee -a "$OUT/model35.txt" | tail -3 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

@@ -40,6 +40,10 @@ class Batch:
     sin: torch.Tensor
 
 
+HEAD_ROWS = 32768
+"""Output-head rows dequantized at once: the whole head of a 248k vocabulary in bf16 would be ~1 GiB."""
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in float32 and cast back, over the last dim."""
     xf = x.float()

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from moestream.models.layers import (
+    HEAD_ROWS,
     Batch,
     Cache,
     ExpertSource,
@@ -110,7 +111,7 @@ class Model:
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         x = rms_norm(x, self.weights["output_norm.weight"], self.spec.rms_eps)
-        return F.linear(x, self.weights["output.weight"])
+        return torch.cat([F.linear(x, w) for w in self.weights.row_chunks("output.weight", HEAD_ROWS)], dim=-1)
 
     def layer(self, il: int, x: torch.Tensor, batch: Batch, cache: Cache) -> torch.Tensor:
         eps = self.spec.rms_eps

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from moestream.errors import MoestreamError
+from moestream.models.layers import HEAD_ROWS
 
 
 @dataclass(frozen=True)
@@ -140,11 +141,11 @@ ALLOCATOR_SLACK = 256 * 2**20  # rounding in the caching allocator, cuBLAS works
 
 
 def workspace_bytes(spec, ubatch: int, n_ctx: int, dtype: torch.dtype) -> int:
-    """Peak temporaries: the largest weight dequantized at once (an expert stack, made one at a time, or the
-    output head), one micro-batch's grouped activations, attention's keys and values repeated to every query
-    head, and allocator slack."""
+    """Peak temporaries: the largest weight dequantized at once (an expert stack, made one at a time, or a
+    slice of the output head), one micro-batch's grouped activations, attention's keys and values repeated to
+    every query head, and allocator slack."""
     size = torch.empty((), dtype=dtype).element_size()
-    weights = max(spec.n_expert * spec.n_ff_exp * spec.n_embd, spec.n_vocab * spec.n_embd) * size
+    weights = max(spec.n_expert * spec.n_ff_exp * spec.n_embd, min(spec.n_vocab, HEAD_ROWS) * spec.n_embd) * size
     acts = ubatch * spec.n_expert_used * (3 * spec.n_ff_exp + 2 * spec.n_embd) * size
     attention = (2 * n_ctx + 4 * ubatch) * spec.n_head * spec.head_dim * size
     return weights + acts + attention + ALLOCATOR_SLACK
