@@ -51,10 +51,11 @@ class DenseWeights(Mapping[str, torch.Tensor]):
             yield from self._floats[name].split(rows)
             return
         raw, qtype, shape = self._blocks[name]
-        per_row = raw.numel() // shape[0]
+        flat = raw.reshape(-1)  # the map gives one row of bytes per weight row
+        per_row = flat.numel() // shape[0]
         for start in range(0, shape[0], rows):
             n = min(rows, shape[0] - start)
-            yield dequantize(raw[start * per_row : (start + n) * per_row], qtype, (n, *shape[1:]), self.dtype)
+            yield dequantize(flat[start * per_row : (start + n) * per_row], qtype, (n, *shape[1:]), self.dtype)
 
     def __contains__(self, name: object) -> bool:
         return name in self._floats or name in self._blocks  # without dequantizing anything
