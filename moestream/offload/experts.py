@@ -88,6 +88,8 @@ class LayerExperts:
 
     def start_layer(self, il: int, ubatch: int) -> None:
         """The engine begins layer il of a micro-batch: attention and router run from here to ffn()."""
+        if self.streamer is not None:
+            self.streamer.release(il)
         self._layer = (il, ubatch, self.timeline.stamp())
 
     def streams(self, il: int, n_tokens: int) -> bool:

@@ -150,6 +150,14 @@ class Streamer:
                 self.current.layer = None
             self.current = None
 
+    def release(self, il: int) -> None:
+        """Compute has moved on to layer il: a slot holding another layer is read no more, so free it now
+        rather than at the next streamed layer, and queue the next upload behind it (with resident layers
+        between streamed ones, that is a layer's compute earlier)."""
+        if self.current is not None and self.current.layer != il:
+            self.finish()
+            self._prefetch()
+
     def _prefetch(self) -> None:
         """Start uploads for the next visits, as many as there are slots besides the one in use."""
         if not self.overlap:

@@ -104,3 +104,23 @@ def test_bounce_staging_on_cpu_threads(n_slots):
         assert all(torch.equal(v, p) for v, p in zip(views, layers[il].parts, strict=True)), f"layer {il}"
     s.close()
     dev.close()
+
+
+def test_release_frees_the_slot_when_compute_moves_on():
+    """A streamed layer's slot is freed when the next layer starts, resident or not, and the next upload is
+    queued right then: with resident layers between streamed ones, it does not wait a layer's compute."""
+    layers = host_layers(6)
+    dev = CpuDevice()
+    s = Streamer(dev, layers, 2, overlap=True)
+    s.begin([0, 2, 4])  # layers 1, 3, 5 resident
+    s.acquire(0)
+    assert {sl.layer for sl in s.slots} == {0, 2}
+    s.release(0)  # the same layer (say its next micro-batch, layer-major): still in use
+    assert s.current is not None and s.current.layer == 0
+    s.release(1)  # resident layer 1 starts: layer 0's slot is free and layer 4 goes up into it
+    assert s.current is None
+    assert {sl.layer for sl in s.slots} == {2, 4}
+    for il in (2, 4):
+        assert all(torch.equal(v, p) for v, p in zip(s.acquire(il), layers[il].parts, strict=True))
+    s.finish()
+    dev.close()
