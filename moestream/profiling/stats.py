@@ -7,6 +7,9 @@ A stall is a gap in compute, followed by more compute, inside which an upload fi
 CPU copy thread that stages it): compute resumed once the bytes were there. Its waiting time is the part of
 the gap from its start to the last upload that finished in it during which an upload was in flight. Gaps
 with no upload finishing in them (launch overhead, host work) are idle time but not waiting on uploads.
+
+Waiting on the host is the part of a compute gap before the host had even queued the work that ends it (CUDA
+stamps carry the host clock of their queuing): the GPU had run dry and waited for Python to launch more.
 """
 
 from __future__ import annotations
@@ -95,6 +98,7 @@ class Summary:
     hidden_copy_s: float  # copy time under compute
     overlap_pct: float | None  # hidden copy time over copy time
     wait_on_upload_s: float
+    wait_on_host_s: float | None  # None where host and device are one (CPU device)
     stalls: list[Stall]  # longest first
     layers: list[LayerStats]
     lane_busy_s: dict[str, float]
@@ -120,6 +124,8 @@ class Summary:
             f"compute busy       {ms(self.compute_busy_s)}",
             f"compute idle       {ms(self.idle_s)}  ({self.idle_pct:.1f} %)",
             f"waiting on upload  {ms(self.wait_on_upload_s)}",
+            f"waiting on host    {'-' if self.wait_on_host_s is None else ms(self.wait_on_host_s)}"
+            "  (work not yet queued by the host)",
             f"copy busy          {ms(self.copy_busy_s)}  ({self.bytes_copied / 2**30:.3f} GiB)",
             f"link while copying {opt(self.copy_gbps, '9.2f')} GB/s",
             f"link over the pass {opt(self.avg_gbps, '9.2f')} GB/s",
@@ -189,6 +195,22 @@ def _stalls(spans: list[Span], compute: list[Interval]) -> list[Stall]:
     return sorted(stalls, key=lambda s: -s.duration)
 
 
+def _wait_on_host(spans: list[Span], compute: list[Interval]) -> float | None:
+    """Sum over compute gaps of the time before the host queued the work that ends the gap."""
+    queued: dict[float, float] = {}  # start of a compute stretch -> when the host queued its first work
+    for s in spans:
+        if s.lane == "compute" and s.queued is not None:
+            queued[s.start] = min(queued.get(s.start, s.queued), s.queued)
+    if not queued:
+        return None
+    waited, prev_end = 0.0, min(s.start for s in spans)
+    for a, b in compute:
+        if a > prev_end and a in queued:
+            waited += max(0.0, min(a, queued[a]) - prev_end)
+        prev_end = b
+    return waited
+
+
 def summarize(spans: list[Span], wall_s: float | None = None) -> Summary:
     """The numbers of one pass. wall_s: the measured wall time, if longer than the spans' extent."""
     if spans:
@@ -242,6 +264,7 @@ def summarize(spans: list[Span], wall_s: float | None = None) -> Summary:
         hidden_copy_s=hidden,
         overlap_pct=100 * hidden / copy_s if copy_s > 0 else None,
         wait_on_upload_s=sum(st.upload_s for st in stalls),
+        wait_on_host_s=_wait_on_host(spans, compute) if compute else None,
         stalls=stalls,
         layers=sorted(layers.values(), key=lambda ls: ls.layer),
         lane_busy_s={lane: total(iv) for lane, iv in lanes.items()},

@@ -23,8 +23,17 @@ from dataclasses import dataclass
 
 import torch
 
-Stamp = torch.cuda.Event | float
-"""A point in time as recorded: a CUDA timing event (not yet resolved) or a `time.perf_counter()` reading."""
+
+@dataclass(frozen=True)
+class CudaStamp:
+    """A timing event on a stream, and the host clock when the host queued it."""
+
+    event: torch.cuda.Event
+    queued: float
+
+
+Stamp = CudaStamp | float
+"""A point in time as recorded: a CUDA stamp (not yet resolved) or a `time.perf_counter()` reading."""
 
 
 @dataclass(frozen=True)
@@ -39,6 +48,7 @@ class Span:
     nbytes: int = 0
     slot: int | None = None
     ubatch: int | None = None
+    queued: float | None = None  # when the host queued the start (CUDA; None where host and device are one)
 
     @property
     def duration(self) -> float:
@@ -74,7 +84,7 @@ class Timeline:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
         event.record(stream if stream is not None else torch.cuda.current_stream(self.device))
-        return event
+        return CudaStamp(event, time.perf_counter())
 
     def host_stamp(self) -> Stamp:
         """Now on the host clock, for lanes that are host threads (CPU copy threads) even on CUDA."""
@@ -105,17 +115,23 @@ class Timeline:
         """All spans in seconds from the earliest start, sorted by start. Synchronises once on CUDA."""
         if self._cuda and self._raw:
             torch.cuda.synchronize(self.device)
-        rows = [(lane, name, self._seconds(a), self._seconds(b), *rest) for lane, name, a, b, *rest in self._raw]
+        rows = [
+            (lane, name, self._seconds(a), self._seconds(b), a.queued if isinstance(a, CudaStamp) else None, *rest)
+            for lane, name, a, b, *rest in self._raw
+        ]
         if not rows:
             return []
         t0 = self.origin = min(r[2] for r in rows)
-        spans = [Span(lane, name, a - t0, b - t0, *rest) for lane, name, a, b, *rest in rows]
+        spans = [
+            Span(lane, name, a - t0, b - t0, *rest, queued=None if q is None else q - t0)
+            for lane, name, a, b, q, *rest in rows
+        ]
         return sorted(spans, key=lambda s: (s.start, -s.end, s.lane))
 
     def _seconds(self, stamp: Stamp) -> float:
         if isinstance(stamp, float):
             return stamp
-        return self._anchor_host + self._anchor.elapsed_time(stamp) / 1e3
+        return self._anchor_host + self._anchor.elapsed_time(stamp.event) / 1e3
 
 
 class NullTimeline(Timeline):

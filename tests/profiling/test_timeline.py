@@ -103,6 +103,7 @@ def test_summary_exact():
     stalls = [(st.start, st.end, st.layer, st.upload_s) for st in s.stalls]
     assert stalls == [(0.0, 1.0, 0, 1.0), (3.0, 4.0, 1, 1.0)]
     assert s.wait_on_upload_s == pytest.approx(2.0)
+    assert s.wait_on_host_s is None  # no host queue times: the CPU device
     assert s.compute_by_name == pytest.approx({"attention": 0.5, "experts": 3.0, "dequant": 0.5})
     l0, l1, l2 = s.layers
     assert (l0.layer, l0.compute_s, l0.copy_s, l0.nbytes, l0.wait_s) == (0, 2.0, 1.0, 1_000_000_000, 1.0)
@@ -117,7 +118,20 @@ def test_summary_exact():
     for line in ("compute idle", "50.0 %", "overlap", "31.2", "0.94 GB/s", "top stalls (2 in all)"):
         assert line in table
     # totals; blank, title, header, 2 stalls; blank, header, 3 layers
-    assert len(table.splitlines()) == 9 + 5 + 5
+    assert len(table.splitlines()) == 10 + 5 + 5
+
+
+def test_wait_on_host_counts_gaps_before_the_work_was_queued():
+    spans = [
+        Span("compute", "attention", 0.0, 1.0, layer=0, queued=0.0),
+        Span("compute", "experts", 2.0, 3.0, layer=0, queued=1.6),  # GPU idle 1.0-2.0, 0.6 s of it unqueued
+        Span("compute", "dequant", 2.0, 2.5, layer=0, queued=1.7),  # nested: the earliest queue time counts
+        Span("compute", "attention", 3.5, 4.0, layer=1, queued=0.5),  # queued long before: not the host's wait
+        Span("compute", "experts", 4.0, 5.0, layer=1, queued=4.0),  # no gap before it
+    ]
+    s = summarize(spans)
+    assert s.wait_on_host_s == pytest.approx(0.6)
+    assert "waiting on host" in s.table()
 
 
 def test_summary_wall_and_cpu_copy_lanes():
@@ -238,6 +252,20 @@ def test_timeline_cuda_events_and_host_stamps_share_one_axis():
     # the host stamps were taken while the GPU was still busy with the kernels queued before
     assert spans["cpu-copy-0"].start <= spans["compute"].end
     assert summarize(list(spans.values())).copy_gbps > 1.0
+
+
+@pytest.mark.gpu
+def test_wait_on_host_sees_a_slow_host():
+    """Tiny kernels with 5 ms of host sleep between them: the GPU waits on the host for nearly all of it."""
+    dev = torch.device("cuda")
+    x = torch.randn(256, 256, device=dev)
+    tl = Timeline(dev)
+    for _ in range(10):
+        with tl.span("compute", "experts"):
+            x = x @ x / 256
+        time.sleep(0.005)
+    s = summarize(tl.resolve())
+    assert s.wait_on_host_s == pytest.approx(9 * 0.005, rel=0.3)
 
 
 # ---------------------------------------------------------------- simulated pipelines with injected delays
