@@ -3,7 +3,7 @@
 # Usage (on the GPU machine): bash scripts/gpu_session.sh STEP... with STEP one of
 #   tests    pytest -m gpu
 #   model    generate the qwen3-30b-a3b Q4_K_M model (skipped when a warm machine still has it) + routing
-#   pp512 pp2048 long profile   the issue-3/4 benches on that model
+#   pp512 pp2048 long profile decode   the issue-3/4 benches on that model
 #   qwen35 routing35   the issue-5 headline table (generates the qwen3.6-35b-a3b model first), its routing
 # At most 8 files come back from $OUT: keep appending to the ones below.
 set -uo pipefail
@@ -32,13 +32,19 @@ for step in "$@"; do
     pp512) $B -p 512 -ub 512 --stream serial,pinned,overlap,layer-major --streamed-layers first,spread \
              --vram-budget 12GiB 2>&1 | quiet | tee -a "$OUT/bench.txt" ;;
     pp2048) $MS probe -m $MODEL -p 2048 -ub 2048 -ncmoe 26 2>&1 | tee -a "$OUT/gpu.txt"
-            $B -p 2048 -n 64 -ub 2048 --stream serial,pinned,overlap,layer-major --streamed-layers first,spread \
+            $B -p 2048 -ub 2048 --stream serial,pinned,overlap,layer-major --streamed-layers first,spread \
               --vram-budget 12GiB 2>&1 | quiet | tee -a "$OUT/bench.txt" ;;
     long) $B -p 8192,16384 -ub 2048 --stream overlap,layer-major --streamed-layers first,spread -r 2 2>&1 \
             | quiet | tee -a "$OUT/bench.txt" ;;
     profile) $MS profile -m $MODEL -p 2048 -ub 2048 -ncmoe 26 --vram-budget 12GiB --streamed-layers spread \
                --stream serial,overlap,layer-major --trace "$OUT/trace_pp2048.json" --plot "$OUT/timeline_pp2048.png" \
                2>&1 | quiet | tee -a "$OUT/profile.txt" ;;
+    decode) for how in upload cpu; do
+              $MS bench -m $MODEL -ncmoe 26 -r 1 -p 16 -n 32 -ub 2048 --stream overlap --streamed-layers spread \
+                --small-batch $how --vram-budget 12GiB --no-floors 2>&1 | quiet | tee -a "$OUT/bench.txt"
+            done
+            $MS profile -m $MODEL -p 1 -ncmoe 26 --vram-budget 12GiB --streamed-layers spread --stream overlap \
+              2>&1 | quiet | head -40 | tee -a "$OUT/profile.txt" ;;
     qwen35) make_model $Q35 qwen3.6-35b-a3b | tee -a "$OUT/model35.txt"
             $MS bench -m $Q35 -ncmoe 26 -r 2 -p 2048 -ub 2048 --stream serial,pinned,overlap,layer-major \
               --streamed-layers spread --vram-budget 12GiB 2>&1 | quiet | tee -a "$OUT/bench35.txt" ;;

@@ -124,7 +124,7 @@ class Summary:
             f"compute busy       {ms(self.compute_busy_s)}",
             f"compute idle       {ms(self.idle_s)}  ({self.idle_pct:.1f} %)",
             f"waiting on upload  {ms(self.wait_on_upload_s)}",
-            f"waiting on host    {'-' if self.wait_on_host_s is None else ms(self.wait_on_host_s)}"
+            f"waiting on host    {'        -' if self.wait_on_host_s is None else ms(self.wait_on_host_s)}"
             "  (work not yet queued by the host)",
             f"copy busy          {ms(self.copy_busy_s)}  ({self.bytes_copied / 2**30:.3f} GiB)",
             f"link while copying {opt(self.copy_gbps, '9.2f')} GB/s",
