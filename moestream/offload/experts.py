@@ -105,13 +105,15 @@ class LayerExperts:
         if il not in self.resident and x.shape[0] < self.min_batch:
             return self._small_batch(il, t, x, weights, ids, label)
         if il in self.resident:
-            raws = self.resident[il]
-        else:
-            if self.track_usage:  # stays on the device: no sync
-                self.usage.append((expert_counts(ids.reshape(-1), t.n_expert) > 0).float().mean())
-            raws = self.streamer.acquire(il)  # the compute stream now waits for the upload
+            with tl.span("compute", "experts", **label):
+                return self._on_device(il, t, self.resident[il], x, weights, ids)
+        if self.track_usage:  # stays on the device: no sync
+            self.usage.append((expert_counts(ids.reshape(-1), t.n_expert) > 0).float().mean())
+        raws = self.streamer.acquire(il, prefetch=False)  # the compute stream now waits for the upload
         with tl.span("compute", "experts", **label):
-            return self._on_device(il, t, raws, x, weights, ids)
+            out = self._on_device(il, t, raws, x, weights, ids)
+        self.streamer.prefetch()  # the next uploads are queued while the GPU runs these experts
+        return out
 
     def _on_device(self, il: int, t: ExpertTensors, raws, x, weights, ids) -> torch.Tensor:
         self.dev.compute()  # injected slowness on the CPU device; nothing on a GPU

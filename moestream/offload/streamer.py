@@ -81,10 +81,13 @@ class Streamer:
         """The streamed layers compute will ask for, in order; uploads start right away."""
         self.finish()
         self.visits = deque(visits)
-        self._prefetch()
+        self.prefetch()
 
-    def acquire(self, il: int) -> list[torch.Tensor]:
-        """The layer's expert bytes on the device; compute may use them until the next acquire or finish."""
+    def acquire(self, il: int, prefetch: bool = True) -> list[torch.Tensor]:
+        """The layer's expert bytes on the device; compute may use them until the next acquire or finish.
+
+        prefetch=False leaves queuing the next uploads to the caller's `prefetch()`, say once the layer's
+        kernels are queued: that host work then runs while the GPU computes, not while it waits for them."""
         if self.current is not None and self.current.layer == il:
             return self._views(self.current)
         self.finish()
@@ -96,7 +99,8 @@ class Streamer:
         self.visits.popleft()
         self._wait_ready(slot)
         self.current = slot
-        self._prefetch()
+        if prefetch:
+            self.prefetch()
         return self._views(slot)
 
     def held(self, il: int) -> list[torch.Tensor] | None:
@@ -156,9 +160,9 @@ class Streamer:
         between streamed ones, that is a layer's compute earlier)."""
         if self.current is not None and self.current.layer != il:
             self.finish()
-            self._prefetch()
+            self.prefetch()
 
-    def _prefetch(self) -> None:
+    def prefetch(self) -> None:
         """Start uploads for the next visits, as many as there are slots besides the one in use."""
         if not self.overlap:
             return
