@@ -19,6 +19,10 @@ import torch
 from moestream.profiling.timeline import NULL, Timeline
 
 
+def _nbytes(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    return sum(src.numel() * src.element_size() for _, src in pairs)
+
+
 class CudaDevice:
     """A dedicated copy stream beside the current (compute) stream."""
 
@@ -28,22 +32,23 @@ class CudaDevice:
 
     def copy(
         self,
-        dst: torch.Tensor,
-        src: torch.Tensor,
+        pairs: list[tuple[torch.Tensor, torch.Tensor]],
         after: torch.cuda.Event | None,
         on_copy_stream: bool = True,
         timeline: Timeline = NULL,
         **label,
     ) -> torch.cuda.Event:
-        """Queue dst <- src; it starts once `after` has fired. Returns the event that fires when it is done."""
+        """Queue dst <- src for each pair, in order, once `after` has fired: one upload, one span, one event
+        (the host cost per call matters in decode, which moves a few experts per layer per token)."""
         stream = self.copy_stream if on_copy_stream else torch.cuda.current_stream(self.device)
         done = torch.cuda.Event()
         with torch.cuda.stream(stream):
             if after is not None:
                 stream.wait_event(after)
             start = timeline.stamp(stream)
-            dst.copy_(src, non_blocking=True)
-            timeline.add("copy", "upload", start, timeline.stamp(stream), nbytes=src.numel(), **label)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+            timeline.add("copy", "upload", start, timeline.stamp(stream), nbytes=_nbytes(pairs), **label)
             done.record(stream)
         return done
 
@@ -84,7 +89,7 @@ class CpuEvent:
 class CpuDevice:
     """Copies run in order on a worker thread (the copy stream); compute is the calling thread.
 
-    copy_delay_s / compute_delay_s inject slowness: each copy sleeps before writing (a slow link), and each
+    copy_delay_s / compute_delay_s inject slowness: each copied tensor sleeps before writing (a slow link), and each
     expert computation sleeps while it holds its slot (slow kernels).
     """
 
@@ -102,8 +107,7 @@ class CpuDevice:
 
     def copy(
         self,
-        dst: torch.Tensor,
-        src: torch.Tensor,
+        pairs: list[tuple[torch.Tensor, torch.Tensor]],
         after: CpuEvent | None,
         on_copy_stream: bool = True,
         timeline: Timeline = NULL,
@@ -118,12 +122,13 @@ class CpuDevice:
                     if after.error is not None:
                         raise after.error
                 start = timeline.stamp()
-                if self.copy_delay_s:  # a slow link
-                    time.sleep(self.copy_delay_s)
-                # numpy, not torch: a torch op here would start a second OpenMP team whose spinning threads
-                # steal the cores from compute on the main thread
-                np.copyto(dst.numpy(), src.numpy())
-                timeline.add("copy", "upload", start, timeline.stamp(), nbytes=src.numel(), **label)
+                for dst, src in pairs:
+                    if self.copy_delay_s:  # a slow link
+                        time.sleep(self.copy_delay_s)
+                    # numpy, not torch: a torch op here would start a second OpenMP team whose spinning
+                    # threads steal the cores from compute on the main thread
+                    np.copyto(dst.numpy(), src.numpy())
+                timeline.add("copy", "upload", start, timeline.stamp(), nbytes=_nbytes(pairs), **label)
             except BaseException as e:  # handed to whoever waits on this copy (and to copies chained on it)
                 done.error = e
             finally:

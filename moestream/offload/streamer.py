@@ -132,17 +132,17 @@ class Streamer:
         if slot.ready is not None and not _failed(slot.ready):
             _resolved(slot.ready)  # a staged upload into this slot is queued before ours (streams run in order)
         slot.layer = slot.ready = None
-        after, views, off = slot.free, [], 0
+        pairs, views, off = [], [], 0
         for part in self.layers[il].parts:
             size = len(experts) * part[0].numel()
             view = slot.buf[off : off + size].view(len(experts), *part.shape[1:])
-            for at, a, b in runs:
-                after = self.dev.copy(view[at : at + b - a], part[a:b], after, self.overlap, self.timeline, layer=il)
+            pairs += [(view[at : at + b - a], part[a:b]) for at, a, b in runs]
             views.append(view)
             off += _aligned(size)
             self.bytes_uploaded += size
-        slot.ready, slot.layer = after, None  # partial contents: never matched by a visit
-        self.dev.wait(after)
+        ready = self.dev.copy(pairs, slot.free, self.overlap, self.timeline, layer=il)
+        slot.ready, slot.layer = ready, None  # partial contents: never matched by a visit
+        self.dev.wait(ready)
         self.current = slot
         return views
 
@@ -192,10 +192,8 @@ class Streamer:
         slot.layer = slot.ready = None  # until every copy is queued, the slot holds nothing usable
 
         def upload(src: list[torch.Tensor], dst: list[torch.Tensor]):
-            done = after
-            for d, s in zip(dst, src, strict=True):
-                done = self.dev.copy(d, s, done, self.overlap, self.timeline, layer=il, slot=index)
-            return done
+            pairs = list(zip(dst, src, strict=True))
+            return self.dev.copy(pairs, after, self.overlap, self.timeline, layer=il, slot=index)
 
         if self.bounce is None:
             slot.ready = upload(layer.parts, self._views_for_buf(slot.buf, layer))

@@ -80,8 +80,8 @@ def test_a_failed_copy_is_raised_not_hung():
     """A copy that fails on the worker thread surfaces at the wait, fails the copies chained on it, and the
     device still closes."""
     dev = CpuDevice()
-    bad = dev.copy(torch.empty(4, dtype=torch.uint8), torch.zeros(5, dtype=torch.uint8), None)
-    chained = dev.copy(torch.empty(3, dtype=torch.uint8), torch.zeros(3, dtype=torch.uint8), bad)
+    bad = dev.copy([(torch.empty(4, dtype=torch.uint8), torch.zeros(5, dtype=torch.uint8))], None)
+    chained = dev.copy([(torch.empty(3, dtype=torch.uint8), torch.zeros(3, dtype=torch.uint8))], bad)
     with pytest.raises(ValueError):
         dev.wait(bad)
     with pytest.raises(ValueError):

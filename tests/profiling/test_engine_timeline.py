@@ -50,8 +50,9 @@ def test_overlap_copy_bound_keeps_the_link_busy(model_file):
     assert s.hidden_copy_s >= 0.5 * s.compute_busy_s  # compute runs under the copies
     expected_gbs = s.bytes_copied / (s.copy_busy_s * 1e9)
     assert s.copy_gbps == pytest.approx(expected_gbs, rel=0.01)
-    per_copy_gbs = s.bytes_copied / sum(1 for sp in r.spans if sp.lane == "copy") / 0.03 / 1e9
-    assert s.copy_gbps == pytest.approx(per_copy_gbs, rel=0.35)  # each copy lasted about the injected 30 ms
+    n_tensors = 3 * sum(1 for sp in r.spans if sp.lane == "copy")  # one upload span: gate, up and down
+    per_copy_gbs = s.bytes_copied / n_tensors / 0.03 / 1e9
+    assert s.copy_gbps == pytest.approx(per_copy_gbs, rel=0.35)  # each tensor took about the injected 30 ms
 
 
 def test_overlap_compute_bound_has_little_idle(model_file):
@@ -64,6 +65,5 @@ def test_overlap_compute_bound_has_little_idle(model_file):
 def test_layer_major_uploads_once(model_file):
     r, streamer = profile(model_file, "layer-major", copy_s=0.005, compute_s=0.001)
     layers = [sp.layer for sp in r.spans if sp.lane == "copy"]
-    # 3 tensors per layer, each layer at most once; a layer still in a slot from the warm-up pass is reused
-    assert len(layers) % 3 == 0 and sorted(set(layers)) == sorted(set(layers) & {0, 1, 2})
-    assert all(layers.count(il) == 3 for il in set(layers)) and len(set(layers)) >= 2
+    # one upload per layer, each layer at most once; a layer still in a slot from the warm-up pass is reused
+    assert sorted(layers) == sorted(set(layers)) and set(layers) <= {0, 1, 2} and len(set(layers)) >= 2
