@@ -28,17 +28,18 @@ def cmd_bench(a: argparse.Namespace) -> None:
     engine = load(a.model, **opts)
     header = (
         f"| {'model':<28} | {'size':>9} | {'ncmoe':>5} | {'layers':<6} | {'ub':>5} | {'stream':<11} | {'test':>7} | "
-        f"{'t/s':>18} | {'GB up':>7} | {'used':>5} | {'GB/s':>6} | same |"
+        f"{'t/s':>18} | {'GB up':>7} | {'used':>5} | {'GB/s':>6} | {'cp GB/s':>7} | same |"
     )
 
     def show(r) -> None:
         if not a.json:
             same = ("yes" if r.same_tokens else "NO") + ("" if r.same_bits in (None, True) else "*")
+            cp = "-" if r.copy_gbs is None else f"{r.copy_gbs:.1f}"
             print(
                 f"| {r.model[:28]:<28} | {r.size_gib:6.2f} GiB | {r.n_cpu_moe:>5} | {r.streamed_layers:<6} | "
                 f"{r.ubatch:>5} | "
                 f"{r.stream:<11} | {r.test:>7} | {r.tps:9.1f} ± {r.tps_std:6.1f} | {r.bytes_uploaded / 1e9:7.2f} | "
-                f"{r.experts_used:5.2f} | {r.link_gbs:6.1f} | {same:<4} |",
+                f"{r.experts_used:5.2f} | {r.link_gbs:6.1f} | {cp:>7} | {same:<4} |",
                 flush=True,
             )
 
@@ -76,6 +77,8 @@ def cmd_bench(a: argparse.Namespace) -> None:
                 f"peak GPU memory {r.gpu_peak_gib:.2f} GiB"
             )
     print(
+        "GB/s: bytes uploaded over the run; cp GB/s: over the time the copies took (the link while copying, "
+        "from copy-stream events of the warm-up pass)\n"
         "same: greedy next token equals the first row's; * marks logits not bit-identical to the first row "
         "with the same ubatch"
     )

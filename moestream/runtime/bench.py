@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from moestream.profiling.probe import h2d_rate, timed
+from moestream.profiling.stats import total, union
+from moestream.profiling.timeline import Timeline
 
 
 @dataclass
@@ -30,6 +32,7 @@ class BenchRow:
     bytes_uploaded: int  # per run
     experts_used: float  # mean fraction of experts the router used per streamed layer and micro-batch
     link_gbs: float  # bytes uploaded / run time
+    copy_gbs: float | None  # bytes uploaded / time the copies took (the link while copying); None: no uploads
     gpu_peak_gib: float  # the most GPU memory allocated during the timed runs (0 on the CPU)
     transfer_floor_s: float = 0.0  # bytes uploaded / pinned link rate
     compute_floor_s: float = 0.0  # the same test with every expert resident
@@ -42,7 +45,8 @@ def random_prompt(n: int, n_vocab: int, seed: int = 0) -> list[int]:
 
 
 def _measure(engine, test: str, tokens: list[int], repeats: int):
-    """(seconds per run, last logits, bytes uploaded per run, mean experts-used fraction, peak GPU GiB)."""
+    """(seconds per run, last logits, bytes uploaded per run, mean experts-used fraction, peak GPU GiB,
+    link GB/s while copying)."""
     experts = engine.model.experts
     streamer = experts.streamer
     last = {}
@@ -57,7 +61,18 @@ def _measure(engine, test: str, tokens: list[int], repeats: int):
             engine.forward([t], cache)
 
     fn = prefill if test.startswith("pp") else decode
-    fn()  # warm-up (also fills allocator caches)
+    copy_gbs = None
+    if streamer is None:
+        fn()  # warm-up (also fills allocator caches)
+    else:  # the warm-up pass also times the uploads on the copy stream (events there only: compute untouched)
+        streamer.timeline = copies = Timeline(engine.device)
+        try:
+            fn()
+        finally:
+            streamer.timeline = engine.timeline
+        spans = [s for s in copies.resolve() if s.lane == "copy"]
+        busy = total(union((s.start, s.end) for s in spans))
+        copy_gbs = sum(s.nbytes for s in spans) / busy / 1e9 if busy > 0 else None
     experts.track_usage, experts.usage = True, []
     before = streamer.bytes_uploaded if streamer else 0
     cuda = engine.device.type == "cuda"
@@ -68,7 +83,7 @@ def _measure(engine, test: str, tokens: list[int], repeats: int):
     moved = ((streamer.bytes_uploaded if streamer else 0) - before) // repeats
     used = float(torch.stack(experts.usage).mean()) if experts.usage else 0.0
     experts.track_usage, experts.usage = False, []
-    return times, last.get("logits"), moved, used, peak
+    return times, last.get("logits"), moved, used, peak, copy_gbs
 
 
 def run_bench(
@@ -98,7 +113,7 @@ def run_bench(
         engine.reconfigure(ubatch=ub, n_cpu_moe=ncmoe, streamed_layers=pick, stream=stream, slots=k, progress=False)
         for test, n in tests:
             tokens = random_prompt(n, engine.spec.n_vocab)
-            times, logits, moved, used, peak = _measure(engine, test, tokens, repeats)
+            times, logits, moved, used, peak, copy_gbs = _measure(engine, test, tokens, repeats)
             secs = statistics.mean(times)
             tps = [n / t for t in times]
             row = BenchRow(
@@ -116,6 +131,7 @@ def run_bench(
                 moved,
                 used,
                 moved / secs / 1e9,
+                copy_gbs,
                 peak,
                 transfer_floor_s=moved / link,
             )

@@ -1,0 +1,34 @@
+"""The bench's copy rate: bytes over the time the copies took, on the CPU device with a slow injected link."""
+
+from __future__ import annotations
+
+import pytest
+
+import moestream
+from moestream.offload.device import CpuDevice
+from moestream.runtime.bench import run_bench
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_copy_rate_is_bytes_over_copy_time(model_file):
+    dev = CpuDevice(copy_delay_s=0.02)  # every tensor takes 20 ms to cross the "link"
+    e = moestream.load(
+        model_file("tiny-odd", "Q8_0"),
+        device="cpu",
+        ubatch=32,
+        stream_min_batch=8,
+        n_cpu_moe="all",
+        slots=2,
+        progress=False,
+        device_impl=dev,
+    )
+    try:
+        tensor_bytes = e.offload.placement.expert_bytes[0] / 3  # gate, up and down are the same size here
+        rows, _ = run_bench(e, [32], [0], [32], ["all"], ["overlap", "serial"], [2], ["first"], 1, floors=False)
+    finally:
+        e.close()
+        dev.close()
+    for r in rows:
+        assert r.copy_gbs == pytest.approx(tensor_bytes / 0.02 / 1e9, rel=0.3), r.stream
+        assert r.link_gbs < r.copy_gbs  # over the whole run the link also sat idle
