@@ -3,7 +3,7 @@
 # Usage (on the GPU machine): bash scripts/gpu_session.sh STEP... with STEP one of
 #   tests    pytest -m gpu
 #   model    generate the qwen3-30b-a3b Q4_K_M model (skipped when a warm machine still has it) + routing
-#   pp512 pp2048 long profile decode   the issue-3/4 benches on that model
+#   pp512 pp2048 long profile decode alloc   the issue-3/4 benches on that model
 #   qwen35 routing35   the issue-5 headline table (generates the qwen3.6-35b-a3b model first), its routing
 # At most 8 files come back from $OUT: keep appending to the ones below.
 set -uo pipefail
@@ -45,6 +45,11 @@ for step in "$@"; do
             done
             $MS profile -m $MODEL -p 1 -ncmoe 26 --vram-budget 12GiB --streamed-layers spread --stream overlap \
               2>&1 | quiet | head -40 | tee -a "$OUT/profile.txt" ;;
+    alloc) for conf in "" "expandable_segments:True"; do  # A/B of the allocator under the 12 GiB cap
+             echo "PYTORCH_CUDA_ALLOC_CONF=$conf" | tee -a "$OUT/bench.txt"
+             PYTORCH_CUDA_ALLOC_CONF=$conf $B -p 2048 -ub 2048 --stream overlap --streamed-layers spread \
+               --vram-budget 12GiB --no-floors 2>&1 | quiet | tee -a "$OUT/bench.txt"
+           done ;;
     qwen35) make_model $Q35 qwen3.6-35b-a3b | tee -a "$OUT/model35.txt"
             $MS bench -m $Q35 -ncmoe 26 -r 2 -p 2048 -ub 2048 --stream serial,pinned,overlap,layer-major \
               --streamed-layers spread --vram-budget 12GiB 2>&1 | quiet | tee -a "$OUT/bench35.txt" ;;
