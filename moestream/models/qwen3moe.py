@@ -111,7 +111,13 @@ class Model:
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         x = rms_norm(x, self.weights["output_norm.weight"], self.spec.rms_eps)
-        return torch.cat([F.linear(x, w) for w in self.weights.row_chunks("output.weight", HEAD_ROWS)], dim=-1)
+        out = x.new_empty(x.shape[0], self.spec.n_vocab)
+        start = 0
+        for w in self.weights.row_chunks("output.weight", HEAD_ROWS):  # one dequantized slice alive at a time
+            out[:, start : start + w.shape[0]] = F.linear(x, w)
+            start += w.shape[0]
+            del w
+        return out
 
     def layer(self, il: int, x: torch.Tensor, batch: Batch, cache: Cache) -> torch.Tensor:
         eps = self.spec.rms_eps

@@ -109,11 +109,9 @@ class LayerExperts:
                 return self._on_device(il, t, self.resident[il], x, weights, ids)
         if self.track_usage:  # stays on the device: no sync
             self.usage.append((expert_counts(ids.reshape(-1), t.n_expert) > 0).float().mean())
-        raws = self.streamer.acquire(il, prefetch=False)  # the compute stream now waits for the upload
+        raws = self.streamer.acquire(il)  # the compute stream now waits for the upload
         with tl.span("compute", "experts", **label):
-            out = self._on_device(il, t, raws, x, weights, ids)
-        self.streamer.prefetch()  # the next uploads are queued while the GPU runs these experts
-        return out
+            return self._on_device(il, t, raws, x, weights, ids)
 
     def _on_device(self, il: int, t: ExpertTensors, raws, x, weights, ids) -> torch.Tensor:
         self.dev.compute()  # injected slowness on the CPU device; nothing on a GPU

@@ -83,11 +83,8 @@ class Streamer:
         self.visits = deque(visits)
         self.prefetch()
 
-    def acquire(self, il: int, prefetch: bool = True) -> list[torch.Tensor]:
-        """The layer's expert bytes on the device; compute may use them until the next acquire or finish.
-
-        prefetch=False leaves queuing the next uploads to the caller's `prefetch()`, say once the layer's
-        kernels are queued: that host work then runs while the GPU computes, not while it waits for them."""
+    def acquire(self, il: int) -> list[torch.Tensor]:
+        """The layer's expert bytes on the device; compute may use them until the next acquire or finish."""
         if self.current is not None and self.current.layer == il:
             return self._views(self.current)
         self.finish()
@@ -99,8 +96,7 @@ class Streamer:
         self.visits.popleft()
         self._wait_ready(slot)
         self.current = slot
-        if prefetch:
-            self.prefetch()
+        self.prefetch()  # nothing to do when release() already queued this window
         return self._views(slot)
 
     def held(self, il: int) -> list[torch.Tensor] | None:
@@ -139,8 +135,8 @@ class Streamer:
             pairs += [(view[at : at + b - a], part[a:b]) for at, a, b in runs]
             views.append(view)
             off += _aligned(size)
-            self.bytes_uploaded += size
         ready = self.dev.copy(pairs, slot.free, self.overlap, self.timeline, layer=il)
+        self.bytes_uploaded += sum(src.numel() for _, src in pairs)
         slot.ready, slot.layer = ready, None  # partial contents: never matched by a visit
         self.dev.wait(ready)
         self.current = slot
