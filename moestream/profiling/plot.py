@@ -40,6 +40,8 @@ def _colors(runs: Mapping[str, list[Span]]) -> dict[str, str]:
 
 def _row_title(name: str, s: Summary) -> str:
     parts = [f"{name}: wall {s.wall_s * 1e3:.1f} ms", f"compute idle {s.idle_pct:.0f}%"]
+    if s.wait_on_host_s is not None:
+        parts.append(f"waiting on the host {s.wait_on_host_s * 1e3:.1f} ms")
     if s.overlap_pct is not None:
         parts.append(f"overlap {s.overlap_pct:.0f}%")
     if s.copy_gbps is not None:
