@@ -47,8 +47,10 @@ def engine_flags(p: argparse.ArgumentParser, lists: bool = False) -> None:
     p.add_argument(
         "--small-batch",
         default="upload",
-        choices=("upload", "cpu"),
-        help="below --stream-min-batch: upload only the chosen experts (default) or compute them on the CPU",
+        choices=("upload", "gather", "cpu"),
+        help="below --stream-min-batch: upload only the chosen experts (default), gather them with a kernel "
+        "reading page-locked host memory (no host sync; needs page-locking, so not with --stream serial), "
+        "or compute them on the CPU",
     )
 
 

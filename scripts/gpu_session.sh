@@ -39,12 +39,14 @@ for step in "$@"; do
     profile) $MS profile -m $MODEL -p 2048 -ub 2048 -ncmoe 26 --vram-budget 12GiB --streamed-layers spread \
                --stream serial,overlap,layer-major --trace "$OUT/trace_pp2048.json" --plot "$OUT/timeline_pp2048.png" \
                2>&1 | quiet | tee -a "$OUT/profile.txt" ;;
-    decode) for how in upload cpu; do
+    decode) for how in upload gather cpu; do
               $MS bench -m $MODEL -ncmoe 26 -r 1 -p 16 -n 32 -ub 2048 --stream overlap --streamed-layers spread \
                 --small-batch $how --vram-budget 12GiB --no-floors 2>&1 | quiet | tee -a "$OUT/bench.txt"
             done
-            $MS profile -m $MODEL -p 1 -ncmoe 26 --vram-budget 12GiB --streamed-layers spread --stream overlap \
-              2>&1 | quiet | head -40 | tee -a "$OUT/profile.txt" ;;
+            for how in upload gather; do
+              $MS profile -m $MODEL -p 1 -ncmoe 26 --vram-budget 12GiB --streamed-layers spread --stream overlap \
+                --small-batch $how 2>&1 | quiet | head -30 | tee -a "$OUT/profile.txt"
+            done ;;
     alloc) for conf in "" "expandable_segments:True"; do  # A/B of the allocator under the 12 GiB cap
              echo "PYTORCH_CUDA_ALLOC_CONF=$conf" | tee -a "$OUT/bench.txt"
              PYTORCH_CUDA_ALLOC_CONF=$conf $B -p 2048 -ub 2048 --stream overlap --streamed-layers spread \

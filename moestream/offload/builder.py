@@ -94,7 +94,10 @@ def build_offload(
             bounce = not pinned.register([v.data for il in placement.streamed for v in tensors[il].views])
         overlap = opts.stream in ("overlap", "layer-major")
         streamer = Streamer(dev, streamed, placement.n_slots, overlap, bounce) if streamed else None
-        experts = LayerExperts(tensors, resident, streamer, dtype, opts.stream_min_batch, dev, opts.small_batch)
+        readable = device.type == "cpu" or (pinned is not None and pinned.nbytes > 0)  # page-locked: kernels read it
+        experts = LayerExperts(
+            tensors, resident, streamer, dtype, opts.stream_min_batch, dev, opts.small_batch, readable
+        )
     except BaseException:
         if pinned is not None:
             pinned.unregister()

@@ -14,6 +14,7 @@ import torch
 
 from moestream.formats.gguf import TensorView, torch_bytes
 from moestream.kernels.dequant import dequantize
+from moestream.kernels.gather import gather_rows
 from moestream.models.layers import expert_counts, moe_swiglu
 from moestream.offload.device import Device
 from moestream.offload.streamer import Streamer
@@ -51,7 +52,7 @@ class ExpertTensors:
         def make(raw: torch.Tensor, v: TensorView):
             def dequantized() -> torch.Tensor:
                 start = timeline.stamp()
-                picked = raw if rows is None else raw[rows]  # raw may already hold just some experts
+                picked = raw if rows is None else gather_rows(raw, rows)  # raw may hold just some experts
                 out = dequantize(picked, v.qtype, (picked.shape[0], *v.shape[1:]), dtype)
                 timeline.add("compute", "dequant", start, timeline.stamp(), layer=layer)
                 return out
@@ -73,9 +74,13 @@ class LayerExperts:
         min_batch: int,
         dev: Device,
         small_batch: str = "upload",
+        host_readable: bool = False,
     ):
         self.tensors = tensors
-        self.small_batch = small_batch  # below min_batch: "upload" just the chosen experts, or compute on "cpu"
+        # below min_batch: "upload" just the chosen experts, "gather" them by a kernel reading host memory
+        # (when host_readable: page-locked, or the CPU device), or compute them on the "cpu"
+        self.small_batch = small_batch
+        self.host_readable = host_readable
         self.dev = dev
         self.resident = resident  # il -> stored bytes on the compute device
         self.streamer = streamer
@@ -123,16 +128,20 @@ class LayerExperts:
         return moe_swiglu(x, weights, ids, t.n_expert, *t.stacks(raws, self.dtype, None, self.timeline, il))
 
     def _small_batch(self, il: int, t: ExpertTensors, x, weights, ids, label: dict) -> torch.Tensor:
-        """A streamed layer for a few tokens: upload only the experts they chose, or compute those on the CPU
-        straight from the map (moving a few rows of x instead of weights)."""
+        """A streamed layer for a few tokens: gather the experts they chose with a kernel reading host memory
+        (no sync), upload only those (a sync to learn which), or compute them on the CPU straight from the
+        map (moving a few rows of x instead of weights)."""
         whole = self.streamer.held(il)
         if whole is not None:
             with self.timeline.span("compute", "experts", **label):
                 return self._on_device(il, t, whole, x, weights, ids)
+        if self.small_batch == "gather" and self.host_readable and ids.numel() < t.n_expert:
+            with self.timeline.span("compute", "experts-gather", **label):  # no sync: ids stay on the device
+                return self._on_device(il, t, t.host_bytes(), x, weights, ids)
         used = torch.unique(ids.cpu())  # sync: the host must know which experts to move or read
         local = torch.full((t.n_expert,), -1, dtype=torch.long)
         local[used] = torch.arange(used.numel())  # expert id -> its row among the chosen ones
-        views = self.streamer.upload_experts(il, used.tolist()) if self.small_batch == "upload" else None
+        views = self.streamer.upload_experts(il, used.tolist()) if self.small_batch != "cpu" else None
         if views is not None:
             self.dev.compute()
             with self.timeline.span("compute", "experts", **label):

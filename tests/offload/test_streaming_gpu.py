@@ -64,7 +64,7 @@ def test_registration_refused_falls_back_to_bounce_buffers(model_file):
     assert torch.equal(ref, got)
 
 
-@pytest.mark.parametrize("small_batch", ["upload", "cpu"])
+@pytest.mark.parametrize("small_batch", ["upload", "gather", "cpu"])
 def test_decode_with_streamed_layers(model_file, small_batch):
     """Decode (1-token batches) with every layer's experts in host RAM matches all-resident decode."""
     from moestream.runtime.sampling import SamplingParams
@@ -79,3 +79,26 @@ def test_decode_with_streamed_layers(model_file, small_batch):
     assert a.tokens == b.tokens
     ref.close()
     got.close()
+
+
+def test_gather_reads_page_locked_host_memory():
+    """The gather kernel reads registered host pages directly: same bytes as indexing on the host, no warning."""
+    import warnings
+
+    import numpy as np
+
+    from moestream.kernels import gather
+
+    host = np.random.default_rng(0).integers(0, 256, (64, 4, 630), dtype=np.uint8)  # rows of Q6_K x 768
+    pinned = PinnedRanges()
+    assert pinned.register([host])
+    try:
+        src = torch.from_numpy(host)
+        rows = torch.tensor([5, 0, 63, 5, 17], device="cuda")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = gather.gather_rows(src, rows)
+        assert got.is_cuda and not gather._kernel_failed
+        assert torch.equal(got.cpu(), src[rows.cpu()])
+    finally:
+        pinned.unregister()

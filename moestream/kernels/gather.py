@@ -1,0 +1,60 @@
+"""Pick experts' stored bytes out of a host tensor on the GPU, reading page-locked memory directly.
+
+For small batches (decode) the host normally has to learn which experts the router chose (a sync per
+streamed layer) before it can queue their copies. On a system with unified addressing, memory registered
+with cudaHostRegister is readable from kernels at its host address, so one kernel can read the chosen
+experts over PCIe itself, with the ids still on the GPU: no sync, and the host keeps queuing ahead.
+If the kernel cannot read the memory (not registered, or no Triton), the picks go through the host.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+try:  # Triton ships with CUDA builds of torch
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+WORDS_PER_PROGRAM = 2048
+
+if triton is not None:
+
+    @triton.jit
+    def _gather_kernel(src, ids, dst, row_words, WORDS: tl.constexpr):
+        r = tl.program_id(0)  # which pick
+        w = tl.program_id(1) * WORDS + tl.arange(0, WORDS)
+        ok = w < row_words
+        row = tl.load(ids + r).to(tl.int64)
+        tl.store(dst + r.to(tl.int64) * row_words + w, tl.load(src + row * row_words + w, mask=ok), mask=ok)
+
+
+_kernel_failed = False  # set once the kernel could not read host memory here: later calls skip it
+
+
+def gather_rows(src: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """src[rows] on rows' device. src [N, ...] holds stored bytes (uint8, any device); rows [n] int64."""
+    global _kernel_failed
+    if src.device == rows.device:
+        return src[rows]
+    flat = src.reshape(src.shape[0], -1)  # a view: the map's expert stacks are contiguous
+    row_bytes = flat.shape[1]
+    usable = triton is not None and rows.is_cuda and not src.is_cuda and src.dtype == torch.uint8
+    if usable and not _kernel_failed and src.is_contiguous() and row_bytes % 4 == 0 and flat.data_ptr() % 4 == 0:
+        out = torch.empty((rows.numel(), row_bytes), dtype=torch.uint8, device=rows.device)
+        words = row_bytes // 4
+        try:
+            with torch.cuda.device(rows.device):
+                _gather_kernel[(rows.numel(), triton.cdiv(words, WORDS_PER_PROGRAM))](
+                    flat.view(torch.int32), rows, out.view(torch.int32), words, WORDS=WORDS_PER_PROGRAM
+                )
+            return out.view(rows.numel(), *src.shape[1:])
+        except Exception as e:  # say it once, then pick through the host
+            _kernel_failed = True
+            warnings.warn(
+                f"reading host memory from the GPU failed ({e}); experts are picked on the host", stacklevel=2
+            )
+    return src[rows.cpu()].to(rows.device)  # through the host: a sync on the ids
