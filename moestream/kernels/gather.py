@@ -35,15 +35,20 @@ if triton is not None:
 _kernel_failed = False  # set once the kernel could not read host memory here: later calls skip it
 
 
+def available() -> bool:
+    """Whether the kernel may read host memory here (Triton present, no failed attempt in this process)."""
+    return triton is not None and not _kernel_failed
+
+
 def gather_rows(src: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """src[rows] on rows' device. src [N, ...] holds stored bytes (uint8, any device); rows [n] int64."""
     global _kernel_failed
     if src.device == rows.device:
         return src[rows]
-    flat = src.reshape(src.shape[0], -1)  # a view: the map's expert stacks are contiguous
-    row_bytes = flat.shape[1]
-    usable = triton is not None and rows.is_cuda and not src.is_cuda and src.dtype == torch.uint8
-    if usable and not _kernel_failed and src.is_contiguous() and row_bytes % 4 == 0 and flat.data_ptr() % 4 == 0:
+    flat = src.reshape(src.shape[0], -1) if src.is_contiguous() else None  # a view, never a copy
+    usable = available() and rows.is_cuda and not src.is_cuda and src.dtype == torch.uint8 and flat is not None
+    if usable and flat.shape[1] % 4 == 0 and flat.data_ptr() % 4 == 0:
+        row_bytes = flat.shape[1]
         out = torch.empty((rows.numel(), row_bytes), dtype=torch.uint8, device=rows.device)
         words = row_bytes // 4
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import warnings
 from dataclasses import dataclass
 
 from tqdm import tqdm
@@ -95,6 +96,12 @@ def build_offload(
         overlap = opts.stream in ("overlap", "layer-major")
         streamer = Streamer(dev, streamed, placement.n_slots, overlap, bounce) if streamed else None
         readable = device.type == "cpu" or (pinned is not None and pinned.nbytes > 0)  # page-locked: kernels read it
+        if opts.small_batch == "gather" and streamed and not readable:
+            warnings.warn(
+                "--small-batch gather needs the streamed experts page-locked (not --stream serial, and "
+                "page-locking must succeed); small batches upload their experts instead",
+                stacklevel=2,
+            )
         experts = LayerExperts(
             tensors, resident, streamer, dtype, opts.stream_min_batch, dev, opts.small_batch, readable
         )

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from moestream.formats.gguf import TensorView, torch_bytes
+from moestream.kernels import gather
 from moestream.kernels.dequant import dequantize
-from moestream.kernels.gather import gather_rows
 from moestream.models.layers import expert_counts, moe_swiglu
 from moestream.offload.device import Device
 from moestream.offload.streamer import Streamer
@@ -52,7 +52,7 @@ class ExpertTensors:
         def make(raw: torch.Tensor, v: TensorView):
             def dequantized() -> torch.Tensor:
                 start = timeline.stamp()
-                picked = raw if rows is None else gather_rows(raw, rows)  # raw may hold just some experts
+                picked = raw if rows is None else gather.gather_rows(raw, rows)  # raw may hold just some experts
                 out = dequantize(picked, v.qtype, (picked.shape[0], *v.shape[1:]), dtype)
                 timeline.add("compute", "dequant", start, timeline.stamp(), layer=layer)
                 return out
@@ -135,7 +135,9 @@ class LayerExperts:
         if whole is not None:
             with self.timeline.span("compute", "experts", **label):
                 return self._on_device(il, t, whole, x, weights, ids)
-        if self.small_batch == "gather" and self.host_readable and ids.numel() < t.n_expert:
+        readable = self.host_readable and (x.device.type == "cpu" or gather.available())
+        if self.small_batch == "gather" and readable and ids.numel() < t.n_expert:
+            self.streamer.bytes_uploaded += ids.numel() * (t.nbytes // t.n_expert)  # read over the link
             with self.timeline.span("compute", "experts-gather", **label):  # no sync: ids stay on the device
                 return self._on_device(il, t, t.host_bytes(), x, weights, ids)
         used = torch.unique(ids.cpu())  # sync: the host must know which experts to move or read

@@ -14,7 +14,13 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-CUDA_HOST_REGISTER_READ_ONLY = 0x08
+CUDA_HOST_REGISTER_PORTABLE, CUDA_HOST_REGISTER_MAPPED, CUDA_HOST_REGISTER_READ_ONLY = 0x01, 0x02, 0x08
+# Mapped: kernels may read the pages at their host address (kernels/gather.py); if a driver refuses that
+# for file pages, the read-only flag alone still gives page-locked DMA.
+REGISTER_FLAGS = (
+    CUDA_HOST_REGISTER_READ_ONLY | CUDA_HOST_REGISTER_MAPPED | CUDA_HOST_REGISTER_PORTABLE,
+    CUDA_HOST_REGISTER_READ_ONLY,
+)
 PAGE = _mmap.PAGESIZE
 
 
@@ -40,9 +46,12 @@ class PinnedRanges:
                 merged.append([start, end])
         cudart = torch.cuda.cudart()
         for start, end in merged:
-            err = cudart.cudaHostRegister(start, end - start, CUDA_HOST_REGISTER_READ_ONLY)
-            if int(err) != 0:
+            for flags in REGISTER_FLAGS:
+                err = cudart.cudaHostRegister(start, end - start, flags)
+                if int(err) == 0:
+                    break
                 _clear_cuda_error()
+            if int(err) != 0:
                 warnings.warn(
                     f"page-locking {end - start} bytes of the model file was refused (CUDA error {int(err)}); "
                     "falling back to pinned bounce buffers (slower). Raise the locked-memory limit "
