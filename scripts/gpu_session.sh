@@ -54,7 +54,7 @@ for step in "$@"; do
            done ;;
     qwen35) make_model $Q35 qwen3.6-35b-a3b | tee -a "$OUT/model35.txt"
             $MS bench -m $Q35 -ncmoe 26 -r 2 -p 2048 -ub 2048 --stream serial,pinned,overlap,layer-major \
-              --streamed-layers spread --vram-budget 12GiB 2>&1 | quiet | tee -a "$OUT/bench35.txt" ;;
+              --streamed-layers first,spread --vram-budget 12GiB 2>&1 | quiet | tee -a "$OUT/bench35.txt" ;;
     routing35) $MS info $Q35 --routing --tokens 2048 2>&1 | quiet | tail -45 | tee -a "$OUT/model35.txt" | tail -3 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
