@@ -110,11 +110,11 @@ class LayerExperts:
         if il not in self.resident and x.shape[0] < self.min_batch:
             return self._small_batch(il, t, x, weights, ids, label)
         if il in self.resident:
-            with tl.span("compute", "experts", **label):
-                return self._on_device(il, t, self.resident[il], x, weights, ids)
-        if self.track_usage:  # stays on the device: no sync
-            self.usage.append((expert_counts(ids.reshape(-1), t.n_expert) > 0).float().mean())
-        raws = self.streamer.acquire(il)  # the compute stream now waits for the upload
+            raws = self.resident[il]
+        else:
+            if self.track_usage:  # stays on the device: no sync
+                self.usage.append((expert_counts(ids.reshape(-1), t.n_expert) > 0).float().mean())
+            raws = self.streamer.acquire(il)  # the compute stream now waits for the upload
         with tl.span("compute", "experts", **label):
             return self._on_device(il, t, raws, x, weights, ids)
 
