@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import zlib
+from collections import deque
 from typing import Any
 
 import gguf
@@ -129,13 +130,19 @@ def make_model(
     workers = min(os.cpu_count() or 1, 32)
     # big files: worker processes generate and quantize chunks (numpy holds the GIL too often for threads)
     pool = mp.get_context("fork").Pool(workers) if workers > 1 and max(map(len, tasks.values())) > 1 else None
+    queued = iter([t for p in plans for t in tasks[p.name]])  # every chunk, in file order
+    pending: deque = deque()  # chunks the workers are making, oldest first
 
     def produce(p: TensorPlan) -> np.ndarray:
-        parts = (
-            pool.map(_make_chunk, tasks[p.name])
-            if pool and len(tasks[p.name]) > 1
-            else [_make_chunk(t) for t in tasks[p.name]]
-        )
+        """The tensor's chunks; meanwhile the workers run up to 4 chunks each ahead, across tensor boundaries,
+        so they keep working while this process writes (bounded: a few MiB per worker)."""
+        if pool is None:
+            return np.concatenate([_make_chunk(t) for t in tasks[p.name]]).reshape(p.byte_shape)
+        parts = []
+        for _ in tasks[p.name]:
+            while len(pending) < 4 * workers and (t := next(queued, None)) is not None:
+                pending.append(pool.apply_async(_make_chunk, (t,)))
+            parts.append(pending.popleft().get())
         return np.concatenate(parts).reshape(p.byte_shape)
 
     try:
