@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call: any of the steps below, in order. Wheels are carried in .whl (no network there).
 # Usage (on the GPU machine): bash scripts/gpu_session.sh STEP... with STEP one of
-#   tests    pytest -m gpu
+#   tests    pytest -m gpu (without fla's kernels: `fla` runs those, ~100 s of autotuning)
 #   model    generate the qwen3-30b-a3b Q4_K_M model (skipped when a warm machine still has it) + routing
 #   pp512 pp2048 long profile decode alloc   the issue-3/4 benches on that model
 #   qwen35 routing35   the issue-5 headline table (generates the qwen3.6-35b-a3b model first), its routing
@@ -26,7 +26,10 @@ B="$MS bench -m $MODEL -ncmoe 26 -r 3"
 for step in "$@"; do
   echo "== $step $(date -u +%T)" | tee -a "$OUT/gpu.txt"
   case $step in
-    tests) python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee -a "$OUT/gpu_tests.txt" | tail -25 ;;
+    tests) python3 -m pytest -m gpu -q -p no:cacheprovider tests --deselect tests/models/test_deltanet_gpu.py 2>&1 \
+             | tee -a "$OUT/gpu_tests.txt" | tail -25 ;;
+    fla) python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/models/test_deltanet_gpu.py 2>&1 \
+           | tee -a "$OUT/gpu_tests.txt" | tail -25 ;;  # ~100 s: fla autotunes its kernels on first use
     model) { make_model $MODEL qwen3-30b-a3b; $MS info $MODEL --routing --tokens 2048 2>&1 | quiet | tail -60; } \
              | tee -a "$OUT/model.txt" | tail -8 ;;
     pp512) $B -p 512 -ub 512 --stream serial,pinned,overlap,layer-major --streamed-layers first,spread \
