@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from moestream.profiling.probe import h2d_rate, timed
-from moestream.profiling.stats import total, union
+from moestream.profiling.stats import summarize
 from moestream.profiling.timeline import Timeline
 
 
@@ -70,9 +70,7 @@ def _measure(engine, test: str, tokens: list[int], repeats: int):
             fn()
         finally:
             streamer.timeline = engine.timeline
-        spans = [s for s in copies.resolve() if s.lane == "copy"]
-        busy = total(union((s.start, s.end) for s in spans))
-        copy_gbs = sum(s.nbytes for s in spans) / busy / 1e9 if busy > 0 else None
+        copy_gbs = summarize(copies.resolve()).copy_gbps
     experts.track_usage, experts.usage = True, []
     before = streamer.bytes_uploaded if streamer else 0
     cuda = engine.device.type == "cuda"
