@@ -14,7 +14,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from moestream.profiling.stats import Summary, summarize, union
+from moestream.profiling.stats import Summary, gaps, summarize, union
 from moestream.profiling.timeline import Span, ordered_lanes
 
 KIND_COLORS = {
@@ -102,7 +102,7 @@ def plot_timelines(
                 linewidth=0.6,
             )
             busy = union((s.start, s.end) for s in spans if s.lane == "compute")
-            idle = _gaps(busy, max(s.end for s in spans))
+            idle = gaps(busy, 0.0, max(s.end for s in spans))
             ax.broken_barh(
                 [(a * 1e3, (b - a) * 1e3) for a, b in idle],
                 (rows["compute"] - 0.45, 0.06),
@@ -131,15 +131,3 @@ def plot_timelines(
     if title:
         fig.suptitle(title, fontsize=FONT_SIZE + 4)
     fig.savefig(path, format="png")
-
-
-def _gaps(busy: list[tuple[float, float]], end: float) -> list[tuple[float, float]]:
-    """Idle stretches of a lane between 0 and end, given its busy union."""
-    gaps, t = [], 0.0
-    for a, b in busy:
-        if a > t:
-            gaps.append((t, a))
-        t = b
-    if end > t:
-        gaps.append((t, end))
-    return gaps

@@ -49,6 +49,18 @@ def intersect(xs: list[Interval], ys: list[Interval]) -> list[Interval]:
     return out
 
 
+def gaps(busy: list[Interval], start: float, end: float | None = None) -> list[Interval]:
+    """The idle stretches of a lane from start (to end, if given) around its busy union."""
+    out, t = [], start
+    for a, b in busy:
+        if a > t:
+            out.append((t, a))
+        t = max(t, b)
+    if end is not None and end > t:
+        out.append((t, end))
+    return out
+
+
 def total(intervals: Iterable[Interval]) -> float:
     return sum(b - a for a, b in intervals)
 
@@ -185,13 +197,12 @@ def _stalls(spans: list[Span], compute: list[Interval]) -> list[Stall]:
             first_layer.setdefault(s.start, s.layer)
     upload_spans = [(s.start, s.end) for s in spans if _is_upload_lane(s.lane)]
     uploads, ends = union(upload_spans), sorted(b for _, b in upload_spans)
-    stalls, prev_end = [], min(s.start for s in spans)
-    for a, b in compute:
-        i, j = bisect_right(ends, prev_end), bisect_right(ends, a)
-        if a > prev_end and j > i:
-            waited = total(intersect([(prev_end, ends[j - 1])], uploads))
-            stalls.append(Stall(prev_end, a, first_layer.get(a), waited))
-        prev_end = b
+    stalls = []
+    for idle_from, a in gaps(compute, min(s.start for s in spans)):
+        i, j = bisect_right(ends, idle_from), bisect_right(ends, a)
+        if j > i:
+            waited = total(intersect([(idle_from, ends[j - 1])], uploads))
+            stalls.append(Stall(idle_from, a, first_layer.get(a), waited))
     return sorted(stalls, key=lambda s: -s.duration)
 
 
@@ -203,11 +214,10 @@ def _wait_on_host(spans: list[Span], compute: list[Interval]) -> float | None:
             queued[s.start] = min(queued.get(s.start, s.queued), s.queued)
     if not queued:
         return None
-    waited, prev_end = 0.0, min(s.start for s in spans)
-    for a, b in compute:
-        if a > prev_end and a in queued:
-            waited += max(0.0, min(a, queued[a]) - prev_end)
-        prev_end = b
+    waited = 0.0
+    for idle_from, a in gaps(compute, min(s.start for s in spans)):
+        if a in queued:
+            waited += max(0.0, min(a, queued[a]) - idle_from)
     return waited
 
 
