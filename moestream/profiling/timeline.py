@@ -148,17 +148,7 @@ class NullTimeline(Timeline):
     def host_stamp(self) -> Stamp:
         return 0.0
 
-    def add(
-        self,
-        lane: str,
-        name: str,
-        start: Stamp,
-        end: Stamp,
-        layer: int | None = None,
-        nbytes: int = 0,
-        slot: int | None = None,
-        ubatch: int | None = None,
-    ) -> None:
+    def add(self, *args, **fields) -> None:
         pass
 
     def span(
