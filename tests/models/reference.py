@@ -27,6 +27,24 @@ def dequantized(f: GGUFFile, name: str) -> torch.Tensor:
     return torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.qtype), dtype=np.float32)).reshape(t.shape)
 
 
+def common_config(s, tied: bool) -> dict:
+    """The transformers config fields both MoE architectures take from the same spec values."""
+    return dict(
+        vocab_size=s.n_vocab,
+        hidden_size=s.n_embd,
+        num_hidden_layers=s.n_layer,
+        num_attention_heads=s.n_head,
+        num_key_value_heads=s.n_head_kv,
+        head_dim=s.head_dim,
+        max_position_embeddings=s.n_ctx_train,
+        rms_norm_eps=s.rms_eps,
+        tie_word_embeddings=tied,
+        num_experts=s.n_expert,
+        num_experts_per_tok=s.n_expert_used,
+        moe_intermediate_size=s.n_ff_exp,
+    )
+
+
 def qwen3moe_reference(path: str) -> torch.nn.Module:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -34,20 +52,9 @@ def qwen3moe_reference(path: str) -> torch.nn.Module:
         _, s = describe(f)
         tied = "output.weight" not in f.tensors
         config = Qwen3MoeConfig(
-            vocab_size=s.n_vocab,
-            hidden_size=s.n_embd,
+            **common_config(s, tied),
             intermediate_size=s.n_ff_exp,
-            num_hidden_layers=s.n_layer,
-            num_attention_heads=s.n_head,
-            num_key_value_heads=s.n_head_kv,
-            head_dim=s.head_dim,
-            max_position_embeddings=s.n_ctx_train,
-            rms_norm_eps=s.rms_eps,
             rope_parameters={"rope_type": "default", "rope_theta": s.rope_base},
-            tie_word_embeddings=tied,
-            num_experts=s.n_expert,
-            num_experts_per_tok=s.n_expert_used,
-            moe_intermediate_size=s.n_ff_exp,
             norm_topk_prob=True,
             decoder_sparse_step=1,
             attn_implementation="eager",
@@ -106,15 +113,7 @@ def qwen35moe_reference(path: str) -> torch.nn.Module:
         tied = "output.weight" not in f.tensors
         hk, hv, dv = e["k_heads"], e["v_heads"], e["v_dim"]
         config = Qwen3_5MoeTextConfig(
-            vocab_size=s.n_vocab,
-            hidden_size=s.n_embd,
-            num_hidden_layers=s.n_layer,
-            num_attention_heads=s.n_head,
-            num_key_value_heads=s.n_head_kv,
-            head_dim=s.head_dim,
-            max_position_embeddings=s.n_ctx_train,
-            rms_norm_eps=s.rms_eps,
-            tie_word_embeddings=tied,
+            **common_config(s, tied),
             rope_parameters={
                 "rope_type": "default",
                 "rope_theta": s.rope_base,
@@ -128,9 +127,6 @@ def qwen35moe_reference(path: str) -> torch.nn.Module:
             linear_value_head_dim=dv,
             linear_num_key_heads=hk,
             linear_num_value_heads=hv,
-            num_experts=s.n_expert,
-            num_experts_per_tok=s.n_expert_used,
-            moe_intermediate_size=s.n_ff_exp,
             shared_expert_intermediate_size=s.n_ff_shexp,
             attn_implementation="eager",
         )
