@@ -106,3 +106,23 @@ def test_gather_reads_page_locked_host_memory():
         assert torch.equal(got.cpu(), src[rows.cpu()])
     finally:
         pinned.unregister()
+
+
+def test_vram_cap_turns_on_expandable_segments(monkeypatch):
+    """Under a budget, fresh allocations land in segments that grow in place, so no reserved memory is stranded."""
+    from moestream.offload.device import cap_vram
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    dev = torch.device("cuda")
+    cap_vram(dev, torch.cuda.get_device_properties(0).total_memory // 2)
+    try:
+        torch.cuda.empty_cache()
+        x = torch.empty(300 << 20, dtype=torch.uint8, device=dev)
+        ptr = x.data_ptr()
+        segments = torch.cuda.memory._snapshot()["segments"]
+        (seg,) = [s for s in segments if s["address"] <= ptr < s["address"] + s["total_size"]]
+        assert seg["is_expandable"]
+    finally:
+        cap_vram(dev, None)
+        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
