@@ -125,4 +125,4 @@ def test_vram_cap_turns_on_expandable_segments(monkeypatch):
         assert seg["is_expandable"]
     finally:
         cap_vram(dev, None)
-        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+        torch._C._accelerator_setAllocatorSettings("expandable_segments:False")
