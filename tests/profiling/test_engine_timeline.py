@@ -4,10 +4,12 @@ report what the injection implies."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import moestream
 from moestream.offload.device import CpuDevice
 from moestream.profiling.session import profile_pass
+from moestream.profiling.timeline import NULL, Timeline
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # timing and tiny tensors: no thread contention
 
@@ -67,3 +69,22 @@ def test_layer_major_uploads_once(model_file):
     layers = [sp.layer for sp in r.spans if sp.lane == "copy"]
     # one upload per layer, each layer at most once; a layer still in a slot from the warm-up pass is reused
     assert sorted(layers) == sorted(set(layers)) and set(layers) <= {0, 1, 2} and len(set(layers)) >= 2
+
+
+@pytest.mark.parametrize("schedule", ["serial", "overlap", "layer-major"])
+def test_recording_changes_no_output(model_file, schedule):
+    """Recording only stamps events: the logits of every position are bit-identical with it on and off."""
+    e = moestream.load(
+        model_file("tiny-odd", "Q8_0"), device="cpu", ubatch=32, stream_min_batch=8, n_cpu_moe="all", slots=2,
+        stream=schedule, progress=False,
+    )  # fmt: skip
+    try:
+        off = e.forward(TOKENS, e.new_cache(), all_logits=True)
+        timeline = Timeline(e.device)
+        e.record(timeline)
+        on = e.forward(TOKENS, e.new_cache(), all_logits=True)
+        e.record(NULL)
+        assert timeline.resolve(), "nothing was recorded"
+        assert torch.equal(off, on)
+    finally:
+        e.close()
