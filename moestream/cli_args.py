@@ -46,11 +46,11 @@ def engine_flags(p: argparse.ArgumentParser, lists: bool = False) -> None:
     )
     p.add_argument(
         "--small-batch",
-        default="upload",
-        choices=("upload", "gather", "cpu"),
-        help="below --stream-min-batch: upload only the chosen experts (default), gather them with a kernel "
-        "reading page-locked host memory (no host sync; needs page-locking, so not with --stream serial), "
-        "or compute them on the CPU",
+        default="auto",
+        choices=("auto", "upload", "gather", "cpu"),
+        help="below --stream-min-batch: upload only the chosen experts, gather them with a kernel reading "
+        "page-locked host memory (no host sync; needs page-locking, so not with --stream serial), or compute "
+        "them on the CPU; auto (default): gather where a GPU can read the page-locked experts, else upload",
     )
 
 

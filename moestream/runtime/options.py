@@ -26,7 +26,8 @@ class EngineOptions:
     stream: str | None = None  # serial | pinned | overlap | layer-major (default: $MOESTREAM_STREAM or overlap)
     slots: int = 3  # staging slots in the ring
     stream_min_batch: int = 32  # smaller micro-batches do not upload whole layers: see small_batch
-    small_batch: str = "upload"  # below stream_min_batch: "upload" the chosen experts, "gather" them, or "cpu"
+    small_batch: str = "auto"  # below stream_min_batch: "upload" the chosen experts, "gather" them, or "cpu";
+    # auto: gather on a GPU that can read the page-locked experts, else upload
 
     def __post_init__(self) -> None:
         if self.device == "auto":
@@ -51,8 +52,8 @@ class EngineOptions:
             raise MoestreamError(f"--slots {self.slots}: {self.stream} needs at least 2 staging slots")
         if self.streamed_layers not in ("first", "spread"):
             raise MoestreamError(f"--streamed-layers {self.streamed_layers}: expected first or spread")
-        if self.small_batch not in ("upload", "gather", "cpu"):
-            raise MoestreamError(f"--small-batch {self.small_batch}: expected upload, gather or cpu")
+        if self.small_batch not in ("auto", "upload", "gather", "cpu"):
+            raise MoestreamError(f"--small-batch {self.small_batch}: expected auto, upload, gather or cpu")
         if self.stream_min_batch < 1:
             raise MoestreamError(f"--stream-min-batch {self.stream_min_batch}: must be at least 1")
         if isinstance(self.n_cpu_moe, str) and self.n_cpu_moe not in ("auto", "all"):

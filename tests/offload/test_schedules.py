@@ -65,11 +65,11 @@ def test_layer_major_uploads_each_layer_once(model_file):
     assert torch.equal(tm_logits, lm_logits)
 
 
-@pytest.mark.parametrize("small_batch", ["cpu", "upload", "gather"])
+@pytest.mark.parametrize("small_batch", ["cpu", "upload", "gather", "auto"])
 def test_small_batches_skip_whole_layer_uploads(model_file, small_batch):
     """Below --stream-min-batch, host experts are computed on the CPU, only the chosen ones are uploaded, or
     they are gathered from host memory; results agree with all-resident within float32 tolerance, and greedy
-    tokens are the same."""
+    tokens are the same. auto gathers only where a GPU reads the host: on the CPU device it uploads."""
     path = model_file("tiny", "Q4_K_M")  # 8 experts, 2 per token: 3 tokens choose 6, fewer than all 8
     ref = moestream.load(path, device="cpu", ubatch=3, progress=False)
     small = moestream.load(
@@ -84,6 +84,7 @@ def test_small_batches_skip_whole_layer_uploads(model_file, small_batch):
     )
     a, b = ref.logits(TOKENS[:12]), small.logits(TOKENS[:12])
     assert float((a - b).abs().max() / a.abs().max()) < 1e-5
+    assert small.model.experts.small_batch == ("upload" if small_batch == "auto" else small_batch)
     streamer = small.model.experts.streamer
     every_layer = sum(p.numel() for layer in streamer.layers.values() for p in layer.parts)
     if small_batch == "cpu":

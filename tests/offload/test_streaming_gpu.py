@@ -126,3 +126,13 @@ def test_vram_cap_turns_on_expandable_segments(monkeypatch):
     finally:
         cap_vram(dev, None)
         torch._C._accelerator_setAllocatorSettings("expandable_segments:False")
+
+
+@pytest.mark.parametrize(("stream", "expected"), [("overlap", "gather"), ("serial", "upload")])
+def test_small_batch_auto_gathers_where_the_gpu_reads_the_host(model_file, stream, expected):
+    """auto picks the kernel when the streamed experts are page-locked, and uploads when they are not."""
+    e = moestream.load(model_file("tiny", "Q4_K_M"), device="cuda", n_cpu_moe="all", stream=stream, progress=False)
+    try:
+        assert e.model.experts.small_batch == expected
+    finally:
+        e.close()
