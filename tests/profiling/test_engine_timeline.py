@@ -16,9 +16,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # timing and tiny tensors: n
 TOKENS = list(range(7, 103))  # 96 tokens: 3 micro-batches of 32
 
 
-def profile(model_file, schedule: str, copy_s: float, compute_s: float):
-    dev = CpuDevice(copy_delay_s=copy_s, compute_delay_s=compute_s)
-    e = moestream.load(
+def load_streamed(model_file, **opts):
+    """The tiny-odd model with every layer's experts streamed through 2 slots, 32 tokens a micro-batch."""
+    return moestream.load(
         model_file("tiny-odd", "Q8_0"),
         device="cpu",
         ubatch=32,
@@ -26,8 +26,13 @@ def profile(model_file, schedule: str, copy_s: float, compute_s: float):
         n_cpu_moe="all",
         slots=2,
         progress=False,
-        device_impl=dev,
+        **opts,
     )
+
+
+def profile(model_file, schedule: str, copy_s: float, compute_s: float):
+    dev = CpuDevice(copy_delay_s=copy_s, compute_delay_s=compute_s)
+    e = load_streamed(model_file, device_impl=dev)
     try:
         return profile_pass(e, TOKENS, schedule, repeats=1), e.model.experts.streamer
     finally:
@@ -74,10 +79,7 @@ def test_layer_major_uploads_once(model_file):
 @pytest.mark.parametrize("schedule", ["serial", "overlap", "layer-major"])
 def test_recording_changes_no_output(model_file, schedule):
     """Recording only stamps events: the logits of every position are bit-identical with it on and off."""
-    e = moestream.load(
-        model_file("tiny-odd", "Q8_0"), device="cpu", ubatch=32, stream_min_batch=8, n_cpu_moe="all", slots=2,
-        stream=schedule, progress=False,
-    )  # fmt: skip
+    e = load_streamed(model_file, stream=schedule)
     try:
         off = e.forward(TOKENS, e.new_cache(), all_logits=True)
         timeline = Timeline(e.device)
