@@ -3,7 +3,7 @@
 # Usage (on the GPU machine): bash scripts/gpu_session.sh STEP... with STEP one of
 #   tests    pytest -m gpu (without fla's kernels: `fla` runs those, ~100 s of autotuning)
 #   model    generate the qwen3-30b-a3b Q4_K_M model (skipped when a warm machine still has it) + routing
-#   pp512 pp2048 long profile decode alloc   the issue-3/4 benches on that model
+#   pp512 pp2048 long profile decode decodediag alloc   the issue-3/4/10 benches on that model
 #   qwen35 routing35   the issue-5 headline table (generates the qwen3.6-35b-a3b model first), its routing
 # At most 8 files come back from $OUT: keep appending to the ones below.
 set -uo pipefail
@@ -42,14 +42,13 @@ for step in "$@"; do
     profile) $MS profile -m $MODEL -p 2048 -ub 2048 -ncmoe 26 --vram-budget 12GiB --streamed-layers spread \
                --stream serial,overlap,layer-major --trace "$OUT/trace_pp2048.json" --plot "$OUT/timeline_pp2048.png" \
                2>&1 | quiet | tee -a "$OUT/profile.txt" ;;
-    decode) for how in upload gather cpu; do
-              $MS bench -m $MODEL -ncmoe 26 -r 1 -p 16 -n 32 -ub 2048 --stream overlap --streamed-layers spread \
-                --small-batch $how --vram-budget 12GiB --no-floors 2>&1 | quiet | tee -a "$OUT/bench.txt"
-            done
-            for how in upload gather; do
-              $MS profile -m $MODEL -p 1 -ncmoe 26 --vram-budget 12GiB --streamed-layers spread --stream overlap \
-                --small-batch $how 2>&1 | quiet | head -30 | tee -a "$OUT/profile.txt"
+    decode) $MS bench -m $MODEL -ncmoe 0 -r 3 -p 0 -n 128 --no-floors 2>&1 | quiet | tee -a "$OUT/bench.txt"
+            for how in gather upload; do
+              $MS bench -m $MODEL -ncmoe 26 -r 3 -p 0 -n 128 --streamed-layers spread,first --small-batch $how \
+                --vram-budget 12GiB --no-floors 2>&1 | quiet | tee -a "$OUT/bench.txt"
             done ;;
+    decodediag) python3 scripts/decode_diag.py $MODEL 2>&1 | tee -a "$OUT/diag.txt"
+                python3 scripts/decode_diag.py $MODEL stream 2>&1 | tee -a "$OUT/diag.txt" ;;
     alloc) for conf in "" "expandable_segments:True"; do  # A/B of the allocator under the 12 GiB cap
              echo "PYTORCH_CUDA_ALLOC_CONF=$conf" | tee -a "$OUT/bench.txt"
              PYTORCH_CUDA_ALLOC_CONF=$conf $B -p 2048 -ub 2048 --stream overlap --streamed-layers spread \

@@ -10,16 +10,20 @@ from __future__ import annotations
 import torch
 
 
-def _use_grouped_mm(x: torch.Tensor, w_t: torch.Tensor) -> bool:
+def runs_on_device(device: torch.device, dtype: torch.dtype, *dims: int) -> bool:
+    """Whether grouped_mm over these matrix sizes takes the fast path, which never syncs with the host
+    (so a CUDA graph can capture it)."""
     return (
         hasattr(torch, "_grouped_mm")
-        and x.is_cuda
-        and x.dtype == torch.bfloat16
-        and w_t.dtype == torch.bfloat16
-        and x.shape[-1] % 8 == 0
-        and w_t.shape[-1] % 8 == 0
-        and torch.cuda.get_device_capability(x.device)[0] >= 9
+        and device.type == "cuda"
+        and dtype == torch.bfloat16
+        and all(d % 8 == 0 for d in dims)
+        and torch.cuda.get_device_capability(device)[0] >= 9
     )
+
+
+def _use_grouped_mm(x: torch.Tensor, w_t: torch.Tensor) -> bool:
+    return w_t.dtype == x.dtype and runs_on_device(x.device, x.dtype, x.shape[-1], w_t.shape[-1])
 
 
 def grouped_mm(x: torch.Tensor, w_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

@@ -69,6 +69,11 @@ class DeltaNetState:
             recurrent_state=torch.zeros(n_heads, k_dim, v_dim, dtype=state_dtype, device=device),
         )
 
+    def zero_(self) -> None:
+        """Back to the state before the first token, in place."""
+        self.conv_state.zero_()
+        self.recurrent_state.zero_()
+
 
 def l2_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim (q and k of each head, before the delta rule).

@@ -33,11 +33,18 @@ class Cache(Protocol):
 
 @dataclass(frozen=True)
 class Batch:
-    """What every layer needs to know about the micro-batch: where it starts and its rotary tables."""
+    """What every layer needs to know about the micro-batch: where it starts and its rotary tables.
 
-    pos0: int
+    A static batch (n_keys set) is one whose shapes and host values do not change from step to step, so a
+    captured CUDA graph can replay it: the positions live only on the device, the KV cache is written at
+    them and attention reads the first n_keys cache rows, masking those past each token's position.
+    """
+
+    pos0: int  # first position (dynamic batches; -1 in a static one, where the host does not know it)
     cos: torch.Tensor  # [T, rot_dim/2]
     sin: torch.Tensor
+    positions: torch.Tensor  # [T] int64 on the compute device
+    n_keys: int | None = None  # static batches: cache rows attention reads
 
 
 HEAD_ROWS = 32768
@@ -94,6 +101,22 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, T|S, Dh]: 4-D, as flash needs
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T, S))
     return out[0].transpose(0, 1)  # [T, H, Dh]
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Softmax attention of q [T, H, Dh] over k, v [S, Hkv, Dh], query t seeing keys 0..positions[t].
+
+    For static batches (decode steps replayed from a graph): S is fixed and the mask comes from device
+    positions. The query heads sharing a KV head go in as rows of one group, so K and V are read once.
+    """
+    T, H, Dh = q.shape
+    S, Hkv, _ = k.shape
+    G = H // Hkv
+    rows = q.view(T, Hkv, G, Dh).transpose(0, 1).reshape(1, Hkv, T * G, Dh)  # row t*G+g: token t, head h*G+g
+    visible = torch.arange(S, device=q.device)[None, :] <= positions[:, None]  # [T, S]
+    mask = visible.repeat_interleave(G, dim=0)[None, None]  # [1, 1, T*G, S]
+    out = F.scaled_dot_product_attention(rows, k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask)
+    return out[0].view(Hkv, T, G, Dh).transpose(0, 1).reshape(T, H, Dh)
 
 
 def route_softmax_topk(x: torch.Tensor, w_router: torch.Tensor, k: int, renorm: bool = True):

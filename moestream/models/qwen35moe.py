@@ -158,11 +158,9 @@ class Model(qwen3moe.Model):
             if self.is_recurrent[il]
         }
 
-    def make_batch(self, pos0: int, n_tokens: int, device: torch.device, dtype: torch.dtype) -> Batch:
-        positions = torch.arange(pos0, pos0 + n_tokens, device=device)
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.spec
-        cos, sin = imrope_text_cos_sin(positions, s.rot_dim, s.rope_base, s.extra["rope_sections"], dtype)
-        return Batch(pos0, cos, sin)
+        return imrope_text_cos_sin(positions, s.rot_dim, s.rope_base, s.extra["rope_sections"], dtype)
 
     def layer(self, il: int, x: torch.Tensor, batch: Batch, cache: Cache) -> torch.Tensor:
         eps = self.spec.rms_eps
@@ -187,7 +185,8 @@ class Model(qwen3moe.Model):
         Hk, Hv, Dk, Dv = e["k_heads"], e["v_heads"], e["k_dim"], e["v_dim"]
         state: DeltaNetState = cache.recurrent[il]
         qkv = F.linear(x, self.w(il, "attn_qkv")).float()  # [T, C]
-        qkv, state.conv_state = causal_conv1d(qkv, self.w(il, "ssm_conv1d"), state.conv_state)
+        qkv, conv_state = causal_conv1d(qkv, self.w(il, "ssm_conv1d"), state.conv_state)
+        state.conv_state.copy_(conv_state)  # in place: a captured decode step reads and writes the same memory
         q, k, v = qkv.split([Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
         # value head h reads key head h % Hk: the file stores value heads tiled over the key heads
         q = l2_normalize(q.view(T, Hk, Dk), eps).repeat(1, Hv // Hk, 1)  # [T, Hv, Dk]
@@ -198,7 +197,8 @@ class Model(qwen3moe.Model):
         g = F.softplus(alpha + dt_bias.float()) * ssm_a.float()  # log decay, <= 0
         beta = torch.sigmoid(F.linear(x, self.w(il, "ssm_beta")).float())
         rule = delta_rule_recurrent if T == 1 else prefill_rule(x.device)  # decode | prefill (fla or torch)
-        out, state.recurrent_state = rule(q, k, v, g, beta, state.recurrent_state)  # [T, Hv, Dv]
+        out, recurrent_state = rule(q, k, v, g, beta, state.recurrent_state)  # [T, Hv, Dv]
+        state.recurrent_state.copy_(recurrent_state)
         z = F.linear(x, self.w(il, "attn_gate")).view(T, Hv, Dv)
         out = rms_norm(out, self.w(il, "ssm_norm"), eps) * F.silu(z.float())
         return F.linear(out.reshape(T, -1).to(x.dtype), self.w(il, "ssm_out"))

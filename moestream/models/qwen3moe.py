@@ -18,6 +18,7 @@ from moestream.models.layers import (
     Cache,
     ExpertSource,
     causal_attention,
+    masked_attention,
     rms_norm,
     rope_cos_sin,
     rope_neox,
@@ -101,10 +102,17 @@ class Model:
     def w(self, il: int, name: str) -> torch.Tensor:
         return self.weights[f"blk.{il}.{name}.weight"]
 
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin tables of the given positions."""
+        return rope_cos_sin(positions, self.spec.rot_dim, self.spec.rope_base, dtype)
+
     def make_batch(self, pos0: int, n_tokens: int, device: torch.device, dtype: torch.dtype) -> Batch:
         positions = torch.arange(pos0, pos0 + n_tokens, device=device)
-        cos, sin = rope_cos_sin(positions, self.spec.rot_dim, self.spec.rope_base, dtype)
-        return Batch(pos0, cos, sin)
+        return Batch(pos0, *self.rope(positions, dtype), positions)
+
+    def static_batch(self, positions: torch.Tensor, n_keys: int, dtype: torch.dtype) -> Batch:
+        """A batch at device positions that attends over n_keys cache rows: the same work every step."""
+        return Batch(-1, *self.rope(positions, dtype), positions, n_keys)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embedding(tokens)  # [T, D]
@@ -137,8 +145,11 @@ class Model:
         v = F.linear(x, self.w(il, "attn_v")).view(T, s.n_head_kv, s.head_dim)
         q = rope_neox(rms_norm(q, self.w(il, "attn_q_norm"), s.rms_eps), batch.cos, batch.sin)
         k = rope_neox(rms_norm(k, self.w(il, "attn_k_norm"), s.rms_eps), batch.cos, batch.sin)
-        k_all, v_all = cache.kv.update(il, batch.pos0, k, v)
-        return causal_attention(q, k_all, v_all)  # [T, H, Dh]
+        if batch.n_keys is None:
+            k_all, v_all = cache.kv.update(il, batch.pos0, k, v)
+            return causal_attention(q, k_all, v_all)  # [T, H, Dh]
+        k_all, v_all = cache.kv.write(il, batch.positions, k, v, batch.n_keys)
+        return masked_attention(q, k_all, v_all, batch.positions)
 
     def moe(self, il: int, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route_softmax_topk(x, self.w(il, "ffn_gate_inp"), self.spec.n_expert_used)

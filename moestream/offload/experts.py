@@ -15,6 +15,7 @@ import torch
 from moestream.formats.gguf import TensorView, torch_bytes
 from moestream.kernels import gather
 from moestream.kernels.dequant import dequantize
+from moestream.kernels.grouped_moe import runs_on_device
 from moestream.models.layers import expert_counts, moe_swiglu
 from moestream.offload.device import Device
 from moestream.offload.streamer import Streamer
@@ -90,6 +91,9 @@ class LayerExperts:
         self.usage: list[torch.Tensor] = []
         self.timeline = NULL
         self._layer: tuple[int, int, object] = (-1, -1, None)  # (layer, micro-batch, stamp) the engine started
+        # set during static passes (decode steps that may be captured in a graph): every streamed layer reads
+        # its experts the same way whatever the staging slots happen to hold
+        self.static = False
 
     def start_layer(self, il: int, ubatch: int) -> None:
         """The engine begins layer il of a micro-batch: attention and router run from here to ffn()."""
@@ -100,6 +104,33 @@ class LayerExperts:
     def streams(self, il: int, n_tokens: int) -> bool:
         """Whether a micro-batch of n_tokens makes the streamer upload layer il."""
         return il not in self.resident and n_tokens >= self.min_batch
+
+    @property
+    def bytes_moved(self) -> int:
+        """Expert bytes sent over the link so far: whole-layer uploads, picked experts, gathers."""
+        return self.streamer.bytes_uploaded if self.streamer is not None else 0
+
+    def count_moved(self, nbytes: int) -> None:
+        """Add bytes moved by work no Python ran for (a replayed graph)."""
+        if self.streamer is not None:
+            self.streamer.bytes_uploaded += nbytes
+
+    def capturable(self, n_tokens: int, n_expert_used: int) -> bool:
+        """Whether a static pass of n_tokens queues the same device work every time, with no host sync:
+        the grouped matmuls run on the device, and streamed layers (if any) gather their experts there."""
+        t = next(iter(self.tensors.values()))
+        _, n_ff, n_embd = t.views[0].shape
+        if not runs_on_device(self.dev.device, self.dtype, n_ff, n_embd):
+            return False
+        if len(self.resident) == len(self.tensors):
+            return True
+        return (
+            n_tokens < self.min_batch
+            and self.small_batch == "gather"
+            and self.host_readable
+            and gather.available()
+            and n_tokens * n_expert_used < t.n_expert
+        )
 
     def ffn(self, il: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         t, tl = self.tensors[il], self.timeline
@@ -131,7 +162,7 @@ class LayerExperts:
         """A streamed layer for a few tokens: gather the experts they chose with a kernel reading host memory
         (no sync), upload only those (a sync to learn which), or compute them on the CPU straight from the
         map (moving a few rows of x instead of weights)."""
-        whole = self.streamer.held(il)
+        whole = None if self.static else self.streamer.held(il)
         if whole is not None:
             with self.timeline.span("compute", "experts", **label):
                 return self._on_device(il, t, whole, x, weights, ids)

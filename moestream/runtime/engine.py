@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -14,6 +16,7 @@ from moestream.errors import MoestreamError
 from moestream.formats.tokenizer import TextStream
 from moestream.offload.device import cap_vram
 from moestream.profiling.timeline import NULL, Timeline
+from moestream.runtime.decode import StepGraphs, key_bucket
 from moestream.runtime.kv_cache import KVCache, SequenceCache
 from moestream.runtime.options import EngineOptions
 from moestream.runtime.sampling import Sampler, SamplingParams
@@ -48,6 +51,9 @@ class Engine:
         self.options = options
         self.source = source  # the open GGUF file the weights map, closed with the engine
         self.n_ctx = min(options.n_ctx, self.spec.n_ctx_train) if self.spec.n_ctx_train else options.n_ctx
+        self._graphs: weakref.WeakKeyDictionary[SequenceCache, StepGraphs] = weakref.WeakKeyDictionary()
+        self._graphs_ok = True  # False once a capture failed: later steps run eagerly
+        self._cache: SequenceCache | None = None  # generate()'s, reused so its captured steps are too
 
     def record(self, timeline: Timeline) -> None:
         """Send copy and compute spans of the following passes to timeline (NULL turns recording off)."""
@@ -61,6 +67,7 @@ class Engine:
 
         On a bad change the engine keeps working with its previous options."""
         options = dataclasses.replace(self.options, **changes)
+        self._graphs.clear()  # captured steps read the old expert buffers; free their memory before the new ones
         self.offload.close()  # first: the new placement may page-lock the same ranges
         self.offload = self.model.experts = None  # and let its device memory go before the new one is made
         failed = None
@@ -116,6 +123,8 @@ class Engine:
             )
         if tokens and not 0 <= min(tokens) <= max(tokens) < self.spec.n_vocab:
             raise MoestreamError(f"token ids must be in [0, {self.spec.n_vocab}); got {min(tokens)}..{max(tokens)}")
+        if len(tokens) == 1:
+            return self._step(tokens[0], cache)
         ub, n_layer, experts = self.options.ubatch, self.spec.n_layer, self.model.experts
         chunks = [tokens[i : i + ub] for i in range(0, len(tokens), ub)]
         if self.options.stream == "layer-major" and len(chunks) > 1:
@@ -149,6 +158,55 @@ class Engine:
                 return torch.cat([self.model.head(x).float() for x in xs])
             return self.model.head(xs[-1][-1:]).float()
 
+    def _step(self, token: int, cache: SequenceCache) -> torch.Tensor:
+        """One token as a static pass: replayed from a CUDA graph where the step can be captured."""
+        model, experts = self.model, self.model.experts
+        n_keys = key_bucket(cache.n_past, self.n_ctx)
+        graphs = None
+        if (
+            self._graphs_ok
+            and self.device.type == "cuda"
+            and self.timeline is NULL
+            and experts.capturable(1, self.spec.n_expert_used)
+        ):
+            graphs = self._graphs.setdefault(cache, StepGraphs())
+
+        def step(x: torch.Tensor, positions: torch.Tensor, n_keys: int) -> torch.Tensor:
+            batch = model.static_batch(positions, n_keys, self.dtype)
+            for il in range(self.spec.n_layer):
+                experts.start_layer(il, 0)
+                x = model.layer(il, x, batch, cache)
+            with self.timeline.span("compute", "head"):
+                return model.head(x).float()
+
+        x = model.embed(torch.tensor([token]))
+        experts.static = True
+        try:
+            if graphs is not None and n_keys in graphs:
+                logits = graphs.replay(x, cache.n_past, n_keys, experts)
+            else:
+                positions = torch.tensor([cache.n_past], device=self.device)
+                logits = step(x, positions, n_keys)  # also the warm-up a capture needs
+                if graphs is not None:
+                    self._capture(graphs, step, x, positions, n_keys)
+        except BaseException:
+            cache.broken = True  # the KV row or recurrent state may be half-written
+            raise
+        finally:
+            experts.static = False
+            experts.end_pass()
+        cache.n_past += 1
+        return logits
+
+    def _capture(self, graphs: StepGraphs, step, x: torch.Tensor, positions: torch.Tensor, n_keys: int) -> None:
+        """Capture a step; if CUDA refuses, say so once and keep decoding eagerly (same kernels, same bits)."""
+        try:
+            graphs.capture(step, x, positions, n_keys, self.model.experts)
+        except RuntimeError as e:
+            self._graphs_ok = False
+            self._graphs.clear()
+            warnings.warn(f"decode steps could not be captured in a CUDA graph ({e}); running eagerly", stacklevel=3)
+
     def logits(self, tokens: list[int]) -> torch.Tensor:
         """Logits [T, V] (float32, CPU) of a fresh sequence: the hook for reference comparisons."""
         return self.forward(list(tokens), self.new_cache(), all_logits=True).cpu()
@@ -176,7 +234,10 @@ class Engine:
         gen = Generation(prompt_tokens)
         sampler = Sampler(params)
         stream = TextStream(self.tokenizer) if self.tokenizer is not None else None
-        cache = self.new_cache()
+        if self._cache is None or self._cache.kv.n_ctx != self.n_ctx:
+            self._cache = self.new_cache()
+        cache = self._cache
+        cache.reset()
 
         t0 = time.perf_counter()
         logits = self.forward(prompt_tokens, cache)
@@ -214,6 +275,8 @@ class Engine:
                 self.offload.close()
                 cap_vram(self.device, None)
         finally:
+            self._graphs.clear()
+            self._cache = None
             self.offload = None
             self.model = None
             if self.source is not None:

@@ -33,6 +33,15 @@ class KVCache:
         self.v[il][pos0:end] = v
         return self.k[il][:end], self.v[il][:end]
 
+    def write(
+        self, il: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_keys: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [T, Hkv, Dh] at device positions and return the first n_keys rows (static batches: no
+        host value changes between steps; the caller masks rows past each position)."""
+        self.k[il].index_copy_(0, positions, k)
+        self.v[il].index_copy_(0, positions, v)
+        return self.k[il][:n_keys], self.v[il][:n_keys]
+
     @staticmethod
     def bytes_needed(n_layers: int, n_ctx: int, n_head_kv: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * n_layers * n_ctx * n_head_kv * head_dim * torch.empty((), dtype=dtype).element_size()
@@ -46,3 +55,10 @@ class SequenceCache:
         self.recurrent = recurrent or {}  # il -> the architecture's state object (e.g. delta-net conv + S)
         self.n_past = 0  # tokens already in the cache
         self.broken = False  # set when a pass failed half-way
+
+    def reset(self) -> None:
+        """Start a new sequence in the same memory (captured decode steps that point at it stay valid)."""
+        for state in self.recurrent.values():
+            state.zero_()
+        self.n_past = 0
+        self.broken = False

@@ -1,0 +1,50 @@
+"""Static one-token steps (the decode path CUDA graphs replay) compute what prefill computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moestream
+from moestream.runtime.decode import MIN_KEYS, key_bucket
+from moestream.runtime.sampling import SamplingParams
+
+TOKENS = torch.randint(0, 1280, (MIN_KEYS + 8,), generator=torch.Generator().manual_seed(3)).tolist()
+
+
+def test_key_buckets_double_from_the_minimum_and_stop_at_the_context():
+    assert [key_bucket(n, 4096) for n in (0, MIN_KEYS - 1, MIN_KEYS, 2 * MIN_KEYS, 4095)] == [
+        MIN_KEYS,
+        MIN_KEYS,
+        2 * MIN_KEYS,
+        4 * MIN_KEYS,
+        4096,
+    ]
+    assert key_bucket(300, 400) == 400
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-odd", "tiny-qwen35moe"])
+def test_one_token_steps_match_prefill(model_file, preset):
+    """Feeding a prompt a token at a time (static steps, across a key bucket) gives prefill's logits."""
+    engine = moestream.load(model_file(preset, "F32"), device="cpu", progress=False, n_ctx=1024)
+    try:
+        ref = engine.logits(TOKENS)
+        cache = engine.new_cache()
+        steps = torch.cat([engine.forward([t], cache) for t in TOKENS])
+    finally:
+        engine.close()
+    assert cache.n_past == len(TOKENS)
+    assert float((steps - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
+def test_generate_reuses_its_cache_from_a_clean_state(model_file):
+    """A second generate starts from zeroed recurrent state and gives the first one's tokens."""
+    engine = moestream.load(model_file("tiny-qwen35moe", "F32"), device="cpu", progress=False)
+    params = SamplingParams(max_tokens=12, stop_at_eos=False)
+    try:
+        first = engine.generate(TOKENS[:20], params).tokens
+        other = engine.generate(TOKENS[20:30], params).tokens
+        again = engine.generate(TOKENS[:20], params).tokens
+    finally:
+        engine.close()
+    assert first == again and first != other
