@@ -58,9 +58,8 @@ def gather_rate(engine, reps: int = 50) -> None:
     b.record()
     b.synchronize()
     ms = a.elapsed_time(b) / reps
-    print(
-        f"gather: {K} experts of layer {streamed[0]} ({nbytes / 2**20:.1f} MiB) in {ms:.3f} ms = {nbytes / ms / 1e6:.1f} GB/s"
-    )
+    mib, rate = nbytes / 2**20, nbytes / ms / 1e6
+    print(f"gather: {K} experts of layer {streamed[0]} ({mib:.1f} MiB) in {ms:.3f} ms = {rate:.1f} GB/s")
 
 
 if __name__ == "__main__":
