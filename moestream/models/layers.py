@@ -75,7 +75,9 @@ def imrope_text_cos_sin(
     """
     cos, sin = rope_cos_sin(positions, rot_dim, base, dtype)
     pair = torch.arange(rot_dim // 2, device=positions.device)
-    text = pair < 3 * torch.tensor(list(sections[:3]), device=positions.device)[pair % 3]
+    section = pair % 3
+    limit = torch.where(section == 0, 3 * sections[0], torch.where(section == 1, 3 * sections[1], 3 * sections[2]))
+    text = pair < limit  # built from scalars: no host-to-device copy, so a CUDA graph can capture it
     return torch.where(text, cos, 1.0), torch.where(text, sin, 0.0)
 
 
