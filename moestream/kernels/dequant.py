@@ -32,12 +32,11 @@ if triton is not None:
         hi = tl.load(base + offset + 1, mask=ok, other=0).to(tl.uint16)
         return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
 
+    # Tiles: base [R, 1] points at R blocks, e [1, B] is the element index within a block, ok [R, 1] masks
+    # blocks; each returns the [R, B] float32 values. The dequant and matvec kernels share them.
+
     @triton.jit
-    def _q4_k_kernel(src, dst, n_blocks, BLOCKS: tl.constexpr):
-        b = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)[:, None]  # [BLOCKS, 1] block index
-        e = tl.arange(0, 256)[None, :]  # [1, 256] element within the block
-        ok = b < n_blocks
-        base = src + b.to(tl.int64) * 144
+    def q4_k_tile(base, e, ok):
         d, dmin = _f16_at(base, 0, ok), _f16_at(base, 2, ok)
         s = e // 32  # sub-block of 32 with its own 6-bit scale and min
         lo = s < 4
@@ -48,45 +47,44 @@ if triton is not None:
         mn = tl.where(lo, m & 63, (md >> 4) | ((m >> 6) << 4))
         byte = tl.load(base + 16 + (s // 2) * 32 + e % 32, mask=ok, other=0).to(tl.int32)
         q = (byte >> ((s % 2) * 4)) & 15
-        x = (d * sc.to(tl.float32)) * q.to(tl.float32) - dmin * mn.to(tl.float32)
-        tl.store(dst + b.to(tl.int64) * 256 + e, x.to(dst.dtype.element_ty), mask=ok)
+        return (d * sc.to(tl.float32)) * q.to(tl.float32) - dmin * mn.to(tl.float32)
 
     @triton.jit
-    def _q6_k_kernel(src, dst, n_blocks, BLOCKS: tl.constexpr):
-        b = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)[:, None]
-        e = tl.arange(0, 256)[None, :]
-        ok = b < n_blocks
-        base = src + b.to(tl.int64) * 210
+    def q6_k_tile(base, e, ok):
         d = _f16_at(base, 208, ok)
         h, r = e // 128, e % 128  # two halves of 128; each packs low nibbles in ql and 2 high bits in qh
         ql = tl.load(base + h * 64 + r % 64, mask=ok, other=0).to(tl.int32)
         qh = tl.load(base + 128 + h * 32 + r % 32, mask=ok, other=0).to(tl.int32)
         q = (((ql >> ((r // 64) * 4)) & 15) | (((qh >> ((r // 32) * 2)) & 3) << 4)) - 32
         sc = tl.load(base + 192 + e // 16, mask=ok, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-        x = (d * sc) * q.to(tl.float32)
-        tl.store(dst + b.to(tl.int64) * 256 + e, x.to(dst.dtype.element_ty), mask=ok)
+        return (d * sc) * q.to(tl.float32)
 
     @triton.jit
-    def _q8_0_kernel(src, dst, n_blocks, BLOCKS: tl.constexpr):
-        b = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)[:, None]
-        e = tl.arange(0, 32)[None, :]
-        ok = b < n_blocks
-        base = src + b.to(tl.int64) * 34
+    def q8_0_tile(base, e, ok):
         q = tl.load(base + 2 + e, mask=ok, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-        x = q * _f16_at(base, 0, ok)
-        tl.store(dst + b.to(tl.int64) * 32 + e, x.to(dst.dtype.element_ty), mask=ok)
+        return q * _f16_at(base, 0, ok)
 
-    KERNELS = {Q.Q4_K: _q4_k_kernel, Q.Q6_K: _q6_k_kernel, Q.Q8_0: _q8_0_kernel}
+    @triton.jit
+    def _dequant_kernel(
+        src, dst, n_blocks, TILE: tl.constexpr, ELEMS: tl.constexpr, SIZE: tl.constexpr, BLOCKS: tl.constexpr
+    ):
+        b = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)[:, None]  # [BLOCKS, 1] block index
+        e = tl.arange(0, ELEMS)[None, :]  # [1, ELEMS] element within the block
+        ok = b < n_blocks
+        x = TILE(src + b.to(tl.int64) * SIZE, e, ok)
+        tl.store(dst + b.to(tl.int64) * ELEMS + e, x.to(dst.dtype.element_ty), mask=ok)
+
+    TILES = {Q.Q4_K: q4_k_tile, Q.Q6_K: q6_k_tile, Q.Q8_0: q8_0_tile}
 else:
-    KERNELS = {}
+    TILES = {}
 
 
 def dequantize(
     raw: torch.Tensor, qtype: GGMLQuantizationType, shape: tuple[int, ...], dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """Like quants.dequantize; one Triton kernel where there is one for this type and device."""
-    kernel = KERNELS.get(qtype)
-    if kernel is None or not raw.is_cuda:
+    tile = TILES.get(qtype)
+    if tile is None or not raw.is_cuda:
         return quants.dequantize(raw, qtype, shape, dtype)
     block, type_size = GGML_QUANT_SIZES[qtype]
     raw = raw.contiguous()
@@ -96,5 +94,5 @@ def dequantize(
     out = torch.empty(shape, dtype=dtype, device=raw.device)
     grid = (triton.cdiv(n_blocks, BLOCKS_PER_PROGRAM),)
     with torch.cuda.device(raw.device):  # Triton launches on the current device
-        kernel[grid](raw, out, n_blocks, BLOCKS=BLOCKS_PER_PROGRAM)
+        _dequant_kernel[grid](raw, out, n_blocks, TILE=tile, ELEMS=block, SIZE=type_size, BLOCKS=BLOCKS_PER_PROGRAM)
     return out

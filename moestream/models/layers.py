@@ -172,6 +172,17 @@ def moe_swiglu(
     return (y.view(T, K, -1) * weights[..., None]).sum(dim=1)
 
 
-def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-    """A dense SwiGLU FFN (shared experts)."""
-    return F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
+MatVec = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""(which [P] matrix of a stack, rows [P, in]) -> [P, out]: each row times its own matrix."""
+
+
+def moe_swiglu_picked(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate: MatVec, up: MatVec, down: MatVec
+):
+    """moe_swiglu for a few tokens: each token-expert pair multiplies its expert's matrices directly, with no
+    grouping (the kernels read the chosen experts' blocks wherever they lie)."""
+    T, K = ids.shape
+    picks = ids.reshape(-1)  # pair t*K+k: token t, its k-th expert
+    rows = x.repeat_interleave(K, dim=0)
+    h = F.silu(gate(picks, rows)) * up(picks, rows)
+    return (down(picks, h).view(T, K, -1) * weights[..., None]).sum(dim=1)

@@ -22,7 +22,7 @@ from moestream.models.deltanet import (
     l2_normalize,
     prefill_rule,
 )
-from moestream.models.layers import Batch, Cache, imrope_text_cos_sin, rms_norm, swiglu
+from moestream.models.layers import Batch, Cache, imrope_text_cos_sin, rms_norm
 from moestream.models.spec import ModelSpec, common_spec_fields, read_key
 
 if TYPE_CHECKING:
@@ -171,10 +171,10 @@ class Model(qwen3moe.Model):
     def attention(self, il: int, x: torch.Tensor, batch: Batch, cache: Cache) -> torch.Tensor:
         """Full attention whose output is gated per channel by sigmoid(gate), the gate projected beside q."""
         s, T = self.spec, x.shape[0]
-        q_gate = F.linear(x, self.w(il, "attn_q")).view(T, s.n_head, 2, s.head_dim)  # per head [q_h | gate_h]
+        q_gate = self.linear(x, il, "attn_q").view(T, s.n_head, 2, s.head_dim)  # per head [q_h | gate_h]
         q, gate = q_gate.unbind(2)  # [T, H, Dh] each
         out = self.attend(il, q, x, batch, cache) * torch.sigmoid(gate)
-        return F.linear(out.reshape(T, -1), self.w(il, "attn_output"))
+        return self.linear(out.reshape(T, -1), il, "attn_output")
 
     def delta_net(self, il: int, x: torch.Tensor, batch: Batch, cache: Cache) -> torch.Tensor:
         """Gated delta-net: short conv over qkv, the delta rule on the layer's state, gated RMSNorm, ssm_out.
@@ -184,7 +184,7 @@ class Model(qwen3moe.Model):
         e, eps, T = self.spec.extra, self.spec.rms_eps, x.shape[0]
         Hk, Hv, Dk, Dv = e["k_heads"], e["v_heads"], e["k_dim"], e["v_dim"]
         state: DeltaNetState = cache.recurrent[il]
-        qkv = F.linear(x, self.w(il, "attn_qkv")).float()  # [T, C]
+        qkv = self.linear(x, il, "attn_qkv").float()  # [T, C]
         qkv, conv_state = causal_conv1d(qkv, self.w(il, "ssm_conv1d"), state.conv_state)
         state.conv_state.copy_(conv_state)  # in place: a captured decode step reads and writes the same memory
         q, k, v = qkv.split([Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
@@ -192,20 +192,20 @@ class Model(qwen3moe.Model):
         q = l2_normalize(q.view(T, Hk, Dk), eps).repeat(1, Hv // Hk, 1)  # [T, Hv, Dk]
         k = l2_normalize(k.view(T, Hk, Dk), eps).repeat(1, Hv // Hk, 1)
         v = v.view(T, Hv, Dv)
-        alpha = F.linear(x, self.w(il, "ssm_alpha")).float()  # [T, Hv]
+        alpha = self.linear(x, il, "ssm_alpha").float()  # [T, Hv]
         dt_bias, ssm_a = self.weights[f"blk.{il}.ssm_dt.bias"], self.weights[f"blk.{il}.ssm_a"]
         g = F.softplus(alpha + dt_bias.float()) * ssm_a.float()  # log decay, <= 0
-        beta = torch.sigmoid(F.linear(x, self.w(il, "ssm_beta")).float())
+        beta = torch.sigmoid(self.linear(x, il, "ssm_beta").float())
         rule = delta_rule_recurrent if T == 1 else prefill_rule(x.device)  # decode | prefill (fla or torch)
         out, recurrent_state = rule(q, k, v, g, beta, state.recurrent_state)  # [T, Hv, Dv]
         state.recurrent_state.copy_(recurrent_state)
-        z = F.linear(x, self.w(il, "attn_gate")).view(T, Hv, Dv)
+        z = self.linear(x, il, "attn_gate").view(T, Hv, Dv)
         out = rms_norm(out, self.w(il, "ssm_norm"), eps) * F.silu(z.float())
-        return F.linear(out.reshape(T, -1).to(x.dtype), self.w(il, "ssm_out"))
+        return self.linear(out.reshape(T, -1).to(x.dtype), il, "ssm_out")
 
     def moe(self, il: int, x: torch.Tensor) -> torch.Tensor:
         """Routed experts plus the shared expert scaled by sigmoid(x . ffn_gate_inp_shexp)."""
-        w_gate, w_up, w_down = (self.w(il, f"ffn_{t}_shexp") for t in ("gate", "up", "down"))
-        shared = swiglu(x, w_gate, w_up, w_down)
+        shared = F.silu(self.linear(x, il, "ffn_gate_shexp")) * self.linear(x, il, "ffn_up_shexp")
+        shared = self.linear(shared, il, "ffn_down_shexp")
         gate = torch.sigmoid(F.linear(x, self.w(il, "ffn_gate_inp_shexp").reshape(1, -1)))  # [T, 1]
         return super().moe(il, x) + gate * shared

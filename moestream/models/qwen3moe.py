@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from moestream.kernels import qmatvec
 from moestream.models.layers import (
     HEAD_ROWS,
     Batch,
@@ -102,6 +103,10 @@ class Model:
     def w(self, il: int, name: str) -> torch.Tensor:
         return self.weights[f"blk.{il}.{name}.weight"]
 
+    def linear(self, x: torch.Tensor, il: int, name: str) -> torch.Tensor:
+        """x times layer il's weight `name` (transposed), without dequantizing it for a few tokens."""
+        return self.weights.linear(x, f"blk.{il}.{name}.weight")
+
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin tables of the given positions."""
         return rope_cos_sin(positions, self.spec.rot_dim, self.spec.rope_base, dtype)
@@ -119,6 +124,8 @@ class Model:
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         x = rms_norm(x, self.weights["output_norm.weight"], self.spec.rms_eps)
+        if x.shape[0] <= qmatvec.MAX_TOKENS:  # decode: read the stored head once, no dequantized slices
+            return self.weights.linear(x, "output.weight")
         out = x.new_empty(x.shape[0], self.spec.n_vocab)
         start = 0
         for w in self.weights.row_chunks("output.weight", HEAD_ROWS):  # one dequantized slice alive at a time
@@ -134,15 +141,15 @@ class Model:
 
     def attention(self, il: int, x: torch.Tensor, batch: Batch, cache: Cache) -> torch.Tensor:
         s, T = self.spec, x.shape[0]
-        q = F.linear(x, self.w(il, "attn_q")).view(T, s.n_head, s.head_dim)
+        q = self.linear(x, il, "attn_q").view(T, s.n_head, s.head_dim)
         out = self.attend(il, q, x, batch, cache)  # [T, H, Dh]
-        return F.linear(out.reshape(T, -1), self.w(il, "attn_output"))
+        return self.linear(out.reshape(T, -1), il, "attn_output")
 
     def attend(self, il: int, q: torch.Tensor, x: torch.Tensor, batch: Batch, cache: Cache) -> torch.Tensor:
         """Heads q [T, H, Dh] attend to keys and values projected from x (q/k norm, RoPE, KV cache)."""
         s, T = self.spec, x.shape[0]
-        k = F.linear(x, self.w(il, "attn_k")).view(T, s.n_head_kv, s.head_dim)
-        v = F.linear(x, self.w(il, "attn_v")).view(T, s.n_head_kv, s.head_dim)
+        k = self.linear(x, il, "attn_k").view(T, s.n_head_kv, s.head_dim)
+        v = self.linear(x, il, "attn_v").view(T, s.n_head_kv, s.head_dim)
         q = rope_neox(rms_norm(q, self.w(il, "attn_q_norm"), s.rms_eps), batch.cos, batch.sin)
         k = rope_neox(rms_norm(k, self.w(il, "attn_k_norm"), s.rms_eps), batch.cos, batch.sin)
         if batch.n_keys is None:

@@ -11,11 +11,13 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 
 import torch
+import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 from tqdm import tqdm
 
 from moestream.formats import quants
 from moestream.formats.gguf import TensorView, torch_bytes
+from moestream.kernels import qmatvec
 from moestream.kernels.dequant import dequantize
 
 FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
@@ -40,6 +42,14 @@ class DenseWeights(Mapping[str, torch.Tensor]):
             return self._floats[name]
         raw, qtype, shape = self._blocks[name]
         return dequantize(raw, qtype, shape, self.dtype)
+
+    def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """x @ W.T; for a few tokens straight from the stored blocks, without a dequantized copy."""
+        if name in self._blocks:
+            raw, qtype, shape = self._blocks[name]
+            if qmatvec.usable(x, qtype):
+                return qmatvec.matvec(raw, qtype, shape[0], x)
+        return F.linear(x, self[name])
 
     def row_chunks(self, name: str, rows: int) -> Iterator[torch.Tensor]:
         """The weight [R, C] in slices of `rows` rows, each dequantized only when reached.

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import torch
 
 from moestream.formats.gguf import TensorView, torch_bytes
-from moestream.kernels import gather
+from moestream.kernels import gather, qmatvec
 from moestream.kernels.dequant import dequantize
 from moestream.kernels.grouped_moe import runs_on_device
-from moestream.models.layers import expert_counts, moe_swiglu
+from moestream.models.layers import expert_counts, moe_swiglu, moe_swiglu_picked
 from moestream.offload.device import Device
 from moestream.offload.streamer import Streamer
 from moestream.profiling.timeline import NULL, Timeline
@@ -61,6 +61,22 @@ class ExpertTensors:
             return dequantized
 
         return tuple(make(raw, v) for raw, v in zip(raws, self.views, strict=True))
+
+
+def _matvec_serves(x: torch.Tensor, t: ExpertTensors) -> bool:
+    """A token or few on a GPU: the experts multiply straight from their stored blocks."""
+    return all(qmatvec.usable(x, v.qtype) for v in t.views)
+
+
+def _picked(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, raws, t: ExpertTensors) -> torch.Tensor:
+    """The chosen experts' SwiGLU by quantized matvecs over raws (device memory or page-locked host memory),
+    with ids indexing raws' stacks."""
+
+    def matvec(raw: torch.Tensor, v: TensorView):
+        return lambda picks, rows: qmatvec.matvec(raw, v.qtype, v.shape[1], rows, picks)
+
+    gate, up, down = (matvec(raw, v) for raw, v in zip(raws, t.views, strict=True))
+    return moe_swiglu_picked(x, weights, ids, gate, up, down)
 
 
 class LayerExperts:
@@ -152,6 +168,8 @@ class LayerExperts:
     def _on_device(self, il: int, t: ExpertTensors, raws, x, weights, ids) -> torch.Tensor:
         self.dev.compute()  # injected slowness on the CPU device; nothing on a GPU
         T, K = ids.shape
+        if _matvec_serves(x, t):
+            return _picked(x, weights, ids, raws, t)
         if T * K < t.n_expert:  # few tokens: dequantize just the chosen experts, one per token-expert pair
             pairs = torch.arange(T * K, device=x.device).view(T, K)
             stacks = t.stacks(raws, self.dtype, ids.reshape(-1), self.timeline, il)
@@ -178,6 +196,8 @@ class LayerExperts:
         if views is not None:
             self.dev.compute()
             with self.timeline.span("compute", "experts", **label):
+                if _matvec_serves(x, t):
+                    return _picked(x, weights, local.to(x.device)[ids], views, t)
                 return moe_swiglu(x, weights, local.to(x.device)[ids], used.numel(), *t.stacks(views, self.dtype))
         with self.timeline.span("compute", "experts-cpu", **label):
             stacks = t.stacks(t.host_bytes(), torch.float32, rows=used)

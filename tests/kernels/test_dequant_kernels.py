@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType as Q
 
 from moestream.formats import quants
 from moestream.formats.quantize import quantize
-from moestream.kernels.dequant import KERNELS, dequantize
+from moestream.kernels.dequant import TILES, dequantize
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -18,7 +18,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @cuda
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0])
 def test_kernel_matches_reference(qtype):
-    assert qtype in KERNELS
+    assert qtype in TILES
     x = (np.random.default_rng(0).standard_normal((6, 40, 512)) * 0.05).astype(np.float32)
     raw = torch.from_numpy(quantize(x, qtype)).cuda()
     ref = quants.dequantize(raw, qtype, x.shape, torch.float32)
