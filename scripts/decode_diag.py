@@ -62,10 +62,48 @@ def gather_rate(engine, reps: int = 50) -> None:
     print(f"gather: {K} experts of layer {streamed[0]} ({mib:.1f} MiB) in {ms:.3f} ms = {rate:.1f} GB/s")
 
 
+def matvec_rate(engine, reps: int = 50) -> None:
+    """Gate, up and down of 8 random experts by matvec, from VRAM and from page-locked host memory."""
+    from moestream.kernels import qmatvec
+
+    experts = engine.model.experts
+    streamed = [il for il in experts.tensors if il not in experts.resident]
+    layers = [("device", next(iter(experts.resident)))] + ([("host", streamed[0])] if streamed else [])
+    K, D = engine.spec.n_expert_used, engine.spec.n_embd
+    g = torch.Generator().manual_seed(0)
+    for rows in (8, 16, 32):
+        qmatvec.ROWS_PER_PROGRAM = rows
+        for where, il in layers:
+            t = experts.tensors[il]
+            raws = experts.resident[il] if where == "device" else t.host_bytes()
+            ids = [torch.randperm(t.n_expert, generator=g)[:K].cuda() for _ in range(reps)]
+            x = torch.randn(K, D, device="cuda", dtype=torch.bfloat16)
+            h = torch.randn(K, t.views[0].shape[1], device="cuda", dtype=torch.bfloat16)
+
+            def run(i, raws=raws, views=t.views, inputs=(x, x, h), ids=ids):
+                for raw, v, inp in zip(raws, views, inputs, strict=True):
+                    qmatvec.matvec(raw, v.qtype, v.shape[1], inp, ids[i])
+
+            for i in range(3):
+                run(i)
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for i in range(reps):
+                run(i)
+            b.record()
+            b.synchronize()
+            ms = a.elapsed_time(b) / reps
+            nbytes = K * (t.nbytes // t.n_expert)
+            rate = nbytes / ms / 1e6
+            print(f"matvec ROWS={rows} {where}: {K} experts of layer {il} in {ms:.3f} ms = {rate:.1f} GB/s")
+    qmatvec.ROWS_PER_PROGRAM = 16
+
+
 if __name__ == "__main__":
     path, *rest = sys.argv[1:]
     opts = dict(n_cpu_moe=26, streamed_layers="spread", vram_budget="12GiB") if "stream" in rest else {}
     e = moestream.load(path, device="cuda", progress=False, **opts)
     gather_rate(e)
+    matvec_rate(e)
     kernel_table(e)
     e.close()

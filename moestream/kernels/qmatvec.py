@@ -2,7 +2,7 @@
 
 Dequantizing a weight to bf16 and then multiplying writes and reads it twice more than it is stored; for a
 token or two that traffic, plus the extra launches, is the whole cost. These kernels read each block once,
-dequantize it in registers (the tiles of kernels/dequant.py) and accumulate in float32. The blocks may lie in
+unpack it in registers and accumulate in float32. The blocks may lie in
 device memory or in page-locked host memory, which the kernel then reads over the link itself, like
 kernels/gather.py. A stack of matrices (experts) is indexed per row of x, with the indices on the device.
 """
@@ -14,13 +14,74 @@ import contextlib
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from moestream.kernels.dequant import TILES, triton
+from moestream.kernels.dequant import triton
+
+Q = GGMLQuantizationType
 
 ROWS_PER_PROGRAM = 16
 MAX_TOKENS = 4  # above this, dequantizing once and multiplying on the tensor cores is cheaper
 
 if triton is not None:
     import triton.language as tl
+
+    from moestream.kernels.dequant import _f16_at
+
+    # Block dots: base [R, 1] points at the current block of R rows, xb at the block's slice of x, ok [R, 1]
+    # masks rows. Each returns [R, W] partial products of that block (summed by the caller at the end). They
+    # load the packed bytes as contiguous runs, each scale once per row, and unpack in registers.
+
+    @triton.jit
+    def _q4_k_scale_min(base, s: tl.constexpr, ok):
+        """The 6-bit scale and min of sub-block s (of 8), each [R, 1]."""
+        if s < 4:
+            sc = tl.load(base + 4 + s, mask=ok, other=0).to(tl.int32) & 63
+            mn = tl.load(base + 8 + s, mask=ok, other=0).to(tl.int32) & 63
+        else:
+            hi = tl.load(base + 8 + s, mask=ok, other=0).to(tl.int32)
+            sc = (hi & 15) | ((tl.load(base + s, mask=ok, other=0).to(tl.int32) >> 6) << 4)
+            mn = (hi >> 4) | ((tl.load(base + 4 + s, mask=ok, other=0).to(tl.int32) >> 6) << 4)
+        return sc.to(tl.float32), mn.to(tl.float32)
+
+    @triton.jit
+    def q4_k_dot(base, xb, ok):
+        d, dmin = _f16_at(base, 0, ok), _f16_at(base, 2, ok)
+        lane = tl.arange(0, 32)[None, :]
+        acc = tl.zeros_like(d) * lane  # [R, 32]
+        for j in tl.static_range(4):  # 32 bytes: low nibbles are sub-block 2j, high nibbles 2j+1
+            qs = tl.load(base + 16 + 32 * j + lane, mask=ok, other=0).to(tl.int32)
+            sc0, m0 = _q4_k_scale_min(base, 2 * j, ok)
+            sc1, m1 = _q4_k_scale_min(base, 2 * j + 1, ok)
+            x0 = tl.load(xb + 64 * j + lane).to(tl.float32)
+            x1 = tl.load(xb + 64 * j + 32 + lane).to(tl.float32)
+            acc += ((d * sc0) * (qs & 15).to(tl.float32) - dmin * m0) * x0
+            acc += ((d * sc1) * (qs >> 4).to(tl.float32) - dmin * m1) * x1
+        return acc
+
+    @triton.jit
+    def q6_k_dot(base, xb, ok):
+        d = _f16_at(base, 208, ok)
+        lane = tl.arange(0, 16)[None, :]
+        acc = tl.zeros_like(d) * lane  # [R, 16]
+        for h in tl.static_range(2):  # halves of 128: ql bytes 64h.., qh bytes 128+32h..
+            for k in tl.static_range(4):  # quarters of 32: low/high nibble of ql[k % 2 half], 2 bits of qh
+                for g in tl.static_range(2):  # 16 elements under one scale
+                    at = 32 * (k % 2) + 16 * g + lane
+                    ql = tl.load(base + 64 * h + at, mask=ok, other=0).to(tl.int32)
+                    qh = tl.load(base + 128 + 32 * h + 16 * g + lane, mask=ok, other=0).to(tl.int32)
+                    low = (ql & 15) if k < 2 else (ql >> 4)
+                    q = (low | (((qh >> (2 * k)) & 3) << 4)) - 32
+                    sc = tl.load(base + 192 + 8 * h + 2 * k + g, mask=ok, other=0).to(tl.int8, bitcast=True)
+                    xv = tl.load(xb + 128 * h + 32 * k + 16 * g + lane).to(tl.float32)
+                    acc += (d * sc.to(tl.float32)) * q.to(tl.float32) * xv
+        return acc
+
+    @triton.jit
+    def q8_0_dot(base, xb, ok):
+        lane = tl.arange(0, 32)[None, :]
+        q = tl.load(base + 2 + lane, mask=ok, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+        return (q * _f16_at(base, 0, ok)) * tl.load(xb + lane).to(tl.float32)
+
+    DOTS = {Q.Q4_K: q4_k_dot, Q.Q6_K: q6_k_dot, Q.Q8_0: q8_0_dot}
 
     @triton.jit
     def _matvec_kernel(
@@ -30,8 +91,8 @@ if triton is not None:
         mats,
         n_out,
         row_bytes,
-        N_BLOCKS: tl.constexpr,  # blocks per row (a handful of sizes per model: unrolled)
-        TILE: tl.constexpr,
+        N_BLOCKS: tl.constexpr,  # blocks per row (a handful of sizes per model): unrolled, all loads in flight
+        DOT: tl.constexpr,
         ELEMS: tl.constexpr,
         SIZE: tl.constexpr,
         STACKED: tl.constexpr,
@@ -42,17 +103,18 @@ if triton is not None:
         ok = (out < n_out)[:, None]
         mat = tl.load(mats + p).to(tl.int64) if STACKED else 0
         row = w + (mat * n_out + out[:, None].to(tl.int64)) * row_bytes  # [ROWS, 1] first block of each row
-        e = tl.arange(0, ELEMS)[None, :]
-        acc = tl.zeros([ROWS, ELEMS], dtype=tl.float32)
-        for j in range(N_BLOCKS):
-            xv = tl.load(x + p * N_BLOCKS * ELEMS + j * ELEMS + e).to(tl.float32)  # [1, ELEMS]
-            acc += TILE(row + j * SIZE, e, ok) * xv
+        xp = x + p * N_BLOCKS * ELEMS
+        acc = DOT(row, xp, ok)
+        for j in tl.static_range(1, N_BLOCKS):
+            acc += DOT(row + j * SIZE, xp + j * ELEMS, ok)
         tl.store(y + p * n_out + out, tl.sum(acc, axis=1), mask=out < n_out)
+else:
+    DOTS = {}
 
 
 def usable(x: torch.Tensor, qtype: GGMLQuantizationType) -> bool:
     """Whether matvec serves x [T, in] against a weight of this type here."""
-    return qtype in TILES and x.is_cuda and x.shape[0] <= MAX_TOKENS
+    return qtype in DOTS and x.is_cuda and x.shape[0] <= MAX_TOKENS
 
 
 def matvec(
@@ -81,7 +143,7 @@ def matvec(
             n_out,
             n_in // block * type_size,
             N_BLOCKS=n_in // block,
-            TILE=TILES[qtype],
+            DOT=DOTS[qtype],
             ELEMS=block,
             SIZE=type_size,
             STACKED=mats is not None,

@@ -133,10 +133,12 @@ class LayerExperts:
 
     def capturable(self, n_tokens: int, n_expert_used: int) -> bool:
         """Whether a static pass of n_tokens queues the same device work every time, with no host sync:
-        the grouped matmuls run on the device, and streamed layers (if any) gather their experts there."""
+        the expert products run on the device (matvecs, or grouped matmuls), and streamed layers (if any) read
+        their experts there."""
         t = next(iter(self.tensors.values()))
         _, n_ff, n_embd = t.views[0].shape
-        if not runs_on_device(self.dev.device, self.dtype, n_ff, n_embd):
+        probe = torch.empty((n_tokens, 0), device=self.dev.device)
+        if not _matvec_serves(probe, t) and not runs_on_device(self.dev.device, self.dtype, n_ff, n_embd):
             return False
         if len(self.resident) == len(self.tensors):
             return True

@@ -22,9 +22,12 @@ def steps(engine, tokens):
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qwen35moe"])
 @pytest.mark.parametrize("n_cpu_moe", [0, "all"])
-def test_replayed_steps_give_the_eager_steps_bits(model_file, preset, n_cpu_moe):
-    """Across a key bucket (256): replays equal the same static steps run eagerly (recording turns graphs off)."""
-    e = moestream.load(model_file(preset, "Q4_K_M"), device="cuda", progress=False, n_cpu_moe=n_cpu_moe)
+@pytest.mark.parametrize(("dtype", "tolerance"), [("bfloat16", 0.1), ("float32", 1e-4)])
+def test_replayed_steps_give_the_eager_steps_bits(model_file, preset, n_cpu_moe, dtype, tolerance):
+    """Across a key bucket (256): replays equal the same static steps run eagerly (recording turns graphs off),
+    and prefill's logits within the dtype's tolerance (other kernels: bf16 rounds weights, matvecs do not)."""
+    path = model_file(preset, "Q4_K_M")
+    e = moestream.load(path, device="cuda", dtype=dtype, progress=False, n_cpu_moe=n_cpu_moe)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # a refused capture warns and runs eagerly: not good enough here
@@ -39,7 +42,7 @@ def test_replayed_steps_give_the_eager_steps_bits(model_file, preset, n_cpu_moe)
         e.close()
     assert torch.equal(graphed, eager)
     graphed = graphed.cpu()
-    assert float((graphed - ref).abs().max() / ref.abs().max()) < 3e-2
+    assert float((graphed - ref).abs().max() / ref.abs().max()) < tolerance
 
 
 def test_streamed_decode_reads_the_chosen_experts_and_gives_resident_tokens(model_file):
