@@ -22,7 +22,7 @@ def steps(engine, tokens):
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qwen35moe"])
 @pytest.mark.parametrize("n_cpu_moe", [0, "all"])
-@pytest.mark.parametrize(("dtype", "tolerance"), [("bfloat16", 0.1), ("float32", 1e-4)])
+@pytest.mark.parametrize(("dtype", "tolerance"), [("bfloat16", 0.1), ("float32", 1e-2)])
 def test_replayed_steps_give_the_eager_steps_bits(model_file, preset, n_cpu_moe, dtype, tolerance):
     """Across a key bucket (256): replays equal the same static steps run eagerly (recording turns graphs off),
     and prefill's logits within the dtype's tolerance (other kernels: bf16 rounds weights, matvecs do not)."""
