@@ -82,6 +82,13 @@ def cmd_bench(a: argparse.Namespace) -> None:
         "same: greedy next token equals the first row's; * marks logits not bit-identical to the first row "
         "with the same ubatch"
     )
+    for r in rows:
+        if r.test.startswith("tg"):
+            n = int(r.test[2:])
+            print(
+                f"  {r.test} ncmoe {r.n_cpu_moe} {r.streamed_layers}: {r.seconds / n * 1e3:.2f} ms a token, "
+                f"{r.bytes_uploaded / n / 1e6:.1f} MB of experts fetched a token"
+            )
 
 
 def cmd_profile(a: argparse.Namespace) -> None:

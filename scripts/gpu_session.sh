@@ -43,10 +43,10 @@ for step in "$@"; do
                --stream serial,overlap,layer-major --trace "$OUT/trace_pp2048.json" --plot "$OUT/timeline_pp2048.png" \
                2>&1 | quiet | tee -a "$OUT/profile.txt" ;;
     decode) $MS bench -m $MODEL -ncmoe 0 -r 3 -p 0 -n 128 --no-floors 2>&1 | quiet | tee -a "$OUT/bench.txt"
-            for how in gather upload; do
-              $MS bench -m $MODEL -ncmoe 26 -r 3 -p 0 -n 128 --streamed-layers spread,first --small-batch $how \
-                --vram-budget 12GiB --no-floors 2>&1 | quiet | tee -a "$OUT/bench.txt"
-            done ;;
+            $MS bench -m $MODEL -ncmoe 26 -r 3 -p 0 -n 128 --streamed-layers spread,first --small-batch gather \
+              --vram-budget 12GiB --no-floors 2>&1 | quiet | tee -a "$OUT/bench.txt"
+            $MS bench -m $MODEL -ncmoe 26 -r 1 -p 0 -n 128 --streamed-layers spread --small-batch upload \
+              --vram-budget 12GiB --no-floors 2>&1 | quiet | tee -a "$OUT/bench.txt" ;;
     decodediag) python3 scripts/decode_diag.py $MODEL 2>&1 | tee -a "$OUT/diag.txt"
                 python3 scripts/decode_diag.py $MODEL stream 2>&1 | tee -a "$OUT/diag.txt" ;;
     alloc) for conf in "" "expandable_segments:True"; do  # A/B of the allocator under the 12 GiB cap
