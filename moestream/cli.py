@@ -37,9 +37,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("-n", "--n-gen", type=int_list, default=[0], help="decode lengths (0: prefill only)")
     bench.add_argument("-r", "--repetitions", type=int, default=3)
     bench.add_argument("--no-floors", action="store_true", help="skip the all-resident compute-floor runs")
-    bench.add_argument("--json", action="store_true", help="print rows as JSON")
+    bench.add_argument(
+        "-o",
+        "--output",
+        default="md",
+        choices=("md", "json", "csv", "jsonl"),
+        help="md (a table, printed as rows finish), json, csv or jsonl: llama-bench's field names, then ours",
+    )
+    bench.add_argument("--json", action="store_true", help="the same as -o json")
 
-    prof = sub.add_parser("profile", help="timeline of one prefill pass per schedule: idle %, link GB/s, overlap")
+    prof = sub.add_parser("profile", help="timeline of one prefill pass per schedule: idle %%, link GB/s, overlap")
     engine_flags(prof, lists=True)
     prof.add_argument("-p", "--n-prompt", type=int, default=2048, help="prompt length")
     prof.add_argument("-r", "--repetitions", type=int, default=3, help="passes timed with recording on and off")

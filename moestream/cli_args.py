@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from moestream.errors import MoestreamError
@@ -15,7 +16,7 @@ def engine_flags(p: argparse.ArgumentParser, lists: bool = False) -> None:
     p.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (default: cuda if present)")
     p.add_argument("--dtype", default="auto", help="float32, bfloat16 or float16 (default: bf16 on GPU, f32 on CPU)")
     p.add_argument("-ub", "--ubatch", type=num, default=[512] if lists else 512, help="prefill micro-batch size")
-    p.add_argument("-c", "--ctx", type=int, default=None, help="context size in tokens (default 4096)")
+    p.add_argument("-c", "--ctx", "--ctx-size", type=int, default=None, help="context size in tokens (default 4096)")
     p.add_argument(
         "-ncmoe",
         "--n-cpu-moe",
@@ -52,6 +53,93 @@ def engine_flags(p: argparse.ArgumentParser, lists: bool = False) -> None:
         "page-locked host memory (no host sync; needs page-locking, so not with --stream serial), or compute "
         "them on the CPU; auto (default): gather where a GPU can read the page-locked experts, else upload",
     )
+
+    p.add_argument(
+        "--host-memory",
+        default=None,
+        choices=("pinned", "pageable"),
+        help="streamed experts: page-locked in place (pinned, default) or copied from the pageable map",
+    )
+    llama_flags(p, lists)
+
+
+LOAD_MODES = {"none": "pinned", "mmap": "pageable"}  # llama.cpp --load-mode -> --host-memory
+
+# llama.cpp flags with no moestream counterpart, and what to use instead (one line each on exit 2)
+REJECTED = {
+    ("--no-mmap",): "moestream always maps the file; streamed experts are page-locked in place (-lm none)",
+    ("--mlock",): "streamed experts are page-locked in place by default (--host-memory pinned)",
+    ("-ot", "--override-tensor", "-cmoe"): "use -ncmoe N (or --cpu-moe) to keep experts in host RAM",
+    ("-ts", "--tensor-split", "-sm", "--split-mode"): "moestream runs on one GPU; pick it with --device cuda:N",
+    ("-mg", "--main-gpu", "-dev", "--devices"): "pick the GPU with --device cuda:N",
+    ("-ctk", "--cache-type-k", "-ctv", "--cache-type-v"): "the KV cache is kept in --dtype",
+    ("-nkvo", "--no-kv-offload"): "the KV cache lives on the compute device (--device)",
+    ("-np", "--parallel"): "moestream runs one sequence at a time",
+    ("-hf", "--hf-repo", "-hff", "--hf-file", "-mu", "--model-url"): "download the GGUF file and pass -m FILE",
+    ("-cnv", "--conversation", "-i", "--interactive", "--jinja", "-sys", "--system-prompt"): (
+        "moestream run --chat wraps the prompt in the file's chat template"
+    ),
+    ("-d", "--n-depth", "-pg"): "moestream bench has no equivalent yet: run -p and -n tests",
+    ("--numa",): "moestream has no equivalent",
+}
+
+
+class _Rejected(argparse.Action):
+    """A llama.cpp flag we do not take (hidden from --help): exit 2 with one line naming what to use instead."""
+
+    def __init__(self, option_strings, dest, instead: str = "", **kwargs):
+        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS)
+        self.instead = instead
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.exit(
+            2, f"moestream: error: {option_string} is a llama.cpp flag moestream does not take; {self.instead}\n"
+        )
+
+
+def llama_flags(p: argparse.ArgumentParser, lists: bool) -> None:
+    """llama.cpp's flags for the same job: accepted with their meaning where moestream has one, else exit 2."""
+    p.add_argument(
+        "-ngl",
+        "--n-gpu-layers",
+        "--gpu-layers",
+        default=None,
+        help="accepted for llama.cpp command lines: the dense part of every layer runs on --device",
+    )
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for CPU work (default: torch's)")
+    p.add_argument(
+        "-fa",
+        "--flash-attn",
+        nargs="?",
+        const="on",
+        default=None,
+        choices=("on", "off", "auto", "1", "0", "-1"),
+        help="accepted for llama.cpp command lines: attention always uses PyTorch's fused kernels",
+    )
+    p.add_argument("-b", "--batch-size", type=int, default=None, help="logical batch: caps -ub, as in llama.cpp")
+    p.add_argument(
+        "-lm",
+        "--load-mode",
+        default=None,
+        choices=tuple(LOAD_MODES),
+        help="llama.cpp's load mode: none = --host-memory pinned (default), mmap = --host-memory pageable",
+    )
+    for flags, instead in REJECTED.items():
+        p.add_argument(*flags, action=_Rejected, instead=instead)
+
+
+def llama_notes(a: argparse.Namespace) -> list[str]:
+    """What the accepted llama.cpp flags do here, where that is not what a llama.cpp user would expect."""
+    notes = []
+    for value in _str_list(a.n_gpu_layers) if a.n_gpu_layers is not None else []:
+        if value not in ("all", "auto", "-1") and not (value.lstrip("-").isdigit() and int(value) >= 99):
+            notes.append(
+                f"-ngl {value} is ignored: every layer's attention and dense weights run on --device; use "
+                "--n-cpu-moe to keep experts in host RAM, or --device cpu to run on the CPU"
+            )
+    if a.flash_attn in ("off", "0"):
+        notes.append("-fa off is ignored: attention always uses PyTorch's fused kernels")
+    return notes
 
 
 def _ncmoe(text: str) -> int | str:
@@ -93,9 +181,20 @@ def engine_options(a: argparse.Namespace) -> dict:
         stream_min_batch=a.stream_min_batch,
         streamed_layers=first(a.streamed_layers),
         small_batch=a.small_batch,
+        threads=a.threads,
     )
+    if a.batch_size is not None:
+        at_least(a.batch_size, 1, "-b")
+        opts["ubatch"] = min(opts["ubatch"], a.batch_size)  # as llama.cpp: a micro-batch fits in a batch
+    if a.host_memory is not None and a.load_mode is not None and a.host_memory != LOAD_MODES[a.load_mode]:
+        raise MoestreamError(f"-lm {a.load_mode} and --host-memory {a.host_memory} disagree; give one of them")
+    host_memory = a.host_memory or LOAD_MODES.get(a.load_mode)
+    if host_memory is not None:
+        opts["host_memory"] = host_memory
     if a.ctx is not None:
         opts["n_ctx"] = a.ctx
+    for note in llama_notes(a):
+        print(f"moestream: note: {note}", file=sys.stderr)
     return opts
 
 

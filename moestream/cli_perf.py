@@ -9,9 +9,7 @@ from moestream.errors import MoestreamError
 
 
 def cmd_bench(a: argparse.Namespace) -> None:
-    import json
-    from dataclasses import asdict
-
+    from moestream import cli_report
     from moestream.runtime.bench import run_bench
     from moestream.runtime.loader import load
 
@@ -22,48 +20,32 @@ def cmd_bench(a: argparse.Namespace) -> None:
         at_least(n, 0, "-n")
     if max(a.n_prompt) == 0 and max(a.n_gen) == 0:
         raise MoestreamError("-p 0 -n 0: nothing to measure; give a prompt length (-p) or a decode length (-n)")
+    fmt = "json" if a.json else a.output
     streams = a.stream or ["overlap"]
-    opts = engine_options(a) | {"progress": not a.json}
+    opts = engine_options(a) | {"progress": fmt == "md"}
     opts.setdefault("n_ctx", max(a.n_prompt) + max(a.n_gen) + 1)
     engine = load(a.model, **opts)
-    header = (
-        f"| {'model':<28} | {'size':>9} | {'ncmoe':>5} | {'layers':<6} | {'ub':>5} | {'stream':<11} | {'test':>7} | "
-        f"{'t/s':>18} | {'GB up':>7} | {'used':>5} | {'GB/s':>6} | {'cp GB/s':>7} | same |"
-    )
-
-    def show(r) -> None:
-        if not a.json:
-            same = ("yes" if r.same_tokens else "NO") + ("" if r.same_bits in (None, True) else "*")
-            cp = "-" if r.copy_gbs is None else f"{r.copy_gbs:.1f}"
-            print(
-                f"| {r.model[:28]:<28} | {r.size_gib:6.2f} GiB | {r.n_cpu_moe:>5} | {r.streamed_layers:<6} | "
-                f"{r.ubatch:>5} | "
-                f"{r.stream:<11} | {r.test:>7} | {r.tps:9.1f} ± {r.tps_std:6.1f} | {r.bytes_uploaded / 1e9:7.2f} | "
-                f"{r.experts_used:5.2f} | {r.link_gbs:6.1f} | {cp:>7} | {same:<4} |",
-                flush=True,
-            )
-
-    if not a.json:
-        print(header)
-        print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
+    info = cli_report.run_info(engine, a.batch_size or max(max(a.n_prompt), max(a.ubatch)))
+    if fmt == "md":
+        print(cli_report.md_header())
     try:
         rows, link = run_bench(
             engine,
             a.n_prompt,
             a.n_gen,
-            a.ubatch,
+            a.ubatch if a.batch_size is None else [min(u, a.batch_size) for u in a.ubatch],
             ["all" if a.cpu_moe else n for n in a.n_cpu_moe],
             streams,
             a.slots,
             a.streamed_layers,
             a.repetitions,
             floors=not a.no_floors,
-            progress=show,
+            progress=(lambda r: print(cli_report.md_row(r, info), flush=True)) if fmt == "md" else None,
         )
     finally:
         engine.close()
-    if a.json:
-        print(json.dumps({"link_gbs": link / 1e9, "rows": [asdict(r) for r in rows]}, indent=1))
+    if fmt != "md":
+        print(cli_report.render(fmt, [cli_report.record(r, info, link) for r in rows]))
         return
     print(f"\npinned host-to-device link: {link / 1e9:.1f} GB/s (measured now)")
     if not a.no_floors:
@@ -73,8 +55,8 @@ def cmd_bench(a: argparse.Namespace) -> None:
             print(
                 f"  ncmoe {r.n_cpu_moe:>2} ub {r.ubatch:>5} {r.stream:<11} {r.test:>7}: {r.seconds * 1e3:8.1f} ms; "
                 f"transfer {r.transfer_floor_s * 1e3:7.1f} ms, compute {r.compute_floor_s * 1e3:7.1f} ms, "
-                f"time / max(floors) = {r.seconds / bound if bound else float('nan'):.2f}; "
-                f"peak GPU memory {r.gpu_peak_gib:.2f} GiB"
+                f"time / max(floors) = {r.seconds / bound if bound else float('nan'):.2f}"
+                + (f"; peak GPU memory {r.gpu_peak_gib:.2f} GiB" if info["backends"] == "CUDA" else "")
             )
     print(
         "GB/s: bytes uploaded over the run; cp GB/s: over the time the copies took (the link while copying, "

@@ -31,11 +31,11 @@ def test_bench_json_rows_and_invariants(model_file, capsys):
         "1",
         "--stream-min-batch",
         "8",
-        "--json",
+        "-o",
+        "json",
     ]
     assert main(argv) == 0
-    out = json.loads(capsys.readouterr().out)
-    rows = out["rows"]
+    rows = json.loads(capsys.readouterr().out)
     assert len(rows) == 2 * 3 * 3  # n_cpu_moe x stream x (pp40, pp64, tg4)
     assert all(r["same_tokens"] for r in rows)
     assert all(r["same_bits"] in (None, True) for r in rows)

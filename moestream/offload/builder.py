@@ -28,6 +28,7 @@ class Offload:
     pinned: PinnedRanges | None
     bounce: bool  # registration was refused and bounce buffers carry the uploads
     owns_dev: bool  # made here (closed here) rather than handed in
+    note: str = ""  # how the asked placement was read, when not literally (said in the placement line)
 
     def close(self) -> None:
         if self.experts.streamer is not None:
@@ -43,7 +44,8 @@ class Offload:
         lines = [
             f"placement: {len(p.resident)} layers' experts on the device ({p.resident_bytes / gib:.2f} GiB), "
             f"{len(p.streamed)} streamed from host RAM ({p.host_bytes / gib:.2f} GiB)"
-            + (f": layers {p.streamed}" if p.spread else ""),
+            + (f": layers {p.streamed}" if p.spread else "")
+            + (f" ({self.note})" if self.note else ""),
         ]
         if p.streamed:
             pinned = self.pinned.nbytes if self.pinned is not None else 0
@@ -52,7 +54,7 @@ class Offload:
             elif pinned:
                 how = f"{pinned / gib:.2f} GiB page-locked in place"
             else:
-                how = "the mapped file, pageable (serial schedule or CPU device)"
+                how = "the mapped file, pageable (--host-memory pageable, serial schedule or CPU device)"
             lines.append(
                 f"staging: {len(self.experts.streamer.slots)} slots x {p.slot_bytes / 2**20:.1f} MiB; host: {how}"
             )
@@ -73,6 +75,10 @@ def build_offload(
         workspace=workspace_bytes(spec, opts.ubatch, n_ctx, dtype),
     )
     n_cpu_moe = spec.n_layer if opts.n_cpu_moe == "all" else opts.n_cpu_moe
+    note = ""
+    if isinstance(n_cpu_moe, int) and n_cpu_moe > spec.n_layer:  # llama.cpp users write -ncmoe 99 for "all"
+        note = f"--n-cpu-moe {n_cpu_moe} is more than the {spec.n_layer} layers: every layer streams, as in llama.cpp"
+        n_cpu_moe = spec.n_layer
     budget = parse_size(opts.vram_budget)
     placement = plan(
         [tensors[il].nbytes for il in range(spec.n_layer)],
@@ -92,7 +98,7 @@ def build_offload(
             resident[il] = [torch_bytes(v).to(device) for v in tensors[il].views]
         streamed = {il: HostLayer(tensors[il].host_bytes()) for il in placement.streamed}
         bounce = False
-        if streamed and pinned is not None and opts.stream != "serial":
+        if streamed and pinned is not None and opts.stream != "serial" and opts.host_memory == "pinned":
             bounce = not pinned.register([v.data for il in placement.streamed for v in tensors[il].views])
         overlap = opts.stream in ("overlap", "layer-major")
         streamer = Streamer(dev, streamed, placement.n_slots, overlap, bounce) if streamed else None
@@ -113,7 +119,7 @@ def build_offload(
         if owns_dev:
             dev.close()
         raise
-    off = Offload(placement, fp, experts, dev, pinned, bounce, owns_dev)
+    off = Offload(placement, fp, experts, dev, pinned, bounce, owns_dev, note)
     if opts.progress:
         print(off.describe(), file=sys.stderr)
     return off

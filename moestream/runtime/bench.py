@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,6 +38,8 @@ class BenchRow:
     compute_floor_s: float = 0.0  # the same test with every expert resident
     same_tokens: bool = True  # greedy next token equals the first row's
     same_bits: bool | None = None  # last logits identical to the first row with the same ubatch
+    samples_s: list[float] = field(default_factory=list)  # each timed run
+    small_batch: str = ""  # what micro-batches under --stream-min-batch did (auto resolved)
 
 
 def random_prompt(n: int, n_vocab: int, seed: int = 0) -> list[int]:
@@ -134,6 +136,8 @@ def run_bench(
                 copy_gbs,
                 peak,
                 transfer_floor_s=moved / link,
+                samples_s=list(times),
+                small_batch=engine.model.experts.small_batch,
             )
             if logits is not None:
                 tok = int(torch.argmax(logits[-1]))

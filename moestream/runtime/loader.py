@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
+
 from moestream.errors import MoestreamError
 from moestream.formats import quants
 from moestream.formats.gguf import GGUFFile
@@ -53,6 +55,8 @@ def load(path: str | os.PathLike[str], device_impl=None, **options: Any) -> Engi
     device_impl replaces the copy/compute device (tests pass a CpuDevice with injected delays).
     """
     opts = EngineOptions(**options)
+    if opts.threads is not None:
+        torch.set_num_threads(opts.threads)
     f = GGUFFile(path)
     try:
         arch, spec = describe(f)

@@ -28,6 +28,8 @@ class EngineOptions:
     stream_min_batch: int = 32  # smaller micro-batches do not upload whole layers: see small_batch
     small_batch: str = "auto"  # below stream_min_batch: "upload" the chosen experts, "gather" them, or "cpu";
     # auto: gather on a GPU that can read the page-locked experts, else upload
+    host_memory: str = "pinned"  # streamed experts: "pinned" (page-locked in place) or "pageable" (llama.cpp's mmap)
+    threads: int | None = None  # CPU threads for CPU work (torch's intra-op pool); None: torch's default
 
     def __post_init__(self) -> None:
         if self.device == "auto":
@@ -54,6 +56,10 @@ class EngineOptions:
             raise MoestreamError(f"--streamed-layers {self.streamed_layers}: expected first or spread")
         if self.small_batch not in ("auto", "upload", "gather", "cpu"):
             raise MoestreamError(f"--small-batch {self.small_batch}: expected auto, upload, gather or cpu")
+        if self.host_memory not in ("pinned", "pageable"):
+            raise MoestreamError(f"--host-memory {self.host_memory}: expected pinned or pageable")
+        if self.threads is not None and self.threads < 1:
+            raise MoestreamError(f"--threads {self.threads}: must be at least 1")
         if self.stream_min_batch < 1:
             raise MoestreamError(f"--stream-min-batch {self.stream_min_batch}: must be at least 1")
         if isinstance(self.n_cpu_moe, str) and self.n_cpu_moe not in ("auto", "all"):

@@ -102,7 +102,6 @@ def test_small_batches_skip_whole_layer_uploads(model_file, small_batch):
 @pytest.mark.parametrize(
     "opts,words",
     [
-        (dict(n_cpu_moe=3), ["--n-cpu-moe 3", "between 0 and 2"]),
         (dict(n_cpu_moe=-1), ["--n-cpu-moe -1"]),
         (dict(n_cpu_moe="auto"), ["--vram-budget"]),
         (dict(n_cpu_moe="auto", vram_budget="1MiB"), ["too small", "GiB"]),

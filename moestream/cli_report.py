@@ -1,0 +1,138 @@
+"""`moestream bench -o md|json|csv|jsonl`: rows under llama-bench's field names where they mean the same thing
+(so scripts that read llama-bench output read ours), then moestream's own streaming fields."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import platform
+import time
+from importlib.metadata import version
+
+import torch
+
+FORMATS = ("md", "json", "csv", "jsonl")
+TYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
+
+
+def run_info(engine, n_batch: int) -> dict:
+    """The fields every row of one bench run shares (llama-bench's names), read before the engine closes."""
+    f, spec = engine.source, engine.spec
+    cuda = engine.device.type == "cuda"
+    kv = TYPE_NAMES.get(engine.dtype, str(engine.dtype))
+    return {
+        "build_commit": f"moestream-{version('moestream')}",
+        "build_number": 0,
+        "cpu_info": _cpu_name(),
+        "gpu_info": torch.cuda.get_device_name(engine.device) if cuda else "",
+        "backends": "CUDA" if cuda else "CPU",
+        "model_filename": str(f.path),
+        "model_type": f"{spec.arch} {f.metadata.get('general.name', '')}".strip(),
+        "model_size": sum(t.nbytes for t in f.tensors.values()),
+        "model_n_params": sum(math.prod(t.shape) for t in f.tensors.values()),
+        "n_batch": n_batch,
+        "n_threads": torch.get_num_threads(),
+        "type_k": kv,
+        "type_v": kv,
+        "n_gpu_layers": spec.n_layer if cuda else 0,
+        "flash_attn": -1,  # PyTorch's fused attention picks its kernel
+        "use_mmap": True,
+        "host_memory": engine.options.host_memory,
+    }
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def record(row, info: dict, link_bps: float) -> dict:
+    """One row as llama-bench names it (n_prompt, n_gen, avg_ts...), then moestream's own fields."""
+    n = int(row.test[2:])
+    prompt = row.test.startswith("pp")
+    ns = [s * 1e9 for s in row.samples_s]
+    ts = [n / s for s in row.samples_s]
+    rec = info | {
+        "n_ubatch": row.ubatch,
+        "n_cpu_moe": row.n_cpu_moe,
+        "n_prompt": n if prompt else 0,
+        "n_gen": 0 if prompt else n,
+        "n_depth": 0,
+        "test_time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "avg_ns": round(sum(ns) / len(ns)),
+        "stddev_ns": round(_stdev(ns)),
+        "avg_ts": row.tps,
+        "stddev_ts": _stdev(ts),
+        "samples_ns": [round(x) for x in ns],
+        "samples_ts": ts,
+    }
+    return rec | {
+        "test": row.test,
+        "stream": row.stream,
+        "slots": row.slots,
+        "streamed_layers": row.streamed_layers,
+        "small_batch": row.small_batch,
+        "bytes_uploaded": row.bytes_uploaded,
+        "experts_used": row.experts_used,
+        "link_gbs": row.link_gbs,
+        "copy_gbs": row.copy_gbs,
+        "pinned_link_gbs": link_bps / 1e9,
+        "gpu_peak_gib": row.gpu_peak_gib,
+        "transfer_floor_s": row.transfer_floor_s,
+        "compute_floor_s": row.compute_floor_s,
+        "same_tokens": row.same_tokens,
+        "same_bits": row.same_bits,
+    }
+
+
+def _stdev(xs: list[float]) -> float:
+    """Sample standard deviation (Bessel's correction, as llama-bench), 0 for one sample."""
+    if len(xs) < 2:
+        return 0.0
+    mean = sum(xs) / len(xs)
+    return math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1))
+
+
+def render(fmt: str, records: list[dict]) -> str:
+    """json: an array; jsonl: an object a line; csv: a header and a row each (without the per-run samples)."""
+    if fmt == "json":
+        return json.dumps(records, indent=1)
+    if fmt == "jsonl":
+        return "\n".join(json.dumps(r) for r in records)
+    out = io.StringIO()
+    fields = [k for k in records[0] if not k.startswith("samples_")] if records else []
+    writer = csv.DictWriter(out, fields, extrasaction="ignore", quoting=csv.QUOTE_NONNUMERIC, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(records)
+    return out.getvalue().rstrip("\n")
+
+
+MD_COLUMNS = (
+    f"| {'model':<28} | {'size':>10} | {'params':>9} | {'backend':<7} | {'n_cpu_moe':>9} | {'layers':<6} | "
+    f"{'n_ubatch':>8} | {'stream':<11} | {'test':>7} | {'t/s':>18} | {'GB up':>7} | {'used':>5} | {'GB/s':>6} | "
+    f"{'cp GB/s':>7} | same |"
+)
+
+
+def md_header() -> str:
+    """llama-bench's markdown columns (model, size, params, backend, n_ubatch, test, t/s) and the streaming ones."""
+    return MD_COLUMNS + "\n|" + "|".join("-" * len(c) for c in MD_COLUMNS.split("|")[1:-1]) + "|"
+
+
+def md_row(r, info: dict) -> str:
+    same = ("yes" if r.same_tokens else "NO") + ("" if r.same_bits in (None, True) else "*")
+    cp = "-" if r.copy_gbs is None else f"{r.copy_gbs:.1f}"
+    return (
+        f"| {r.model[:28]:<28} | {info['model_size'] / 2**30:6.2f} GiB | {info['model_n_params'] / 1e9:7.2f} B | "
+        f"{info['backends']:<7} | {r.n_cpu_moe:>9} | {r.streamed_layers:<6} | {r.ubatch:>8} | {r.stream:<11} | "
+        f"{r.test:>7} | {r.tps:9.2f} ± {r.tps_std:6.2f} | {r.bytes_uploaded / 1e9:7.2f} | {r.experts_used:5.2f} | "
+        f"{r.link_gbs:6.1f} | {cp:>7} | {same:<4} |"
+    )

@@ -1,0 +1,104 @@
+"""llama.cpp command lines: flags accepted with their meaning, the rest refused in one line naming ours, and
+`bench -o` under llama-bench's field names."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+
+import pytest
+import torch
+
+import moestream
+from moestream.cli import build_parser, main
+from moestream.cli_args import REJECTED, engine_options
+
+TOKENS = list(range(5, 45))
+
+
+def options(*flags: str) -> dict:
+    return engine_options(build_parser().parse_args(["run", "-m", "m.gguf", "-p", "hi", *flags]))
+
+
+def test_ncmoe_above_the_layer_count_streams_every_layer(model_file):
+    path = model_file("tiny", "Q4_K_M")  # 2 layers
+    e99 = moestream.load(path, device="cpu", progress=False, n_cpu_moe=99, ubatch=16)
+    eall = moestream.load(path, device="cpu", progress=False, n_cpu_moe="all", ubatch=16)
+    try:
+        assert e99.offload.placement.streamed == [0, 1]
+        assert "--n-cpu-moe 99 is more than the 2 layers" in e99.offload.describe()
+        assert torch.equal(e99.logits(TOKENS), eall.logits(TOKENS))
+    finally:
+        e99.close()
+        eall.close()
+
+
+def test_threads_set_the_cpu_pool(model_file):
+    saved = torch.get_num_threads()
+    try:
+        assert options("-t", "1")["threads"] == 1
+        moestream.load(model_file("tiny", "F32"), device="cpu", progress=False, threads=1).close()
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_batch_size_caps_the_micro_batch_and_ctx_size_sets_the_context():
+    assert options("-ub", "256", "-b", "64")["ubatch"] == 64
+    assert options("-ub", "32", "-b", "64")["ubatch"] == 32
+    assert options("--ctx-size", "1024")["n_ctx"] == options("-c", "1024")["n_ctx"] == 1024
+
+
+def test_load_mode_maps_to_host_memory(model_file, capsys):
+    assert options("-lm", "mmap")["host_memory"] == "pageable"
+    assert options("-lm", "none")["host_memory"] == "pinned"
+    assert "host_memory" not in options()  # the engine's default: pinned
+    code = main(["run", "-m", model_file("tiny", "F32"), "-p", "hi", "-lm", "none", "--host-memory", "pageable"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "-lm none" in err[0]
+
+
+@pytest.mark.parametrize(
+    ("flags", "note"),
+    [
+        (["-ngl", "99"], None),
+        (["-ngl", "20"], "-ngl 20 is ignored"),
+        (["-fa"], None),
+        (["-fa", "off"], "-fa off is ignored"),
+    ],
+)
+def test_ngl_and_fa_are_accepted_and_say_when_ignored(model_file, capsys, flags, note):
+    argv = ["run", "-m", model_file("tiny", "F32"), "-p", "hi", "-n", "2", "--device", "cpu", *flags]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert (note in err) if note else ("note:" not in err)
+
+
+@pytest.mark.parametrize("group", list(REJECTED))
+def test_other_llama_flags_get_one_line_naming_ours(capsys, group):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["run", "-m", "m.gguf", "-p", "hi", group[0], "x"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1
+    assert group[0] in err[0] and REJECTED[group] in err[0]
+
+
+@pytest.mark.parametrize("fmt", ["json", "jsonl", "csv"])
+def test_bench_output_uses_llama_bench_names(model_file, capsys, fmt):
+    path = model_file("tiny", "Q4_K_M")
+    argv = ["bench", "-m", path, "--device", "cpu", "-p", "32", "-n", "3", "-ub", "16", "-b", "8", "-r", "2"]
+    assert main([*argv, "-ncmoe", "99", "--no-floors", "-o", fmt]) == 0
+    out = capsys.readouterr().out
+    if fmt == "json":
+        rows = json.loads(out)
+    elif fmt == "jsonl":
+        rows = [json.loads(line) for line in out.strip().splitlines()]
+    else:
+        rows = list(csv.DictReader(io.StringIO(out)))
+    assert [(int(r["n_prompt"]), int(r["n_gen"])) for r in rows] == [(32, 0), (0, 3)]
+    for r in rows:
+        assert int(r["n_ubatch"]) == 8 and int(r["n_cpu_moe"]) == 2 and r["model_filename"] == path
+        assert float(r["avg_ts"]) > 0 and int(r["avg_ns"]) > 0 and r["backends"] == "CPU"
+    if fmt != "csv":
+        assert all(len(r["samples_ns"]) == 2 for r in rows)
