@@ -14,6 +14,7 @@ import gguf
 import numpy as np
 
 from moestream.errors import MoestreamError
+from moestream.formats.gguf_check import check_gguf
 
 GGMLType = gguf.GGMLQuantizationType
 
@@ -38,7 +39,12 @@ class GGUFFile:
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
         if not self.path.is_file():
-            what = "is a directory" if self.path.is_dir() else "no such file"
+            if self.path.is_dir():
+                what = "is a directory"
+            elif self.path.exists():
+                what = "is not a regular file (a pipe or device cannot be memory-mapped)"
+            else:
+                what = "no such file"
             raise MoestreamError(f"{self.path}: {what}; pass the path of a .gguf model file")
         with open(self.path, "rb") as f:
             magic = f.read(4)
@@ -47,6 +53,7 @@ class GGUFFile:
                 f"{self.path}: not a GGUF file (starts with {magic!r}, expected b'GGUF'); "
                 "convert the model with llama.cpp's convert_hf_to_gguf.py or pass a .gguf file"
             )
+        check_gguf(self.path)  # bounded counts and llama.cpp's layout rules, before gguf allocates by them
         try:
             self._reader = gguf.GGUFReader(self.path, "r")
         except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError) as e:
