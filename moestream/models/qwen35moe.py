@@ -23,7 +23,7 @@ from moestream.models.deltanet import (
     prefill_rule,
 )
 from moestream.models.layers import Batch, Cache, imrope_text_cos_sin, rms_norm
-from moestream.models.spec import ModelSpec, common_spec_fields, read_key
+from moestream.models.spec import ModelSpec, common_spec_fields, read_int, read_key
 
 if TYPE_CHECKING:
     from moestream.models.presets import Preset
@@ -37,23 +37,26 @@ def read_spec(meta: dict[str, Any], n_vocab: int) -> ModelSpec:
     p = ARCH + "."
     fields = common_spec_fields(meta, ARCH, n_vocab)
     n_layer, head_dim = fields["n_layer"], fields["head_dim"]
-    k_heads = int(read_key(meta, p + "ssm.group_count"))
-    v_heads = int(read_key(meta, p + "ssm.time_step_rank"))
-    inner = int(read_key(meta, p + "ssm.inner_size"))
-    sections = [int(s) for s in read_key(meta, p + "rope.dimension_sections")]
+    k_heads = read_int(meta, p + "ssm.group_count")
+    v_heads = read_int(meta, p + "ssm.time_step_rank")
+    inner = read_int(meta, p + "ssm.inner_size")
+    sections = read_key(meta, p + "rope.dimension_sections")
     if k_heads <= 0 or v_heads <= 0 or v_heads % k_heads or inner % v_heads:
         raise MoestreamError(
             f"model metadata: {v_heads} delta-net value heads of {inner} channels in all "
             f"do not tile over {k_heads} key heads"
         )
-    if len(sections) != 4:
-        raise MoestreamError(f"model metadata: {p}rope.dimension_sections has {len(sections)} entries, expected 4")
-    if int(read_key(meta, p + "attention.value_length", head_dim)) != head_dim:
+    if not isinstance(sections, list) or len(sections) != 4 or not all(type(x) is int and x >= 0 for x in sections):
+        raise MoestreamError(f"model metadata: {p}rope.dimension_sections = {sections!r:.60} must be 4 counts")
+    if read_int(meta, p + "attention.value_length", head_dim) != head_dim:
         raise MoestreamError("model metadata: attention key and value head sizes differ; moestream needs them equal")
     if p + "attention.recurrent_layers" in meta:  # an explicit pattern wins over the interval
-        recurrent = [bool(r) for r in meta[p + "attention.recurrent_layers"]]
+        recurrent = meta[p + "attention.recurrent_layers"]
+        if not isinstance(recurrent, list) or not all(isinstance(r, bool | int) for r in recurrent):
+            raise MoestreamError(f"model metadata: {p}attention.recurrent_layers must be a list of booleans")
+        recurrent = [bool(r) for r in recurrent]
     else:
-        interval = int(read_key(meta, p + "full_attention_interval", 4))
+        interval = read_int(meta, p + "full_attention_interval", 4, lo=0)
         if interval <= 0:
             raise MoestreamError(f"model metadata: {p}full_attention_interval = {interval} must be positive")
         recurrent = [(il + 1) % interval != 0 for il in range(n_layer)]
@@ -62,15 +65,15 @@ def read_spec(meta: dict[str, Any], n_vocab: int) -> ModelSpec:
             f"model metadata: {p}attention.recurrent_layers has {len(recurrent)} entries for {n_layer} layers"
         )
     extra = dict(
-        conv_kernel=int(read_key(meta, p + "ssm.conv_kernel")),
+        conv_kernel=read_int(meta, p + "ssm.conv_kernel", hi=64),
         k_heads=k_heads,
         v_heads=v_heads,
-        k_dim=int(read_key(meta, p + "ssm.state_size")),
+        k_dim=read_int(meta, p + "ssm.state_size"),
         v_dim=inner // v_heads,
         rope_sections=tuple(sections),
         recurrent_layers=tuple(recurrent),
     )
-    n_ff_shexp = int(read_key(meta, p + "expert_shared_feed_forward_length"))
+    n_ff_shexp = read_int(meta, p + "expert_shared_feed_forward_length")
     return ModelSpec(**fields, n_ff_shexp=n_ff_shexp, extra=extra)
 
 

@@ -47,10 +47,10 @@ class ModelSpec:
             raise MoestreamError(
                 f"model metadata: {self.n_expert_used} experts used per token but only {self.n_expert} exist"
             )
-        if not 0 <= self.n_rot <= self.head_dim or self.n_rot % 2:
+        if not 0 <= self.n_rot <= self.head_dim or self.rot_dim % 2:
             raise MoestreamError(
-                f"model metadata: rope.dimension_count = {self.n_rot} must be even and at most the head size "
-                f"{self.head_dim}"
+                f"model metadata: the rotated size (rope.dimension_count {self.n_rot}, else the head size "
+                f"{self.head_dim}) must be even and at most the head size"
             )
 
     @property
@@ -64,33 +64,56 @@ class ModelSpec:
         return self.n_rot or self.head_dim
 
 
-def read_key(meta: dict[str, Any], key: str, default: Any = None) -> Any:
-    """A required metadata value, or one clear error naming the key."""
+MISSING = object()
+MAX_COUNT = 1 << 20  # layers, heads, experts, widths: far above any real model, far below what exhausts memory
+MAX_CONTEXT = 1 << 24
+
+
+def read_key(meta: dict[str, Any], key: str, default: Any = MISSING) -> Any:
+    """A metadata value as stored, or one clear error naming the missing key."""
     if key in meta:
         return meta[key]
-    if default is not None:
+    if default is not MISSING:
         return default
     raise MoestreamError(f"model metadata key {key} is missing; the file is incomplete or from an unknown converter")
+
+
+def read_int(meta: dict[str, Any], key: str, default: Any = MISSING, lo: int = 1, hi: int = MAX_COUNT) -> int:
+    """An integer key in [lo, hi]: a float, a string, a list or a number out of range is a clear error."""
+    value = read_key(meta, key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise MoestreamError(f"model metadata: {key} = {value!r:.60} must be an integer; the file is damaged")
+    if not lo <= value <= hi:
+        raise MoestreamError(f"model metadata: {key} = {value} must be between {lo} and {hi}; the file is damaged")
+    return value
+
+
+def read_float(meta: dict[str, Any], key: str, default: Any = MISSING, lo: float = 0.0, hi: float = 1e12) -> float:
+    """A finite number in (lo, hi]."""
+    value = read_key(meta, key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not lo < value <= hi:
+        raise MoestreamError(f"model metadata: {key} = {value!r:.60} must be a number in ({lo:g}, {hi:g}]")
+    return float(value)
 
 
 def common_spec_fields(meta: dict[str, Any], arch: str, n_vocab: int) -> dict[str, Any]:
     """The fields every MoE architecture stores under `{arch}.*` keys; n_vocab comes from the embedding."""
     p = arch + "."
-    n_head = int(read_key(meta, p + "attention.head_count"))
-    n_embd = int(read_key(meta, p + "embedding_length"))
+    n_head = read_int(meta, p + "attention.head_count")
+    n_embd = read_int(meta, p + "embedding_length")
     return dict(
         arch=arch,
-        n_layer=int(read_key(meta, p + "block_count")),
+        n_layer=read_int(meta, p + "block_count", hi=4096),
         n_embd=n_embd,
         n_head=n_head,
-        n_head_kv=int(read_key(meta, p + "attention.head_count_kv", n_head)),
-        head_dim=int(read_key(meta, p + "attention.key_length", n_embd // n_head if n_head > 0 else 0)),
-        n_expert=int(read_key(meta, p + "expert_count")),
-        n_expert_used=int(read_key(meta, p + "expert_used_count")),
-        n_ff_exp=int(read_key(meta, p + "expert_feed_forward_length")),
+        n_head_kv=read_int(meta, p + "attention.head_count_kv", n_head),
+        head_dim=read_int(meta, p + "attention.key_length", max(n_embd // n_head, 1)),
+        n_expert=read_int(meta, p + "expert_count", hi=4096),
+        n_expert_used=read_int(meta, p + "expert_used_count", hi=4096),
+        n_ff_exp=read_int(meta, p + "expert_feed_forward_length"),
         n_vocab=n_vocab,
-        n_ctx_train=int(read_key(meta, p + "context_length")),
-        rope_base=float(read_key(meta, p + "rope.freq_base", 10000.0)),
-        rms_eps=float(read_key(meta, p + "attention.layer_norm_rms_epsilon")),
-        n_rot=int(meta.get(p + "rope.dimension_count", 0)),
+        n_ctx_train=read_int(meta, p + "context_length", hi=MAX_CONTEXT),
+        rope_base=read_float(meta, p + "rope.freq_base", 10000.0),
+        rms_eps=read_float(meta, p + "attention.layer_norm_rms_epsilon", hi=1.0),
+        n_rot=read_int(meta, p + "rope.dimension_count", 0, lo=0),
     )

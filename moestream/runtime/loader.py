@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -32,16 +33,24 @@ def describe(f: GGUFFile):
     expected = arch.tensor_shapes(spec, tied_output="output.weight" not in f.tensors)
     for name, shape in expected.items():
         t = f.tensor(name)  # a missing tensor is a named error
-        if _squeezed(t.shape) != _squeezed(shape):  # {n, 1} and {n} are the same tensor (converters differ)
+        if _squeezed(t.shape) != _squeezed(shape):  # {n, 1}, {n} and {n, 1, 1, 1} are the same tensor
             raise MoestreamError(
                 f"{f.path}: tensor {name} has shape {list(t.shape)}, expected {list(shape)} from the metadata; "
                 "the file is damaged or its metadata disagrees with its weights"
             )
+        if t.shape != shape:  # read it in the shape the model uses
+            f.tensors[name] = dataclasses.replace(t, shape=shape, data=t.data.reshape(*shape[:-1], -1))
         if t.qtype not in quants.SUPPORTED:
             raise MoestreamError(
                 f"{f.path}: tensor {name} has type {t.qtype.name}, which moestream cannot dequantize "
                 f"(supported: {', '.join(sorted(q.name for q in quants.SUPPORTED))}); requantize the model"
             )
+    extra = [name for name in f.tensors if name not in expected]
+    if extra:
+        raise MoestreamError(
+            f"{f.path}: {len(extra)} tensors are not part of a {spec.arch} model of {spec.n_layer} layers (first: "
+            f"{extra[0]}); the metadata and the weights disagree (llama.cpp refuses such a file too)"
+        )
     return arch, spec
 
 
