@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import codecs
 import json
+import sys
+import time
 from collections import Counter
 from datetime import datetime
 from functools import cache
@@ -122,22 +124,32 @@ class Tokenizer:
             raise MoestreamError(
                 f"tokenizer.ggml.pre is {pre!r}; moestream supports the pre-tokenizers {sorted(_SPLIT_REGEX)}"
             )
-        tokens = list(meta.get("tokenizer.ggml.tokens", []))
+        tokens = _list_of(meta, "tokenizer.ggml.tokens", str, [])
         if not tokens:
             raise MoestreamError("the model file has no vocabulary (tokenizer.ggml.tokens)")
-        types = list(meta.get("tokenizer.ggml.token_type", [NORMAL] * len(tokens)))
+        types = _list_of(meta, "tokenizer.ggml.token_type", int, [NORMAL] * len(tokens))
         if len(types) != len(tokens):
             raise MoestreamError(f"tokenizer metadata has {len(tokens)} tokens but {len(types)} token types")
         ids = {k: meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "eot", "eom")}
         for key, i in ids.items():
-            if i is not None and not 0 <= i < len(tokens):
-                raise MoestreamError(f"tokenizer.ggml.{key}_token_id {i} is outside the {len(tokens)} tokens")
+            if i is not None and (isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(tokens)):
+                raise MoestreamError(f"tokenizer.ggml.{key}_token_id {i!r:.40} is not one of the {len(tokens)} tokens")
+        merge_texts = _list_of(meta, "tokenizer.ggml.merges", str, [])
+        bad = next((k for k, m in enumerate(merge_texts) if m.count(" ") != 1 or " " in (m[0], m[-1])), None)
+        if bad is not None:
+            raise MoestreamError(f"tokenizer.ggml.merges[{bad}] = {merge_texts[bad]!r:.40} is not two tokens")
+        template = meta.get("tokenizer.chat_template")
+        if template is not None and not isinstance(template, str):
+            raise MoestreamError("tokenizer.chat_template is not text")
 
         # A repeated merge keeps its first rank, as in llama.cpp (Hugging Face's BPE would keep the last).
-        merges = [tuple(m.split(" ", 1)) for m in dict.fromkeys(meta.get("tokenizer.ggml.merges", []))]
+        merges = [tuple(m.split(" ", 1)) for m in dict.fromkeys(merge_texts)]
         # Duplicate texts keep the last id, as llama.cpp's token_to_id map does.
         vocab = {text: i for i, text in enumerate(tokens)}
-        hf = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=merges))
+        try:
+            hf = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=merges))
+        except Exception as e:  # a merge of tokens that are not in the vocabulary...
+            raise MoestreamError(f"tokenizer metadata is malformed ({str(e)[:120]})") from None
         hf.pre_tokenizer = _pre_tokenizer(_SPLIT_REGEX[pre])
         # Control, unknown and user-defined tokens are matched whole in the raw text before splitting
         # (decoding is done here, so Hugging Face's special/non-special distinction does not matter).
@@ -158,7 +170,7 @@ class Tokenizer:
             eos_id=ids["eos"],
             eos_ids=frozenset(eos_ids),
             add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-            chat_template=meta.get("tokenizer.chat_template"),
+            chat_template=template,
         )
 
     @property
@@ -209,12 +221,29 @@ class Tokenizer:
             f"{name}_token": "" if i is None else self.tokens[i]
             for name, i in (("bos", self.bos_id), ("eos", self.eos_id))
         }
+        budget = _Budget()
+        template = _compile_template(self.chat_template)
+        previous = sys.gettrace()
+        sys.settrace(budget.trace)  # counts the template's own lines: loops over anything, not just range()
         try:
-            return _compile_template(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **special, **variables
+            chunks = template.generate(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                range=budget.range,
+                **special,
+                **variables,
             )
-        except jinja2.TemplateError as e:
-            raise MoestreamError(f"chat template: {e}") from e
+            return "".join(budget.take(chunk) for chunk in chunks)
+        except MoestreamError:
+            raise
+        except RecursionError:
+            raise MoestreamError("chat template: recursion too deep") from None
+        except MemoryError:
+            raise MoestreamError("chat template: ran out of memory while rendering") from None
+        except Exception as e:  # template errors, and whatever the template's own code raises
+            raise MoestreamError(f"chat template: {type(e).__name__}: {str(e)[:160]}") from None
+        finally:
+            sys.settrace(previous)
 
 
 class TextStream:
@@ -230,6 +259,72 @@ class TextStream:
     def flush(self) -> str:
         """Whatever is still held back at the end, as replacement characters if incomplete."""
         return self._utf8.decode(b"", final=True)
+
+
+def _list_of(meta: dict[str, Any], key: str, kind: type, default: list) -> list:
+    """A metadata list whose every entry has the given type, or one clear error."""
+    value = meta.get(key, default)
+    if not isinstance(value, list) or not all(isinstance(v, kind) and not isinstance(v, bool) for v in value):
+        raise MoestreamError(f"{key} must be a list of {kind.__name__} values; the file's tokenizer is damaged")
+    return value
+
+
+class _Budget:
+    """Limits one chat-template rendering: loop steps (every `range` counts its length, so nested loops add up),
+    output size and wall time. A template is code from the model file; it must not hang or exhaust memory."""
+
+    MAX_STEPS = 1_000_000
+    MAX_CHARS = 16 << 20
+    MAX_SECONDS = 5.0
+
+    def __init__(self) -> None:
+        self.steps = self.chars = 0
+        self.deadline = time.monotonic() + self.MAX_SECONDS
+
+    def check(self) -> None:
+        if self.steps > self.MAX_STEPS or self.chars > self.MAX_CHARS or time.monotonic() > self.deadline:
+            raise MoestreamError(
+                f"chat template: rendering went past its limits ({self.MAX_STEPS} loop steps, "
+                f"{self.MAX_CHARS >> 20} MiB of text, {self.MAX_SECONDS:g} s); the model's template is broken, "
+                "run without --chat"
+            )
+
+    def trace(self, frame, event: str, arg):
+        """sys.settrace hook: follow only frames of compiled template code, one step a line."""
+        return self._line if frame.f_code.co_filename == "<template>" else None
+
+    def _line(self, frame, event: str, arg):
+        if event == "line":
+            self.steps += 1
+            if self.steps % 1024 == 0:
+                self.check()
+        return self._line
+
+    def range(self, *args: int) -> range:
+        r = range(*args)
+        self.steps += len(r)
+        self.check()
+        return r
+
+    def take(self, chunk: str) -> str:
+        self.chars += len(chunk)
+        self.check()
+        return chunk
+
+
+class _LimitedSandbox(ImmutableSandboxedEnvironment):
+    """The sandbox transformers renders in, plus a size check on `*` and `**` (`'x' * 10**10`)."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
+        if operator == "**" and isinstance(right, int) and abs(right) > 1024:
+            raise jinja2.TemplateError(f"exponent {right} is too large")
+        if operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, str | list | tuple) and isinstance(n, int) and len(seq) * n > _Budget.MAX_CHARS:
+                    raise jinja2.TemplateError(f"repeating a sequence {n} times is too large")
+        return super().call_binop(context, operator, left, right)
 
 
 def _raise_exception(message: str) -> None:
@@ -249,14 +344,14 @@ def _tojson(
 @cache
 def _compile_template(source: str) -> jinja2.Template:
     """Compile as transformers does, so GGUF templates written for it render the same."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = _LimitedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     try:
         return env.from_string(source)
-    except jinja2.TemplateError as e:
-        raise MoestreamError(f"chat template does not compile: {e}") from e
+    except (jinja2.TemplateError, RecursionError, MemoryError, ValueError) as e:
+        raise MoestreamError(f"chat template does not compile: {str(e)[:160]}") from None
 
 
 # --- the tokenizer generated test models carry ---
