@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from collections import Counter
 
 from moestream.cli_args import at_least, engine_flags, engine_options, int_list, writable
@@ -14,6 +15,8 @@ from moestream.errors import MoestreamError
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moestream", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    _add = sub.add_parser
+    sub.add_parser = lambda *a, **k: _add(*a, formatter_class=argparse.ArgumentDefaultsHelpFormatter, **k)
 
     run = sub.add_parser("run", help="generate text from a prompt")
     engine_flags(run)
@@ -74,13 +77,30 @@ def cmd_run(a: argparse.Namespace) -> None:
     from moestream.runtime.loader import load
     from moestream.runtime.sampling import SamplingParams
 
+    if not a.prompt:
+        raise MoestreamError("-p: the prompt is empty; give some text")
+    at_least(a.n_predict, 0, "-n")
     params = SamplingParams(max_tokens=a.n_predict, temperature=a.temp, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
     engine = load(a.model, **engine_options(a))
+    if str(engine.source.metadata.get("general.name", "")).startswith("moestream-generated"):
+        print(
+            "moestream: note: this model has random weights (moestream make-model): expect gibberish", file=sys.stderr
+        )
     try:
         gen = engine.generate(a.prompt, params, chat=a.chat, on_text=lambda s: print(s, end="", flush=True))
+    except KeyboardInterrupt as e:  # say what was done before the interrupt, then exit 130
+        gen = getattr(e, "generation", None)
+        if gen is not None:
+            print()
+            _print_stats(gen)
+        raise
     finally:
         engine.close()
     print()
+    _print_stats(gen)
+
+
+def _print_stats(gen) -> None:
     print(
         f"prompt {len(gen.prompt_tokens)} tokens, {gen.prefill_tps:.1f} tok/s | "
         f"generated {len(gen.tokens)} tokens, {gen.decode_tps:.1f} tok/s | stop: {gen.stop_reason}",
@@ -157,9 +177,14 @@ COMMANDS = {
 }
 
 
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"moestream: warning: {message}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    warnings.showwarning = _one_line_warning
     try:
+        args = build_parser().parse_args(argv)
         COMMANDS[args.command](args)
     except MoestreamError as e:
         print(f"moestream: error: {e}", file=sys.stderr)
@@ -175,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     except KeyboardInterrupt:
+        print("\nmoestream: interrupted", file=sys.stderr)  # the engine closed on the way out: memory unpinned
         return 130
     return 0
 

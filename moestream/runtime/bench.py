@@ -124,7 +124,7 @@ def run_bench(
                 engine.offload.placement.n_cpu_moe,
                 ub,
                 stream,
-                k,
+                len(streamer.slots) if (streamer := engine.model.experts.streamer) else k,  # what ran
                 pick,
                 test,
                 statistics.mean(tps),

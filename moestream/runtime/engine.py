@@ -27,7 +27,7 @@ class Generation:
     prompt_tokens: list[int]
     tokens: list[int] = field(default_factory=list)
     text: str = ""
-    stop_reason: str = "length"  # length | eos | context
+    stop_reason: str = "length"  # length | eos | context | interrupted
     prefill_s: float = 0.0
     decode_s: float = 0.0
 
@@ -51,6 +51,12 @@ class Engine:
         self.options = options
         self.source = source  # the open GGUF file the weights map, closed with the engine
         self.n_ctx = min(options.n_ctx, self.spec.n_ctx_train) if self.spec.n_ctx_train else options.n_ctx
+        if options.n_ctx > self.n_ctx:
+            warnings.warn(
+                f"--ctx {options.n_ctx} is more than the {self.n_ctx} positions the model was trained for; "
+                f"using {self.n_ctx}",
+                stacklevel=2,
+            )
         self._graphs: weakref.WeakKeyDictionary[SequenceCache, StepGraphs] = weakref.WeakKeyDictionary()
         self._graphs_ok = True  # False once a capture failed: later steps run eagerly
         self._cache: SequenceCache | None = None  # generate()'s, reused so its captured steps are too
@@ -245,6 +251,17 @@ class Engine:
         gen.prefill_s = time.perf_counter() - t0
 
         t0 = time.perf_counter()
+        try:
+            self._decode(gen, token, cache, sampler, stream, params, on_text)
+        except KeyboardInterrupt as e:
+            gen.stop_reason = "interrupted"
+            gen.decode_s = time.perf_counter() - t0
+            e.generation = gen  # what was generated so far, for the caller's report
+            raise
+        gen.decode_s = time.perf_counter() - t0
+        return gen
+
+    def _decode(self, gen: Generation, token: int, cache, sampler, stream, params, on_text) -> None:
         while params.max_tokens > 0:
             if params.stop_at_eos and self.tokenizer is not None and token in self.tokenizer.eos_ids:
                 gen.stop_reason = "eos"
@@ -265,8 +282,6 @@ class Engine:
             gen.text += rest
             if on_text:
                 on_text(rest)
-        gen.decode_s = time.perf_counter() - t0
-        return gen
 
     def close(self) -> None:
         """Wait for copies, unpin, lift the VRAM cap, drop every view of the map, then close it."""

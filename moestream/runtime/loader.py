@@ -101,7 +101,14 @@ def load_tokenizer(f: GGUFFile):
         return None
     from moestream.formats.tokenizer import Tokenizer
 
-    return Tokenizer.from_metadata(f.metadata)
+    tokenizer = Tokenizer.from_metadata(f.metadata)
+    rows = f.tensor("token_embd.weight").shape[0]
+    if tokenizer.vocab_size != rows:  # llama.cpp sizes the embedding by the vocabulary and refuses a mismatch
+        raise MoestreamError(
+            f"{f.path}: the tokenizer has {tokenizer.vocab_size} tokens but token_embd.weight has {rows} rows; "
+            "the file is damaged or was assembled from different models"
+        )
+    return tokenizer
 
 
 def expert_bytes_per_layer(f: GGUFFile, spec: ModelSpec) -> list[int]:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
 
 from moestream.errors import MoestreamError
+from moestream.offload.placement import parse_size
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 STREAMS = ("serial", "pinned", "overlap", "layer-major")
@@ -67,6 +69,17 @@ class EngineOptions:
                 self.n_cpu_moe = int(self.n_cpu_moe)
             except ValueError:
                 raise MoestreamError(f"--n-cpu-moe {self.n_cpu_moe}: expected a layer count, all or auto") from None
+
+        if isinstance(self.n_cpu_moe, int) and self.n_cpu_moe < 0:
+            raise MoestreamError(f"--n-cpu-moe {self.n_cpu_moe}: must be 0 or more (a layer count), all or auto")
+        if self.vram_budget is not None:
+            parse_size(self.vram_budget)  # a bad size is an error now, not after loading the model
+            if self.device == "cpu":
+                warnings.warn(
+                    "--vram-budget with --device cpu only decides which layers stream (as if the CPU were the "
+                    "GPU); no memory is capped",
+                    stacklevel=3,
+                )
 
     @property
     def torch_device(self) -> torch.device:
