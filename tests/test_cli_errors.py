@@ -14,8 +14,9 @@ from moestream.formats.gguf import GGUFFile
 from moestream.formats.writer import TensorPlan, write_gguf
 
 
-def rewrite(src: str, dst, meta_changes=None, drop=(), retype=None) -> str:
-    """Copy a GGUF file, changing metadata, dropping tensors or giving one tensor another type (random bytes)."""
+def rewrite(src: str, dst, meta_changes=None, drop=(), retype=None, reshape=None) -> str:
+    """Copy a GGUF file, changing metadata, dropping tensors, giving one tensor another type (random bytes) or
+    storing one under another shape of the same size (reshape=(name, shape))."""
     with GGUFFile(src) as f:
         meta = dict(f.metadata) | (meta_changes or {})
         plans, data = [], {}
@@ -23,12 +24,13 @@ def rewrite(src: str, dst, meta_changes=None, drop=(), retype=None) -> str:
             if name in drop:
                 continue
             qtype = retype[1] if retype and retype[0] == name else t.qtype
-            plans.append(TensorPlan(name, qtype, t.shape))
-            data[name] = np.array(t.data) if qtype == t.qtype else None
+            shape = reshape[1] if reshape and reshape[0] == name else t.shape
+            plans.append(TensorPlan(name, qtype, shape))
+            data[name] = np.array(t.data).reshape(-1) if qtype == t.qtype else None
 
         def produce(p):
             return (
-                data[p.name]
+                data[p.name].reshape(p.byte_shape)
                 if data[p.name] is not None
                 else np.random.default_rng(0).integers(0, 255, p.byte_shape, dtype=np.uint8)
             )

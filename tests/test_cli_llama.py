@@ -102,3 +102,13 @@ def test_bench_output_uses_llama_bench_names(model_file, capsys, fmt):
         assert float(r["avg_ts"]) > 0 and int(r["avg_ns"]) > 0 and r["backends"] == "CPU"
     if fmt != "csv":
         assert all(len(r["samples_ns"]) == 2 for r in rows)
+
+
+@pytest.mark.parametrize("command", [[], ["run"], ["bench"], ["profile"], ["probe"], ["info"], ["make-model"]])
+def test_help_of_every_command(capsys, command):
+    with pytest.raises(SystemExit) as e:
+        main([*command, "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "usage: moestream" in out
+    if command in (["run"], ["bench"]):
+        assert "(default: 512)" in out or "(default: [512])" in out  # -ub shows its default

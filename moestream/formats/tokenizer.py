@@ -140,7 +140,7 @@ class Tokenizer:
             raise MoestreamError(f"tokenizer.ggml.merges[{bad}] = {merge_texts[bad]!r:.40} is not two tokens")
         template = meta.get("tokenizer.chat_template")
         if template is not None and not isinstance(template, str):
-            raise MoestreamError("tokenizer.chat_template is not text")
+            raise MoestreamError("the chat template (tokenizer.chat_template) is not text")
 
         # A repeated merge keeps its first rank, as in llama.cpp (Hugging Face's BPE would keep the last).
         merges = [tuple(m.split(" ", 1)) for m in dict.fromkeys(merge_texts)]
