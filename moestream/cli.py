@@ -64,6 +64,14 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_argument("-ub", "--ubatch", type=int, default=2048)
     probe.add_argument("-ncmoe", "--n-cpu-moe", type=int, default=0)
 
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)")
+    engine_flags(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8080)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ requests")
+    serve.add_argument("--max-seqs", type=int, default=4, help="sequences served at once (the rest queue)")
+    serve.add_argument("--max-tokens", type=int, default=4096, help="the largest max_tokens a request may ask")
+
     make = sub.add_parser("make-model", help="write a GGUF model with random weights of a preset's shapes")
     make.add_argument("out")
     make.add_argument("--preset", required=True)
@@ -157,6 +165,33 @@ def cmd_info(a: argparse.Namespace) -> None:
             )
 
 
+def cmd_serve(a: argparse.Namespace) -> None:
+    import uvicorn
+
+    from moestream.runtime.loader import load
+    from moestream.serving.app import create_app
+    from moestream.serving.scheduler import Scheduler
+
+    if not 0 < a.port < 65536:
+        raise MoestreamError(f"--port {a.port}: expected 1 to 65535")
+    at_least(a.max_seqs, 1, "--max-seqs")
+    at_least(a.max_tokens, 1, "--max-tokens")
+    engine = load(a.model, **engine_options(a))
+    try:
+        if engine.tokenizer is None:
+            raise MoestreamError(f"{a.model}: the file has no tokenizer; the server needs one to read prompts")
+        scheduler = Scheduler(engine, max_seqs=a.max_seqs)
+        try:
+            name = engine.source.path.name
+            app = create_app(scheduler, name, api_key=a.api_key, max_tokens=a.max_tokens)
+            print(f"moestream: serving {name} on http://{a.host}:{a.port}/v1 (Ctrl-C stops)", file=sys.stderr)
+            uvicorn.run(app, host=a.host, port=a.port, log_level="warning")  # returns on Ctrl-C, after draining
+        finally:
+            scheduler.stop()
+    finally:
+        engine.close()  # host memory unpinned
+
+
 def cmd_make_model(a: argparse.Namespace) -> None:
     from moestream.models.presets import get_preset
     from moestream.models.synthetic import make_model
@@ -174,6 +209,7 @@ COMMANDS = {
     "profile": cmd_profile,
     "probe": cmd_probe,
     "make-model": cmd_make_model,
+    "serve": cmd_serve,
 }
 
 

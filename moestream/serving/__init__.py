@@ -1,0 +1,1 @@
+"""`moestream serve`: an OpenAI-compatible HTTP server over one engine."""

@@ -1,0 +1,237 @@
+"""The HTTP side of `moestream serve`: OpenAI's /v1/models, /v1/completions and /v1/chat/completions
+(streamed as server-sent events or whole), /health and Prometheus /metrics, over a Scheduler."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from moestream.errors import MoestreamError
+from moestream.runtime.sampling import SamplingParams
+from moestream.serving.scheduler import Event, QueueFull, Scheduler
+from moestream.serving.scheduler import Request as Job
+
+MAX_BODY = 1 << 20  # bytes of a request
+MAX_STOPS = 4  # as OpenAI's API
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.kind = status, message, kind
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None, max_tokens: int = 4096) -> FastAPI:
+    engine = scheduler.engine
+    app = FastAPI(title="moestream")
+    started = time.time()
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        if request.url.path.startswith("/v1/") and api_key is not None:
+            if request.headers.get("authorization") != f"Bearer {api_key}":
+                return _error(401, "a valid API key is required (Authorization: Bearer KEY)", "authentication_error")
+        if int(request.headers.get("content-length") or 0) > MAX_BODY:
+            return _error(413, f"the request is larger than {MAX_BODY} bytes")
+        return await call_next(request)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError):
+        return _error(e.status, e.message, e.kind)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {
+            "object": "list",
+            "data": [{"id": model_id, "object": "model", "created": int(started), "owned_by": "moestream"}],
+        }
+
+    @app.get("/metrics")
+    async def metrics():
+        s = scheduler.stats
+        busy = s.prefill_s + s.decode_s
+        values = {
+            ("moestream_prompt_tokens_total", "counter", "prompt tokens run"): s.prompt_tokens,
+            ("moestream_generated_tokens_total", "counter", "tokens generated"): s.decode_tokens,
+            ("moestream_requests_total", "counter", "requests admitted"): s.requests,
+            ("moestream_requests_failed_total", "counter", "requests that ended in an error"): s.failed,
+            ("moestream_prefill_tokens_per_second", "gauge", "prompt tokens / time prefilling"): (
+                s.prompt_tokens / s.prefill_s if s.prefill_s else 0.0
+            ),
+            ("moestream_decode_tokens_per_second", "gauge", "generated tokens / time decoding"): (
+                s.decode_tokens / s.decode_s if s.decode_s else 0.0
+            ),
+            ("moestream_link_gigabytes_per_second", "gauge", "expert bytes moved / busy time, GB/s"): (
+                scheduler.link_bytes / busy / 1e9 if busy else 0.0
+            ),
+            ("moestream_queue_length", "gauge", "requests waiting"): scheduler.queue.qsize(),
+            ("moestream_running_sequences", "gauge", "sequences being served"): len(scheduler.running),
+        }
+        lines = []
+        for (name, kind, help_), value in values.items():
+            lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    async def body_of(request: Request) -> dict[str, Any]:
+        raw = await request.body()
+        if len(raw) > MAX_BODY:
+            raise ApiError(413, f"the request is larger than {MAX_BODY} bytes")
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            raise ApiError(400, "the request body is not JSON") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        return body
+
+    def job_of(body: dict[str, Any], prompt_tokens: list[int], emit) -> Job:
+        n = body.get("max_tokens", body.get("max_completion_tokens", 256))
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= max_tokens:
+            raise ApiError(400, f"max_tokens must be an integer from 0 to {max_tokens}")
+        if not prompt_tokens:
+            raise ApiError(400, "the prompt is empty")
+        if len(prompt_tokens) + n > engine.n_ctx:
+            raise ApiError(
+                400,
+                f"the prompt ({len(prompt_tokens)} tokens) plus max_tokens ({n}) is more than the context "
+                f"({engine.n_ctx}); shorten the prompt or lower max_tokens",
+            )
+        stop = body.get("stop") or []
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or len(stop) > MAX_STOPS or not all(isinstance(s, str) and s for s in stop):
+            raise ApiError(400, f"stop must be a string or a list of up to {MAX_STOPS} non-empty strings")
+        try:
+            params = SamplingParams(
+                max_tokens=n,
+                temperature=float(body.get("temperature", 1.0)),
+                top_p=float(body.get("top_p", 1.0)),
+                seed=body.get("seed"),
+                stop_at_eos=not body.get("ignore_eos", False),  # vLLM's extension, for benchmarks
+            )
+        except (MoestreamError, TypeError, ValueError) as e:
+            raise ApiError(400, f"bad sampling parameters: {e}") from None
+        return Job(prompt_tokens, params, emit, stop=stop)
+
+    def encode(text: Any, chat_messages: list | None = None) -> list[int]:
+        try:
+            if chat_messages is not None:
+                text = engine.tokenizer.apply_chat_template(chat_messages)
+                return engine.tokenizer.encode(text, add_special=False)
+            if not isinstance(text, str):
+                raise ApiError(400, "prompt must be a string")
+            return engine.tokenizer.encode(text)
+        except MoestreamError as e:
+            raise ApiError(400, str(e)) from None
+
+    async def run(body: dict[str, Any], prompt_tokens: list[int], chat: bool):
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        job = job_of(body, prompt_tokens, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+        try:
+            scheduler.submit(job)
+        except QueueFull as e:
+            raise ApiError(503, str(e), "server_busy") from None
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+
+        def chunk(text: str | None, finish: str | None, usage: dict | None = None) -> dict:
+            if chat:
+                delta = {} if text is None else {"role": "assistant", "content": text}
+                choice = {"index": 0, "delta": delta, "finish_reason": finish}
+                obj = "chat.completion.chunk"
+            else:
+                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+                obj = "text_completion"
+            out = {"id": rid, "object": obj, "created": created, "model": model_id, "choices": [choice]}
+            return out | ({"usage": usage} if usage else {})
+
+        def usage_of(ev: Event) -> dict:
+            return {
+                "prompt_tokens": ev.prompt_tokens,
+                "completion_tokens": ev.completion_tokens,
+                "total_tokens": ev.prompt_tokens + ev.completion_tokens,
+            }
+
+        if body.get("stream"):
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+
+            async def sse() -> AsyncIterator[str]:
+                try:
+                    while True:
+                        ev = await events.get()
+                        if ev.kind == "text":
+                            yield f"data: {json.dumps(chunk(ev.text, None))}\n\n"
+                        elif ev.kind == "done":
+                            yield f"data: {json.dumps(chunk(None, ev.finish_reason))}\n\n"
+                            if include_usage:
+                                last = chunk(None, None) | {"choices": [], "usage": usage_of(ev)}
+                                yield f"data: {json.dumps(last)}\n\n"
+                            yield "data: [DONE]\n\n"
+                            return
+                        else:
+                            yield f"data: {json.dumps({'error': {'message': ev.text, 'type': 'server_error'}})}\n\n"
+                            return
+                finally:
+                    job.cancelled.set()  # finished, failed or the client went away: free the sequence now
+
+            return StreamingResponse(sse(), media_type="text/event-stream")
+
+        text = ""
+        try:
+            while True:
+                ev = await events.get()
+                if ev.kind == "text":
+                    text += ev.text
+                elif ev.kind == "error":
+                    raise ApiError(500, ev.text, "server_error")
+                else:
+                    break
+        finally:
+            job.cancelled.set()
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": ev.finish_reason}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": ev.finish_reason, "logprobs": None}
+            obj = "text_completion"
+        return {
+            "id": rid,
+            "object": obj,
+            "created": created,
+            "model": model_id,
+            "choices": [choice],
+            "usage": usage_of(ev),
+        }
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await body_of(request)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        return await run(body, encode(prompt), chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await body_of(request)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise ApiError(400, "messages must be a non-empty list of {role, content} objects")
+        return await run(body, encode(None, messages), chat=True)
+
+    return app

@@ -1,0 +1,214 @@
+"""The one thread that drives the engine for the server: requests queue, up to max_seqs sequences run.
+
+Running sequences take turns: a turn advances each one by a step, either a chunk of its prompt (at most
+ubatch tokens, so a long prompt never stalls the others for long) or one generated token. Each sequence has
+its own cache, from a pool reused across requests (on a GPU their captured decode steps are reused too).
+Steps are not batched yet: sequences are interleaved, one forward pass each per turn.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from moestream.errors import MoestreamError
+from moestream.formats.tokenizer import TextStream
+from moestream.runtime.sampling import Sampler, SamplingParams
+
+
+@dataclass
+class Event:
+    kind: str  # text | done | error
+    text: str = ""
+    finish_reason: str = ""  # stop | length
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class Request:
+    prompt_tokens: list[int]
+    params: SamplingParams
+    emit: Callable[[Event], None]  # called on the scheduler thread; must not block
+    stop: list[str] = field(default_factory=list)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+class QueueFull(MoestreamError):
+    pass
+
+
+@dataclass
+class _Sequence:
+    req: Request
+    cache: object
+    sampler: Sampler
+    stream: TextStream | None
+    pending: list[int]  # prompt tokens not yet run
+    token: int | None = None  # sampled, not yet emitted
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    sent: int = 0  # characters of text already emitted
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    decode_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    requests: int = 0
+    failed: int = 0
+
+
+class Scheduler:
+    def __init__(self, engine, max_seqs: int = 4, max_queue: int = 64):
+        if max_seqs < 1 or max_queue < 1:
+            raise MoestreamError("--max-seqs and the queue must hold at least one request")
+        self.engine, self.max_seqs = engine, max_seqs
+        self.queue: queue.Queue[Request] = queue.Queue(max_queue)
+        self.running: list[_Sequence] = []
+        self.stats = Stats()
+        self._caches: list = []  # free caches, reused
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="moestream-scheduler", daemon=True)
+        self._thread.start()
+
+    def submit(self, req: Request) -> None:
+        try:
+            self.queue.put_nowait(req)
+        except queue.Full:
+            raise QueueFull(f"the server is busy: {self.queue.maxsize} requests already wait; retry later") from None
+        self._wake.set()
+
+    def stop(self) -> None:
+        """Drain: stop taking turns, end every sequence, wait for the thread (the engine is then idle)."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join()
+
+    @property
+    def link_bytes(self) -> int:
+        return self.engine.model.experts.bytes_moved if self.engine.model is not None else 0
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._admit()
+            if not self.running:
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            for seq in list(self.running):
+                if seq.req.cancelled.is_set():
+                    self._release(seq)
+                    continue
+                try:
+                    self._advance(seq)
+                except Exception as e:  # this request fails; the others and the server go on
+                    self.stats.failed += 1
+                    self._send(seq, Event("error", text=str(e).splitlines()[0] if str(e) else type(e).__name__))
+                    self._release(seq)
+        for seq in list(self.running):
+            self._send(seq, Event("error", text="the server is shutting down"))
+            self._release(seq)
+        while True:  # and those still waiting
+            try:
+                req = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            try:
+                req.emit(Event("error", text="the server is shutting down"))
+            except Exception:
+                pass  # its listener is gone already
+
+    @staticmethod
+    def _send(seq: _Sequence, event: Event) -> None:
+        """Hand an event to the request's listener; one that is gone (its event loop closed) ends the request."""
+        try:
+            seq.req.emit(event)
+        except Exception:
+            seq.req.cancelled.set()
+
+    def _admit(self) -> None:
+        while len(self.running) < self.max_seqs:
+            try:
+                req = self.queue.get_nowait()
+            except queue.Empty:
+                return
+            if req.cancelled.is_set():
+                continue
+            cache = self._caches.pop() if self._caches else self.engine.new_cache()
+            cache.reset()
+            tok = self.engine.tokenizer
+            stream = TextStream(tok) if tok is not None else None
+            self.running.append(_Sequence(req, cache, Sampler(req.params), stream, list(req.prompt_tokens)))
+            self.stats.requests += 1
+
+    def _release(self, seq: _Sequence) -> None:
+        self.running.remove(seq)
+        self._caches.append(seq.cache)
+
+    def _advance(self, seq: _Sequence) -> None:
+        engine, p = self.engine, seq.req.params
+        start = time.perf_counter()
+        if seq.pending:  # a chunk of the prompt
+            chunk, seq.pending = seq.pending[: engine.options.ubatch], seq.pending[engine.options.ubatch :]
+            logits = engine.forward(chunk, seq.cache)
+            self.stats.prompt_tokens += len(chunk)
+            self.stats.prefill_s += time.perf_counter() - start
+            if not seq.pending:
+                seq.token = seq.sampler(logits[-1])
+                if p.max_tokens == 0:
+                    self._finish(seq, "length")
+            return
+        token = seq.token
+        tok = engine.tokenizer
+        if p.stop_at_eos and tok is not None and token in tok.eos_ids:
+            self._finish(seq, "stop")
+            return
+        seq.tokens.append(token)
+        if seq.stream is not None:
+            seq.text += seq.stream.push(token)
+        if self._emit_text(seq):
+            return
+        if len(seq.tokens) >= p.max_tokens or seq.cache.n_past >= engine.n_ctx:
+            self._finish(seq, "length")
+            return
+        seq.token = seq.sampler(engine.forward([token], seq.cache)[-1])
+        self.stats.decode_tokens += 1
+        self.stats.decode_s += time.perf_counter() - start
+
+    def _emit_text(self, seq: _Sequence) -> bool:
+        """Send new text, holding back what could be the start of a stop string; True if a stop string ended it."""
+        stops = seq.req.stop
+        if stops:
+            hits = [i for s in stops if (i := seq.text.find(s, max(seq.sent - len(s) + 1, 0))) >= 0]
+            if hits:
+                seq.text = seq.text[: min(hits)]
+                self._finish(seq, "stop", flush=False)
+                return True
+        hold = max((len(s) - 1 for s in stops), default=0)
+        end = max(len(seq.text) - hold, seq.sent)
+        if end > seq.sent:
+            self._send(seq, Event("text", text=seq.text[seq.sent : end]))
+            seq.sent = end
+        return False
+
+    def _finish(self, seq: _Sequence, reason: str, flush: bool = True) -> None:
+        if seq.stream is not None and flush:  # bytes of an unfinished character
+            seq.text += seq.stream.flush()
+        if seq.sent < len(seq.text):
+            self._send(seq, Event("text", text=seq.text[seq.sent :]))
+        self._send(seq, 
+            Event(
+                "done",
+                finish_reason=reason,
+                prompt_tokens=len(seq.req.prompt_tokens),
+                completion_tokens=len(seq.tokens),
+            )
+        )
+        self._release(seq)

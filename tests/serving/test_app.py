@@ -1,0 +1,142 @@
+"""The server against the official openai client on 127.0.0.1, over a generated model on the CPU."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx2 as httpx
+import openai
+import pytest
+
+import moestream
+from moestream.runtime.sampling import SamplingParams
+from moestream.serving.local import LocalServer
+
+KEY = "test-key"
+QUESTIONS = ["The capital of France is", "Count: one two three", "Lighthouse keepers", "Bread needs flour and"]
+
+
+@pytest.fixture(scope="module")
+def model(model_file):
+    return model_file("tiny", "Q4_K_M")
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    engine = moestream.load(model, device="cpu", progress=False, n_ctx=4096, ubatch=16)
+    srv = LocalServer(engine, api_key=KEY)
+    yield srv
+    srv.stop()
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    """generate() on its own engine: what one request alone gives, greedy."""
+    engine = moestream.load(model, device="cpu", progress=False, n_ctx=4096, ubatch=16)
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+
+    def run(prompt: str, chat: bool):
+        gen = engine.generate(prompt, params, chat=chat)
+        return gen.text, len(gen.prompt_tokens), len(gen.tokens)
+
+    yield run
+    engine.close()
+
+
+def client(server, key: str = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url, api_key=key, max_retries=0, timeout=60)
+
+
+def metric(server, name: str) -> float:
+    text = httpx.get(server.url.removesuffix("/v1") + "/metrics").text
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
+
+
+def test_chat_whole_and_streamed_match_a_lone_generate(server, reference):
+    c = client(server)
+    want, n_prompt, n_gen = reference(QUESTIONS[0], chat=True)
+    r = c.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": QUESTIONS[0]}], max_tokens=12, temperature=0
+    )
+    assert r.choices[0].message.content == want
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (n_prompt, n_gen)
+    assert r.usage.total_tokens == n_prompt + n_gen
+    chunks = list(
+        c.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": QUESTIONS[0]}],
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == want
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == n_gen
+
+
+def test_completion_stops_at_a_stop_string(server, reference):
+    want, _, _ = reference(QUESTIONS[1], chat=False)
+    stop = want[4:7]
+    assert stop and want.find(stop) >= 0
+    r = client(server).completions.create(model="tiny", prompt=QUESTIONS[1], max_tokens=12, temperature=0, stop=stop)
+    assert r.choices[0].text == want[: want.find(stop)]
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_concurrent_requests_each_get_their_lone_answer(server, reference):
+    out: dict[str, str] = {}
+
+    def ask(q: str) -> None:
+        r = client(server).completions.create(model="tiny", prompt=q, max_tokens=12, temperature=0)
+        out[q] = r.choices[0].text
+
+    threads = [threading.Thread(target=ask, args=(q,)) for q in QUESTIONS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert out == {q: reference(q, chat=False)[0] for q in QUESTIONS}
+
+
+def test_api_key_is_required(server):
+    with pytest.raises(openai.AuthenticationError):
+        client(server, key="wrong").models.list()
+    assert [m.id for m in client(server).models.list().data] == ["tiny"]
+
+
+def test_oversized_and_too_long_requests_are_refused(server):
+    c = client(server)
+    with pytest.raises(openai.APIStatusError) as e:
+        c.completions.create(model="tiny", prompt="word " * 300_000, max_tokens=4)
+    assert e.value.status_code == 413
+    with pytest.raises(openai.BadRequestError, match="context"):
+        c.completions.create(model="tiny", prompt="hello", max_tokens=4095)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        c.completions.create(model="tiny", prompt="hello", max_tokens=-1)
+
+
+def test_a_client_that_goes_away_frees_its_sequence(server):
+    body = {"model": "tiny", "prompt": "Once", "max_tokens": 4000, "temperature": 0, "stream": True, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.stream("POST", server.url + "/completions", json=body, headers=headers, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()  # kept: a dropped line iterator closes the stream
+        first = next(lines)  # generation is under way
+        assert "error" not in first, first
+        assert metric(server, "moestream_running_sequences") == 1
+    deadline = time.monotonic() + 5  # the whole generation would take far longer
+    while metric(server, "moestream_running_sequences") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(server, "moestream_running_sequences") == 0
+
+
+def test_health_and_metrics(server):
+    base = server.url.removesuffix("/v1")
+    assert httpx.get(base + "/health").json() == {"status": "ok"}
+    assert metric(server, "moestream_generated_tokens_total") > 0
+    assert metric(server, "moestream_queue_length") == 0

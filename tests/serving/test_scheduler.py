@@ -1,0 +1,56 @@
+"""The scheduler thread: a failing request leaves the others alone; stopping drains every sequence."""
+
+from __future__ import annotations
+
+import queue
+
+import moestream
+from moestream.runtime.sampling import SamplingParams
+from moestream.serving.scheduler import Event, Request, Scheduler
+
+
+def collect(tokens: list[int], max_tokens: int = 8) -> tuple[Request, queue.Queue]:
+    events: queue.Queue[Event] = queue.Queue()
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop_at_eos=False)
+    return Request(tokens, params, events.put), events
+
+
+def drain(events: queue.Queue) -> list[Event]:
+    out = [events.get(timeout=30)]
+    while out[-1].kind == "text":
+        out.append(events.get(timeout=30))
+    return out
+
+
+def test_an_error_in_one_request_leaves_the_others_going(model_file):
+    engine = moestream.load(model_file("tiny", "F32"), device="cpu", progress=False, ubatch=4)
+    want = engine.generate([5, 6, 7, 8, 9, 10], SamplingParams(max_tokens=8, stop_at_eos=False)).text
+    s = Scheduler(engine, max_seqs=2)
+    try:
+        good, good_events = collect([5, 6, 7, 8, 9, 10])
+        bad, bad_events = collect([5, 10**9])  # a token id the model does not have
+        s.submit(bad)
+        s.submit(good)
+        failed, done = drain(bad_events), drain(good_events)
+        assert failed[-1].kind == "error" and "token ids" in failed[-1].text
+        assert done[-1].kind == "done" and done[-1].completion_tokens == 8
+        assert "".join(e.text for e in done[:-1]) == want
+        assert s.stats.failed == 1 and not s.running
+    finally:
+        s.stop()
+        engine.close()
+
+
+def test_stop_ends_running_sequences_and_the_thread(model_file):
+    engine = moestream.load(model_file("tiny", "F32"), device="cpu", progress=False)
+    s = Scheduler(engine, max_seqs=1)
+    long, events = collect([5, 6, 7], max_tokens=4000)
+    waiting, waiting_events = collect([8, 9], max_tokens=4)
+    s.submit(long)
+    s.submit(waiting)
+    assert events.get(timeout=30).kind == "text"  # under way
+    s.stop()
+    assert not s._thread.is_alive() and not s.running
+    assert drain(events)[-1].text == "the server is shutting down"
+    assert drain(waiting_events)[-1].text == "the server is shutting down"
+    engine.close()
