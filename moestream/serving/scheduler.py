@@ -203,12 +203,13 @@ class Scheduler:
             seq.text += seq.stream.flush()
         if seq.sent < len(seq.text):
             self._send(seq, Event("text", text=seq.text[seq.sent :]))
-        self._send(seq, 
+        self._send(
+            seq,
             Event(
                 "done",
                 finish_reason=reason,
                 prompt_tokens=len(seq.req.prompt_tokens),
                 completion_tokens=len(seq.tokens),
-            )
+            ),
         )
         self._release(seq)
