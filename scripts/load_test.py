@@ -1,0 +1,113 @@
+"""Load test of `moestream serve` on loopback: N concurrent streaming clients for S seconds.
+
+Checks zero failed requests and that every greedy answer equals the same request served alone, and reports
+aggregate decode tokens/s against one client. Bounded: loopback only, a fixed duration.
+
+    python scripts/load_test.py MODEL [--clients 16] [--seconds 60] [--device cpu] [--max-seqs 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+
+import openai
+
+import moestream
+from moestream.serving.local import LocalServer
+
+PROMPTS = [
+    "The capital of France is",
+    "Count with me: one, two, three,",
+    "The lighthouse keeper climbed",
+    "Bread needs flour, water and",
+    "def keeper_log(hour, minute, note):",
+    "Questions the inspector asked:",
+    "In the winter of 1962 a storm",
+    "Her colleagues asked her why.",
+]
+
+
+def ask(c: openai.OpenAI, prompt: str, max_tokens: int) -> tuple[str, int]:
+    text, n = "", 0
+    stream = c.completions.create(
+        model="m",
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].text
+        if chunk.usage:
+            n = chunk.usage.completion_tokens
+    return text, n
+
+
+def clients_for(url: str, n_clients: int, seconds: float, max_tokens: int, want: dict[str, str]) -> dict:
+    stats = {"requests": 0, "failed": 0, "mismatched": 0, "tokens": 0}
+    lock = threading.Lock()
+    deadline = time.monotonic() + seconds
+
+    def client(k: int) -> None:
+        c = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=600)
+        i = k
+        while time.monotonic() < deadline:
+            prompt = PROMPTS[i % len(PROMPTS)]
+            i += 1
+            try:
+                text, n = ask(c, prompt, max_tokens)
+                with lock:
+                    stats["requests"] += 1
+                    stats["tokens"] += n
+                    stats["mismatched"] += text != want[prompt]
+            except Exception as e:  # counted, and said once
+                with lock:
+                    stats["failed"] += 1
+                print(f"request failed: {type(e).__name__}: {e}")
+
+    start = time.monotonic()
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(n_clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stats["seconds"] = time.monotonic() - start
+    return stats
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model")
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--seconds", type=float, default=60)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--max-seqs", type=int, default=4)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("-ncmoe", "--n-cpu-moe", default="0")
+    a = ap.parse_args()
+    engine = moestream.load(a.model, device=a.device, n_cpu_moe=a.n_cpu_moe, progress=False)
+    server = LocalServer(engine, max_seqs=a.max_seqs)
+    try:
+        alone = openai.OpenAI(base_url=server.url, api_key="x", max_retries=0, timeout=600)
+        want = {p: ask(alone, p, a.max_tokens)[0] for p in PROMPTS}  # each request served alone
+        one = clients_for(server.url, 1, a.seconds / 4, a.max_tokens, want)
+        many = clients_for(server.url, a.clients, a.seconds, a.max_tokens, want)
+    finally:
+        server.stop()
+        engine.close()
+    for name, s in (("1 client", one), (f"{a.clients} clients", many)):
+        print(
+            f"{name}: {s['requests']} requests in {s['seconds']:.1f} s, {s['failed']} failed, "
+            f"{s['mismatched']} not equal to the lone answer, {s['tokens'] / s['seconds']:.1f} generated tokens/s"
+        )
+    ratio = (many["tokens"] / many["seconds"]) / (one["tokens"] / one["seconds"])
+    print(f"aggregate / one client: {ratio:.2f}x (--max-seqs {a.max_seqs}, device {engine.options.device})")
+
+
+if __name__ == "__main__":
+    main()
