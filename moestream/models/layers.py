@@ -25,7 +25,8 @@ class ExpertSource(Protocol):
 
 class Cache(Protocol):
     """A sequence's state between passes: `kv.update(il, pos0, k, v)` for attention layers and
-    `recurrent[il]` for layers that carry a state (delta-net)."""
+    `recurrent[il]` for layers that carry a state (delta-net). A batch with `rows` comes with a list of
+    caches instead, one per row."""
 
     kv: Any
     recurrent: dict[int, Any]
@@ -45,6 +46,7 @@ class Batch:
     sin: torch.Tensor
     positions: torch.Tensor  # [T] int64 on the compute device
     n_keys: int | None = None  # static batches: cache rows attention reads
+    rows: tuple[Batch, ...] = ()  # one token of each of several sequences: each row's own static batch
 
 
 HEAD_ROWS = 32768

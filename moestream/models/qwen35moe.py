@@ -184,6 +184,9 @@ class Model(qwen3moe.Model):
 
         The state lives in cache.recurrent[il], so any split into micro-batches gives the same result.
         """
+        if batch.rows:  # tokens of different sequences: each moves its own state
+            rows = zip(batch.rows, cache, strict=True)
+            return torch.cat([self.delta_net(il, x[i : i + 1], b, c) for i, (b, c) in enumerate(rows)])
         e, eps, T = self.spec.extra, self.spec.rms_eps, x.shape[0]
         Hk, Hv, Dk, Dv = e["k_heads"], e["v_heads"], e["k_dim"], e["v_dim"]
         state: DeltaNetState = cache.recurrent[il]

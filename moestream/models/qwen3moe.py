@@ -147,6 +147,9 @@ class Model:
 
     def attend(self, il: int, q: torch.Tensor, x: torch.Tensor, batch: Batch, cache: Cache) -> torch.Tensor:
         """Heads q [T, H, Dh] attend to keys and values projected from x (q/k norm, RoPE, KV cache)."""
+        if batch.rows:  # tokens of different sequences: each attends within its own cache
+            rows = zip(batch.rows, cache, strict=True)
+            return torch.cat([self.attend(il, q[i : i + 1], x[i : i + 1], b, c) for i, (b, c) in enumerate(rows)])
         s, T = self.spec, x.shape[0]
         k = self.linear(x, il, "attn_k").view(T, s.n_head_kv, s.head_dim)
         v = self.linear(x, il, "attn_v").view(T, s.n_head_kv, s.head_dim)

@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from moestream.errors import MoestreamError
 from moestream.formats.tokenizer import TextStream
+from moestream.models.layers import Batch
 from moestream.offload.device import cap_vram
 from moestream.profiling.timeline import NULL, Timeline
 from moestream.runtime.decode import StepGraphs, key_bucket
@@ -169,12 +170,7 @@ class Engine:
         model, experts = self.model, self.model.experts
         n_keys = key_bucket(cache.n_past, self.n_ctx)
         graphs = None
-        if (
-            self._graphs_ok
-            and self.device.type == "cuda"
-            and self.timeline is NULL
-            and experts.capturable(1, self.spec.n_expert_used)
-        ):
+        if self.timeline is NULL and self.replays_steps:
             graphs = self._graphs.setdefault(cache, StepGraphs())
 
         def step(x: torch.Tensor, positions: torch.Tensor, n_keys: int) -> torch.Tensor:
@@ -203,6 +199,55 @@ class Engine:
             experts.end_pass()
         cache.n_past += 1
         return logits
+
+    @torch.inference_mode()
+    def forward_each(self, tokens: list[int], caches: list[SequenceCache]) -> torch.Tensor:
+        """One token for each of several sequences in one pass (a server's running batch): the projections
+        and experts run once for all rows, attention and recurrent state per sequence. Returns logits [B, V].
+
+        Runs eagerly; a single sequence goes through forward(), where its step may replay a CUDA graph."""
+        self._require_open()
+        if len(tokens) != len(caches) or len({id(c) for c in caches}) != len(caches):
+            raise MoestreamError("forward_each takes one token for each of distinct sequences")
+        if len(tokens) == 1:
+            return self.forward(tokens, caches[0])
+        for c in caches:
+            if c.broken or c.n_past >= self.n_ctx:
+                raise MoestreamError("a sequence's cache is full or was left half-updated; start a new one")
+        if not 0 <= min(tokens) <= max(tokens) < self.spec.n_vocab:
+            raise MoestreamError(f"token ids must be in [0, {self.spec.n_vocab}); got {min(tokens)}..{max(tokens)}")
+        model, experts, dev = self.model, self.model.experts, self.device
+        rows = tuple(
+            model.static_batch(torch.tensor([c.n_past], device=dev), key_bucket(c.n_past, self.n_ctx), self.dtype)
+            for c in caches
+        )
+        positions = torch.tensor([c.n_past for c in caches], device=dev)
+        batch = Batch(-1, *model.rope(positions, self.dtype), positions, rows=rows)
+        x = model.embed(torch.tensor(tokens))
+        experts.begin([il for il in range(self.spec.n_layer) if experts.streams(il, len(tokens))])
+        experts.static = True
+        try:
+            for il in range(self.spec.n_layer):
+                experts.start_layer(il, 0)
+                x = model.layer(il, x, batch, caches)
+            with self.timeline.span("compute", "head"):
+                logits = model.head(x).float()
+        except BaseException:
+            for c in caches:
+                c.broken = True
+            raise
+        finally:
+            experts.static = False
+            experts.end_pass()
+        for c in caches:
+            c.n_past += 1
+        return logits
+
+    @property
+    def replays_steps(self) -> bool:
+        """Whether one-token steps replay CUDA graphs here (then one sequence at a time is the fast path)."""
+        experts = self.model.experts
+        return self._graphs_ok and self.device.type == "cuda" and experts.capturable(1, self.spec.n_expert_used)
 
     def _capture(self, graphs: StepGraphs, step, x: torch.Tensor, positions: torch.Tensor, n_keys: int) -> None:
         """Capture a step; if CUDA refuses, say so once and keep decoding eagerly (same kernels, same bits)."""

@@ -1,9 +1,10 @@
 """The one thread that drives the engine for the server: requests queue, up to max_seqs sequences run.
 
-Running sequences take turns: a turn advances each one by a step, either a chunk of its prompt (at most
-ubatch tokens, so a long prompt never stalls the others for long) or one generated token. Each sequence has
-its own cache, from a pool reused across requests (on a GPU their captured decode steps are reused too).
-Steps are not batched yet: sequences are interleaved, one forward pass each per turn.
+A turn advances every running sequence by a step: a chunk of its prompt (at most ubatch tokens, so a long
+prompt never stalls the others for long), or one generated token. The decoding sequences' tokens go through
+the model together (`Engine.forward_each`: one pass, the experts read once for all of them), except where
+one-token steps replay CUDA graphs, which are captured per sequence: there each sequence replays its own.
+Each sequence has its own cache, from a pool reused across requests (with its captured steps).
 """
 
 from __future__ import annotations
@@ -102,16 +103,7 @@ class Scheduler:
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
-            for seq in list(self.running):
-                if seq.req.cancelled.is_set():
-                    self._release(seq)
-                    continue
-                try:
-                    self._advance(seq)
-                except Exception as e:  # this request fails; the others and the server go on
-                    self.stats.failed += 1
-                    self._send(seq, Event("error", text=str(e).splitlines()[0] if str(e) else type(e).__name__))
-                    self._release(seq)
+            self._turn()
         for seq in list(self.running):
             self._send(seq, Event("error", text="the server is shutting down"))
             self._release(seq)
@@ -152,35 +144,69 @@ class Scheduler:
         self.running.remove(seq)
         self._caches.append(seq.cache)
 
-    def _advance(self, seq: _Sequence) -> None:
-        engine, p = self.engine, seq.req.params
+    def _turn(self) -> None:
+        """Every running sequence moves one step: a prompt chunk, or one token (all decoding ones in one pass)."""
+        stepping = []
+        for seq in list(self.running):
+            if seq.req.cancelled.is_set():
+                self._release(seq)
+                continue
+            try:
+                if seq.pending:
+                    self._prefill(seq)
+                elif self._take_token(seq):
+                    stepping.append(seq)
+            except Exception as e:  # this request fails; the others and the server go on
+                self._fail(seq, e)
+        if not stepping:
+            return
         start = time.perf_counter()
-        if seq.pending:  # a chunk of the prompt
-            chunk, seq.pending = seq.pending[: engine.options.ubatch], seq.pending[engine.options.ubatch :]
-            logits = engine.forward(chunk, seq.cache)
-            self.stats.prompt_tokens += len(chunk)
-            self.stats.prefill_s += time.perf_counter() - start
-            if not seq.pending:
-                seq.token = seq.sampler(logits[-1])
-                if p.max_tokens == 0:
-                    self._finish(seq, "length")
-            return
-        token = seq.token
-        tok = engine.tokenizer
-        if p.stop_at_eos and tok is not None and token in tok.eos_ids:
-            self._finish(seq, "stop")
-            return
-        seq.tokens.append(token)
-        if seq.stream is not None:
-            seq.text += seq.stream.push(token)
-        if self._emit_text(seq):
-            return
-        if len(seq.tokens) >= p.max_tokens or seq.cache.n_past >= engine.n_ctx:
-            self._finish(seq, "length")
-            return
-        seq.token = seq.sampler(engine.forward([token], seq.cache)[-1])
-        self.stats.decode_tokens += 1
+        groups = [stepping] if not self.engine.replays_steps else [[seq] for seq in stepping]
+        for group in groups:  # a GPU replays one graph per sequence; elsewhere one pass serves all of them
+            try:
+                logits = self.engine.forward_each([seq.token for seq in group], [seq.cache for seq in group])
+            except Exception as e:
+                for seq in group:
+                    self._fail(seq, e)
+                continue
+            for seq, row in zip(group, logits, strict=True):
+                seq.token = seq.sampler(row)
+            self.stats.decode_tokens += len(group)
         self.stats.decode_s += time.perf_counter() - start
+
+    def _fail(self, seq: _Sequence, e: Exception) -> None:
+        self.stats.failed += 1
+        self._send(seq, Event("error", text=str(e).splitlines()[0] if str(e) else type(e).__name__))
+        self._release(seq)
+
+    def _prefill(self, seq: _Sequence) -> None:
+        """Run the next chunk of the prompt (at most ubatch tokens); after the last, sample the first token."""
+        start = time.perf_counter()
+        ub = self.engine.options.ubatch
+        chunk, seq.pending = seq.pending[:ub], seq.pending[ub:]
+        logits = self.engine.forward(chunk, seq.cache)
+        self.stats.prompt_tokens += len(chunk)
+        self.stats.prefill_s += time.perf_counter() - start
+        if not seq.pending:
+            seq.token = seq.sampler(logits[-1])
+            if seq.req.params.max_tokens == 0:
+                self._finish(seq, "length")
+
+    def _take_token(self, seq: _Sequence) -> bool:
+        """Emit the sampled token; True if the sequence goes on (it needs a forward pass for the next one)."""
+        p, tok = seq.req.params, self.engine.tokenizer
+        if p.stop_at_eos and tok is not None and seq.token in tok.eos_ids:
+            self._finish(seq, "stop")
+            return False
+        seq.tokens.append(seq.token)
+        if seq.stream is not None:
+            seq.text += seq.stream.push(seq.token)
+        if self._emit_text(seq):
+            return False
+        if len(seq.tokens) >= p.max_tokens or seq.cache.n_past >= self.engine.n_ctx:
+            self._finish(seq, "length")
+            return False
+        return True
 
     def _emit_text(self, seq: _Sequence) -> bool:
         """Send new text, holding back what could be the start of a stop string; True if a stop string ended it."""

@@ -48,3 +48,25 @@ def test_generate_reuses_its_cache_from_a_clean_state(model_file):
     finally:
         engine.close()
     assert first == again and first != other
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen35moe"])
+def test_one_pass_for_several_sequences_matches_each_alone(model_file, preset):
+    """forward_each: three sequences at different positions, one token each, give their lone steps' logits."""
+    engine = moestream.load(model_file(preset, "F32"), device="cpu", progress=False, ubatch=8)
+    prompts = [TOKENS[:5], TOKENS[10:30], TOKENS[40:41]]
+    try:
+        alone, together = [engine.new_cache() for _ in prompts], [engine.new_cache() for _ in prompts]
+        for p, a, t in zip(prompts, alone, together, strict=True):
+            engine.forward(p, a)
+            engine.forward(p, t)
+        nxt = [7, 8, 9]
+        ref = torch.cat([engine.forward([n], c) for n, c in zip(nxt, alone, strict=True)])
+        got = engine.forward_each(nxt, together)
+        assert [c.n_past for c in together] == [c.n_past for c in alone]
+        again = torch.cat([engine.forward([3], c) for c in together])  # the caches went on the same way
+        ref_again = torch.cat([engine.forward([3], c) for c in alone])
+    finally:
+        engine.close()
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
+    assert float((again - ref_again).abs().max() / ref_again.abs().max()) < 1e-5
