@@ -9,6 +9,9 @@ import subprocess
 import sys
 import time
 
+import pytest
+import torch
+
 
 def spawn(*argv: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -40,3 +43,35 @@ def test_interrupt_during_generation(model_file):
     assert "Traceback" not in text and "stop: interrupted" in text
     assert text.strip().splitlines()[-1] == "moestream: interrupted"
     assert out.endswith(b"\n")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_interrupt_mid_generation_unregisters_host_memory(model_file, monkeypatch, capsys):
+    """Ctrl-C while tokens stream: exit 130, and the page-locked expert ranges are released (CUDA refuses to
+    register pages that are still registered, so registering them again proves it)."""
+    import builtins
+
+    from moestream.cli import main
+    from moestream.formats.gguf import GGUFFile
+    from moestream.offload.host import PinnedRanges
+
+    path = model_file("tiny", "Q4_K_M")
+    real_print, pieces = builtins.print, []
+
+    def print_then_interrupt(*args, **kwargs):
+        if kwargs.get("end") == "" and kwargs.get("flush"):  # a piece of generated text
+            pieces.append(args)
+            if len(pieces) == 3:
+                raise KeyboardInterrupt
+        real_print(*args, **kwargs)
+
+    monkeypatch.setattr(builtins, "print", print_then_interrupt)
+    argv = ["run", "-m", path, "-p", "hi", "-n", "200", "--device", "cuda", "-ncmoe", "all"]
+    assert main([*argv, "--small-batch", "gather"]) == 130
+    monkeypatch.setattr(builtins, "print", real_print)
+    assert "stop: interrupted" in capsys.readouterr().err
+    with GGUFFile(path) as f:
+        pins = PinnedRanges()
+        assert pins.register([t.data for t in f.tensors.values() if "_exps" in t.name])
+        pins.unregister()
