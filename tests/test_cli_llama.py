@@ -112,3 +112,20 @@ def test_help_of_every_command(capsys, command):
     assert e.value.code == 0 and "usage: moestream" in out
     if command in (["run"], ["bench"]):
         assert "(default: 512)" in out or "(default: [512])" in out  # -ub shows its default
+
+
+def test_sampling_flags_change_the_text(model_file, capsys):
+    """--temp/--seed/--top-k/--top-p as llama-cli: a seed repeats, another seed differs, --top-k 1 is greedy."""
+    path = model_file("tiny", "Q4_K_M")
+
+    def text(*flags: str) -> str:
+        assert main(["run", "-m", path, "-p", "The", "-n", "24", "--device", "cpu", *flags]) == 0
+        return capsys.readouterr().out
+
+    greedy = text()
+    sampled = text("--temp", "1.5", "--seed", "1")
+    assert sampled == text("--temp", "1.5", "--seed", "1")
+    assert sampled != text("--temp", "1.5", "--seed", "2")
+    assert sampled != greedy
+    assert text("--temp", "1.5", "--seed", "1", "--top-k", "1") == greedy
+    assert text("--temp", "1.5", "--seed", "1", "--top-p", "1e-9") == greedy
