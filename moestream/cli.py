@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 from collections import Counter
@@ -247,5 +248,16 @@ def _is_out_of_memory(e: BaseException) -> bool:
     return isinstance(e, MemoryError) or "out of memory" in text or "can't allocate memory" in text
 
 
+def entry() -> None:
+    """The `moestream` command. After Ctrl-C, leave at once with 130: the engine is closed already, and an
+    import that the interrupt cut short can fail again while the interpreter shuts down."""
+    code = main()
+    if code == 130:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -74,7 +74,7 @@ REJECTED = {
     ("-mg", "--main-gpu", "-dev", "--devices"): "pick the GPU with --device cuda:N",
     ("-ctk", "--cache-type-k", "-ctv", "--cache-type-v"): "the KV cache is kept in --dtype",
     ("-nkvo", "--no-kv-offload"): "the KV cache lives on the compute device (--device)",
-    ("-np", "--parallel"): "moestream runs one sequence at a time",
+    ("-np", "--parallel"): "moestream serve --max-seqs N serves N sequences at once",
     ("-hf", "--hf-repo", "-hff", "--hf-file", "-mu", "--model-url"): "download the GGUF file and pass -m FILE",
     ("-cnv", "--conversation", "-i", "--interactive", "--jinja", "-sys", "--system-prompt"): (
         "moestream run --chat wraps the prompt in the file's chat template"
@@ -181,7 +181,7 @@ def engine_options(a: argparse.Namespace) -> dict:
         stream_min_batch=a.stream_min_batch,
         streamed_layers=first(a.streamed_layers),
         small_batch=a.small_batch,
-        threads=a.threads,
+        threads=None if a.threads in (None, -1) else a.threads,  # llama.cpp's -t -1: the default
     )
     if a.batch_size is not None:
         at_least(a.batch_size, 1, "-b")

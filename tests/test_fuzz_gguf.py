@@ -113,6 +113,21 @@ TEMPLATES = {  # name -> (template, word of the error)
         "{% set s = 'x' * 1000000 %}{% for a in s %}{% for b in s %}{% endfor %}{% endfor %}",
         "limits",
     ),
+    "string doubled by ~": (
+        "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}"
+        "{% endfor %}{{ ns.s|length }}",
+        "limit",
+    ),
+    "string doubled by +": (
+        "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}"
+        "{% endfor %}{{ ns.s|length }}",
+        "limit",
+    ),
+    "string doubled by replace": (
+        "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s|replace('x', 'xx') %}"
+        "{% endfor %}{{ ns.s|length }}",
+        "limit",
+    ),
     "recursion": ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "recursion"),
     "syntax error": ("{% for %}", "does not compile"),
     "raises": ("{{ raise_exception('no system role') }}", "no system role"),

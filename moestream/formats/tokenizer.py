@@ -12,6 +12,7 @@ import codecs
 import json
 import sys
 import time
+import tracemalloc
 from collections import Counter
 from datetime import datetime
 from functools import cache
@@ -223,7 +224,9 @@ class Tokenizer:
         }
         budget = _Budget()
         template = _compile_template(self.chat_template)
-        previous = sys.gettrace()
+        previous, tracing = sys.gettrace(), tracemalloc.is_tracing()
+        if not tracing:
+            tracemalloc.start()
         sys.settrace(budget.trace)  # counts the template's own lines: loops over anything, not just range()
         try:
             chunks = template.generate(
@@ -244,6 +247,8 @@ class Tokenizer:
             raise MoestreamError(f"chat template: {type(e).__name__}: {str(e)[:160]}") from None
         finally:
             sys.settrace(previous)
+            if not tracing:
+                tracemalloc.stop()
 
 
 class TextStream:
@@ -270,11 +275,14 @@ def _list_of(meta: dict[str, Any], key: str, kind: type, default: list) -> list:
 
 
 class _Budget:
-    """Limits one chat-template rendering: loop steps (every `range` counts its length, so nested loops add up),
-    output size and wall time. A template is code from the model file; it must not hang or exhaust memory."""
+    """Limits one chat-template rendering: loop steps (every line of template code, and every `range` by its
+    length, so nested loops add up), memory the rendering holds (tracemalloc, checked every line, so a string
+    doubled in a loop stops within one doubling of the limit), output size and wall time. A template is code
+    from the model file; it must not hang or exhaust memory."""
 
     MAX_STEPS = 1_000_000
     MAX_CHARS = 16 << 20
+    MAX_MEMORY = 64 << 20
     MAX_SECONDS = 5.0
 
     def __init__(self) -> None:
@@ -282,11 +290,16 @@ class _Budget:
         self.deadline = time.monotonic() + self.MAX_SECONDS
 
     def check(self) -> None:
-        if self.steps > self.MAX_STEPS or self.chars > self.MAX_CHARS or time.monotonic() > self.deadline:
+        if (
+            self.steps > self.MAX_STEPS
+            or self.chars > self.MAX_CHARS
+            or time.monotonic() > self.deadline
+            or (tracemalloc.is_tracing() and tracemalloc.get_traced_memory()[0] > self.MAX_MEMORY)
+        ):
             raise MoestreamError(
-                f"chat template: rendering went past its limits ({self.MAX_STEPS} loop steps, "
-                f"{self.MAX_CHARS >> 20} MiB of text, {self.MAX_SECONDS:g} s); the model's template is broken, "
-                "run without --chat"
+                f"chat template: rendering went past its limits ({self.MAX_STEPS} steps, {self.MAX_MEMORY >> 20} "
+                f"MiB of memory, {self.MAX_CHARS >> 20} MiB of text, {self.MAX_SECONDS:g} s); the model's template "
+                "is broken, run without --chat"
             )
 
     def trace(self, frame, event: str, arg):
@@ -296,8 +309,7 @@ class _Budget:
     def _line(self, frame, event: str, arg):
         if event == "line":
             self.steps += 1
-            if self.steps % 1024 == 0:
-                self.check()
+            self.check()
         return self._line
 
     def range(self, *args: int) -> range:
@@ -315,11 +327,14 @@ class _Budget:
 class _LimitedSandbox(ImmutableSandboxedEnvironment):
     """The sandbox transformers renders in, plus a size check on `*` and `**` (`'x' * 10**10`)."""
 
-    intercepted_binops = frozenset({"*", "**"})
+    intercepted_binops = frozenset({"*", "**", "+"})
 
     def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
         if operator == "**" and isinstance(right, int) and abs(right) > 1024:
             raise jinja2.TemplateError(f"exponent {right} is too large")
+        if operator == "+" and isinstance(left, str | list) and isinstance(right, str | list):
+            if len(left) + len(right) > _Budget.MAX_CHARS:
+                raise jinja2.TemplateError("a string or list grew past the template's size limit")
         if operator == "*":
             for seq, n in ((left, right), (right, left)):
                 if isinstance(seq, str | list | tuple) and isinstance(n, int) and len(seq) * n > _Budget.MAX_CHARS:

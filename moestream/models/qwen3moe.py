@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from moestream.kernels import qmatvec
 from moestream.models.layers import (
     HEAD_ROWS,
     Batch,
@@ -124,7 +123,7 @@ class Model:
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         x = rms_norm(x, self.weights["output_norm.weight"], self.spec.rms_eps)
-        if x.shape[0] <= qmatvec.MAX_TOKENS:  # decode: read the stored head once, no dequantized slices
+        if self.weights.reads_directly(x, "output.weight"):  # decode: read the stored head once, no slices
             return self.weights.linear(x, "output.weight")
         out = x.new_empty(x.shape[0], self.spec.n_vocab)
         start = 0

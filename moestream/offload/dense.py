@@ -43,12 +43,15 @@ class DenseWeights(Mapping[str, torch.Tensor]):
         raw, qtype, shape = self._blocks[name]
         return dequantize(raw, qtype, shape, self.dtype)
 
+    def reads_directly(self, x: torch.Tensor, name: str) -> bool:
+        """Whether linear(x, name) multiplies from the stored blocks (no dequantized copy is made)."""
+        return name in self._blocks and qmatvec.usable(x, self._blocks[name][1])
+
     def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """x @ W.T; for a few tokens straight from the stored blocks, without a dequantized copy."""
-        if name in self._blocks:
+        if self.reads_directly(x, name):
             raw, qtype, shape = self._blocks[name]
-            if qmatvec.usable(x, qtype):
-                return qmatvec.matvec(raw, qtype, shape[0], x)
+            return qmatvec.matvec(raw, qtype, shape[0], x)
         return F.linear(x, self[name])
 
     def row_chunks(self, name: str, rows: int) -> Iterator[torch.Tensor]:

@@ -52,11 +52,14 @@ class StepGraphs:
         """Record step's kernels for this bucket (nothing runs): x and positions become its input buffers."""
         x, positions = x.clone(), positions.clone()
         graph = torch.cuda.CUDAGraph()
-        before = experts.bytes_moved
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = step(x, positions, n_keys)
-        moved = experts.bytes_moved - before
-        experts.count_moved(-moved)  # capturing ran nothing
+        before, stream = experts.bytes_moved, torch.cuda.current_stream()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = step(x, positions, n_keys)
+        finally:
+            torch.cuda.set_stream(stream)  # a capture that failed can leave its side stream current
+            moved = experts.bytes_moved - before
+            experts.count_moved(-moved)  # capturing ran nothing
         self.steps[n_keys] = _Captured(graph, x, positions, out, moved)
 
     def replay(self, x: torch.Tensor, position: int, n_keys: int, experts) -> torch.Tensor:

@@ -51,7 +51,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.options = options
         self.source = source  # the open GGUF file the weights map, closed with the engine
-        self.n_ctx = min(options.n_ctx, self.spec.n_ctx_train) if self.spec.n_ctx_train else options.n_ctx
+        self.n_ctx = min(options.n_ctx or self.spec.n_ctx_train, self.spec.n_ctx_train)
         if options.n_ctx > self.n_ctx:
             warnings.warn(
                 f"--ctx {options.n_ctx} is more than the {self.n_ctx} positions the model was trained for; "
@@ -182,6 +182,7 @@ class Engine:
                 return model.head(x).float()
 
         x = model.embed(torch.tensor([token]))
+        experts.begin([il for il in range(self.spec.n_layer) if experts.streams(il, 1)])  # --stream-min-batch 1
         experts.static = True
         try:
             if graphs is not None and n_keys in graphs:

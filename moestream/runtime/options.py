@@ -20,7 +20,7 @@ class EngineOptions:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (bfloat16 on cuda, float32 on cpu) | float32 | bfloat16 | float16
     ubatch: int = 512  # tokens per prefill micro-batch
-    n_ctx: int = 4096  # context size (clipped to the model's training context)
+    n_ctx: int = 4096  # context size (clipped to the model's training context; 0: that context, as llama.cpp)
     progress: bool = True  # progress bars for load and long prefill
     n_cpu_moe: int | str = 0  # experts of layers 0..N-1 stay in host RAM; "all" or "auto" (with vram_budget)
     streamed_layers: str = "first"  # first: layers 0..N-1, as llama.cpp; spread: N layers evenly spaced
@@ -46,8 +46,8 @@ class EngineOptions:
             raise MoestreamError(f"--dtype {self.dtype}: expected one of {', '.join(DTYPES)}")
         if self.ubatch < 1:
             raise MoestreamError(f"--ubatch {self.ubatch}: must be at least 1")
-        if self.n_ctx < 1:
-            raise MoestreamError(f"--ctx {self.n_ctx}: must be at least 1")
+        if self.n_ctx < 0:
+            raise MoestreamError(f"--ctx {self.n_ctx}: must be at least 1 (or 0 for the model's own context)")
         if self.stream is None:
             self.stream = os.environ.get("MOESTREAM_STREAM", "overlap")
         if self.stream not in STREAMS:

@@ -32,6 +32,17 @@ def _error(status: int, message: str, kind: str = "invalid_request_error") -> JS
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 
+def _plain(message: dict[str, Any]) -> dict[str, Any]:
+    """A chat message whose content is a list of parts (OpenAI's format) as one text: templates expect text."""
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        if len(texts) != len(content):
+            raise ApiError(400, "only text parts are supported in message content")
+        return message | {"content": "".join(texts)}
+    return message
+
+
 def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None, max_tokens: int = 4096) -> FastAPI:
     engine = scheduler.engine
     app = FastAPI(title="moestream")
@@ -88,9 +99,11 @@ def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None, 
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     async def body_of(request: Request) -> dict[str, Any]:
-        raw = await request.body()
-        if len(raw) > MAX_BODY:
-            raise ApiError(413, f"the request is larger than {MAX_BODY} bytes")
+        raw = b""
+        async for part in request.stream():  # chunked bodies too: stop reading past the limit
+            raw += part
+            if len(raw) > MAX_BODY:
+                raise ApiError(413, f"the request is larger than {MAX_BODY} bytes")
         try:
             body = json.loads(raw)
         except ValueError:
@@ -100,6 +113,7 @@ def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None, 
         return body
 
     def job_of(body: dict[str, Any], prompt_tokens: list[int], emit) -> Job:
+        body = {k: v for k, v in body.items() if v is not None}  # null means the default, as OpenAI's API
         n = body.get("max_tokens", body.get("max_completion_tokens", 256))
         if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= max_tokens:
             raise ApiError(400, f"max_tokens must be an integer from 0 to {max_tokens}")
@@ -115,12 +129,15 @@ def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None, 
         stop = [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, list) or len(stop) > MAX_STOPS or not all(isinstance(s, str) and s for s in stop):
             raise ApiError(400, f"stop must be a string or a list of up to {MAX_STOPS} non-empty strings")
+        seed = body.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ApiError(400, "seed must be an integer")
         try:
             params = SamplingParams(
                 max_tokens=n,
                 temperature=float(body.get("temperature", 1.0)),
                 top_p=float(body.get("top_p", 1.0)),
-                seed=body.get("seed"),
+                seed=seed,
                 stop_at_eos=not body.get("ignore_eos", False),  # vLLM's extension, for benchmarks
             )
         except (MoestreamError, TypeError, ValueError) as e:
@@ -138,7 +155,10 @@ def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None, 
         except MoestreamError as e:
             raise ApiError(400, str(e)) from None
 
-    async def run(body: dict[str, Any], prompt_tokens: list[int], chat: bool):
+    async def run(request: Request, body: dict[str, Any], prompt_tokens: list[int], chat: bool):
+        options = body.get("stream_options") or {}
+        if not isinstance(options, dict):
+            raise ApiError(400, "stream_options must be an object")
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
         job = job_of(body, prompt_tokens, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
@@ -168,7 +188,7 @@ def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None, 
             }
 
         if body.get("stream"):
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            include_usage = bool(options.get("include_usage"))
 
             async def sse() -> AsyncIterator[str]:
                 try:
@@ -194,7 +214,12 @@ def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None, 
         text = ""
         try:
             while True:
-                ev = await events.get()
+                try:
+                    ev = await asyncio.wait_for(events.get(), timeout=0.5)
+                except asyncio.TimeoutError:  # noqa: UP041 (Python 3.10: not yet the builtin)
+                    if await request.is_disconnected():  # nobody will read the answer: free the sequence
+                        raise ApiError(499, "the client closed the connection") from None
+                    continue
                 if ev.kind == "text":
                     text += ev.text
                 elif ev.kind == "error":
@@ -224,7 +249,7 @@ def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None, 
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
-        return await run(body, encode(prompt), chat=False)
+        return await run(request, body, encode(prompt), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -232,6 +257,6 @@ def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None, 
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise ApiError(400, "messages must be a non-empty list of {role, content} objects")
-        return await run(body, encode(None, messages), chat=True)
+        return await run(request, body, encode(None, [_plain(m) for m in messages]), chat=True)
 
     return app

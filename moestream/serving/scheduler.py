@@ -98,12 +98,16 @@ class Scheduler:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            self._admit()
-            if not self.running:
-                self._wake.wait(0.05)
-                self._wake.clear()
-                continue
-            self._turn()
+            try:
+                self._admit()
+                if not self.running:
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                self._turn()
+            except Exception as e:  # a bug or an unexpected failure: end the running sequences, keep serving
+                for seq in list(self.running):
+                    self._fail(seq, e)
         for seq in list(self.running):
             self._send(seq, Event("error", text="the server is shutting down"))
             self._release(seq)
@@ -133,16 +137,26 @@ class Scheduler:
                 return
             if req.cancelled.is_set():
                 continue
-            cache = self._caches.pop() if self._caches else self.engine.new_cache()
-            cache.reset()
-            tok = self.engine.tokenizer
-            stream = TextStream(tok) if tok is not None else None
-            self.running.append(_Sequence(req, cache, Sampler(req.params), stream, list(req.prompt_tokens)))
             self.stats.requests += 1
+            try:
+                cache = self._caches.pop() if self._caches else self.engine.new_cache()
+                cache.reset()
+                tok = self.engine.tokenizer
+                stream = TextStream(tok) if tok is not None else None
+                seq = _Sequence(req, cache, Sampler(req.params), stream, list(req.prompt_tokens))
+            except Exception as e:  # out of memory for another cache, say: this request fails, no other
+                self.stats.failed += 1
+                try:
+                    req.emit(Event("error", text=str(e).splitlines()[0] if str(e) else type(e).__name__))
+                except Exception:
+                    pass
+                continue
+            self.running.append(seq)
 
     def _release(self, seq: _Sequence) -> None:
-        self.running.remove(seq)
-        self._caches.append(seq.cache)
+        if seq in self.running:
+            self.running.remove(seq)
+            self._caches.append(seq.cache)
 
     def _turn(self) -> None:
         """Every running sequence moves one step: a prompt chunk, or one token (all decoding ones in one pass)."""
@@ -170,7 +184,10 @@ class Scheduler:
                     self._fail(seq, e)
                 continue
             for seq, row in zip(group, logits, strict=True):
-                seq.token = seq.sampler(row)
+                try:
+                    seq.token = seq.sampler(row)
+                except Exception as e:
+                    self._fail(seq, e)
             self.stats.decode_tokens += len(group)
         self.stats.decode_s += time.perf_counter() - start
 

@@ -70,3 +70,16 @@ def test_one_pass_for_several_sequences_matches_each_alone(model_file, preset):
         engine.close()
     assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
     assert float((again - ref_again).abs().max() / ref_again.abs().max()) < 1e-5
+
+
+def test_one_token_steps_upload_whole_layers_when_min_batch_is_one(model_file):
+    """--stream-min-batch 1: every one-token step streams whole layers, planned like a prefill pass."""
+    path = model_file("tiny", "Q4_K_M")
+    params = SamplingParams(max_tokens=8, stop_at_eos=False)
+    ref = moestream.load(path, device="cpu", progress=False)
+    got = moestream.load(path, device="cpu", progress=False, n_cpu_moe="all", stream_min_batch=1)
+    try:
+        assert ref.generate(TOKENS[:6], params).tokens == got.generate(TOKENS[:6], params).tokens
+    finally:
+        ref.close()
+        got.close()

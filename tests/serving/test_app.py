@@ -140,3 +140,17 @@ def test_health_and_metrics(server):
     assert httpx.get(base + "/health").json() == {"status": "ok"}
     assert metric(server, "moestream_generated_tokens_total") > 0
     assert metric(server, "moestream_queue_length") == 0
+
+
+def test_bad_fields_get_400_and_the_server_goes_on(server, reference):
+    c = client(server)
+    with pytest.raises(openai.BadRequestError, match="seed"):
+        c.completions.create(model="tiny", prompt="hi", max_tokens=2, seed=1.5)
+    with pytest.raises(openai.BadRequestError, match="stream_options"):
+        c.completions.create(model="tiny", prompt="hi", max_tokens=2, stream=True, stream_options=[1])
+    want, _, _ = reference(QUESTIONS[2], chat=True)
+    parts = [{"type": "text", "text": QUESTIONS[2][:5]}, {"type": "text", "text": QUESTIONS[2][5:]}]
+    r = c.chat.completions.create(  # null fields take their defaults; content parts are joined
+        model="tiny", messages=[{"role": "user", "content": parts}], max_tokens=12, temperature=0, top_p=None
+    )
+    assert r.choices[0].message.content == want
