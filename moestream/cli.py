@@ -90,7 +90,18 @@ def cmd_run(a: argparse.Namespace) -> None:
         raise MoestreamError("-p: the prompt is empty; give some text")
     at_least(a.n_predict, 0, "-n")
     params = SamplingParams(max_tokens=a.n_predict, temperature=a.temp, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
-    engine = load(a.model, **engine_options(a))
+    def prompt_fits(tokenizer, n_ctx: int) -> None:
+        if tokenizer is None:
+            raise MoestreamError(f"{a.model}: the file has no tokenizer, so it cannot read a text prompt")
+        text = tokenizer.apply_chat_template([{"role": "user", "content": a.prompt}]) if a.chat else a.prompt
+        n = len(tokenizer.encode(text, add_special=not a.chat))
+        if n > n_ctx:
+            raise MoestreamError(
+                f"the prompt is {n} tokens but the context is {n_ctx} (--ctx, at most what the model was trained "
+                "for); raise --ctx or shorten the prompt"
+            )
+
+    engine = load(a.model, before_weights=prompt_fits, **engine_options(a))
     if str(engine.source.metadata.get("general.name", "")).startswith("moestream-generated"):
         print(
             "moestream: note: this model has random weights (moestream make-model): expect gibberish", file=sys.stderr

@@ -116,3 +116,14 @@ def test_entry_point_exit_code(tmp_path):
     p.write_bytes(b"nope")
     r = subprocess.run([sys.executable, "-m", "moestream.cli", "info", str(p)], capture_output=True, text=True)
     assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_prompt_too_long_is_refused_before_any_weight_moves(model_file, capsys, monkeypatch):
+    import moestream.runtime.loader as loader
+
+    def no_upload(*args, **kwargs):
+        raise AssertionError("weights were uploaded before the prompt was checked")
+
+    monkeypatch.setattr(loader, "DenseWeights", no_upload)
+    code, line = run_cli(capsys, "run", "-m", model_file("tiny", "F32"), "-p", "word " * 200, "-c", "32")
+    assert_one_clear_line(code, line, "context", "--ctx")

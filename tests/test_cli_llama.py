@@ -129,3 +129,12 @@ def test_sampling_flags_change_the_text(model_file, capsys):
     assert sampled != greedy
     assert text("--temp", "1.5", "--seed", "1", "--top-k", "1") == greedy
     assert text("--temp", "1.5", "--seed", "1", "--top-p", "1e-9") == greedy
+
+
+def test_ctx_zero_means_the_trained_context(model_file):
+    assert options("-c", "0")["n_ctx"] == 0
+    e = moestream.load(model_file("tiny", "F32"), device="cpu", progress=False, n_ctx=0)
+    try:
+        assert e.n_ctx == e.spec.n_ctx_train
+    finally:
+        e.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -58,10 +59,17 @@ def _squeezed(shape) -> tuple[int, ...]:
     return tuple(d for d in shape if d != 1)
 
 
-def load(path: str | os.PathLike[str], device_impl=None, **options: Any) -> Engine:
+def load(
+    path: str | os.PathLike[str],
+    device_impl=None,
+    before_weights: Callable[[Any, int], None] | None = None,
+    **options: Any,
+) -> Engine:
     """Open a GGUF MoE model and return an Engine ready to generate.
 
     device_impl replaces the copy/compute device (tests pass a CpuDevice with injected delays).
+    before_weights(tokenizer, n_ctx) runs once the metadata is read and before any weight moves, so a caller
+    can refuse a prompt that cannot fit without waiting for the upload.
     """
     opts = EngineOptions(**options)
     if opts.threads is not None:
@@ -70,6 +78,8 @@ def load(path: str | os.PathLike[str], device_impl=None, **options: Any) -> Engi
     try:
         arch, spec = describe(f)
         tokenizer = load_tokenizer(f)
+        if before_weights is not None:
+            before_weights(tokenizer, min(opts.n_ctx or spec.n_ctx_train, spec.n_ctx_train))
         device, dtype = opts.torch_device, opts.torch_dtype
         host = {n for il in range(spec.n_layer) for n in arch.expert_tensor_names(il)} | {"token_embd.weight"}
         dense = {name: t for name, t in f.tensors.items() if name not in host}
