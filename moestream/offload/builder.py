@@ -74,6 +74,7 @@ def build_offload(
         kv_cache=KVCache.bytes_needed(len(spec.attention_layers), n_ctx, spec.n_head_kv, spec.head_dim, dtype),
         workspace=workspace_bytes(spec, opts.ubatch, n_ctx, dtype),
     )
+    overlap = opts.stream in ("overlap", "layer-major")
     n_cpu_moe = spec.n_layer if opts.n_cpu_moe == "all" else opts.n_cpu_moe
     note = ""
     if isinstance(n_cpu_moe, int) and n_cpu_moe > spec.n_layer:  # llama.cpp users write -ncmoe 99 for "all"
@@ -83,7 +84,7 @@ def build_offload(
     placement = plan(
         [tensors[il].nbytes for il in range(spec.n_layer)],
         n_cpu_moe,
-        opts.slots,
+        opts.slots if overlap else 1,  # serial and pinned copy on the compute stream into one slot
         budget,
         fp,
         opts.streamed_layers == "spread",
@@ -100,7 +101,6 @@ def build_offload(
         bounce = False
         if streamed and pinned is not None and opts.stream != "serial" and opts.host_memory == "pinned":
             bounce = not pinned.register([v.data for il in placement.streamed for v in tensors[il].views])
-        overlap = opts.stream in ("overlap", "layer-major")
         streamer = Streamer(dev, streamed, placement.n_slots, overlap, bounce) if streamed else None
         readable = device.type == "cpu" or (pinned is not None and pinned.nbytes > 0)  # page-locked: kernels read it
         small_batch = opts.small_batch

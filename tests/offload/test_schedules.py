@@ -139,3 +139,21 @@ def test_spread_streams_evenly_spaced_layers_with_the_same_bits(model_file, refe
     assert Placement(2, [1] * 4, 3, spread=True).streamed == [1, 3]
     assert Placement(26, [1] * 48, 3, spread=True).streamed == sorted(set(Placement(26, [1] * 48, 3, True).streamed))
     assert Placement(3, [1] * 4, 3, spread=True).resident == [1]
+
+
+def test_auto_budgets_the_one_slot_serial_and_pinned_use(model_file):
+    """-ncmoe auto --vram-budget: serial and pinned allocate one staging slot, so the budget counts one (it
+    counted three, and streamed more layers than the budget needed)."""
+    path = model_file("tiny-odd", "Q8_0")  # 3 layers
+    e = moestream.load(path, device="cpu", progress=False, n_cpu_moe=0)
+    fp, expert_bytes = e.offload.footprint, e.offload.placement.expert_bytes
+    e.close()
+    budget = Placement(2, expert_bytes, 1).gpu_bytes(fp)  # two layers streamed through one slot just fit
+    for stream in ("serial", "pinned"):
+        e = moestream.load(path, device="cpu", progress=False, n_cpu_moe="auto", vram_budget=budget, stream=stream)
+        chosen, slots = e.offload.placement, len(e.model.experts.streamer.slots)
+        e.close()
+        assert slots == 1 and chosen.staging_bytes == chosen.slot_bytes
+        assert chosen.n_cpu_moe == 2 and chosen.gpu_bytes(fp) <= budget
+    with pytest.raises(MoestreamError, match="too small"):  # three slots do not fit that budget at all
+        moestream.load(path, device="cpu", progress=False, n_cpu_moe="auto", vram_budget=budget, stream="overlap")
