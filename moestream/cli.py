@@ -90,6 +90,7 @@ def cmd_run(a: argparse.Namespace) -> None:
         raise MoestreamError("-p: the prompt is empty; give some text")
     at_least(a.n_predict, 0, "-n")
     params = SamplingParams(max_tokens=a.n_predict, temperature=a.temp, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
+
     def prompt_fits(tokenizer, n_ctx: int) -> None:
         if tokenizer is None:
             raise MoestreamError(f"{a.model}: the file has no tokenizer, so it cannot read a text prompt")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from moestream.formats.gguf import TensorView, torch_bytes
-from moestream.kernels import gather, qmatvec
+from moestream.kernels import cpu_quant, gather, qmatvec
 from moestream.kernels.dequant import dequantize
 from moestream.kernels.grouped_moe import runs_on_device
 from moestream.models.layers import expert_counts, moe_swiglu, moe_swiglu_picked
@@ -83,6 +83,11 @@ def _picked(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, raws, t: 
 
     gate, up, down = (matvec(raw, v) for raw, v in zip(raws, t.views, strict=True))
     return moe_swiglu_picked(x, weights, ids, gate, up, down)
+
+
+def _cpu_matvec(raw: torch.Tensor, v: TensorView):
+    """The MatVec of one stack in host memory, computed by the CPU on the stored blocks."""
+    return lambda picks, rows: cpu_quant.matvec(raw, v.qtype, v.shape[1], rows, picks)
 
 
 class LayerExperts:
@@ -208,6 +213,10 @@ class LayerExperts:
                     return _picked(x, weights, local.to(x.device)[ids], views, t)
                 return moe_swiglu(x, weights, local.to(x.device)[ids], used.numel(), *t.stacks(views, self.dtype))
         with self.timeline.span("compute", "experts-cpu", **label):
+            if all(v.qtype in cpu_quant.TYPES for v in t.views) and cpu_quant.available():
+                matvecs = [_cpu_matvec(raw, v) for raw, v in zip(t.host_bytes(), t.views, strict=True)]
+                out = moe_swiglu_picked(x.float().cpu(), weights.float().cpu(), ids.cpu(), *matvecs)
+                return out.to(device=x.device, dtype=x.dtype)
             stacks = t.stacks(t.host_bytes(), torch.float32, rows=used)
             out = moe_swiglu(x.float().cpu(), weights.float().cpu(), local[ids.cpu()], used.numel(), *stacks)
             return out.to(device=x.device, dtype=x.dtype)

@@ -1,0 +1,109 @@
+"""Quantized matvec on the CPU (Q4_K, Q6_K, Q8_0), a small C file compiled on first use for this machine.
+
+For the experts a small batch chose that live in host RAM: the CPU reads the stored blocks where they lie
+(the memory-mapped file) and multiplies in float32 over OpenMP threads, with no dequantized copy, instead of
+moving the weights to the GPU. The build goes to the user's cache folder, keyed by the source's hash; without
+a C compiler the callers fall back to dequantizing in torch (one warning says so).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from functools import cache
+from pathlib import Path
+
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_quant.c"
+TYPES = frozenset({GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q8_0})
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moestream"
+
+
+def _cpu_flags() -> bytes:
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            return next((line for line in f if line.startswith((b"flags", b"Features"))), b"")
+    except OSError:
+        return platform.processor().encode()
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    key = SOURCE.read_bytes() + _cpu_flags()  # -march=native: a build is only good for this kind of CPU
+    lib = _cache_dir() / f"cpu_quant-{hashlib.sha256(key).hexdigest()[:16]}.so"
+    if not lib.exists():
+        compiler = shutil.which(os.environ.get("CC", "cc"))
+        if compiler is None:
+            warnings.warn("no C compiler found: CPU expert matvecs dequantize in torch instead (slower)", stacklevel=3)
+            return None
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:  # built aside, then moved: no half-written .so
+            out = Path(tmp) / lib.name
+            cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(SOURCE), "-o", str(out)]
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                first = (r.stderr.strip().splitlines() or ["?"])[0]
+                warnings.warn(f"building the CPU matvec failed ({first}); dequantizing in torch instead", stacklevel=3)
+                return None
+            os.replace(out, lib)
+    dll = ctypes.CDLL(str(lib))
+    dll.matvec_picked.restype = ctypes.c_int
+    dll.matvec_picked.argtypes = (
+        [ctypes.c_void_p, ctypes.c_int]
+        + [ctypes.c_int64] * 3
+        + [
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_int,
+        ]
+    )
+    return dll
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def matvec(
+    raw: torch.Tensor, qtype: GGMLQuantizationType, n_out: int, x: torch.Tensor, mats: torch.Tensor | None = None
+) -> torch.Tensor:
+    """y [P, n_out] float32 = W_p x[p] for each row p of x [P, in]; raw holds the stored bytes of one matrix
+    [n_out, ...] (mats None) or a stack [E, n_out, ...] indexed by mats [P] (CPU tensors)."""
+    lib = _library()
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    x = x.detach().to(torch.float32).contiguous()
+    n_in = x.shape[-1]
+    raw = raw.contiguous()  # a view of the map stays a view
+    if mats is not None:
+        mats = mats.to(torch.int64).contiguous()
+        if mats.numel() and not (0 <= int(mats.min()) and int(mats.max()) < raw.shape[0]):
+            raise IndexError("matrix index out of range")
+    y = torch.empty((x.shape[0], n_out), dtype=torch.float32)
+    err = lib.matvec_picked(
+        raw.data_ptr(),
+        int(qtype),
+        n_out,
+        n_in,
+        n_in // block * type_size,
+        mats.data_ptr() if mats is not None else None,
+        x.shape[0],
+        x.data_ptr(),
+        y.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if err:
+        raise ValueError(f"CPU matvec: type {qtype.name} is not supported")
+    return y

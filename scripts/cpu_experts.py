@@ -1,0 +1,70 @@
+"""The CPU side of `--small-batch cpu`, side by side: one token's 8 chosen experts of a layer computed by the
+compiled matvec on the stored blocks vs dequantized to float32 in torch (the path before it). Prints ms per
+layer and the stored bytes read per second; timed after a warm-up, the best of several repeats.
+
+    python scripts/cpu_experts.py MODEL [--layer 0] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from moestream.formats.gguf import GGUFFile
+from moestream.kernels import cpu_quant
+from moestream.models.layers import moe_swiglu, moe_swiglu_picked
+from moestream.offload.experts import ExpertTensors, _cpu_matvec
+from moestream.runtime.loader import describe
+
+
+def best(fn, repeats: int = 7) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model")
+    ap.add_argument("--layer", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None)
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    with GGUFFile(a.model) as f:
+        arch, spec = describe(f)
+        t = ExpertTensors(tuple(f.tensor(n) for n in arch.expert_tensor_names(a.layer)))
+        K = spec.n_expert_used
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(1, spec.n_embd, generator=g)
+        ids = torch.randperm(t.n_expert, generator=g)[:K].view(1, K)
+        weights = torch.full((1, K), 1.0 / K)
+        raws = t.host_bytes()
+
+        def compiled():
+            return moe_swiglu_picked(x, weights, ids, *[_cpu_matvec(r, v) for r, v in zip(raws, t.views, strict=True)])
+
+        def torch_dequant():
+            used = torch.unique(ids)
+            local = torch.full((t.n_expert,), -1, dtype=torch.long)
+            local[used] = torch.arange(used.numel())
+            stacks = t.stacks(raws, torch.float32, rows=used)
+            return moe_swiglu(x, weights, local[ids], used.numel(), *stacks)
+
+        err = float((compiled() - torch_dequant()).abs().max() / torch_dequant().abs().max())
+        nbytes = K * (t.nbytes // t.n_expert)
+        print(f"{a.model}: layer {a.layer}, {K} experts = {nbytes / 2**20:.1f} MiB, {torch.get_num_threads()} threads")
+        for name, fn in (("compiled matvec", compiled), ("torch float32 dequant", torch_dequant)):
+            s = best(fn)
+            print(f"  {name:<22} {s * 1e3:8.2f} ms  {nbytes / s / 1e9:6.2f} GB/s")
+        print(f"  max relative difference {err:.1e}; compiled available: {cpu_quant.available()}")
+
+
+if __name__ == "__main__":
+    main()

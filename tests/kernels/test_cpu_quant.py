@@ -1,0 +1,41 @@
+"""The compiled CPU matvec against dequantize-then-multiply, and its half-float decoding for every value."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from moestream.formats import quants
+from moestream.formats.quantize import quantize
+from moestream.kernels import cpu_quant
+
+pytestmark = pytest.mark.skipif(not cpu_quant.available(), reason="no C compiler")
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0])
+def test_matvec_matches_dequantized_product(qtype):
+    w = (np.random.default_rng(0).standard_normal((6, 40, 768)) * 0.05).astype(np.float32)
+    raw = torch.from_numpy(quantize(w, qtype))
+    W = quants.dequantize(raw, qtype, w.shape, torch.float32)
+    x = torch.randn(5, 768, generator=torch.Generator().manual_seed(1))
+    mats = torch.tensor([5, 0, 5, 2, 3])
+    ref = torch.einsum("pod,pd->po", W[mats], x)
+    got = cpu_quant.matvec(raw, qtype, 40, x, mats)
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
+    one = cpu_quant.matvec(raw[4], qtype, 40, x)
+    assert float((one - x @ W[4].T).abs().max() / ref.abs().max()) < 1e-5
+
+
+def test_every_half_float_scale_decodes_exactly():
+    """Q8_0 blocks whose scale runs through all 65536 half floats, each with quants of 1: out = the scale."""
+    halves = np.arange(65536, dtype=np.uint16)
+    blocks = np.zeros((65536, 34), dtype=np.uint8)
+    blocks[:, :2] = halves.view(np.uint8).reshape(-1, 2)
+    blocks[:, 2:] = 1
+    got = cpu_quant.matvec(torch.from_numpy(blocks), Q.Q8_0, 65536, torch.full((1, 32), 1 / 32))[0].numpy()
+    want = halves.view(np.float16).astype(np.float32)
+    finite = np.isfinite(want)
+    assert np.array_equal(got[finite], want[finite])
+    assert np.array_equal(np.isnan(got), np.isnan(want)) and np.array_equal(np.isinf(got), np.isinf(want))
