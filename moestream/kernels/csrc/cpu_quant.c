@@ -56,12 +56,14 @@ static void q6_k_block(const uint8_t *b, float *out) {
         const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
         const int8_t *sc = (const int8_t *)(b + 192 + 8 * h);
         float *o = out + 128 * h;
-        for (int l = 0; l < 32; l++) {
-            int g = l / 16;
-            o[l] = d * sc[g] * (((ql[l] & 15) | (((qh[l] >> 0) & 3) << 4)) - 32);
-            o[l + 32] = d * sc[g + 2] * (((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4)) - 32);
-            o[l + 64] = d * sc[g + 4] * (((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
-            o[l + 96] = d * sc[g + 6] * (((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+        for (int g = 0; g < 2; g++) { /* 16 elements share a scale: a constant inner loop vectorises */
+            const float s0 = d * sc[g], s1 = d * sc[g + 2], s2 = d * sc[g + 4], s3 = d * sc[g + 6];
+            for (int l = 16 * g; l < 16 * g + 16; l++) {
+                o[l] = s0 * (((ql[l] & 15) | (((qh[l] >> 0) & 3) << 4)) - 32);
+                o[l + 32] = s1 * (((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4)) - 32);
+                o[l + 64] = s2 * (((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+                o[l + 96] = s3 * (((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+            }
         }
     }
 }
@@ -82,6 +84,7 @@ static float row_dot(int qtype, const uint8_t *row, int64_t n_blocks, const floa
         else q8_0_block(b, w);
         const float *xs = x + j * elems;
         float part = 0.0f;
+#pragma omp simd reduction(+ : part)
         for (int l = 0; l < elems; l++) part += w[l] * xs[l];
         acc += part;
     }
