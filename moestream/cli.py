@@ -265,8 +265,11 @@ def entry() -> None:
     import that the interrupt cut short can fail again while the interpreter shuts down."""
     code = main()
     if code == 130:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except OSError:  # a closed pipe
+                pass
         os._exit(130)
     sys.exit(code)
 

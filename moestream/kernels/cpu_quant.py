@@ -8,6 +8,7 @@ a C compiler the callers fall back to dequantizing in torch (one warning says so
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -21,6 +22,8 @@ from pathlib import Path
 
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from moestream.errors import MoestreamError
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_quant.c"
 TYPES = frozenset({GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q8_0})
@@ -42,6 +45,16 @@ def _cpu_flags() -> bytes:
 def _library() -> ctypes.CDLL | None:
     key = SOURCE.read_bytes() + _cpu_flags()  # -march=native: a build is only good for this kind of CPU
     lib = _cache_dir() / f"cpu_quant-{hashlib.sha256(key).hexdigest()[:16]}.so"
+    try:
+        return _build_and_load(lib)
+    except OSError as e:  # an unwritable cache folder, a build that cannot load...
+        with contextlib.suppress(OSError):
+            lib.unlink(missing_ok=True)  # a build that does not load is not kept for the next run
+        warnings.warn(f"the CPU matvec is unavailable ({e}); dequantizing in torch instead", stacklevel=3)
+        return None
+
+
+def _build_and_load(lib: Path) -> ctypes.CDLL | None:
     if not lib.exists():
         compiler = shutil.which(os.environ.get("CC", "cc"))
         if compiler is None:
@@ -83,10 +96,19 @@ def matvec(
     """y [P, n_out] float32 = W_p x[p] for each row p of x [P, in]; raw holds the stored bytes of one matrix
     [n_out, ...] (mats None) or a stack [E, n_out, ...] indexed by mats [P] (CPU tensors)."""
     lib = _library()
+    if lib is None:
+        raise MoestreamError("the compiled CPU matvec is unavailable here (see the warning given when it failed)")
     block, type_size = GGML_QUANT_SIZES[qtype]
     x = x.detach().to(torch.float32).contiguous()
     n_in = x.shape[-1]
     raw = raw.contiguous()  # a view of the map stays a view
+    if (
+        n_in % block
+        or raw.shape[-1] != n_in // block * type_size
+        or raw.shape[-2] != n_out
+        or raw.dim() != 2 + (mats is not None)
+    ):
+        raise ValueError(f"CPU matvec: stored bytes {list(raw.shape)} do not hold {n_out} rows of {n_in} {qtype.name}")
     if mats is not None:
         mats = mats.to(torch.int64).contiguous()
         if mats.numel() and not (0 <= int(mats.min()) and int(mats.max()) < raw.shape[0]):

@@ -32,13 +32,38 @@ def _error(status: int, message: str, kind: str = "invalid_request_error") -> JS
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 
+class _Guard:
+    """API key and request size, checked before the endpoint runs. A plain ASGI middleware: FastAPI's
+    @app.middleware("http") wraps `receive`, and then an endpoint never sees its client disconnect."""
+
+    def __init__(self, app, api_key: str | None):
+        self.app, self.api_key = app, api_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            headers = dict(scope["headers"])
+            refused = None
+            if self.api_key is not None and scope["path"].startswith("/v1/"):
+                if headers.get(b"authorization") != f"Bearer {self.api_key}".encode():
+                    refused = _error(
+                        401, "a valid API key is required (Authorization: Bearer KEY)", "authentication_error"
+                    )
+            length = headers.get(b"content-length", b"0")
+            if refused is None and (not length.isdigit() or int(length) > MAX_BODY):
+                refused = _error(413, f"the request is larger than {MAX_BODY} bytes")
+            if refused is not None:
+                await refused(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def _plain(message: dict[str, Any]) -> dict[str, Any]:
     """A chat message whose content is a list of parts (OpenAI's format) as one text: templates expect text."""
     content = message.get("content")
     if isinstance(content, list):
-        texts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-        if len(texts) != len(content):
-            raise ApiError(400, "only text parts are supported in message content")
+        texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
+            raise ApiError(400, "message content parts must be text parts with a string 'text'")
         return message | {"content": "".join(texts)}
     return message
 
@@ -48,14 +73,7 @@ def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None, 
     app = FastAPI(title="moestream")
     started = time.time()
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if request.url.path.startswith("/v1/") and api_key is not None:
-            if request.headers.get("authorization") != f"Bearer {api_key}":
-                return _error(401, "a valid API key is required (Authorization: Bearer KEY)", "authentication_error")
-        if int(request.headers.get("content-length") or 0) > MAX_BODY:
-            return _error(413, f"the request is larger than {MAX_BODY} bytes")
-        return await call_next(request)
+    app.add_middleware(_Guard, api_key=api_key)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
@@ -211,14 +229,18 @@ def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None, 
 
             return StreamingResponse(sse(), media_type="text/event-stream")
 
-        text = ""
+        text, checked = "", time.monotonic()
         try:
             while True:
                 try:
-                    ev = await asyncio.wait_for(events.get(), timeout=0.5)
+                    ev = await asyncio.wait_for(events.get(), timeout=0.25)
                 except asyncio.TimeoutError:  # noqa: UP041 (Python 3.10: not yet the builtin)
-                    if await request.is_disconnected():  # nobody will read the answer: free the sequence
-                        raise ApiError(499, "the client closed the connection") from None
+                    ev = None
+                if time.monotonic() - checked > 0.25:  # nobody will read the answer: free the sequence
+                    checked = time.monotonic()
+                    if await request.is_disconnected():
+                        raise ApiError(499, "the client closed the connection")
+                if ev is None:
                     continue
                 if ev.kind == "text":
                     text += ev.text

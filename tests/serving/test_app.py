@@ -135,6 +135,16 @@ def test_a_client_that_goes_away_frees_its_sequence(server):
     assert metric(server, "moestream_running_sequences") == 0
 
 
+def test_a_client_that_gives_up_on_a_whole_answer_frees_its_sequence(server):
+    body = {"model": "tiny", "prompt": "Once", "max_tokens": 4000, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):  # the client stops waiting and closes the connection
+        httpx.post(server.url + "/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=1.0)
+    deadline = time.monotonic() + 5  # the whole answer would take far longer
+    while metric(server, "moestream_running_sequences") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(server, "moestream_running_sequences") == 0
+
+
 def test_health_and_metrics(server):
     base = server.url.removesuffix("/v1")
     assert httpx.get(base + "/health").json() == {"status": "ok"}
@@ -146,6 +156,10 @@ def test_bad_fields_get_400_and_the_server_goes_on(server, reference):
     c = client(server)
     with pytest.raises(openai.BadRequestError, match="seed"):
         c.completions.create(model="tiny", prompt="hi", max_tokens=2, seed=1.5)
+    with pytest.raises(openai.BadRequestError, match="text parts"):
+        c.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": [{"type": "text", "text": None}]}]
+        )
     with pytest.raises(openai.BadRequestError, match="stream_options"):
         c.completions.create(model="tiny", prompt="hi", max_tokens=2, stream=True, stream_options=[1])
     want, _, _ = reference(QUESTIONS[2], chat=True)
