@@ -9,22 +9,15 @@ character whose UTF-8 bytes are split across tokens.
 from __future__ import annotations
 
 import codecs
-import json
-import sys
-import time
-import tracemalloc
 from collections import Counter
-from datetime import datetime
 from functools import cache
 from itertools import pairwise
 from typing import Any
 
-import jinja2
-import jinja2.ext
 import tokenizers
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from moestream.errors import MoestreamError
+from moestream.formats.chat_template import render as render_template
 
 # tokenizer.ggml.token_type codes (llama.cpp llama_token_type)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -222,33 +215,8 @@ class Tokenizer:
             f"{name}_token": "" if i is None else self.tokens[i]
             for name, i in (("bos", self.bos_id), ("eos", self.eos_id))
         }
-        budget = _Budget()
-        template = _compile_template(self.chat_template)
-        previous, tracing = sys.gettrace(), tracemalloc.is_tracing()
-        if not tracing:
-            tracemalloc.start()
-        sys.settrace(budget.trace)  # counts the template's own lines: loops over anything, not just range()
-        try:
-            chunks = template.generate(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                range=budget.range,
-                **special,
-                **variables,
-            )
-            return "".join(budget.take(chunk) for chunk in chunks)
-        except MoestreamError:
-            raise
-        except RecursionError:
-            raise MoestreamError("chat template: recursion too deep") from None
-        except MemoryError:
-            raise MoestreamError("chat template: ran out of memory while rendering") from None
-        except Exception as e:  # template errors, and whatever the template's own code raises
-            raise MoestreamError(f"chat template: {type(e).__name__}: {str(e)[:160]}") from None
-        finally:
-            sys.settrace(previous)
-            if not tracing:
-                tracemalloc.stop()
+        variables = dict(variables, messages=messages, add_generation_prompt=add_generation_prompt, **special)
+        return render_template(self.chat_template, variables)
 
 
 class TextStream:
@@ -272,101 +240,6 @@ def _list_of(meta: dict[str, Any], key: str, kind: type, default: list) -> list:
     if not isinstance(value, list) or not all(isinstance(v, kind) and not isinstance(v, bool) for v in value):
         raise MoestreamError(f"{key} must be a list of {kind.__name__} values; the file's tokenizer is damaged")
     return value
-
-
-class _Budget:
-    """Limits one chat-template rendering: loop steps (every line of template code, and every `range` by its
-    length, so nested loops add up), memory the rendering holds (tracemalloc, checked every line, so a string
-    doubled in a loop stops within one doubling of the limit), output size and wall time. A template is code
-    from the model file; it must not hang or exhaust memory."""
-
-    MAX_STEPS = 1_000_000
-    MAX_CHARS = 16 << 20
-    MAX_MEMORY = 64 << 20
-    MAX_SECONDS = 5.0
-
-    def __init__(self) -> None:
-        self.steps = self.chars = 0
-        self.deadline = time.monotonic() + self.MAX_SECONDS
-
-    def check(self) -> None:
-        if (
-            self.steps > self.MAX_STEPS
-            or self.chars > self.MAX_CHARS
-            or time.monotonic() > self.deadline
-            or (tracemalloc.is_tracing() and tracemalloc.get_traced_memory()[0] > self.MAX_MEMORY)
-        ):
-            raise MoestreamError(
-                f"chat template: rendering went past its limits ({self.MAX_STEPS} steps, {self.MAX_MEMORY >> 20} "
-                f"MiB of memory, {self.MAX_CHARS >> 20} MiB of text, {self.MAX_SECONDS:g} s); the model's template "
-                "is broken, run without --chat"
-            )
-
-    def trace(self, frame, event: str, arg):
-        """sys.settrace hook: follow only frames of compiled template code, one step a line."""
-        return self._line if frame.f_code.co_filename == "<template>" else None
-
-    def _line(self, frame, event: str, arg):
-        if event == "line":
-            self.steps += 1
-            self.check()
-        return self._line
-
-    def range(self, *args: int) -> range:
-        r = range(*args)
-        self.steps += len(r)
-        self.check()
-        return r
-
-    def take(self, chunk: str) -> str:
-        self.chars += len(chunk)
-        self.check()
-        return chunk
-
-
-class _LimitedSandbox(ImmutableSandboxedEnvironment):
-    """The sandbox transformers renders in, plus a size check on `*` and `**` (`'x' * 10**10`)."""
-
-    intercepted_binops = frozenset({"*", "**", "+"})
-
-    def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
-        if operator == "**" and isinstance(right, int) and abs(right) > 1024:
-            raise jinja2.TemplateError(f"exponent {right} is too large")
-        if operator == "+" and isinstance(left, str | list) and isinstance(right, str | list):
-            if len(left) + len(right) > _Budget.MAX_CHARS:
-                raise jinja2.TemplateError("a string or list grew past the template's size limit")
-        if operator == "*":
-            for seq, n in ((left, right), (right, left)):
-                if isinstance(seq, str | list | tuple) and isinstance(n, int) and len(seq) * n > _Budget.MAX_CHARS:
-                    raise jinja2.TemplateError(f"repeating a sequence {n} times is too large")
-        return super().call_binop(context, operator, left, right)
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.TemplateError(message)
-
-
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-@cache
-def _compile_template(source: str) -> jinja2.Template:
-    """Compile as transformers does, so GGUF templates written for it render the same."""
-    env = _LimitedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    try:
-        return env.from_string(source)
-    except (jinja2.TemplateError, RecursionError, MemoryError, ValueError) as e:
-        raise MoestreamError(f"chat template does not compile: {str(e)[:160]}") from None
 
 
 # --- the tokenizer generated test models carry ---
