@@ -69,10 +69,13 @@ def _environment():
 
 def _child() -> None:
     """Read {source, variables} on stdin, write {text} or {error} on stdout, under the limits."""
-    import resource
+    try:  # POSIX; elsewhere only the parent's wall-clock limit applies
+        import resource
 
-    resource.setrlimit(resource.RLIMIT_AS, (MEMORY, MEMORY))
-    resource.setrlimit(resource.RLIMIT_CPU, (CPU_SECONDS, CPU_SECONDS + 1))
+        resource.setrlimit(resource.RLIMIT_AS, (MEMORY, MEMORY))
+        resource.setrlimit(resource.RLIMIT_CPU, (CPU_SECONDS, CPU_SECONDS + 1))
+    except (ImportError, ValueError, OSError):
+        pass
     request = json.load(sys.stdin)
     try:
         import jinja2
