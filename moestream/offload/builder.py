@@ -68,7 +68,7 @@ def build_offload(
     tensors = {
         il: ExpertTensors(tuple(f.tensor(n) for n in arch.expert_tensor_names(il))) for il in range(spec.n_layer)
     }
-    n_ctx = min(opts.n_ctx or spec.n_ctx_train, spec.n_ctx_train)
+    n_ctx = opts.context(spec.n_ctx_train)
     fp = Footprint(
         dense=dense_bytes,
         kv_cache=KVCache.bytes_needed(len(spec.attention_layers), n_ctx, spec.n_head_kv, spec.head_dim, dtype),

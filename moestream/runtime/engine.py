@@ -51,7 +51,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.options = options
         self.source = source  # the open GGUF file the weights map, closed with the engine
-        self.n_ctx = min(options.n_ctx or self.spec.n_ctx_train, self.spec.n_ctx_train)
+        self.n_ctx = options.context(self.spec.n_ctx_train)
         if options.n_ctx > self.n_ctx:
             warnings.warn(
                 f"--ctx {options.n_ctx} is more than the {self.n_ctx} positions the model was trained for; "
@@ -117,19 +117,7 @@ class Engine:
         layer L before layer L+1, so each streamed layer crosses the link once per prompt. Both compute
         exactly what chunked prefill computes. Returns logits [T, V] if all_logits else [1, V].
         """
-        self._require_open()
-        if not tokens:
-            raise MoestreamError("no tokens to run: the prompt is empty")
-        if cache.broken:
-            raise MoestreamError("this sequence's cache was left half-updated by an interrupted pass; start a new one")
-        if cache.n_past + len(tokens) > self.n_ctx:
-            raise MoestreamError(
-                f"the prompt needs {cache.n_past + len(tokens)} positions but the context is {self.n_ctx} "
-                f"(--ctx, at most the {self.spec.n_ctx_train} the model was trained for); raise --ctx up to "
-                "that or shorten the prompt"
-            )
-        if tokens and not 0 <= min(tokens) <= max(tokens) < self.spec.n_vocab:
-            raise MoestreamError(f"token ids must be in [0, {self.spec.n_vocab}); got {min(tokens)}..{max(tokens)}")
+        self._check(tokens, cache)
         if len(tokens) == 1:
             return self._step(tokens[0], cache)
         ub, n_layer, experts = self.options.ubatch, self.spec.n_layer, self.model.experts
@@ -165,41 +153,45 @@ class Engine:
                 return torch.cat([self.model.head(x).float() for x in xs])
             return self.model.head(xs[-1][-1:]).float()
 
+    def _check(self, tokens: list[int], cache: SequenceCache) -> None:
+        """What every pass needs before it touches the cache: an open engine, tokens, room, known ids."""
+        self._require_open()
+        if not tokens:
+            raise MoestreamError("no tokens to run: the prompt is empty")
+        if cache.broken:
+            raise MoestreamError("this sequence's cache was left half-updated by an interrupted pass; start a new one")
+        if cache.n_past + len(tokens) > self.n_ctx:
+            raise MoestreamError(
+                f"the prompt needs {cache.n_past + len(tokens)} positions but the context is {self.n_ctx} "
+                f"(--ctx, at most the {self.spec.n_ctx_train} the model was trained for); raise --ctx up to "
+                "that or shorten the prompt"
+            )
+        if tokens and not 0 <= min(tokens) <= max(tokens) < self.spec.n_vocab:
+            raise MoestreamError(f"token ids must be in [0, {self.spec.n_vocab}); got {min(tokens)}..{max(tokens)}")
+
     def _step(self, token: int, cache: SequenceCache) -> torch.Tensor:
         """One token as a static pass: replayed from a CUDA graph where the step can be captured."""
-        model, experts = self.model, self.model.experts
+        model = self.model
         n_keys = key_bucket(cache.n_past, self.n_ctx)
         graphs = None
         if self.timeline is NULL and self.replays_steps:
             graphs = self._graphs.setdefault(cache, StepGraphs())
 
         def step(x: torch.Tensor, positions: torch.Tensor, n_keys: int) -> torch.Tensor:
-            batch = model.static_batch(positions, n_keys, self.dtype)
-            for il in range(self.spec.n_layer):
-                experts.start_layer(il, 0)
-                x = model.layer(il, x, batch, cache)
-            with self.timeline.span("compute", "head"):
-                return model.head(x).float()
+            return self._layers(x, model.static_batch(positions, n_keys, self.dtype), cache)
 
         x = model.embed(torch.tensor([token]))
-        experts.begin([il for il in range(self.spec.n_layer) if experts.streams(il, 1)])  # --stream-min-batch 1
-        experts.static = True
-        try:
+
+        def run() -> torch.Tensor:
             if graphs is not None and n_keys in graphs:
-                logits = graphs.replay(x, cache.n_past, n_keys, experts)
-            else:
-                positions = torch.tensor([cache.n_past], device=self.device)
-                logits = step(x, positions, n_keys)  # also the warm-up a capture needs
-                if graphs is not None:
-                    self._capture(graphs, step, x, positions, n_keys)
-        except BaseException:
-            cache.broken = True  # the KV row or recurrent state may be half-written
-            raise
-        finally:
-            experts.static = False
-            experts.end_pass()
-        cache.n_past += 1
-        return logits
+                return graphs.replay(x, cache.n_past, n_keys, model.experts)
+            positions = torch.tensor([cache.n_past], device=self.device)
+            logits = step(x, positions, n_keys)  # also the warm-up a capture needs
+            if graphs is not None:
+                self._capture(graphs, step, x, positions, n_keys)
+            return logits
+
+        return self._static_pass([cache], 1, run)
 
     @torch.inference_mode()
     def forward_each(self, tokens: list[int], caches: list[SequenceCache]) -> torch.Tensor:
@@ -207,17 +199,13 @@ class Engine:
         and experts run once for all rows, attention and recurrent state per sequence. Returns logits [B, V].
 
         Runs eagerly; a single sequence goes through forward(), where its step may replay a CUDA graph."""
-        self._require_open()
         if len(tokens) != len(caches) or len({id(c) for c in caches}) != len(caches):
             raise MoestreamError("forward_each takes one token for each of distinct sequences")
         if len(tokens) == 1:
             return self.forward(tokens, caches[0])
-        for c in caches:
-            if c.broken or c.n_past >= self.n_ctx:
-                raise MoestreamError("a sequence's cache is full or was left half-updated; start a new one")
-        if not 0 <= min(tokens) <= max(tokens) < self.spec.n_vocab:
-            raise MoestreamError(f"token ids must be in [0, {self.spec.n_vocab}); got {min(tokens)}..{max(tokens)}")
-        model, experts, dev = self.model, self.model.experts, self.device
+        for token, cache in zip(tokens, caches, strict=True):
+            self._check([token], cache)
+        model, dev = self.model, self.device
         rows = tuple(
             model.static_batch(torch.tensor([c.n_past], device=dev), key_bucket(c.n_past, self.n_ctx), self.dtype)
             for c in caches
@@ -225,17 +213,28 @@ class Engine:
         positions = torch.tensor([c.n_past for c in caches], device=dev)
         batch = Batch(-1, *model.rope(positions, self.dtype), positions, rows=rows)
         x = model.embed(torch.tensor(tokens))
-        experts.begin([il for il in range(self.spec.n_layer) if experts.streams(il, len(tokens))])
+        return self._static_pass(caches, len(tokens), lambda: self._layers(x, batch, caches))
+
+    def _layers(self, x: torch.Tensor, batch: Batch, cache) -> torch.Tensor:
+        """Every layer, then the head: the body of a static pass (and of a captured step)."""
+        for il in range(self.spec.n_layer):
+            self.model.experts.start_layer(il, 0)
+            x = self.model.layer(il, x, batch, cache)
+        with self.timeline.span("compute", "head"):
+            return self.model.head(x).float()
+
+    def _static_pass(self, caches: list[SequenceCache], n_tokens: int, run: Callable[[], torch.Tensor]):
+        """run() a static pass of n_tokens that appends one token to each cache: whole-layer uploads planned
+        (--stream-min-batch 1), experts read the same way whatever the slots hold, the caches retired if it
+        fails half-way."""
+        experts = self.model.experts
+        experts.begin([il for il in range(self.spec.n_layer) if experts.streams(il, n_tokens)])
         experts.static = True
         try:
-            for il in range(self.spec.n_layer):
-                experts.start_layer(il, 0)
-                x = model.layer(il, x, batch, caches)
-            with self.timeline.span("compute", "head"):
-                logits = model.head(x).float()
+            logits = run()
         except BaseException:
             for c in caches:
-                c.broken = True
+                c.broken = True  # a KV row or recurrent state may be half-written
             raise
         finally:
             experts.static = False

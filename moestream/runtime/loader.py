@@ -79,7 +79,7 @@ def load(
         arch, spec = describe(f)
         tokenizer = load_tokenizer(f)
         if before_weights is not None:
-            before_weights(tokenizer, min(opts.n_ctx or spec.n_ctx_train, spec.n_ctx_train))
+            before_weights(tokenizer, opts.context(spec.n_ctx_train))
         device, dtype = opts.torch_device, opts.torch_dtype
         host = {n for il in range(spec.n_layer) for n in arch.expert_tensor_names(il)} | {"token_embd.weight"}
         dense = {name: t for name, t in f.tensors.items() if name not in host}

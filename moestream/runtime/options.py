@@ -81,6 +81,10 @@ class EngineOptions:
                     stacklevel=3,
                 )
 
+    def context(self, n_ctx_train: int) -> int:
+        """The positions a sequence gets: n_ctx (0: all the model was trained for), at most n_ctx_train."""
+        return min(self.n_ctx or n_ctx_train, n_ctx_train)
+
     @property
     def torch_device(self) -> torch.device:
         return torch.device(self.device)
