@@ -91,12 +91,13 @@ def cmd_run(a: argparse.Namespace) -> None:
     at_least(a.n_predict, 0, "-n")
     params = SamplingParams(max_tokens=a.n_predict, temperature=a.temp, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
 
+    prompt: list[int] = []  # encoded once, before the weights load
+
     def prompt_fits(tokenizer, n_ctx: int) -> None:
         if tokenizer is None:
             raise MoestreamError(f"{a.model}: the file has no tokenizer, so it cannot read a text prompt")
-        text = tokenizer.apply_chat_template([{"role": "user", "content": a.prompt}]) if a.chat else a.prompt
-        n = len(tokenizer.encode(text, add_special=not a.chat))
-        if n > n_ctx:
+        prompt.extend(tokenizer.encode_prompt(a.prompt, a.chat))
+        if (n := len(prompt)) > n_ctx:
             raise MoestreamError(
                 f"the prompt is {n} tokens but the context is {n_ctx} (--ctx, at most what the model was trained "
                 "for); raise --ctx or shorten the prompt"
@@ -108,7 +109,7 @@ def cmd_run(a: argparse.Namespace) -> None:
             "moestream: note: this model has random weights (moestream make-model): expect gibberish", file=sys.stderr
         )
     try:
-        gen = engine.generate(a.prompt, params, chat=a.chat, on_text=lambda s: print(s, end="", flush=True))
+        gen = engine.generate(prompt, params, on_text=lambda s: print(s, end="", flush=True))
     except KeyboardInterrupt as e:  # say what was done before the interrupt, then exit 130
         gen = getattr(e, "generation", None)
         if gen is not None:

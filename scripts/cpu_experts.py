@@ -15,7 +15,7 @@ import torch
 from moestream.formats.gguf import GGUFFile
 from moestream.kernels import cpu_quant
 from moestream.models.layers import moe_swiglu, moe_swiglu_picked
-from moestream.offload.experts import ExpertTensors, _cpu_matvec
+from moestream.offload.experts import ExpertTensors, matvecs
 from moestream.runtime.loader import describe
 
 
@@ -48,7 +48,7 @@ def main() -> None:
         raws = t.host_bytes()
 
         def compiled():
-            return moe_swiglu_picked(x, weights, ids, *[_cpu_matvec(r, v) for r, v in zip(raws, t.views, strict=True)])
+            return moe_swiglu_picked(x, weights, ids, *matvecs(cpu_quant, raws, t))
 
         def torch_dequant():
             used = torch.unique(ids)

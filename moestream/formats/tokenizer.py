@@ -181,6 +181,12 @@ class Tokenizer:
             ids.insert(0, self.bos_id)
         return ids
 
+    def encode_prompt(self, prompt: str, chat: bool = False) -> list[int]:
+        """A user's prompt as token ids, wrapped in the chat template when chat is set."""
+        if chat:
+            return self.encode(self.apply_chat_template([{"role": "user", "content": prompt}]), add_special=False)
+        return self.encode(prompt)
+
     def token_bytes(self, token_id: int) -> bytes:
         """What one token prints as, in bytes: a BPE token may hold part of a UTF-8 character.
 

@@ -78,16 +78,16 @@ def _picked(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, raws, t: 
         raws = [gather.gather_rows(raw, picks) for raw in raws]
         ids = torch.arange(picks.numel(), device=x.device).view_as(ids)
 
-    def matvec(raw: torch.Tensor, v: TensorView):
-        return lambda picks, rows: qmatvec.matvec(raw, v.qtype, v.shape[1], rows, picks)
-
-    gate, up, down = (matvec(raw, v) for raw, v in zip(raws, t.views, strict=True))
-    return moe_swiglu_picked(x, weights, ids, gate, up, down)
+    return moe_swiglu_picked(x, weights, ids, *matvecs(qmatvec, raws, t))
 
 
-def _cpu_matvec(raw: torch.Tensor, v: TensorView):
-    """The MatVec of one stack in host memory, computed by the CPU on the stored blocks."""
-    return lambda picks, rows: cpu_quant.matvec(raw, v.qtype, v.shape[1], rows, picks)
+def matvecs(kernel, raws, t: ExpertTensors) -> list:
+    """The gate, up and down MatVecs of stored bytes raws, by a kernel module's matvec (qmatvec on the GPU,
+    cpu_quant on the CPU)."""
+    return [
+        lambda picks, rows, raw=raw, v=v: kernel.matvec(raw, v.qtype, v.shape[1], rows, picks)
+        for raw, v in zip(raws, t.views, strict=True)
+    ]
 
 
 class LayerExperts:
@@ -214,8 +214,8 @@ class LayerExperts:
                 return moe_swiglu(x, weights, local.to(x.device)[ids], used.numel(), *t.stacks(views, self.dtype))
         with self.timeline.span("compute", "experts-cpu", **label):
             if all(v.qtype in cpu_quant.TYPES for v in t.views) and cpu_quant.available():
-                matvecs = [_cpu_matvec(raw, v) for raw, v in zip(t.host_bytes(), t.views, strict=True)]
-                out = moe_swiglu_picked(x.float().cpu(), weights.float().cpu(), ids.cpu(), *matvecs)
+                on_cpu = matvecs(cpu_quant, t.host_bytes(), t)
+                out = moe_swiglu_picked(x.float().cpu(), weights.float().cpu(), ids.cpu(), *on_cpu)
                 return out.to(device=x.device, dtype=x.dtype)
             stacks = t.stacks(t.host_bytes(), torch.float32, rows=used)
             out = moe_swiglu(x.float().cpu(), weights.float().cpu(), local[ids.cpu()], used.numel(), *stacks)

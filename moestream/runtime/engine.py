@@ -265,10 +265,7 @@ class Engine:
     def encode_prompt(self, prompt: str, chat: bool = False) -> list[int]:
         if self.tokenizer is None:
             raise MoestreamError("this model file has no tokenizer; pass token ids instead of text")
-        if chat:
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-            return self.tokenizer.encode(text, add_special=False)
-        return self.tokenizer.encode(prompt)
+        return self.tokenizer.encode_prompt(prompt, chat)
 
     def generate(
         self,
