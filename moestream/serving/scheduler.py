@@ -38,6 +38,11 @@ class Request:
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
+def _error(e: Exception) -> Event:
+    """An error event: the first line of the exception, or its type when it says nothing."""
+    return Event("error", text=str(e).splitlines()[0] if str(e) else type(e).__name__)
+
+
 class QueueFull(MoestreamError):
     pass
 
@@ -109,25 +114,22 @@ class Scheduler:
                 for seq in list(self.running):
                     self._fail(seq, e)
         for seq in list(self.running):
-            self._send(seq, Event("error", text="the server is shutting down"))
+            self._send(seq.req, Event("error", text="the server is shutting down"))
             self._release(seq)
         while True:  # and those still waiting
             try:
                 req = self.queue.get_nowait()
             except queue.Empty:
                 break
-            try:
-                req.emit(Event("error", text="the server is shutting down"))
-            except Exception:
-                pass  # its listener is gone already
+            self._send(req, Event("error", text="the server is shutting down"))
 
     @staticmethod
-    def _send(seq: _Sequence, event: Event) -> None:
+    def _send(req: Request, event: Event) -> None:
         """Hand an event to the request's listener; one that is gone (its event loop closed) ends the request."""
         try:
-            seq.req.emit(event)
+            req.emit(event)
         except Exception:
-            seq.req.cancelled.set()
+            req.cancelled.set()
 
     def _admit(self) -> None:
         while len(self.running) < self.max_seqs:
@@ -146,10 +148,7 @@ class Scheduler:
                 seq = _Sequence(req, cache, Sampler(req.params), stream, list(req.prompt_tokens))
             except Exception as e:  # out of memory for another cache, say: this request fails, no other
                 self.stats.failed += 1
-                try:
-                    req.emit(Event("error", text=str(e).splitlines()[0] if str(e) else type(e).__name__))
-                except Exception:
-                    pass
+                self._send(req, _error(e))
                 continue
             self.running.append(seq)
 
@@ -193,7 +192,7 @@ class Scheduler:
 
     def _fail(self, seq: _Sequence, e: Exception) -> None:
         self.stats.failed += 1
-        self._send(seq, Event("error", text=str(e).splitlines()[0] if str(e) else type(e).__name__))
+        self._send(seq.req, _error(e))
         self._release(seq)
 
     def _prefill(self, seq: _Sequence) -> None:
@@ -237,7 +236,7 @@ class Scheduler:
         hold = max((len(s) - 1 for s in stops), default=0)
         end = max(len(seq.text) - hold, seq.sent)
         if end > seq.sent:
-            self._send(seq, Event("text", text=seq.text[seq.sent : end]))
+            self._send(seq.req, Event("text", text=seq.text[seq.sent : end]))
             seq.sent = end
         return False
 
@@ -245,9 +244,9 @@ class Scheduler:
         if seq.stream is not None and flush:  # bytes of an unfinished character
             seq.text += seq.stream.flush()
         if seq.sent < len(seq.text):
-            self._send(seq, Event("text", text=seq.text[seq.sent :]))
+            self._send(seq.req, Event("text", text=seq.text[seq.sent :]))
         self._send(
-            seq,
+            seq.req,
             Event(
                 "done",
                 finish_reason=reason,
