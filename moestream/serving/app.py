@@ -187,16 +187,19 @@ def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None, 
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
 
-        def chunk(text: str | None, finish: str | None, usage: dict | None = None) -> dict:
-            if chat:
-                delta = {} if text is None else {"role": "assistant", "content": text}
-                choice = {"index": 0, "delta": delta, "finish_reason": finish}
-                obj = "chat.completion.chunk"
-            else:
+        def response(text: str | None, finish: str | None, streamed: bool) -> dict:
+            """OpenAI's object for a completion or chat answer: a streamed chunk (text None: no content) or
+            the whole answer."""
+            if not chat:
                 choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
                 obj = "text_completion"
-            out = {"id": rid, "object": obj, "created": created, "model": model_id, "choices": [choice]}
-            return out | ({"usage": usage} if usage else {})
+            elif streamed:
+                delta = {} if text is None else {"role": "assistant", "content": text}
+                choice, obj = {"index": 0, "delta": delta, "finish_reason": finish}, "chat.completion.chunk"
+            else:
+                message = {"role": "assistant", "content": text}
+                choice, obj = {"index": 0, "message": message, "finish_reason": finish}, "chat.completion"
+            return {"id": rid, "object": obj, "created": created, "model": model_id, "choices": [choice]}
 
         def usage_of(ev: Event) -> dict:
             return {
@@ -213,11 +216,11 @@ def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None, 
                     while True:
                         ev = await events.get()
                         if ev.kind == "text":
-                            yield f"data: {json.dumps(chunk(ev.text, None))}\n\n"
+                            yield f"data: {json.dumps(response(ev.text, None, streamed=True))}\n\n"
                         elif ev.kind == "done":
-                            yield f"data: {json.dumps(chunk(None, ev.finish_reason))}\n\n"
+                            yield f"data: {json.dumps(response(None, ev.finish_reason, streamed=True))}\n\n"
                             if include_usage:
-                                last = chunk(None, None) | {"choices": [], "usage": usage_of(ev)}
+                                last = response(None, None, streamed=True) | {"choices": [], "usage": usage_of(ev)}
                                 yield f"data: {json.dumps(last)}\n\n"
                             yield "data: [DONE]\n\n"
                             return
@@ -250,20 +253,7 @@ def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None, 
                     break
         finally:
             job.cancelled.set()
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": ev.finish_reason}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": ev.finish_reason, "logprobs": None}
-            obj = "text_completion"
-        return {
-            "id": rid,
-            "object": obj,
-            "created": created,
-            "model": model_id,
-            "choices": [choice],
-            "usage": usage_of(ev),
-        }
+        return response(text, ev.finish_reason, streamed=False) | {"usage": usage_of(ev)}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
