@@ -112,9 +112,9 @@ else:
     DOTS = {}
 
 
-def usable(x: torch.Tensor, qtype: GGMLQuantizationType) -> bool:
-    """Whether matvec serves x [T, in] against a weight of this type here."""
-    return qtype in DOTS and x.is_cuda and x.shape[0] <= MAX_TOKENS
+def usable(qtype: GGMLQuantizationType, device: torch.device, n_tokens: int) -> bool:
+    """Whether matvec serves n_tokens rows on device against a weight of this type."""
+    return qtype in DOTS and device.type == "cuda" and n_tokens <= MAX_TOKENS
 
 
 def matvec(

@@ -45,7 +45,7 @@ class DenseWeights(Mapping[str, torch.Tensor]):
 
     def reads_directly(self, x: torch.Tensor, name: str) -> bool:
         """Whether linear(x, name) multiplies from the stored blocks (no dequantized copy is made)."""
-        return name in self._blocks and qmatvec.usable(x, self._blocks[name][1])
+        return name in self._blocks and qmatvec.usable(self._blocks[name][1], x.device, x.shape[0])
 
     def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """x @ W.T; for a few tokens straight from the stored blocks, without a dequantized copy."""

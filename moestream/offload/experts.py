@@ -63,9 +63,9 @@ class ExpertTensors:
         return tuple(make(raw, v) for raw, v in zip(raws, self.views, strict=True))
 
 
-def _matvec_serves(x: torch.Tensor, t: ExpertTensors) -> bool:
+def _matvec_serves(t: ExpertTensors, device: torch.device, n_tokens: int) -> bool:
     """A token or few on a GPU: the experts multiply straight from their stored blocks."""
-    return all(qmatvec.usable(x, v.qtype) for v in t.views)
+    return all(qmatvec.usable(v.qtype, device, n_tokens) for v in t.views)
 
 
 def _picked(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, raws, t: ExpertTensors) -> torch.Tensor:
@@ -148,8 +148,8 @@ class LayerExperts:
         their experts there."""
         t = next(iter(self.tensors.values()))
         _, n_ff, n_embd = t.views[0].shape
-        probe = torch.empty((n_tokens, 0), device=self.dev.device)
-        if not _matvec_serves(probe, t) and not runs_on_device(self.dev.device, self.dtype, n_ff, n_embd):
+        dev = self.dev.device
+        if not _matvec_serves(t, dev, n_tokens) and not runs_on_device(dev, self.dtype, n_ff, n_embd):
             return False
         if len(self.resident) == len(self.tensors):
             return True
@@ -181,7 +181,7 @@ class LayerExperts:
     def _on_device(self, il: int, t: ExpertTensors, raws, x, weights, ids) -> torch.Tensor:
         self.dev.compute()  # injected slowness on the CPU device; nothing on a GPU
         T, K = ids.shape
-        if _matvec_serves(x, t):
+        if _matvec_serves(t, x.device, x.shape[0]):
             return _picked(x, weights, ids, raws, t)
         if T * K < t.n_expert:  # few tokens: dequantize just the chosen experts, one per token-expert pair
             pairs = torch.arange(T * K, device=x.device).view(T, K)
@@ -209,7 +209,7 @@ class LayerExperts:
         if views is not None:
             self.dev.compute()
             with self.timeline.span("compute", "experts", **label):
-                if _matvec_serves(x, t):
+                if _matvec_serves(t, x.device, x.shape[0]):
                     return _picked(x, weights, local.to(x.device)[ids], views, t)
                 return moe_swiglu(x, weights, local.to(x.device)[ids], used.numel(), *t.stacks(views, self.dtype))
         with self.timeline.span("compute", "experts-cpu", **label):
