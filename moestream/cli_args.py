@@ -60,7 +60,7 @@ def engine_flags(p: argparse.ArgumentParser, lists: bool = False) -> None:
         choices=("pinned", "pageable"),
         help="streamed experts: page-locked in place (pinned, default) or copied from the pageable map",
     )
-    llama_flags(p, lists)
+    llama_flags(p)
 
 
 LOAD_MODES = {"none": "pinned", "mmap": "pageable"}  # llama.cpp --load-mode -> --host-memory
@@ -97,7 +97,7 @@ class _Rejected(argparse.Action):
         )
 
 
-def llama_flags(p: argparse.ArgumentParser, lists: bool) -> None:
+def llama_flags(p: argparse.ArgumentParser) -> None:
     """llama.cpp's flags for the same job: accepted with their meaning where moestream has one, else exit 2."""
     p.add_argument(
         "-ngl",
