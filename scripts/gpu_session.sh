@@ -3,7 +3,8 @@
 # Usage (on the GPU machine): bash scripts/gpu_session.sh STEP... with STEP one of
 #   tests    pytest -m gpu (without fla's kernels: `fla` runs those, ~100 s of autotuning)
 #   model    generate the qwen3-30b-a3b Q4_K_M model (skipped when a warm machine still has it) + routing
-#   pp512 pp2048 long profile decode decodediag alloc   the issue-3/4/10 benches on that model
+#   pp512 pp2048 long profile decode decodediag cpuexp alloc   the issue-3/4/10 benches on that model
+#   lbuild llamacpp   build llama.cpp's llama-bench (background) / wait and run tg128 at -ncmoe 0,26
 #   qwen35 routing35   the issue-5 headline table (generates the qwen3.6-35b-a3b model first), its routing
 # At most 8 files come back from $OUT: keep appending to the ones below.
 set -uo pipefail
@@ -49,6 +50,19 @@ for step in "$@"; do
               --vram-budget 12GiB --no-floors 2>&1 | quiet | tee -a "$OUT/bench.txt" ;;
     decodediag) python3 scripts/decode_diag.py $MODEL 2>&1 | tee -a "$OUT/diag.txt"
                 python3 scripts/decode_diag.py $MODEL stream 2>&1 | tee -a "$OUT/diag.txt" ;;
+    cpuexp) for n in 4 8 16; do for layer in 0 1; do  # the compiled CPU matvec on this host's cores
+              python3 scripts/cpu_experts.py $MODEL --layer $layer --threads $n 2>&1 | tee -a "$OUT/diag.txt"
+            done; done ;;
+    lbuild) # llama.cpp's llama-bench from the llama-cpp-python sdist, packed into .lcpp/llama.tgz (models/docs
+            # left out); built in the background so the next steps overlap it; `llamacpp` waits for it
+            ( mkdir -p /tmp/lcpp && cd /tmp/lcpp && tar xzf "$OLDPWD/.lcpp/llama.tgz" \
+              && cmake -S . -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF \
+                   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DCMAKE_BUILD_TYPE=Release >/tmp/lcpp.log 2>&1 \
+              && nice cmake --build build --target llama-bench -j 16 >>/tmp/lcpp.log 2>&1; echo "build rc $?" >>/tmp/lcpp.log
+            ) & LBUILD=$! ;;
+    llamacpp) [[ -n ${LBUILD:-} ]] && wait $LBUILD; tail -3 /tmp/lcpp.log | tee -a "$OUT/gpu.txt"
+              /tmp/lcpp/build/bin/llama-bench -m $MODEL -ngl 99 -fa 1 -p 0 -n 128 -r 3 -ncmoe 0,26 2>&1 \
+                | grep -v '^ggml\|^load' | tee -a "$OUT/bench.txt" ;;
     alloc) for conf in "" "expandable_segments:True"; do  # A/B of the allocator under the 12 GiB cap
              echo "PYTORCH_CUDA_ALLOC_CONF=$conf" | tee -a "$OUT/bench.txt"
              PYTORCH_CUDA_ALLOC_CONF=$conf $B -p 2048 -ub 2048 --stream overlap --streamed-layers spread \
