@@ -10,6 +10,7 @@ if TYPE_CHECKING:
     from moestream.runtime.loader import load
     from moestream.runtime.sampling import SamplingParams
 
+__version__ = "0.1.0"
 __all__ = ["load", "Engine", "Generation", "SamplingParams"]
 _HOME = {
     "load": "runtime.loader",

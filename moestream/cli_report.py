@@ -9,9 +9,10 @@ import json
 import math
 import platform
 import time
-from importlib.metadata import version
 
 import torch
+
+from moestream import __version__
 
 FORMATS = ("md", "json", "csv", "jsonl")
 TYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
@@ -23,7 +24,7 @@ def run_info(engine, n_batch: int) -> dict:
     cuda = engine.device.type == "cuda"
     kv = TYPE_NAMES.get(engine.dtype, str(engine.dtype))
     return {
-        "build_commit": f"moestream-{version('moestream')}",
+        "build_commit": f"moestream-{__version__}",
         "build_number": 0,
         "cpu_info": _cpu_name(),
         "gpu_info": torch.cuda.get_device_name(engine.device) if cuda else "",

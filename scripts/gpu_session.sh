@@ -44,13 +44,13 @@ for step in "$@"; do
                --stream serial,overlap,layer-major --trace "$OUT/trace_pp2048.json" --plot "$OUT/timeline_pp2048.png" \
                2>&1 | quiet | tee -a "$OUT/profile.txt" ;;
     decode) $MS bench -m $MODEL -ncmoe 0 -r 3 -p 0 -n 128 --no-floors 2>&1 | quiet | tee -a "$OUT/bench.txt"
-            $MS bench -m $MODEL -ncmoe 26 -r 3 -p 0 -n 128 --streamed-layers spread,first --small-batch gather \
-              --vram-budget 12GiB --no-floors 2>&1 | quiet | tee -a "$OUT/bench.txt"
-            $MS bench -m $MODEL -ncmoe 26 -r 1 -p 0 -n 128 --streamed-layers spread --small-batch upload \
-              --vram-budget 12GiB --no-floors 2>&1 | quiet | tee -a "$OUT/bench.txt" ;;
+            for sb in ${SMALL_BATCH:-gather cpu}; do
+              $MS bench -m $MODEL -ncmoe 26 -r 3 -p 0 -n 128 --streamed-layers spread --small-batch $sb \
+                --vram-budget 12GiB --no-floors 2>&1 | quiet | tee -a "$OUT/bench.txt"
+            done ;;
     decodediag) python3 scripts/decode_diag.py $MODEL 2>&1 | tee -a "$OUT/diag.txt"
                 python3 scripts/decode_diag.py $MODEL stream 2>&1 | tee -a "$OUT/diag.txt" ;;
-    cpuexp) for n in 4 8 16; do for layer in 0 1; do  # the compiled CPU matvec on this host's cores
+    cpuexp) for n in ${CPU_THREADS:-8 16}; do for layer in 1; do  # the compiled CPU matvec on this host's cores
               python3 scripts/cpu_experts.py $MODEL --layer $layer --threads $n 2>&1 | tee -a "$OUT/diag.txt"
             done; done ;;
     lbuild) # llama.cpp's llama-bench from the llama-cpp-python sdist, packed into .lcpp/llama.tgz (models/docs

@@ -19,6 +19,7 @@ from moestream.kernels.dequant import triton
 Q = GGMLQuantizationType
 
 ROWS_PER_PROGRAM = 16
+DOWN_ROWS = 8  # the down kernel loops over a token's K experts: fewer rows a program keep the grid wide
 MAX_TOKENS = 4  # above this, dequantizing once and multiplying on the tensor cores is cheaper
 
 if triton is not None:
@@ -84,6 +85,15 @@ if triton is not None:
     DOTS = {Q.Q4_K: q4_k_dot, Q.Q6_K: q6_k_dot, Q.Q8_0: q8_0_dot}
 
     @triton.jit
+    def _row_dot(w, mat, out, n_out, row_bytes, xp, ok, N_BLOCKS: tl.constexpr, DOT: tl.constexpr, ELEMS, SIZE):
+        """[R] dot products of rows `out` of matrix `mat` of the stack w with the vector at xp."""
+        row = w + (mat * n_out + out[:, None].to(tl.int64)) * row_bytes
+        acc = DOT(row, xp, ok)
+        for j in tl.static_range(1, N_BLOCKS):
+            acc += DOT(row + j * SIZE, xp + j * ELEMS, ok)
+        return tl.sum(acc, axis=1)
+
+    @triton.jit
     def _matvec_kernel(
         w,
         x,
@@ -102,12 +112,62 @@ if triton is not None:
         out = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS] output rows
         ok = (out < n_out)[:, None]
         mat = tl.load(mats + p).to(tl.int64) if STACKED else 0
-        row = w + (mat * n_out + out[:, None].to(tl.int64)) * row_bytes  # [ROWS, 1] first block of each row
-        xp = x + p * N_BLOCKS * ELEMS
-        acc = DOT(row, xp, ok)
-        for j in tl.static_range(1, N_BLOCKS):
-            acc += DOT(row + j * SIZE, xp + j * ELEMS, ok)
-        tl.store(y + p * n_out + out, tl.sum(acc, axis=1), mask=out < n_out)
+        dot = _row_dot(w, mat, out, n_out, row_bytes, x + p * N_BLOCKS * ELEMS, ok, N_BLOCKS, DOT, ELEMS, SIZE)
+        tl.store(y + p * n_out + out, dot.to(y.dtype.element_ty), mask=out < n_out)
+
+    @triton.jit
+    def _gate_up_kernel(
+        wg,
+        wu,
+        x,
+        h,
+        mats,
+        n_out,
+        row_bytes,
+        K,
+        N_BLOCKS: tl.constexpr,
+        DOT: tl.constexpr,
+        ELEMS: tl.constexpr,
+        SIZE: tl.constexpr,
+        ROWS: tl.constexpr,
+    ):
+        """h[p] = silu(gate_p x[p // K]) * (up_p x[p // K]) for token-expert pair p: one read of x, no copies."""
+        p = tl.program_id(1).to(tl.int64)
+        out = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        ok = (out < n_out)[:, None]
+        mat = tl.load(mats + p).to(tl.int64)
+        xp = x + (p // K) * N_BLOCKS * ELEMS
+        g = _row_dot(wg, mat, out, n_out, row_bytes, xp, ok, N_BLOCKS, DOT, ELEMS, SIZE)
+        u = _row_dot(wu, mat, out, n_out, row_bytes, xp, ok, N_BLOCKS, DOT, ELEMS, SIZE)
+        tl.store(h + p * n_out + out, (g / (1 + tl.exp(-g)) * u).to(h.dtype.element_ty), mask=out < n_out)
+
+    @triton.jit
+    def _down_sum_kernel(
+        wd,
+        h,
+        weights,
+        mats,
+        y,
+        n_out,
+        row_bytes,
+        K: tl.constexpr,
+        N_BLOCKS: tl.constexpr,
+        DOT: tl.constexpr,
+        ELEMS: tl.constexpr,
+        SIZE: tl.constexpr,
+        ROWS: tl.constexpr,
+    ):
+        """y[t] = sum over k of weights[t, k] * down_{t,k} h[t*K + k], in order k = 0..K-1 (deterministic)."""
+        t = tl.program_id(1).to(tl.int64)
+        out = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        ok = (out < n_out)[:, None]
+        total = tl.zeros([ROWS], dtype=tl.float32)
+        for k in tl.static_range(K):
+            p = t * K + k
+            mat = tl.load(mats + p).to(tl.int64)
+            d = _row_dot(wd, mat, out, n_out, row_bytes, h + p * N_BLOCKS * ELEMS, ok, N_BLOCKS, DOT, ELEMS, SIZE)
+            total += tl.load(weights + p).to(tl.float32) * d
+        tl.store(y + t * n_out + out, total.to(y.dtype.element_ty), mask=out < n_out)
 else:
     DOTS = {}
 
@@ -132,7 +192,7 @@ def matvec(
     block, type_size = GGML_QUANT_SIZES[qtype]
     n_in = x.shape[-1]
     x = x.contiguous()
-    y = torch.empty((x.shape[0], n_out), dtype=torch.float32, device=x.device)
+    y = torch.empty((x.shape[0], n_out), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n_out, ROWS_PER_PROGRAM), x.shape[0])
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         _matvec_kernel[grid](
@@ -149,4 +209,65 @@ def matvec(
             STACKED=mats is not None,
             ROWS=ROWS_PER_PROGRAM,
         )
-    return y.to(x.dtype)
+    return y
+
+
+def _consts(qtype: GGMLQuantizationType, n_in: int) -> dict:
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    return dict(N_BLOCKS=n_in // block, DOT=DOTS[qtype], ELEMS=block, SIZE=type_size)
+
+
+def swiglu_picked(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    raws: list[torch.Tensor],
+    qtypes: tuple[GGMLQuantizationType, GGMLQuantizationType, GGMLQuantizationType],
+    n_ff: int,
+) -> torch.Tensor:
+    """models.layers.moe_swiglu_picked in two launches: gate, up and SiLU of every token-expert pair in one,
+    down and the weighted sum over each token's experts in the other. x [T, D]; weights, ids [T, K]; raws the
+    gate, up, down stacks' stored bytes (device or page-locked host memory) indexed by ids."""
+    T, K = ids.shape
+    D = x.shape[-1]
+    x = x.contiguous()
+    picks = ids.reshape(-1).contiguous()
+    g_type, u_type, d_type = qtypes
+    h = torch.empty((T * K, n_ff), dtype=x.dtype, device=x.device)
+    y = torch.empty((T, D), dtype=x.dtype, device=x.device)
+    gate_bytes = _consts(g_type, D)
+    down_bytes = _consts(d_type, n_ff)
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        _gate_up_kernel[(triton.cdiv(n_ff, ROWS_PER_PROGRAM), T * K)](
+            raws[0],
+            raws[1],
+            x,
+            h,
+            picks,
+            n_ff,
+            gate_bytes["N_BLOCKS"] * gate_bytes["SIZE"],
+            K,
+            ROWS=ROWS_PER_PROGRAM,
+            **gate_bytes,
+        )
+        _down_sum_kernel[(triton.cdiv(D, DOWN_ROWS), T)](
+            raws[2],
+            h,
+            weights.contiguous(),
+            picks,
+            y,
+            D,
+            down_bytes["N_BLOCKS"] * down_bytes["SIZE"],
+            K=K,
+            ROWS=DOWN_ROWS,
+            **down_bytes,
+        )
+    return y
+
+
+def fuses(qtypes, n_ff: int, n_embd: int) -> bool:
+    """Whether swiglu_picked serves experts of these types and sizes (gate and up stored alike)."""
+    g, u, d = qtypes
+    return (
+        g == u and g in DOTS and d in DOTS and all(n % GGML_QUANT_SIZES[t][0] == 0 for n, t in ((n_embd, g), (n_ff, d)))
+    )

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from moestream.kernels import decode_attention, fused
 from moestream.kernels.grouped_moe import grouped_mm
 
 
@@ -55,6 +56,8 @@ HEAD_ROWS = 32768
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in float32 and cast back, over the last dim."""
+    if fused.usable(x) and weight.dtype == x.dtype:  # one kernel instead of seven (decode is launch-bound)
+        return fused.rms_norm(x, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -91,6 +94,13 @@ def rope_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s, rest), dim=-1)
 
 
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor):
+    """rope_neox(rms_norm(x, weight, eps), cos, sin) for x [T, H, Dh]: q and k before attention."""
+    if fused.usable(x) and weight.dtype == x.dtype == cos.dtype:
+        return fused.rms_norm(x, weight, eps, cos.contiguous(), sin.contiguous())
+    return rope_neox(rms_norm(x, weight, eps), cos, sin)
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Softmax attention of q [T, H, Dh] (the last T positions) over k, v [S, Hkv, Dh] (positions 0..S-1).
 
@@ -113,6 +123,8 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     For static batches (decode steps replayed from a graph): S is fixed and the mask comes from device
     positions. The query heads sharing a KV head go in as rows of one group, so K and V are read once.
     """
+    if decode_attention.usable(q):  # two launches, masking from the positions itself
+        return decode_attention.attention(q, k, v, positions)
     T, H, Dh = q.shape
     S, Hkv, _ = k.shape
     G = H // Hkv
@@ -125,7 +137,10 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
 
 def route_softmax_topk(x: torch.Tensor, w_router: torch.Tensor, k: int, renorm: bool = True):
     """Softmax over all experts, top-k, chosen weights renormalised to sum 1. Returns weights [T, K], ids [T, K]."""
-    probs = torch.softmax(F.linear(x, w_router).float(), dim=-1)  # [T, E]
+    logits = F.linear(x, w_router)
+    if fused.usable(logits):  # softmax, top-k and renormalisation in one kernel
+        return fused.softmax_topk(logits, k, renorm, x.dtype)
+    probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
     weights, ids = torch.topk(probs, k, dim=-1)
     if renorm:
         weights = weights / weights.sum(dim=-1, keepdim=True)

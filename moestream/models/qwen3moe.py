@@ -20,8 +20,8 @@ from moestream.models.layers import (
     causal_attention,
     masked_attention,
     rms_norm,
+    rms_norm_rope,
     rope_cos_sin,
-    rope_neox,
     route_softmax_topk,
 )
 from moestream.models.spec import ModelSpec, common_spec_fields
@@ -152,8 +152,8 @@ class Model:
         s, T = self.spec, x.shape[0]
         k = self.linear(x, il, "attn_k").view(T, s.n_head_kv, s.head_dim)
         v = self.linear(x, il, "attn_v").view(T, s.n_head_kv, s.head_dim)
-        q = rope_neox(rms_norm(q, self.w(il, "attn_q_norm"), s.rms_eps), batch.cos, batch.sin)
-        k = rope_neox(rms_norm(k, self.w(il, "attn_k_norm"), s.rms_eps), batch.cos, batch.sin)
+        q = rms_norm_rope(q, self.w(il, "attn_q_norm"), s.rms_eps, batch.cos, batch.sin)
+        k = rms_norm_rope(k, self.w(il, "attn_k_norm"), s.rms_eps, batch.cos, batch.sin)
         if batch.n_keys is None:
             k_all, v_all = cache.kv.update(il, batch.pos0, k, v)
             return causal_attention(q, k_all, v_all)  # [T, H, Dh]

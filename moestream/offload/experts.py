@@ -78,6 +78,10 @@ def _picked(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, raws, t: 
         raws = [gather.gather_rows(raw, picks) for raw in raws]
         ids = torch.arange(picks.numel(), device=x.device).view_as(ids)
 
+    qtypes = tuple(v.qtype for v in t.views)
+    n_ff = t.views[0].shape[1]
+    if qmatvec.fuses(qtypes, n_ff, x.shape[-1]):  # two launches for the whole layer
+        return qmatvec.swiglu_picked(x, weights, ids, raws, qtypes, n_ff)
     return moe_swiglu_picked(x, weights, ids, *matvecs(qmatvec, raws, t))
 
 

@@ -1,0 +1,169 @@
+"""Decode attention in two Triton launches: split-K ("flash-decoding") chunks, then a log-sum-exp combine.
+
+The engine's static decode step replays a CUDA graph over a fixed KV bucket with the positions on the
+device. torch's SDPA with a boolean mask (models/layers.masked_attention, the reference) costs about eight
+extra kernels a layer for that: the mask build, repeat_interleave, transposes. Here the first kernel masks
+from the positions itself and skips the keys past them, so a long bucket costs what the sequence holds,
+and everything sized on the host comes from shapes alone: no reads back, the same launches every step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+from moestream.kernels.dequant import triton
+
+MIN_CHUNK = 256  # keys a chunk holds at least: fewer and the combine's traffic and launch overhead dominate
+TARGET_PROGRAMS = 256  # chunk programs to aim for on long buckets: about two per SM of an H200 (132 SMs)
+COMBINE_BLOCK = 16  # chunks the combine reads at a time
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _chunk_kernel(
+        q,
+        k,
+        v,
+        positions,
+        part,
+        maxes,
+        sums,
+        n_keys,
+        qk_scale,
+        sqt,
+        sqh,
+        sqd,
+        sks,
+        skh,
+        skd,
+        svs,
+        svh,
+        svd,
+        HKV: tl.constexpr,
+        G: tl.constexpr,
+        G_PAD: tl.constexpr,  # G as a power of two of at least 16, the smallest tl.dot tile
+        DH: tl.constexpr,
+        CHUNK: tl.constexpr,
+        N_CHUNKS: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        """One token, one KV head, one chunk of keys: the unnormalised output [G, DH] of its query heads,
+        with the running max (log2 units) and sum of the softmax. A chunk past the token's position
+        leaves max -inf, sum 0 and output 0."""
+        t = tl.program_id(0) // HKV
+        kvh = tl.program_id(0) % HKV
+        c = tl.program_id(1)
+        g = tl.arange(0, G_PAD)
+        d = tl.arange(0, DH)
+        real = g < G
+        head = kvh * G + g
+        lo = c * CHUNK
+        hi = tl.minimum(tl.minimum(lo + CHUNK, n_keys), tl.load(positions + t) + 1)  # keys lo..hi-1 count
+        m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([G_PAD], tl.float32)
+        acc = tl.zeros([G_PAD, DH], tl.float32)
+        if lo < hi:  # key lo is visible, so m_i is finite from the first block on and no exp2 sees -inf - -inf
+            qt = tl.load(q + t * sqt + head[:, None] * sqh + d[None, :] * sqd, mask=real[:, None], other=0)
+            for j in range(0, CHUNK, BLOCK_S):  # static bounds: Triton pipelines the loads
+                key = lo + j + tl.arange(0, BLOCK_S)
+                ok = key < hi
+                kt = tl.load(k + key[:, None] * sks + kvh * skh + d[None, :] * skd, mask=ok[:, None], other=0)
+                scores = tl.dot(qt, tl.trans(kt), input_precision=PRECISION) * qk_scale
+                scores = tl.where(ok[None, :], scores, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(scores - m_new[:, None])
+                vt = tl.load(v + key[:, None] * svs + kvh * svh + d[None, :] * svd, mask=ok[:, None], other=0)
+                acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                m_i = m_new
+        row = (t * HKV * G + head) * N_CHUNKS + c
+        tl.store(part + row[:, None] * DH + d[None, :], acc, mask=real[:, None])
+        tl.store(maxes + row, m_i, mask=real)
+        tl.store(sums + row, l_i, mask=real)
+
+    @triton.jit
+    def _combine_kernel(part, maxes, sums, out, DH: tl.constexpr, N_CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr):
+        """One token and query head: its chunks' outputs weighted by their softmax mass, normalised."""
+        r = tl.program_id(0)  # t * H + h
+        d = tl.arange(0, DH)
+        c = tl.arange(0, BLOCK_C)
+        m_max = tl.full([BLOCK_C], float("-inf"), tl.float32)
+        for c0 in range(0, N_CHUNKS, BLOCK_C):
+            m_max = tl.maximum(
+                m_max, tl.load(maxes + r * N_CHUNKS + c0 + c, mask=c0 + c < N_CHUNKS, other=float("-inf"))
+            )
+        m = tl.max(m_max)  # chunk 0 holds key 0, visible to every token: finite
+        total = tl.zeros([BLOCK_C], tl.float32)
+        acc = tl.zeros([DH], tl.float32)
+        for c0 in range(0, N_CHUNKS, BLOCK_C):
+            ok = c0 + c < N_CHUNKS
+            at = r * N_CHUNKS + c0 + c
+            w = tl.exp2(tl.load(maxes + at, mask=ok, other=float("-inf")) - m)  # -inf chunks weigh 0
+            total += w * tl.load(sums + at, mask=ok, other=0)
+            acc += tl.sum(w[:, None] * tl.load(part + at[:, None] * DH + d[None, :], mask=ok[:, None], other=0), 0)
+        tl.store(out + r * DH + d, (acc / tl.sum(total)).to(out.dtype.element_ty))
+
+
+def usable(q: torch.Tensor) -> bool:
+    """Whether attention serves queries like q [T, H, Dh]."""
+    dh = q.shape[-1]
+    return (
+        triton is not None
+        and q.is_cuda
+        and q.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and 16 <= dh <= 256  # 16: the smallest tl.dot extent
+        and dh & (dh - 1) == 0
+    )
+
+
+def chunk_size(n_keys: int, n_rows: int, block: int) -> int:
+    """Keys per chunk for n_keys keys and n_rows (token, KV head) pairs: at least MIN_CHUNK where there are
+    that many, few enough chunks for about TARGET_PROGRAMS programs in all, a multiple of block."""
+    n_chunks = max(1, min(TARGET_PROGRAMS // n_rows, n_keys // MIN_CHUNK))
+    return triton.cdiv(triton.cdiv(n_keys, n_chunks), block) * block
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Like layers.masked_attention: softmax attention of q [T, H, Dh] over k, v [S, Hkv, Dh], query t
+    seeing keys 0..positions[t] (int64, on q's device). Returns [T, H, Dh] in q's dtype."""
+    T, H, Dh = q.shape
+    S, Hkv, _ = k.shape
+    G = H // Hkv
+    block = min(64, 16384 // (Dh * q.element_size()))  # K and V tiles of at most 16 KiB: no register spills
+    chunk = chunk_size(S, T * Hkv, block)
+    n_chunks = triton.cdiv(S, chunk)
+    part = torch.empty((T * H, n_chunks, Dh), dtype=torch.float32, device=q.device)
+    stats = torch.empty((2, T * H, n_chunks), dtype=torch.float32, device=q.device)  # running max, sum
+    out = torch.empty((T, H, Dh), dtype=q.dtype, device=q.device)
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        _chunk_kernel[(T * Hkv, n_chunks)](
+            q,
+            k,
+            v,
+            positions,
+            part,
+            *stats,
+            S,
+            math.log2(math.e) / math.sqrt(Dh),
+            *q.stride(),
+            *k.stride(),
+            *v.stride(),
+            HKV=Hkv,
+            G=G,
+            G_PAD=max(16, triton.next_power_of_2(G)),
+            DH=Dh,
+            CHUNK=chunk,
+            N_CHUNKS=n_chunks,
+            BLOCK_S=block,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # tf32 only applies to float32 inputs
+        )
+        _combine_kernel[(T * H,)](
+            part, *stats, out, DH=Dh, N_CHUNKS=n_chunks, BLOCK_C=min(COMBINE_BLOCK, triton.next_power_of_2(n_chunks))
+        )
+    return out

@@ -1,0 +1,116 @@
+"""Fused small-op kernels for the per-token work of a layer: RMSNorm (with the rotary embedding of q and k
+folded in) and the router's softmax + top-k + renormalisation.
+
+A decode step replays a CUDA graph of every layer; there each torch elementwise op is its own kernel of a few
+microseconds, and one token's RMSNorm alone was seven of them. Per layer that came to ~85 kernels, which is
+what bounded the step, not memory traffic. These do each job in one launch, computing in float32 and rounding
+once where torch rounds after every op (so they agree with the torch path to bf16 rounding, not bit for bit;
+every schedule on the GPU uses the same kernels, so schedules still agree exactly).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moestream.kernels.dequant import triton
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _rms_norm_kernel(
+        x, w, y, cos, sin, n_heads, eps, D: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr, ROPE: tl.constexpr
+    ):
+        row = tl.program_id(0).to(tl.int64)  # one row of D (a token, or a token's head)
+        offs = tl.arange(0, BLOCK)
+        ok = offs < D
+        xf = tl.load(x + row * D + offs, mask=ok, other=0).to(tl.float32)
+        r = tl.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
+        wf = tl.load(w + offs, mask=ok, other=0).to(tl.float32)
+        v = (wf * (xf * r).to(y.dtype.element_ty).to(tl.float32)).to(y.dtype.element_ty).to(tl.float32)
+        if ROPE:  # NEOX: channel j < HALF pairs with j + HALF; channels from 2 * HALF on pass through
+            first = offs < HALF
+            turns = offs < 2 * HALF
+            mate = tl.where(first, offs + HALF, tl.where(turns, offs - HALF, offs))
+            xm = tl.load(x + row * D + mate, mask=ok, other=0).to(tl.float32)
+            wm = tl.load(w + mate, mask=ok, other=0).to(tl.float32)
+            vm = (wm * (xm * r).to(y.dtype.element_ty).to(tl.float32)).to(y.dtype.element_ty).to(tl.float32)
+            at = (row // n_heads) * HALF + tl.where(first, offs, offs - HALF)
+            c = tl.where(turns, tl.load(cos + at, mask=ok & turns).to(tl.float32), 1.0)
+            s = tl.where(turns, tl.load(sin + at, mask=ok & turns).to(tl.float32), 0.0)
+            v = v * c + tl.where(first, -vm, vm) * s
+        tl.store(y + row * D + offs, v.to(y.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _softmax_topk_kernel(
+        logits, w_out, id_out, E, K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr
+    ):
+        t = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK_E)
+        ok = offs < E
+        z = tl.load(logits + t * E + offs, mask=ok, other=-float("inf")).to(tl.float32)
+        e = tl.where(ok, tl.exp(z - tl.max(z, axis=0)), 0.0)
+        p = tl.where(ok, e / tl.sum(e, axis=0), -1.0)
+        slot = tl.arange(0, KP)
+        chosen_w = tl.zeros([KP], dtype=tl.float32)
+        chosen_id = tl.zeros([KP], dtype=tl.int64)
+        for k in tl.static_range(K):  # K rounds of argmax (lowest index among equals)
+            best = tl.max(p, axis=0)
+            idx = tl.min(tl.where(p == best, offs, BLOCK_E), axis=0)
+            chosen_w = tl.where(slot == k, best, chosen_w)
+            chosen_id = tl.where(slot == k, idx.to(tl.int64), chosen_id)
+            p = tl.where(offs == idx, -1.0, p)
+        if RENORM:
+            chosen_w = chosen_w / tl.sum(chosen_w, axis=0)
+        tl.store(w_out + t * K + slot, chosen_w.to(w_out.dtype.element_ty), mask=slot < K)
+        tl.store(id_out + t * K + slot, chosen_id, mask=slot < K)
+
+
+def usable(x: torch.Tensor) -> bool:
+    return triton is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """RMSNorm over the last dim of x [..., D]; with cos, sin [T, half] (x [T, H, D]) NEOX RoPE on the result."""
+    D = x.shape[-1]
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    rows = x.numel() // D
+    rope = cos is not None
+    half = cos.shape[-1] if rope else 1
+    if rows:
+        _rms_norm_kernel[(rows,)](
+            x,
+            weight,
+            y,
+            cos if rope else x,  # unread without ROPE
+            sin if rope else x,
+            x.shape[-2] if rope else 1,
+            eps,
+            D=D,
+            BLOCK=triton.next_power_of_2(D),
+            HALF=half,
+            ROPE=rope,
+            num_warps=4 if D <= 1024 else 8,
+        )
+    return y
+
+
+def softmax_topk(logits: torch.Tensor, k: int, renorm: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the last dim of logits [T, E] in float32, the k largest (weights in dtype, ids int64),
+    weights renormalised to sum 1 when renorm."""
+    T, E = logits.shape
+    logits = logits.contiguous()
+    weights = torch.empty((T, k), dtype=dtype, device=logits.device)
+    ids = torch.empty((T, k), dtype=torch.int64, device=logits.device)
+    if T:
+        _softmax_topk_kernel[(T,)](
+            logits, weights, ids, E, K=k, KP=triton.next_power_of_2(k), BLOCK_E=triton.next_power_of_2(E), RENORM=renorm
+        )
+    return weights, ids

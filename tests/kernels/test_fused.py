@@ -1,0 +1,87 @@
+"""The fused decode kernels against the torch ops they replace: RMSNorm (+ RoPE), the router's softmax top-k,
+and a layer's picked experts in two launches (from device memory and from page-locked host memory)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from moestream.formats import quants
+from moestream.formats.quantize import quantize
+from moestream.kernels import fused, qmatvec
+from moestream.models import layers
+from moestream.offload.host import PinnedRanges
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def reference_rms_norm(x, w, eps):  # the torch path, which layers.rms_norm no longer takes on CUDA
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("rot", [None, 128, 64])
+def test_rms_norm_and_rope(dtype, tol, rot):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(3, 8, 128, device="cuda", generator=g).to(dtype)
+    w = torch.randn(128, device="cuda", generator=g).to(dtype)
+    ref = reference_rms_norm(x, w, 1e-6)
+    if rot is None:
+        got = layers.rms_norm(x, w, 1e-6)
+    else:
+        cos, sin = layers.rope_cos_sin(torch.tensor([0, 7, 300], device="cuda"), rot, 1e6, dtype)
+        ref = layers.rope_neox(ref, cos, sin)
+        got = layers.rms_norm_rope(x, w, 1e-6, cos, sin)
+    assert got.dtype == dtype and got.shape == x.shape
+    assert float((got.float() - ref.float()).abs().max() / ref.float().abs().max()) < tol
+
+
+@pytest.mark.parametrize("renorm", [True, False])
+@pytest.mark.parametrize("E,k", [(128, 8), (256, 8), (8, 2)])
+def test_softmax_topk_matches_torch(renorm, E, k):
+    logits = torch.randn(5, E, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+    w, ids = fused.softmax_topk(logits.bfloat16().float(), k, renorm, torch.float32)
+    ref_w, ref_ids = torch.topk(torch.softmax(logits.bfloat16().float(), -1), k, dim=-1)
+    if renorm:
+        ref_w = ref_w / ref_w.sum(-1, keepdim=True)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("down_type", [Q.Q4_K, Q.Q6_K])
+@pytest.mark.parametrize("where", ["device", "host"])
+def test_swiglu_picked_matches_dequantized_experts(down_type, where):
+    E, F_, D, T, K = 6, 512, 768, 3, 4
+    rng = np.random.default_rng(0)
+    shapes = ((E, F_, D), (E, F_, D), (E, D, F_))
+    types = (Q.Q4_K, Q.Q4_K, down_type)
+    stored = [
+        quantize((rng.standard_normal(s) * 0.05).astype(np.float32), t) for s, t in zip(shapes, types, strict=True)
+    ]
+    pinned = PinnedRanges()
+    try:
+        if where == "host":
+            assert pinned.register(stored)
+            raws = [torch.from_numpy(s) for s in stored]
+        else:
+            raws = [torch.from_numpy(s).cuda() for s in stored]
+        W = [
+            quants.dequantize(torch.from_numpy(s), t, sh, torch.float32).cuda()
+            for s, t, sh in zip(stored, types, shapes, strict=True)
+        ]
+        x = torch.randn(T, D, device="cuda")
+        ids = torch.tensor([[5, 0, 2, 3], [1, 5, 3, 4], [0, 1, 2, 5]], device="cuda")
+        weights = torch.rand(T, K, device="cuda")
+        mv = [lambda picks, rows, w=w: torch.einsum("pod,pd->po", w[picks], rows) for w in W]
+        ref = layers.moe_swiglu_picked(x, weights, ids, *mv)
+        assert qmatvec.fuses(types, F_, D)
+        got = qmatvec.swiglu_picked(x, weights, ids, raws, types, F_)
+        assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
+        got16 = qmatvec.swiglu_picked(x.bfloat16(), weights.bfloat16(), ids, raws, types, F_)
+        assert got16.dtype == torch.bfloat16
+        assert float((got16.float() - ref).abs().max() / ref.abs().max()) < 3e-2
+    finally:
+        pinned.unregister()
