@@ -4,6 +4,7 @@
 #   tests    pytest -m gpu (without fla's kernels: `fla` runs those, ~100 s of autotuning)
 #   model    generate the qwen3-30b-a3b Q4_K_M model (skipped when a warm machine still has it) + routing
 #   pp512 pp2048 long profile decode decodediag cpuexp alloc   the issue-3/4/10 benches on that model
+#   small    an 8-layer slice of the benchmark model: decode_diag.py (fused vs torch ops, tile sizes) + cpuexp
 #   lbuild llamacpp   build llama.cpp's llama-bench (background) / wait and run tg128 at -ncmoe 0,26
 #   qwen35 routing35   the issue-5 headline table (generates the qwen3.6-35b-a3b model first), its routing
 # At most 8 files come back from $OUT: keep appending to the ones below.
@@ -15,6 +16,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 MS="python3 -m moestream.cli"
 MODEL=/tmp/qwen3-30b-a3b-Q4_K_M.gguf
 Q35=/tmp/qwen3.6-35b-a3b-Q4_K_M.gguf
+SMALL=/tmp/qwen3-30b-a3b-8layers-Q4_K_M.gguf
 quiet() { grep --line-buffered -v -e '%|' -e $'\r'; }  # drop progress bars
 make_model() {  # make_model PATH PRESET
   [[ -f $1 ]] && { echo "reusing $1"; return; }
@@ -48,6 +50,12 @@ for step in "$@"; do
               $MS bench -m $MODEL -ncmoe 26 -r 3 -p 0 -n 128 --streamed-layers spread --small-batch $sb \
                 --vram-budget 12GiB --no-floors 2>&1 | quiet | tee -a "$OUT/bench.txt"
             done ;;
+    small) # an 8-layer slice of the benchmark preset (~20 s to write): per-layer decode A/B, kernel table, CPU matvec
+           [[ -f $SMALL ]] || $MS make-model $SMALL --preset qwen3-30b-a3b --layers 8 --quant Q4_K_M 2>&1 | quiet | tail -1
+           python3 scripts/decode_diag.py $SMALL 2>&1 | tee -a "$OUT/diag.txt"
+           for n in ${CPU_THREADS:-16 8}; do
+             python3 scripts/cpu_experts.py $SMALL --layer 1 --threads $n 2>&1 | tee -a "$OUT/diag.txt"
+           done ;;
     decodediag) python3 scripts/decode_diag.py $MODEL 2>&1 | tee -a "$OUT/diag.txt"
                 python3 scripts/decode_diag.py $MODEL stream 2>&1 | tee -a "$OUT/diag.txt" ;;
     cpuexp) for n in ${CPU_THREADS:-8 16}; do for layer in 1; do  # the compiled CPU matvec on this host's cores
