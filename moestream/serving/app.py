@@ -94,6 +94,7 @@ def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None, 
     async def metrics():
         s = scheduler.stats
         busy = s.prefill_s + s.decode_s
+        uptime = time.time() - started
         values = {
             ("moestream_prompt_tokens_total", "counter", "prompt tokens run"): s.prompt_tokens,
             ("moestream_generated_tokens_total", "counter", "tokens generated"): s.decode_tokens,
@@ -108,6 +109,12 @@ def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None, 
             ("moestream_link_gigabytes_per_second", "gauge", "expert bytes moved / busy time, GB/s"): (
                 scheduler.link_bytes / busy / 1e9 if busy else 0.0
             ),
+            ("moestream_uptime_seconds", "counter", "seconds since the server started"): uptime,
+            (
+                "moestream_idle_ratio",
+                "gauge",
+                "fraction of uptime with no forward pass running (the device idle between passes)",
+            ): max(0.0, 1.0 - busy / uptime) if uptime else 1.0,
             ("moestream_queue_length", "gauge", "requests waiting"): scheduler.queue.qsize(),
             ("moestream_running_sequences", "gauge", "sequences being served"): len(scheduler.running),
         }
