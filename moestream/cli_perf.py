@@ -127,8 +127,9 @@ def cmd_profile(a: argparse.Namespace) -> None:
 def cmd_probe(a: argparse.Namespace) -> None:
     import torch
 
-    from moestream.profiling.probe import grouped_gemm_rate, h2d_rate, registered_rate
-    from moestream.runtime.options import EngineOptions
+    from moestream.offload.host import registered_rate
+    from moestream.offload.options import EngineOptions
+    from moestream.profiling.probe import grouped_gemm_rate, h2d_rate
 
     at_least(a.ubatch, 1, "-ub")
     at_least(a.n_prompt, 1, "-p")

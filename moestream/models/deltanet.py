@@ -25,7 +25,6 @@ chunked form on flash-linear-attention's Triton kernels (optional, CUDA only); `
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,7 +34,8 @@ import torch.nn.functional as F
 from moestream.errors import MoestreamError
 
 DeltaRule = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-DELTANET_ENV = "MOESTREAM_DELTANET"  # torch | fla | auto (default): the prefill delta rule
+DELTANET_ENV = "MOESTREAM_DELTANET"  # torch | fla | auto (default): the prefill delta rule, read with the options
+DELTANET_MODES = ("auto", "torch", "fla")
 FLA_INSTALL = "pip install flash-linear-attention (or moestream[fla])"
 
 
@@ -268,15 +268,21 @@ def delta_rule_fla(
     return out[0].to(v.dtype), new_state[0]
 
 
-def prefill_rule(device: torch.device | str) -> DeltaRule:
-    """The delta rule for prefill (T > 1) on `device`, as $MOESTREAM_DELTANET says.
+def deltanet_mode(text: str | None) -> str:
+    """A $MOESTREAM_DELTANET value as a mode (unset or blank: auto, any case); anything else is a clear error."""
+    mode = (text or "").strip().lower() or "auto"
+    if mode not in DELTANET_MODES:
+        raise MoestreamError(f"{DELTANET_ENV}={mode}: expected torch, fla or auto")
+    return mode
+
+
+def prefill_rule(mode: str, device: torch.device | str) -> DeltaRule:
+    """The delta rule for prefill (T > 1) on `device` in `mode` ($MOESTREAM_DELTANET, read with the options).
 
     auto (default): `delta_rule_fla` on CUDA when fla imports, else `delta_rule_chunked`; torch: always
     `delta_rule_chunked`; fla: `delta_rule_fla`, and an error if the device is not CUDA or fla is missing.
     """
-    mode = os.environ.get(DELTANET_ENV, "").strip().lower() or "auto"
-    if mode not in ("auto", "torch", "fla"):
-        raise MoestreamError(f"{DELTANET_ENV}={mode}: expected torch, fla or auto")
+    mode = deltanet_mode(mode)
     if mode == "torch":
         return delta_rule_chunked
     on_cuda = torch.device(device).type == "cuda"

@@ -17,6 +17,7 @@ from moestream.errors import MoestreamError
 from moestream.models import qwen3moe
 from moestream.models.deltanet import (
     DeltaNetState,
+    DeltaRule,
     causal_conv1d,
     delta_rule_recurrent,
     l2_normalize,
@@ -142,6 +143,12 @@ class Model(qwen3moe.Model):
     Norm weights are used as plain multipliers: the file already stores 1 + w.
     """
 
+    def __init__(self, spec: ModelSpec, weights, embedding, experts):
+        super().__init__(spec, weights, embedding, experts)
+        # prefill's delta rule, chosen once here from spec.extra["deltanet"] (the options' $MOESTREAM_DELTANET,
+        # put there by the loader): a choice this device cannot run fails at load, not at the first prompt
+        self.prefill_rule: DeltaRule = prefill_rule(spec.extra.get("deltanet", "auto"), weights.device)
+
     @property
     def is_recurrent(self) -> tuple[bool, ...]:
         return self.spec.extra["recurrent_layers"]
@@ -202,7 +209,7 @@ class Model(qwen3moe.Model):
         dt_bias, ssm_a = self.weights[f"blk.{il}.ssm_dt.bias"], self.weights[f"blk.{il}.ssm_a"]
         g = F.softplus(alpha + dt_bias.float()) * ssm_a.float()  # log decay, <= 0
         beta = torch.sigmoid(self.linear(x, il, "ssm_beta").float())
-        rule = delta_rule_recurrent if T == 1 else prefill_rule(x.device)  # decode | prefill (fla or torch)
+        rule = delta_rule_recurrent if T == 1 else self.prefill_rule  # decode | prefill (fla or torch)
         out, recurrent_state = rule(q, k, v, g, beta, state.recurrent_state)  # [T, Hv, Dv]
         state.recurrent_state.copy_(recurrent_state)
         z = self.linear(x, il, "attn_gate").view(T, Hv, Dv)

@@ -9,14 +9,13 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from moestream.formats.gguf import GGUFFile, torch_bytes
-from moestream.kernels import gather
+from moestream.kernels.gather import RowGather
 from moestream.offload.device import CpuDevice, CudaDevice, cap_vram, make_device
 from moestream.offload.experts import ExpertTensors, LayerExperts
 from moestream.offload.host import PinnedRanges
-from moestream.offload.placement import Footprint, Placement, parse_size, plan, workspace_bytes
+from moestream.offload.options import EngineOptions
+from moestream.offload.placement import Footprint, Placement, kv_cache_bytes, parse_size, plan, workspace_bytes
 from moestream.offload.streamer import HostLayer, Streamer
-from moestream.runtime.kv_cache import KVCache
-from moestream.runtime.options import EngineOptions
 
 
 @dataclass
@@ -62,8 +61,16 @@ class Offload:
 
 
 def build_offload(
-    f: GGUFFile, arch, spec, opts: EngineOptions, dense_bytes: int, dev: CudaDevice | CpuDevice | None = None
+    f: GGUFFile,
+    arch,
+    spec,
+    opts: EngineOptions,
+    dense_bytes: int,
+    dev: CudaDevice | CpuDevice | None = None,
+    pick: RowGather | None = None,
 ) -> Offload:
+    """pick: the engine's expert picker, kept across placements (once its kernel failed, it is not retried)."""
+    pick = pick or RowGather()
     device, dtype = opts.torch_device, opts.torch_dtype
     tensors = {
         il: ExpertTensors(tuple(f.tensor(n) for n in arch.expert_tensor_names(il))) for il in range(spec.n_layer)
@@ -71,10 +78,9 @@ def build_offload(
     n_ctx = opts.context(spec.n_ctx_train)
     fp = Footprint(
         dense=dense_bytes,
-        kv_cache=KVCache.bytes_needed(len(spec.attention_layers), n_ctx, spec.n_head_kv, spec.head_dim, dtype),
+        kv_cache=kv_cache_bytes(spec, n_ctx, dtype),
         workspace=workspace_bytes(spec, opts.ubatch, n_ctx, dtype),
     )
-    overlap = opts.stream in ("overlap", "layer-major")
     n_cpu_moe = spec.n_layer if opts.n_cpu_moe == "all" else opts.n_cpu_moe
     note = ""
     if isinstance(n_cpu_moe, int) and n_cpu_moe > spec.n_layer:  # llama.cpp users write -ncmoe 99 for "all"
@@ -84,7 +90,8 @@ def build_offload(
     placement = plan(
         [tensors[il].nbytes for il in range(spec.n_layer)],
         n_cpu_moe,
-        opts.slots if overlap else 1,  # serial and pinned copy on the compute stream into one slot
+        opts.stream,
+        opts.slots,
         budget,
         fp,
         opts.streamed_layers == "spread",
@@ -99,20 +106,22 @@ def build_offload(
             resident[il] = [torch_bytes(v).to(device) for v in tensors[il].views]
         streamed = {il: HostLayer(tensors[il].host_bytes()) for il in placement.streamed}
         bounce = False
-        if streamed and pinned is not None and opts.stream != "serial" and opts.host_memory == "pinned":
+        if streamed and pinned is not None and opts.stream.page_locks and opts.host_memory == "pinned":
             bounce = not pinned.register([v.data for il in placement.streamed for v in tensors[il].views])
-        streamer = Streamer(dev, streamed, placement.n_slots, overlap, bounce) if streamed else None
+        streamer = Streamer(dev, streamed, opts.stream, opts.slots, bounce) if streamed else None
         readable = device.type == "cpu" or (pinned is not None and pinned.nbytes > 0)  # page-locked: kernels read it
         small_batch = opts.small_batch
         if small_batch == "auto":  # gather decoded 10.4 vs upload's 7.8 tokens/s on the H200 (docs/benchmarks.md)
-            small_batch = "gather" if device.type == "cuda" and readable and gather.available() else "upload"
+            small_batch = "gather" if device.type == "cuda" and readable and pick.kernel_ok else "upload"
         if small_batch == "gather" and streamed and not readable:
             warnings.warn(
                 "--small-batch gather needs the streamed experts page-locked (not --stream serial, and "
                 "page-locking must succeed); small batches upload their experts instead",
                 stacklevel=2,
             )
-        experts = LayerExperts(tensors, resident, streamer, dtype, opts.stream_min_batch, dev, small_batch, readable)
+        experts = LayerExperts(
+            tensors, resident, streamer, dtype, opts.stream_min_batch, dev, small_batch, readable, pick
+        )
     except BaseException:
         if pinned is not None:
             pinned.unregister()

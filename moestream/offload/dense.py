@@ -27,7 +27,7 @@ class DenseWeights(Mapping[str, torch.Tensor]):
     """name -> tensor in the compute dtype, as a model reads it."""
 
     def __init__(self, views: dict[str, TensorView], device: torch.device, dtype: torch.dtype, progress: bool = False):
-        self.dtype = dtype
+        self.device, self.dtype = torch.device(device), dtype
         self._floats: dict[str, torch.Tensor] = {}
         self._blocks: dict[str, tuple[torch.Tensor, Q, tuple[int, ...]]] = {}  # stored bytes, type, shape
         for name, v in tqdm(views.items(), desc="load", unit="tensor", disable=not progress, leave=False):

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from moestream.formats.gguf import TensorView, torch_bytes
-from moestream.kernels import cpu_quant, gather, qmatvec
+from moestream.kernels import cpu_quant, qmatvec
 from moestream.kernels.dequant import dequantize
+from moestream.kernels.gather import RowGather
 from moestream.kernels.grouped_moe import runs_on_device
 from moestream.models.layers import expert_counts, moe_swiglu, moe_swiglu_picked
 from moestream.offload.device import Device
@@ -46,14 +47,16 @@ class ExpertTensors:
         rows: torch.Tensor | None = None,
         timeline: Timeline = NULL,
         layer: int | None = None,
+        pick: RowGather | None = None,
     ):
         """(gate, up, down) as functions that dequantize stored bytes `raws` (on any device) when called;
-        rows picks experts, in that order. Lazy, so only one dequantized stack is alive at a time."""
+        rows picks experts, in that order, by `pick` (the owner's picker; without one, a fresh picker that
+        remembers no failed kernel). Lazy, so only one dequantized stack is alive at a time."""
 
         def make(raw: torch.Tensor, v: TensorView):
             def dequantized() -> torch.Tensor:
                 start = timeline.stamp()
-                picked = raw if rows is None else gather.gather_rows(raw, rows)  # raw may hold just some experts
+                picked = raw if rows is None else (pick or RowGather())(raw, rows)  # raw may hold just some experts
                 out = dequantize(picked, v.qtype, (picked.shape[0], *v.shape[1:]), dtype)
                 timeline.add("compute", "dequant", start, timeline.stamp(), layer=layer)
                 return out
@@ -68,14 +71,16 @@ def _matvec_serves(t: ExpertTensors, device: torch.device, n_tokens: int) -> boo
     return all(qmatvec.usable(v.qtype, device, n_tokens) for v in t.views)
 
 
-def _picked(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, raws, t: ExpertTensors) -> torch.Tensor:
+def _picked(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, raws, t: ExpertTensors, pick: RowGather
+) -> torch.Tensor:
     """The chosen experts' SwiGLU by quantized matvecs over raws (device or page-locked host memory), with ids
-    indexing raws' stacks."""
+    indexing raws' stacks; `pick` brings host experts over."""
 
     if not raws[0].is_cuda:  # page-locked host memory: bring the chosen experts over first. Whole experts move
         # at link speed (48.7 GB/s on the H200); a matvec reading the host in short runs got 28.7 GB/s
         picks = ids.reshape(-1)
-        raws = [gather.gather_rows(raw, picks) for raw in raws]
+        raws = [pick(raw, picks) for raw in raws]
         ids = torch.arange(picks.numel(), device=x.device).view_as(ids)
 
     qtypes = tuple(v.qtype for v in t.views)
@@ -107,12 +112,16 @@ class LayerExperts:
         dev: Device,
         small_batch: str = "upload",
         host_readable: bool = False,
+        pick: RowGather | None = None,
     ):
         self.tensors = tensors
         # below min_batch: "upload" just the chosen experts, "gather" them by a kernel reading host memory
         # (when host_readable: page-locked, or the CPU device), or compute them on the "cpu"
         self.small_batch = small_batch
         self.host_readable = host_readable
+        # picks experts out of host memory; after its kernel failed once it picks through the host (the engine's
+        # one picker, handed to each placement it builds)
+        self.pick = pick or RowGather()
         self.dev = dev
         self.resident = resident  # il -> stored bytes on the compute device
         self.streamer = streamer
@@ -161,7 +170,7 @@ class LayerExperts:
             n_tokens < self.min_batch
             and self.small_batch == "gather"
             and self.host_readable
-            and gather.available()
+            and self.pick.kernel_ok
             and n_tokens * n_expert_used < t.n_expert
         )
 
@@ -186,10 +195,10 @@ class LayerExperts:
         self.dev.compute()  # injected slowness on the CPU device; nothing on a GPU
         T, K = ids.shape
         if _matvec_serves(t, x.device, x.shape[0]):
-            return _picked(x, weights, ids, raws, t)
+            return _picked(x, weights, ids, raws, t, self.pick)
         if T * K < t.n_expert:  # few tokens: dequantize just the chosen experts, one per token-expert pair
             pairs = torch.arange(T * K, device=x.device).view(T, K)
-            stacks = t.stacks(raws, self.dtype, ids.reshape(-1), self.timeline, il)
+            stacks = t.stacks(raws, self.dtype, ids.reshape(-1), self.timeline, il, self.pick)
             return moe_swiglu(x, weights, pairs, T * K, *stacks)
         return moe_swiglu(x, weights, ids, t.n_expert, *t.stacks(raws, self.dtype, None, self.timeline, il))
 
@@ -201,7 +210,7 @@ class LayerExperts:
         if whole is not None:
             with self.timeline.span("compute", "experts", **label):
                 return self._on_device(il, t, whole, x, weights, ids)
-        readable = self.host_readable and (x.device.type == "cpu" or gather.available())
+        readable = self.host_readable and (x.device.type == "cpu" or self.pick.kernel_ok)
         if self.small_batch == "gather" and readable and ids.numel() < t.n_expert:
             self.streamer.bytes_uploaded += ids.numel() * (t.nbytes // t.n_expert)  # read over the link
             with self.timeline.span("compute", "experts-gather", **label):  # no sync: ids stay on the device
@@ -214,14 +223,14 @@ class LayerExperts:
             self.dev.compute()
             with self.timeline.span("compute", "experts", **label):
                 if _matvec_serves(t, x.device, x.shape[0]):
-                    return _picked(x, weights, local.to(x.device)[ids], views, t)
+                    return _picked(x, weights, local.to(x.device)[ids], views, t, self.pick)
                 return moe_swiglu(x, weights, local.to(x.device)[ids], used.numel(), *t.stacks(views, self.dtype))
         with self.timeline.span("compute", "experts-cpu", **label):
             if all(v.qtype in cpu_quant.TYPES for v in t.views) and cpu_quant.available():
                 on_cpu = matvecs(cpu_quant, t.host_bytes(), t)
                 out = moe_swiglu_picked(x.float().cpu(), weights.float().cpu(), ids.cpu(), *on_cpu)
                 return out.to(device=x.device, dtype=x.dtype)
-            stacks = t.stacks(t.host_bytes(), torch.float32, rows=used)
+            stacks = t.stacks(t.host_bytes(), torch.float32, rows=used, pick=self.pick)
             out = moe_swiglu(x.float().cpu(), weights.float().cpu(), local[ids.cpu()], used.numel(), *stacks)
             return out.to(device=x.device, dtype=x.dtype)
 

@@ -15,6 +15,7 @@ import torch
 
 from moestream.errors import MoestreamError
 from moestream.models.layers import HEAD_ROWS
+from moestream.offload.schedule import Schedule
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,7 @@ class Footprint:
 class Placement:
     n_cpu_moe: int
     expert_bytes: list[int]  # stored bytes of each layer's experts
-    n_slots: int
+    n_slots: int  # staging slots allocated: Schedule.staging_slots
     spread: bool = False  # stream N evenly spaced layers rather than the first N
 
     @property
@@ -103,13 +104,16 @@ def parse_size(text: str | int | None) -> int | None:
 def plan(
     expert_bytes: list[int],
     n_cpu_moe: int | str,
-    n_slots: int,
+    schedule: Schedule,
+    slots: int,
     budget: int | None,
     fp: Footprint,
     spread: bool = False,
 ) -> Placement:
-    """Choose the placement; raise a clear error when the asked one cannot fit."""
+    """Choose the placement, budgeting the staging slots the schedule allocates for --slots `slots`; raise a
+    clear error when the asked one cannot fit."""
     n_layer = len(expert_bytes)
+    n_slots = schedule.staging_slots(slots)
     if n_slots < 1:
         raise MoestreamError(f"--slots {n_slots}: must be at least 1 (2 or more to overlap copies with compute)")
     if n_cpu_moe == "auto":
@@ -135,6 +139,12 @@ def plan(
             f"{budget / 2**30:.2f} GiB; use --n-cpu-moe auto or stream more layers"
         )
     return p
+
+
+def kv_cache_bytes(spec, n_ctx: int, dtype: torch.dtype) -> int:
+    """The KV cache of one sequence (runtime/kv_cache.py): K and V [n_ctx, Hkv, Dh] for each attention layer."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return 2 * len(spec.attention_layers) * n_ctx * spec.n_head_kv * spec.head_dim * size
 
 
 ALLOCATOR_SLACK = 256 * 2**20  # rounding in the caching allocator, cuBLAS workspaces, small temporaries

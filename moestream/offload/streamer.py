@@ -17,6 +17,7 @@ import torch
 from moestream.errors import MoestreamError
 from moestream.offload.device import Device
 from moestream.offload.host import BounceRing
+from moestream.offload.schedule import Schedule
 from moestream.profiling.timeline import NULL
 
 ALIGN = 256  # bytes between tensors inside a slot
@@ -58,16 +59,17 @@ class _Slot:
 class Streamer:
     """Uploads streamed layers' expert bytes into staging slots, overlapped (or not) with compute.
 
-    overlap=False is the serial and pinned schedules: the copy is queued on the compute stream, one slot.
+    Serial and pinned schedules queue each copy on the compute stream, into one slot.
     """
 
-    def __init__(self, dev: Device, layers: dict[int, HostLayer], n_slots: int, overlap: bool, bounce: bool = False):
-        """bounce: the host bytes are not page-locked; stage each upload through a pinned buffer per slot."""
+    def __init__(self, dev: Device, layers: dict[int, HostLayer], schedule: Schedule, slots: int, bounce: bool = False):
+        """slots: --slots, of which the schedule allocates `schedule.staging_slots(slots)` (as placement budgets);
+        bounce: the host bytes are not page-locked; stage each upload through a pinned buffer per slot."""
         self.dev = dev
         self.layers = layers
-        self.overlap = overlap
+        self.overlap = schedule.overlaps
         slot_bytes = max((layer.nbytes for layer in layers.values()), default=0)
-        n_slots = max(1, min(n_slots, len(layers))) if overlap else 1  # more slots than layers hold nothing
+        n_slots = max(1, min(schedule.staging_slots(slots), len(layers)))  # more slots than layers hold nothing
         self.slots = [_Slot(slot_bytes, dev.device) for _ in range(n_slots)]
         self.bounce = BounceRing(n_slots, slot_bytes) if bounce else None
         self.next_slot = 0

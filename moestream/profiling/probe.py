@@ -33,25 +33,14 @@ def h2d_rate(device: torch.device, nbytes: int = 1 << 30, pinned: bool = True, r
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
     if pinned and device.type == "cuda":
         src = src.pin_memory()
-    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    t = timed(lambda: dst.copy_(src, non_blocking=pinned), device, repeats)
-    return nbytes / min(t)
+    return copy_rate(src, device, repeats, non_blocking=pinned)
 
 
-def registered_rate(device: torch.device, array, repeats: int = 5) -> float:
-    """Bytes per second uploading a slice of a mapped file page-locked in place (cudaHostRegister)."""
-    from moestream.formats.gguf import torch_bytes_of
-    from moestream.offload.host import PinnedRanges
-
-    pins = PinnedRanges()
-    if not pins.register([array]):
-        return 0.0
-    try:
-        src = torch_bytes_of(array).reshape(-1)
-        dst = torch.empty(src.numel(), dtype=torch.uint8, device=device)
-        return src.numel() / min(timed(lambda: dst.copy_(src, non_blocking=True), device, repeats))
-    finally:
-        pins.unregister()
+def copy_rate(src: torch.Tensor, device: torch.device, repeats: int = 5, non_blocking: bool = True) -> float:
+    """Bytes per second uploading the host bytes src [N] uint8 to device as they are (pinned, page-locked in
+    place by the caller, or pageable)."""
+    dst = torch.empty(src.numel(), dtype=torch.uint8, device=device)
+    return src.numel() / min(timed(lambda: dst.copy_(src, non_blocking=non_blocking), device, repeats))
 
 
 def grouped_gemm_rate(

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moestream.offload.schedule import Schedule
 from moestream.profiling.probe import h2d_rate, timed
 from moestream.profiling.stats import summarize
 from moestream.profiling.timeline import Timeline
@@ -149,7 +150,7 @@ def run_bench(
                 progress(row)
     if floors:
         for ub in ubatches:
-            engine.reconfigure(ubatch=ub, n_cpu_moe=0, stream="overlap", vram_budget=None, progress=False)
+            engine.reconfigure(ubatch=ub, n_cpu_moe=0, stream=Schedule.OVERLAP, vram_budget=None, progress=False)
             for test, n in tests:
                 times, *_ = _measure(engine, test, random_prompt(n, engine.spec.n_vocab), repeats)
                 compute_floor[(test, ub)] = statistics.mean(times)

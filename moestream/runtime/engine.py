@@ -16,10 +16,11 @@ from moestream.errors import MoestreamError
 from moestream.formats.tokenizer import TextStream
 from moestream.models.layers import Batch
 from moestream.offload.device import cap_vram
+from moestream.offload.options import EngineOptions
+from moestream.offload.schedule import Schedule
 from moestream.profiling.timeline import NULL, Timeline
 from moestream.runtime.decode import StepGraphs, key_bucket
 from moestream.runtime.kv_cache import KVCache, SequenceCache
-from moestream.runtime.options import EngineOptions
 from moestream.runtime.sampling import Sampler, SamplingParams
 
 
@@ -122,7 +123,7 @@ class Engine:
             return self._step(tokens[0], cache)
         ub, n_layer, experts = self.options.ubatch, self.spec.n_layer, self.model.experts
         chunks = [tokens[i : i + ub] for i in range(0, len(tokens), ub)]
-        if self.options.stream == "layer-major" and len(chunks) > 1:
+        if self.options.stream is Schedule.LAYER_MAJOR and len(chunks) > 1:
             order = [(il, j) for il in range(n_layer) for j in range(len(chunks))]
             visits = [il for il in range(n_layer) if any(experts.streams(il, len(c)) for c in chunks)]
         else:

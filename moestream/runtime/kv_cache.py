@@ -8,7 +8,8 @@ from moestream.errors import MoestreamError
 
 
 class KVCache:
-    """K and V for each attention layer: [n_ctx, Hkv, Dh], filled left to right."""
+    """K and V for each attention layer: [n_ctx, Hkv, Dh], filled left to right (the VRAM budget counts them
+    by offload/placement.kv_cache_bytes)."""
 
     def __init__(
         self,
@@ -41,10 +42,6 @@ class KVCache:
         self.k[il].index_copy_(0, positions, k)
         self.v[il].index_copy_(0, positions, v)
         return self.k[il][:n_keys], self.v[il][:n_keys]
-
-    @staticmethod
-    def bytes_needed(n_layers: int, n_ctx: int, n_head_kv: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * n_layers * n_ctx * n_head_kv * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 class SequenceCache:

@@ -12,15 +12,16 @@ import torch
 from moestream.errors import MoestreamError
 from moestream.formats import quants
 from moestream.formats.gguf import GGUFFile
+from moestream.kernels.gather import RowGather
 from moestream.models.registry import architecture
 from moestream.models.spec import ModelSpec
 from moestream.offload.builder import build_offload
 from moestream.offload.dense import DenseWeights
 from moestream.offload.device import cap_vram
 from moestream.offload.embedding import HostEmbedding
+from moestream.offload.options import EngineOptions
 from moestream.offload.placement import parse_size
 from moestream.runtime.engine import Engine
-from moestream.runtime.options import EngineOptions
 
 
 def describe(f: GGUFFile):
@@ -77,6 +78,7 @@ def load(
     f = GGUFFile(path)
     try:
         arch, spec = describe(f)
+        spec = dataclasses.replace(spec, extra=spec.extra | {"deltanet": opts.deltanet})  # for delta-net layers
         tokenizer = load_tokenizer(f)
         if before_weights is not None:
             before_weights(tokenizer, opts.context(spec.n_ctx_train))
@@ -89,8 +91,10 @@ def load(
         weights = DenseWeights(dense, device, dtype, progress=opts.progress)
         dense_bytes = weights.nbytes
 
+        pick = RowGather()  # the engine's expert picker: every placement it builds shares its kernel failure
+
         def make_offload(o: EngineOptions):
-            return build_offload(f, arch, spec, o, dense_bytes, device_impl)
+            return build_offload(f, arch, spec, o, dense_bytes, device_impl, pick)
 
         offload = make_offload(opts)
         try:

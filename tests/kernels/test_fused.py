@@ -42,13 +42,21 @@ def test_rms_norm_and_rope(dtype, tol, rot):
 @pytest.mark.parametrize("renorm", [True, False])
 @pytest.mark.parametrize("E,k", [(128, 8), (256, 8), (8, 2)])
 def test_softmax_topk_matches_torch(renorm, E, k):
+    """Float32 logits (bf16 ones tie often, and equal values may come in either order): same ids, same order."""
     logits = torch.randn(5, E, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
-    w, ids = fused.softmax_topk(logits.bfloat16().float(), k, renorm, torch.float32)
-    ref_w, ref_ids = torch.topk(torch.softmax(logits.bfloat16().float(), -1), k, dim=-1)
+    w, ids = fused.softmax_topk(logits, k, renorm, torch.float32)
+    ref_w, ref_ids = torch.topk(torch.softmax(logits, -1), k, dim=-1)
     if renorm:
         ref_w = ref_w / ref_w.sum(-1, keepdim=True)
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
+
+
+def test_softmax_topk_takes_the_lowest_id_among_equals():
+    logits = torch.tensor([[0.0, 2.0, 1.0, 2.0, 1.0, 2.0]], device="cuda").bfloat16()
+    w, ids = fused.softmax_topk(logits, 4, True, torch.float32)
+    assert ids.tolist() == [[1, 3, 5, 2]]
+    assert torch.allclose(w[0, :3], w[0, :1].expand(3)) and float(w[0, 3]) < float(w[0, 0])
 
 
 @pytest.mark.parametrize("down_type", [Q.Q4_K, Q.Q6_K])

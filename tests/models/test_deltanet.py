@@ -24,6 +24,7 @@ from moestream.models.deltanet import (
     l2_normalize,
     prefill_rule,
 )
+from moestream.offload.options import EngineOptions
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: no thread contention
 
@@ -266,55 +267,67 @@ def test_fla_rule_without_fla_names_the_fix(fake_fla) -> None:
 
 
 @pytest.mark.parametrize("mode", [None, "", "auto", " AUTO "])
-def test_auto_picks_fla_on_cuda_only(fake_fla, monkeypatch, mode) -> None:
-    if mode is None:
-        monkeypatch.delenv(DELTANET_ENV, raising=False)
-    else:
-        monkeypatch.setenv(DELTANET_ENV, mode)
+def test_auto_picks_fla_on_cuda_only(fake_fla, mode) -> None:
     fake_fla(unreachable)
-    assert prefill_rule(torch.device("cpu")) is delta_rule_chunked
-    assert prefill_rule("cuda") is delta_rule_fla
-    assert prefill_rule(torch.device("cuda", 0)) is delta_rule_fla
+    assert prefill_rule(mode, torch.device("cpu")) is delta_rule_chunked
+    assert prefill_rule(mode, "cuda") is delta_rule_fla
+    assert prefill_rule(mode, torch.device("cuda", 0)) is delta_rule_fla
 
 
-def test_auto_without_fla_is_torch(fake_fla, monkeypatch) -> None:
-    monkeypatch.delenv(DELTANET_ENV, raising=False)
+def test_auto_without_fla_is_torch(fake_fla) -> None:
     fake_fla(None)
-    assert prefill_rule("cuda") is delta_rule_chunked
-    assert prefill_rule("cpu") is delta_rule_chunked
+    assert prefill_rule("auto", "cuda") is delta_rule_chunked
+    assert prefill_rule("auto", "cpu") is delta_rule_chunked
 
 
-def test_torch_forced(fake_fla, monkeypatch) -> None:
-    monkeypatch.setenv(DELTANET_ENV, "torch")
+def test_torch_forced(fake_fla) -> None:
     fake_fla(unreachable)
-    assert prefill_rule("cuda") is delta_rule_chunked
-    assert prefill_rule("cpu") is delta_rule_chunked
+    assert prefill_rule("torch", "cuda") is delta_rule_chunked
+    assert prefill_rule("torch", "cpu") is delta_rule_chunked
 
 
-def test_fla_forced(fake_fla, monkeypatch) -> None:
-    monkeypatch.setenv(DELTANET_ENV, "fla")
+def test_fla_forced(fake_fla) -> None:
     fake_fla(None)
     with pytest.raises(MoestreamError, match="not installed: pip install flash-linear-attention"):
-        prefill_rule("cuda")
+        prefill_rule("fla", "cuda")
     with pytest.raises(MoestreamError, match="CUDA only"):
-        prefill_rule("cpu")
+        prefill_rule("fla", "cpu")
     deltanet._fla_chunk_kernel.cache_clear()
     fake_fla(unreachable)
-    assert prefill_rule("cuda") is delta_rule_fla
+    assert prefill_rule("fla", "cuda") is delta_rule_fla
     with pytest.raises(MoestreamError, match="CUDA only"):
-        prefill_rule("cpu")
+        prefill_rule("fla", "cpu")
 
 
-def test_bad_mode(monkeypatch) -> None:
+def test_bad_mode() -> None:
+    with pytest.raises(MoestreamError, match=f"{DELTANET_ENV}=triton: expected torch, fla or auto"):
+        prefill_rule("triton", "cpu")
+
+
+def test_env_is_read_with_the_options(monkeypatch) -> None:
+    """$MOESTREAM_DELTANET is read once, when the options are made: normalised there, a bad value fails there."""
+    monkeypatch.setenv(DELTANET_ENV, " Torch ")
+    opts = EngineOptions(device="cpu")
+    assert opts.deltanet == "torch"
+    monkeypatch.setenv(DELTANET_ENV, "fla")
+    assert opts.deltanet == "torch" and EngineOptions(device="cpu", deltanet="auto").deltanet == "auto"
+    monkeypatch.delenv(DELTANET_ENV)
+    assert EngineOptions(device="cpu").deltanet == "auto"
     monkeypatch.setenv(DELTANET_ENV, "triton")
     with pytest.raises(MoestreamError, match=f"{DELTANET_ENV}=triton: expected torch, fla or auto"):
-        prefill_rule("cpu")
+        EngineOptions(device="cpu")
 
 
-def test_model_prefill_goes_through_the_selector(model_file, monkeypatch) -> None:
-    """qwen35moe's delta-net layers ask prefill_rule: forcing fla on the CPU fails with the selector's error."""
-    engine = moestream.load(model_file("tiny-qwen35moe", "F32"), device="cpu", ubatch=8, progress=False)
+def test_model_prefill_uses_the_rule_chosen_at_load(model_file, monkeypatch) -> None:
+    """qwen35moe's delta-net layers run the rule picked at load: forcing fla on the CPU fails at load with the
+    selector's error, and the environment changed after load changes nothing."""
+    path = model_file("tiny-qwen35moe", "F32")
     monkeypatch.setenv(DELTANET_ENV, "fla")
     with pytest.raises(MoestreamError, match="CUDA only"):
-        engine.logits([1, 2, 3])
+        moestream.load(path, device="cpu", ubatch=8, progress=False)
+    monkeypatch.delenv(DELTANET_ENV)
+    engine = moestream.load(path, device="cpu", ubatch=8, progress=False)
+    assert engine.model.prefill_rule is delta_rule_chunked
+    monkeypatch.setenv(DELTANET_ENV, "fla")
+    assert engine.logits([1, 2, 3]).shape[0] == 3
     engine.close()

@@ -134,12 +134,10 @@ def test_fla_timing() -> None:
     )
 
 
-def test_selector_picks_fla_on_cuda(monkeypatch) -> None:
-    monkeypatch.delenv(DELTANET_ENV, raising=False)
-    assert prefill_rule(torch.device("cuda")) is delta_rule_fla
-    assert prefill_rule("cpu") is delta_rule_chunked
-    monkeypatch.setenv(DELTANET_ENV, "torch")
-    assert prefill_rule("cuda") is delta_rule_chunked
+def test_selector_picks_fla_on_cuda() -> None:
+    assert prefill_rule("auto", torch.device("cuda")) is delta_rule_fla
+    assert prefill_rule("auto", "cpu") is delta_rule_chunked
+    assert prefill_rule("torch", "cuda") is delta_rule_chunked
 
 
 @pytest.mark.parametrize("ubatch", [100, 7])
@@ -151,7 +149,7 @@ def test_model_logits_fla_vs_torch(model_file, monkeypatch, ubatch: int) -> None
     tokens = prompt_tokens(100, get_preset(preset).n_vocab, seed=3)
     logits = {}
     for mode in ("torch", "fla"):
-        monkeypatch.setenv(DELTANET_ENV, mode)  # read at every prefill call
+        monkeypatch.setenv(DELTANET_ENV, mode)  # read once, by the options load() makes
         engine = moestream.load(path, device="cuda", dtype="float32", ubatch=ubatch, progress=False)
         logits[mode] = engine.logits(tokens)
         engine.close()

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 import moestream
 from moestream.errors import MoestreamError
 from moestream.offload.device import CpuDevice
+from moestream.offload.options import EngineOptions
 from moestream.offload.placement import Placement
+from moestream.offload.schedule import Schedule
 from moestream.runtime.sampling import SamplingParams
 
 TOKENS = torch.randint(0, 1280, (40,), generator=torch.Generator().manual_seed(5)).tolist()
@@ -157,3 +161,40 @@ def test_auto_budgets_the_one_slot_serial_and_pinned_use(model_file):
         assert chosen.n_cpu_moe == 2 and chosen.gpu_bytes(fp) <= budget
     with pytest.raises(MoestreamError, match="too small"):  # three slots do not fit that budget at all
         moestream.load(path, device="cpu", progress=False, n_cpu_moe="auto", vram_budget=budget, stream="overlap")
+
+
+@pytest.mark.parametrize(
+    ("stream", "slots", "expected"),
+    [("serial", 3, 1), ("pinned", 3, 1), ("overlap", 3, 3), ("overlap", 2, 2), ("layer-major", 2, 2)],
+)
+def test_placement_budgets_the_slots_the_streamer_allocates(model_file, stream, slots, expected):
+    """One rule, Schedule.staging_slots: serial and pinned budget and allocate exactly one slot, overlap and
+    layer-major --slots (here all 3 layers stream, so none is clipped)."""
+    e = moestream.load(
+        model_file("tiny-odd", "Q8_0"), device="cpu", progress=False, n_cpu_moe="all", stream=stream, slots=slots
+    )
+    placement, allocated = e.offload.placement, len(e.model.experts.streamer.slots)
+    e.close()
+    assert placement.n_slots == allocated == expected
+    assert placement.staging_bytes == expected * placement.slot_bytes
+
+
+def test_schedule_parses_cli_strings_and_owns_the_slot_rule():
+    assert [Schedule.parse(s) for s in ("serial", "pinned", "overlap", "layer-major")] == list(Schedule)
+    assert Schedule.parse(Schedule.PINNED) is Schedule.PINNED and str(Schedule.LAYER_MAJOR) == "layer-major"
+    with pytest.raises(MoestreamError, match="^--stream fast: expected one of serial, pinned, overlap, layer-major$"):
+        Schedule.parse("fast")
+    assert [s.staging_slots(4) for s in Schedule] == [1, 1, 4, 4]
+    assert [s.page_locks for s in Schedule] == [False, True, True, True]
+
+
+def test_stream_env_is_read_once_with_the_options(monkeypatch):
+    monkeypatch.setenv("MOESTREAM_STREAM", "pinned")
+    opts = EngineOptions(device="cpu")
+    assert opts.stream is Schedule.PINNED and EngineOptions(device="cpu", stream="serial").stream is Schedule.SERIAL
+    monkeypatch.setenv("MOESTREAM_STREAM", "fast")
+    assert dataclasses.replace(opts, slots=2).stream is Schedule.PINNED  # settled options are not read again
+    with pytest.raises(MoestreamError, match="--stream fast: expected one of"):
+        EngineOptions(device="cpu")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.stream = Schedule.OVERLAP

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from moestream.offload.device import CpuDevice
+from moestream.offload.schedule import Schedule
 from moestream.offload.streamer import HostLayer, Streamer
 
 
@@ -29,7 +30,7 @@ def host_layers(n: int) -> dict[int, HostLayer]:
 def test_slots_hold_the_right_bytes_while_in_use(n_slots, copy_delay, compute_delay):
     layers = host_layers(6)
     dev = CpuDevice(copy_delay_s=copy_delay, compute_delay_s=compute_delay)
-    s = Streamer(dev, layers, n_slots, overlap=True)
+    s = Streamer(dev, layers, Schedule.OVERLAP, n_slots)
     visits = [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5]
     s.begin(visits)
     for il in visits:
@@ -50,7 +51,7 @@ def test_uploads_run_ahead_of_compute():
     """With K slots, K-1 uploads are queued beyond the layer in use: copies overlap compute."""
     layers = host_layers(4)
     dev = CpuDevice(copy_delay_s=0.02)
-    s = Streamer(dev, layers, 3, overlap=True)
+    s = Streamer(dev, layers, Schedule.OVERLAP, 3)
     s.begin([0, 1, 2, 3])
     s.acquire(0)
     assert {sl.layer for sl in s.slots} == {0, 1, 2}
@@ -64,11 +65,12 @@ def test_uploads_run_ahead_of_compute():
     dev.close()
 
 
-def test_serial_uses_one_slot_on_the_compute_thread():
+@pytest.mark.parametrize("schedule", [Schedule.SERIAL, Schedule.PINNED])
+def test_serial_uses_one_slot_on_the_compute_thread(schedule):
     layers = host_layers(3)
     dev = CpuDevice()
-    s = Streamer(dev, layers, 3, overlap=False)
-    assert len(s.slots) == 1
+    s = Streamer(dev, layers, schedule, 3)
+    assert len(s.slots) == 1 and not s.overlap
     s.begin([0, 1, 2])
     for il in range(3):
         assert all(torch.equal(v, p) for v, p in zip(s.acquire(il), layers[il].parts, strict=True))
@@ -95,7 +97,7 @@ def test_bounce_staging_on_cpu_threads(n_slots):
     """The registration-refused fallback: staging threads fill per-slot buffers, then one copy each."""
     layers = host_layers(5)
     dev = CpuDevice(copy_delay_s=0.002)
-    s = Streamer(dev, layers, n_slots, overlap=True, bounce=True)
+    s = Streamer(dev, layers, Schedule.OVERLAP, n_slots, bounce=True)
     visits = [0, 1, 2, 3, 4, 0, 1, 2, 3, 4]
     s.begin(visits)
     for il in visits:
@@ -111,7 +113,7 @@ def test_release_frees_the_slot_when_compute_moves_on():
     queued right then: with resident layers between streamed ones, it does not wait a layer's compute."""
     layers = host_layers(6)
     dev = CpuDevice()
-    s = Streamer(dev, layers, 2, overlap=True)
+    s = Streamer(dev, layers, Schedule.OVERLAP, 2)
     s.begin([0, 2, 4])  # layers 1, 3, 5 resident
     s.acquire(0)
     assert {sl.layer for sl in s.slots} == {0, 2}

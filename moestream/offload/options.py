@@ -1,4 +1,8 @@
-"""Engine options: one dataclass the CLI, the Python API and the server all fill, checked once."""
+"""Engine options: one frozen dataclass the CLI, the Python API and the server all fill, checked once.
+
+The environment is read here and nowhere else ($MOESTREAM_STREAM, $MOESTREAM_DELTANET): once, when the options
+are made, so a bad value fails at load and later changes to the environment change nothing.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +13,14 @@ from dataclasses import dataclass
 import torch
 
 from moestream.errors import MoestreamError
+from moestream.models.deltanet import DELTANET_ENV, deltanet_mode
 from moestream.offload.placement import parse_size
+from moestream.offload.schedule import Schedule
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-STREAMS = ("serial", "pinned", "overlap", "layer-major")
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineOptions:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (bfloat16 on cuda, float32 on cpu) | float32 | bfloat16 | float16
@@ -25,34 +30,39 @@ class EngineOptions:
     n_cpu_moe: int | str = 0  # experts of layers 0..N-1 stay in host RAM; "all" or "auto" (with vram_budget)
     streamed_layers: str = "first"  # first: layers 0..N-1, as llama.cpp; spread: N layers evenly spaced
     vram_budget: int | str | None = None  # cap on GPU bytes: weights + KV cache + staging + workspace
-    stream: str | None = None  # serial | pinned | overlap | layer-major (default: $MOESTREAM_STREAM or overlap)
+    stream: Schedule | str | None = None  # serial | pinned | overlap | layer-major, made a Schedule (default:
+    # $MOESTREAM_STREAM or overlap)
     slots: int = 3  # staging slots in the ring
     stream_min_batch: int = 32  # smaller micro-batches do not upload whole layers: see small_batch
     small_batch: str = "auto"  # below stream_min_batch: "upload" the chosen experts, "gather" them, or "cpu";
     # auto: gather on a GPU that can read the page-locked experts, else upload
     host_memory: str = "pinned"  # streamed experts: "pinned" (page-locked in place) or "pageable" (llama.cpp's mmap)
     threads: int | None = None  # CPU threads for CPU work (torch's intra-op pool); None: torch's default
+    deltanet: str | None = None  # delta-net prefill rule: torch | fla | auto (default: $MOESTREAM_DELTANET or auto)
 
     def __post_init__(self) -> None:
+        def resolve(name: str, value) -> None:  # frozen: fields are settled here, once
+            object.__setattr__(self, name, value)
+
         if self.device == "auto":
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+            resolve("device", "cuda" if torch.cuda.is_available() else "cpu")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise MoestreamError("--device cuda: no CUDA GPU is visible to torch; use --device cpu")
         if self.device != "cpu" and not self.device.startswith("cuda"):
             raise MoestreamError(f"--device {self.device}: expected cpu, cuda or cuda:N")
         if self.dtype == "auto":
-            self.dtype = "float32" if self.device == "cpu" else "bfloat16"
+            resolve("dtype", "float32" if self.device == "cpu" else "bfloat16")
         if self.dtype not in DTYPES:
             raise MoestreamError(f"--dtype {self.dtype}: expected one of {', '.join(DTYPES)}")
         if self.ubatch < 1:
             raise MoestreamError(f"--ubatch {self.ubatch}: must be at least 1")
         if self.n_ctx < 0:
             raise MoestreamError(f"--ctx {self.n_ctx}: must be at least 1 (or 0 for the model's own context)")
-        if self.stream is None:
-            self.stream = os.environ.get("MOESTREAM_STREAM", "overlap")
-        if self.stream not in STREAMS:
-            raise MoestreamError(f"--stream {self.stream}: expected one of {', '.join(STREAMS)}")
-        if self.slots < 2 and self.stream in ("overlap", "layer-major"):
+        resolve(
+            "stream",
+            Schedule.parse(os.environ.get("MOESTREAM_STREAM", "overlap") if self.stream is None else self.stream),
+        )
+        if self.slots < 2 and self.stream.overlaps:
             raise MoestreamError(f"--slots {self.slots}: {self.stream} needs at least 2 staging slots")
         if self.streamed_layers not in ("first", "spread"):
             raise MoestreamError(f"--streamed-layers {self.streamed_layers}: expected first or spread")
@@ -60,13 +70,14 @@ class EngineOptions:
             raise MoestreamError(f"--small-batch {self.small_batch}: expected auto, upload, gather or cpu")
         if self.host_memory not in ("pinned", "pageable"):
             raise MoestreamError(f"--host-memory {self.host_memory}: expected pinned or pageable")
+        resolve("deltanet", deltanet_mode(os.environ.get(DELTANET_ENV) if self.deltanet is None else self.deltanet))
         if self.threads is not None and self.threads < 1:
             raise MoestreamError(f"--threads {self.threads}: must be at least 1")
         if self.stream_min_batch < 1:
             raise MoestreamError(f"--stream-min-batch {self.stream_min_batch}: must be at least 1")
         if isinstance(self.n_cpu_moe, str) and self.n_cpu_moe not in ("auto", "all"):
             try:
-                self.n_cpu_moe = int(self.n_cpu_moe)
+                resolve("n_cpu_moe", int(self.n_cpu_moe))
             except ValueError:
                 raise MoestreamError(f"--n-cpu-moe {self.n_cpu_moe}: expected a layer count, all or auto") from None
 
