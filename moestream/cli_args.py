@@ -14,6 +14,19 @@ def engine_flags(p: argparse.ArgumentParser, lists: bool = False) -> None:
     num = int_list if lists else int
     p.add_argument("-m", "--model", required=True, help="path of a GGUF model file")
     p.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (default: cuda if present)")
+    p.add_argument(
+        "-dev",
+        "--devices",
+        default=None,
+        help="cuda:0,cuda:1,...: split each streamed layer's experts over these GPUs, each through its own link "
+        "(expert parallel; the first also runs attention and the dense weights); cpu,cpu simulates it",
+    )
+    p.add_argument(
+        "-ts",
+        "--tensor-split",
+        default=None,
+        help="weights of the experts each of --devices gets, as llama.cpp: 3,1 (or 3/1); default even",
+    )
     p.add_argument("--dtype", default="auto", help="float32, bfloat16 or float16 (default: bf16 on GPU, f32 on CPU)")
     p.add_argument("-ub", "--ubatch", type=num, default=[512] if lists else 512, help="prefill micro-batch size")
     p.add_argument("-c", "--ctx", "--ctx-size", type=int, default=None, help="context size in tokens (default 4096)")
@@ -70,8 +83,8 @@ REJECTED = {
     ("--no-mmap",): "moestream always maps the file; streamed experts are page-locked in place (-lm none)",
     ("--mlock",): "streamed experts are page-locked in place by default (--host-memory pinned)",
     ("-ot", "--override-tensor", "-cmoe"): "use -ncmoe N (or --cpu-moe) to keep experts in host RAM",
-    ("-ts", "--tensor-split", "-sm", "--split-mode"): "moestream runs on one GPU; pick it with --device cuda:N",
-    ("-mg", "--main-gpu", "-dev", "--devices"): "pick the GPU with --device cuda:N",
+    ("-sm", "--split-mode"): "moestream splits each streamed layer's experts over --devices (expert parallel)",
+    ("-mg", "--main-gpu"): "the first of --devices (or --device) runs attention and the dense weights",
     ("-ctk", "--cache-type-k", "-ctv", "--cache-type-v"): "the KV cache is kept in --dtype",
     ("-nkvo", "--no-kv-offload"): "the KV cache lives on the compute device (--device)",
     ("-np", "--parallel"): "moestream serve --max-seqs N serves N sequences at once",
@@ -181,6 +194,8 @@ def engine_options(a: argparse.Namespace) -> dict:
         stream_min_batch=a.stream_min_batch,
         streamed_layers=first(a.streamed_layers),
         small_batch=a.small_batch,
+        devices=a.devices,
+        tensor_split=a.tensor_split.replace("/", ",") if a.tensor_split else None,
         threads=None if a.threads in (None, -1) else a.threads,  # llama.cpp's -t -1: the default
     )
     if a.batch_size is not None:

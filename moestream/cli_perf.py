@@ -65,6 +65,9 @@ def cmd_bench(a: argparse.Namespace) -> None:
         "with the same ubatch"
     )
     for r in rows:
+        if r.links_gbs:
+            each = " + ".join(f"{g:.1f}" for g in r.links_gbs)
+            print(f"  {r.test} {r.stream}: each --devices link, GB/s over the run: {each} = {sum(r.links_gbs):.1f}")
         if r.test.startswith("tg"):
             n = int(r.test[2:])
             print(

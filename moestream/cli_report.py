@@ -84,6 +84,7 @@ def record(row, info: dict, link_bps: float) -> dict:
         "bytes_uploaded": row.bytes_uploaded,
         "experts_used": row.experts_used,
         "link_gbs": row.link_gbs,
+        "links_gbs": row.links_gbs,  # --devices: each device's link
         "copy_gbs": row.copy_gbs,
         "pinned_link_gbs": link_bps / 1e9,
         "gpu_peak_gib": row.gpu_peak_gib,

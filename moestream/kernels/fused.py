@@ -10,6 +10,8 @@ every schedule on the GPU uses the same kernels, so schedules still agree exactl
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from moestream.kernels.dequant import triton
@@ -70,6 +72,11 @@ def usable(x: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
 
 
+def _on(x: torch.Tensor):
+    """Triton launches on the current device: make it x's (say --device cuda:1)."""
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+
 def rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -83,22 +90,22 @@ def rms_norm(
     y = torch.empty_like(x)
     rows = x.numel() // D
     rope = cos is not None
-    half = cos.shape[-1] if rope else 1
     if rows:
-        _rms_norm_kernel[(rows,)](
-            x,
-            weight,
-            y,
-            cos if rope else x,  # unread without ROPE
-            sin if rope else x,
-            x.shape[-2] if rope else 1,
-            eps,
-            D=D,
-            BLOCK=triton.next_power_of_2(D),
-            HALF=half,
-            ROPE=rope,
-            num_warps=4 if D <= 1024 else 8,
-        )
+        with _on(x):
+            _rms_norm_kernel[(rows,)](
+                x,
+                weight,
+                y,
+                cos if rope else x,  # unread without ROPE
+                sin if rope else x,
+                x.shape[-2] if rope else 1,
+                eps,
+                D=D,
+                BLOCK=triton.next_power_of_2(D),
+                HALF=cos.shape[-1] if rope else 1,
+                ROPE=rope,
+                num_warps=4 if D <= 1024 else 8,
+            )
     return y
 
 
@@ -110,7 +117,15 @@ def softmax_topk(logits: torch.Tensor, k: int, renorm: bool, dtype: torch.dtype)
     weights = torch.empty((T, k), dtype=dtype, device=logits.device)
     ids = torch.empty((T, k), dtype=torch.int64, device=logits.device)
     if T:
-        _softmax_topk_kernel[(T,)](
-            logits, weights, ids, E, K=k, KP=triton.next_power_of_2(k), BLOCK_E=triton.next_power_of_2(E), RENORM=renorm
-        )
+        with _on(logits):
+            _softmax_topk_kernel[(T,)](
+                logits,
+                weights,
+                ids,
+                E,
+                K=k,
+                KP=triton.next_power_of_2(k),
+                BLOCK_E=triton.next_power_of_2(E),
+                RENORM=renorm,
+            )
     return weights, ids

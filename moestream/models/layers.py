@@ -172,18 +172,43 @@ def moe_swiglu(
     a tensor or a function making it, called just before use so only one dequantized stack is alive.
     Deterministic: no atomics, so equal inputs give equal bits whatever the schedule.
     """
+    return moe_swiglu_sharded(x, weights, ids, [(0, n_expert, (w_gate, w_up, w_down))])
+
+
+def moe_swiglu_sharded(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    shards: Sequence[tuple[int, int, tuple[Stack, Stack, Stack]]],
+) -> torch.Tensor:
+    """moe_swiglu with the experts split into consecutive id ranges (lo, hi, (gate, up, down) of experts
+    lo..hi-1), each range's stacks on its own device: the rows routed to a range go there and their products
+    come back. Each token-expert pair is computed exactly once, as in one device, so results are the same."""
     T, K = ids.shape
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # token-expert pairs grouped by expert
     rows = x[order // K]  # [T*K, D]
-    offs = expert_counts(flat, n_expert).cumsum(0).to(torch.int32)
+    ends = expert_counts(flat, shards[-1][1]).cumsum(0)
+    # where each range's pairs end among the sorted ones: a host sync, only with more than one device
+    before = F.pad(ends, (1, 0)).tolist() if len(shards) > 1 else None  # pairs routed below expert e
+    cuts = [before[hi] for _, hi, _ in shards[:-1]] + [T * K] if before else [T * K]
+    y_sorted = torch.empty_like(rows)
+    start = 0
+    for (lo, hi, (w_gate, w_up, w_down)), end in zip(shards, cuts, strict=True):
+        if end == start:
+            continue
+        gate = w_gate() if callable(w_gate) else w_gate
+        part = rows[start:end].to(gate.device)
+        offs = (ends[lo:hi] - start).to(device=gate.device, dtype=torch.int32)
 
-    def mm(a: torch.Tensor, w: Stack) -> torch.Tensor:
-        return grouped_mm(a, (w() if callable(w) else w).transpose(1, 2), offs)
+        def mm(a: torch.Tensor, w: torch.Tensor, offs=offs) -> torch.Tensor:
+            return grouped_mm(a, w.transpose(1, 2), offs)
 
-    h = F.silu(mm(rows, w_gate))
-    h = h * mm(rows, w_up)
-    y_sorted = mm(h, w_down)  # [T*K, D]
+        h = F.silu(mm(part, gate))
+        del gate
+        h = h * mm(part, w_up() if callable(w_up) else w_up)
+        y_sorted[start:end] = mm(h, w_down() if callable(w_down) else w_down).to(x.device)
+        start = end
     y = torch.empty_like(y_sorted)
     y[order] = y_sorted
     return (y.view(T, K, -1) * weights[..., None]).sum(dim=1)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import torch
 from tqdm import tqdm
 
+from moestream.errors import MoestreamError
 from moestream.formats.gguf import GGUFFile, torch_bytes
 from moestream.kernels.gather import RowGather
 from moestream.offload.device import CpuDevice, CudaDevice, cap_vram, make_device
@@ -15,6 +17,7 @@ from moestream.offload.experts import ExpertTensors, LayerExperts
 from moestream.offload.host import PinnedRanges
 from moestream.offload.options import EngineOptions
 from moestream.offload.placement import Footprint, Placement, kv_cache_bytes, parse_size, plan, workspace_bytes
+from moestream.offload.shards import ShardedStreamer, expert_ranges, shard_layer
 from moestream.offload.streamer import HostLayer, Streamer
 
 
@@ -28,6 +31,7 @@ class Offload:
     bounce: bool  # registration was refused and bounce buffers carry the uploads
     owns_dev: bool  # made here (closed here) rather than handed in
     note: str = ""  # how the asked placement was read, when not literally (said in the placement line)
+    extra_devs: list = field(default_factory=list)  # the other --devices, made (and closed) here
 
     def close(self) -> None:
         if self.experts.streamer is not None:
@@ -35,6 +39,8 @@ class Offload:
         self.dev.synchronize()
         if self.owns_dev:
             self.dev.close()
+        for d in self.extra_devs:
+            d.close()
         if self.pinned is not None:
             self.pinned.unregister()
 
@@ -97,8 +103,12 @@ def build_offload(
         opts.streamed_layers == "spread",
     )
     cap_vram(device, budget)  # allocations past the budget now fail, and the CLI says out of memory
+    others: list = []
+    if isinstance(dev, (list, tuple)):  # tests hand in one simulated device per --devices entry
+        dev, *others = dev
     owns_dev = dev is None
     dev = dev or make_device(device)
+    extra_devs, owned_extra = list(others), False
     pinned = PinnedRanges() if device.type == "cuda" else None
     try:
         resident = {}
@@ -108,11 +118,24 @@ def build_offload(
         bounce = False
         if streamed and pinned is not None and opts.stream.page_locks and opts.host_memory == "pinned":
             bounce = not pinned.register([v.data for il in placement.streamed for v in tensors[il].views])
-        streamer = Streamer(dev, streamed, opts.stream, opts.slots, bounce) if streamed else None
+        streamer = None
+        if streamed and opts.devices is not None and len(opts.devices) > 1:
+            extra_devs = others or [make_device(torch.device(d)) for d in opts.devices[1:]]
+            owned_extra = not others
+            streamer = _sharded(streamed, tensors, spec, opts, [dev, *extra_devs], bounce)
+        elif streamed:
+            streamer = Streamer(dev, streamed, opts.stream, opts.slots, bounce)
         readable = device.type == "cpu" or (pinned is not None and pinned.nbytes > 0)  # page-locked: kernels read it
         small_batch = opts.small_batch
         if small_batch == "auto":  # gather decoded 10.4 vs upload's 7.8 tokens/s on the H200 (docs/benchmarks.md)
             small_batch = "gather" if device.type == "cuda" and readable and pick.kernel_ok else "upload"
+            if small_batch == "upload" and isinstance(streamer, ShardedStreamer):
+                small_batch = "gather" if readable else "cpu"  # no device holds a whole layer to upload into
+        if small_batch == "upload" and isinstance(streamer, ShardedStreamer):
+            raise MoestreamError(
+                "--small-batch upload with several --devices: small batches gather their experts on the first "
+                "device or compute them on the cpu; use --small-batch gather, cpu or auto"
+            )
         if small_batch == "gather" and streamed and not readable:
             warnings.warn(
                 "--small-batch gather needs the streamed experts page-locked (not --stream serial, and "
@@ -125,10 +148,20 @@ def build_offload(
     except BaseException:
         if pinned is not None:
             pinned.unregister()
-        if owns_dev:
-            dev.close()
+        for d in ([dev] if owns_dev else []) + (extra_devs if owned_extra else []):
+            d.close()
         raise
-    off = Offload(placement, fp, experts, dev, pinned, bounce, owns_dev, note)
+    off = Offload(placement, fp, experts, dev, pinned, bounce, owns_dev, note, extra_devs if owned_extra else [])
     if opts.progress:
         print(off.describe(), file=sys.stderr)
     return off
+
+
+def _sharded(streamed: dict, tensors: dict, spec, opts: EngineOptions, devs: list, bounce: bool) -> ShardedStreamer:
+    """One ring a device, each carrying its range of every streamed layer's experts (--devices, --tensor-split)."""
+    ranges = expert_ranges(spec.n_expert, opts.tensor_split)
+    rings = [
+        Streamer(d, {il: shard_layer(layer, lo, hi) for il, layer in streamed.items()}, opts.stream, opts.slots, bounce)
+        for d, (lo, hi) in zip(devs, ranges, strict=True)
+    ]
+    return ShardedStreamer(rings, ranges)

@@ -17,8 +17,9 @@ from moestream.kernels import cpu_quant, qmatvec
 from moestream.kernels.dequant import dequantize
 from moestream.kernels.gather import RowGather
 from moestream.kernels.grouped_moe import runs_on_device
-from moestream.models.layers import expert_counts, moe_swiglu, moe_swiglu_picked
+from moestream.models.layers import expert_counts, moe_swiglu, moe_swiglu_picked, moe_swiglu_sharded
 from moestream.offload.device import Device
+from moestream.offload.shards import ShardedLayer, ShardedStreamer
 from moestream.offload.streamer import Streamer
 from moestream.profiling.timeline import NULL, Timeline
 
@@ -106,7 +107,7 @@ class LayerExperts:
         self,
         tensors: dict[int, ExpertTensors],
         resident: dict[int, list[torch.Tensor]],
-        streamer: Streamer | None,
+        streamer: Streamer | ShardedStreamer | None,
         dtype: torch.dtype,
         min_batch: int,
         dev: Device,
@@ -193,6 +194,9 @@ class LayerExperts:
 
     def _on_device(self, il: int, t: ExpertTensors, raws, x, weights, ids) -> torch.Tensor:
         self.dev.compute()  # injected slowness on the CPU device; nothing on a GPU
+        if isinstance(raws, ShardedLayer):  # --devices: each range of experts on its own device
+            shards = [(lo, hi, t.stacks(r, self.dtype, None, self.timeline, il)) for lo, hi, r in raws.parts]
+            return moe_swiglu_sharded(x, weights, ids, shards)
         T, K = ids.shape
         if _matvec_serves(t, x.device, x.shape[0]):
             return _picked(x, weights, ids, raws, t, self.pick)

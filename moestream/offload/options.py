@@ -7,6 +7,7 @@ are made, so a bad value fails at load and later changes to the environment chan
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from dataclasses import dataclass
 
@@ -39,11 +40,18 @@ class EngineOptions:
     host_memory: str = "pinned"  # streamed experts: "pinned" (page-locked in place) or "pageable" (llama.cpp's mmap)
     threads: int | None = None  # CPU threads for CPU work (torch's intra-op pool); None: torch's default
     deltanet: str | None = None  # delta-net prefill rule: torch | fla | auto (default: $MOESTREAM_DELTANET or auto)
+    devices: str | tuple[str, ...] | None = None  # "cuda:0,cuda:1": streamed experts split over these (expert
+    # parallel); the first is the compute device. None: --device alone
+    tensor_split: str | tuple[float, ...] | None = None  # weights of the experts each of devices gets (default: even)
 
     def __post_init__(self) -> None:
         def resolve(name: str, value) -> None:  # frozen: fields are settled here, once
             object.__setattr__(self, name, value)
 
+        if self.devices is not None:
+            self._resolve_devices(resolve)
+        elif self.tensor_split is not None:
+            raise MoestreamError("--tensor-split splits experts over --devices: give --devices too")
         if self.device == "auto":
             resolve("device", "cuda" if torch.cuda.is_available() else "cpu")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -91,6 +99,37 @@ class EngineOptions:
                     "GPU); no memory is capped",
                     stacklevel=3,
                 )
+
+    def _resolve_devices(self, resolve) -> None:
+        """--devices and --tensor-split: one kind of device, each once, as many weights as devices."""
+        names = tuple(d.strip() for d in self.devices.split(",")) if isinstance(self.devices, str) else self.devices
+        names = tuple(re.sub(r"^cuda(\d+)$", r"cuda:\1", d.lower()) for d in names)  # llama.cpp says CUDA0
+        shown = ",".join(names)
+        if not names or any(d != "cpu" and not d.startswith("cuda:") for d in names):
+            raise MoestreamError(f"--devices {shown}: expected a comma list of cuda:N (or cpu, to simulate)")
+        if len({d.split(":")[0] for d in names}) > 1 or len(set(names)) < len(names):
+            if names.count("cpu") != len(names):  # cpu,cpu simulates two devices; cuda ones must differ
+                raise MoestreamError(f"--devices {shown}: give distinct GPUs (cuda:0,cuda:1), or only cpu")
+        if names[0] != "cpu":
+            count = torch.cuda.device_count()
+            if any(int(d.split(":")[1]) >= count for d in names):
+                raise MoestreamError(f"--devices {shown}: torch sees {count} GPU(s)")
+        if self.device not in ("auto", names[0]):
+            raise MoestreamError(f"--device {self.device} and --devices {shown}: the first of --devices computes")
+        split = self.tensor_split
+        try:
+            split = tuple(float(w) for w in split.split(",")) if isinstance(split, str) else split
+        except ValueError:
+            raise MoestreamError(f"--tensor-split {self.tensor_split}: expected comma-separated weights") from None
+        split = split or (1.0,) * len(names)
+        if len(split) != len(names) or any(w < 0 for w in split) or sum(split) <= 0:
+            raise MoestreamError(
+                f"--tensor-split {','.join(map(str, split))}: expected {len(names)} non-negative weights, "
+                "not all 0 (one a device of --devices)"
+            )
+        resolve("devices", names)
+        resolve("tensor_split", split)
+        resolve("device", names[0])
 
     def context(self, n_ctx_train: int) -> int:
         """The positions a sequence gets: n_ctx (0: all the model was trained for), at most n_ctx_train."""

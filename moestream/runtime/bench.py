@@ -41,6 +41,7 @@ class BenchRow:
     same_bits: bool | None = None  # last logits identical to the first row with the same ubatch
     samples_s: list[float] = field(default_factory=list)  # each timed run
     small_batch: str = ""  # what micro-batches under --stream-min-batch did (auto resolved)
+    links_gbs: list[float] = field(default_factory=list)  # --devices: each device's link, bytes into its ring / run
 
 
 def random_prompt(n: int, n_vocab: int, seed: int = 0) -> list[int]:
@@ -49,7 +50,7 @@ def random_prompt(n: int, n_vocab: int, seed: int = 0) -> list[int]:
 
 def _measure(engine, test: str, tokens: list[int], repeats: int):
     """(seconds per run, last logits, bytes uploaded per run, mean experts-used fraction, peak GPU GiB,
-    link GB/s while copying)."""
+    link GB/s while copying, bytes per run into each device's ring with --devices)."""
     experts = engine.model.experts
     streamer = experts.streamer
     last = {}
@@ -78,6 +79,7 @@ def _measure(engine, test: str, tokens: list[int], repeats: int):
         copy_gbs = summarize(copies.resolve()).copy_gbps
     experts.track_usage, experts.usage = True, []
     before = streamer.bytes_uploaded if streamer else 0
+    links_before = list(getattr(streamer, "link_bytes", []))  # one entry a device with --devices
     cuda = engine.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(engine.device)
@@ -86,7 +88,8 @@ def _measure(engine, test: str, tokens: list[int], repeats: int):
     moved = ((streamer.bytes_uploaded if streamer else 0) - before) // repeats
     used = float(torch.stack(experts.usage).mean()) if experts.usage else 0.0
     experts.track_usage, experts.usage = False, []
-    return times, last.get("logits"), moved, used, peak, copy_gbs
+    links = [(b - a) / repeats for a, b in zip(links_before, getattr(streamer, "link_bytes", []), strict=True)]
+    return times, last.get("logits"), moved, used, peak, copy_gbs, links
 
 
 def run_bench(
@@ -116,7 +119,7 @@ def run_bench(
         engine.reconfigure(ubatch=ub, n_cpu_moe=ncmoe, streamed_layers=pick, stream=stream, slots=k, progress=False)
         for test, n in tests:
             tokens = random_prompt(n, engine.spec.n_vocab)
-            times, logits, moved, used, peak, copy_gbs = _measure(engine, test, tokens, repeats)
+            times, logits, moved, used, peak, copy_gbs, links = _measure(engine, test, tokens, repeats)
             secs = statistics.mean(times)
             tps = [n / t for t in times]
             row = BenchRow(
@@ -139,6 +142,7 @@ def run_bench(
                 transfer_floor_s=moved / link,
                 samples_s=list(times),
                 small_batch=engine.model.experts.small_batch,
+                links_gbs=[b / secs / 1e9 for b in links],
             )
             if logits is not None:
                 tok = int(torch.argmax(logits[-1]))
