@@ -14,6 +14,7 @@ import torch
 
 from moestream.formats.gguf import GGUFFile
 from moestream.kernels import cpu_quant
+from moestream.kernels.gather import RowGather
 from moestream.models.layers import moe_swiglu, moe_swiglu_picked
 from moestream.offload.experts import ExpertTensors, matvecs
 from moestream.runtime.loader import describe
@@ -54,7 +55,7 @@ def main() -> None:
             used = torch.unique(ids)
             local = torch.full((t.n_expert,), -1, dtype=torch.long)
             local[used] = torch.arange(used.numel())
-            stacks = t.stacks(raws, torch.float32, rows=used)
+            stacks = t.stacks(raws, torch.float32, rows=used, pick=RowGather())
             return moe_swiglu(x, weights, local[ids], used.numel(), *stacks)
 
         err = float((compiled() - torch_dequant()).abs().max() / torch_dequant().abs().max())

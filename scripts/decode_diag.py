@@ -12,7 +12,7 @@ import sys
 import torch
 
 import moestream
-from moestream.kernels import gather
+from moestream.kernels.gather import RowGather
 
 
 def _steps(engine, n: int = 72) -> list[int]:
@@ -84,6 +84,7 @@ def kernel_table(engine, n_steps: int = 2) -> None:
 
 
 def gather_rate(engine, reps: int = 50) -> None:
+    pick = RowGather()
     experts = engine.model.experts
     streamed = [il for il in experts.tensors if il not in experts.resident]
     if not streamed:
@@ -96,12 +97,12 @@ def gather_rate(engine, reps: int = 50) -> None:
     nbytes = K * (t.nbytes // t.n_expert)
     for i in range(3):
         for raw in raws:
-            gather.gather_rows(raw, ids[i])
+            pick(raw, ids[i])
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
     for i in range(reps):
         for raw in raws:
-            gather.gather_rows(raw, ids[i])
+            pick(raw, ids[i])
     b.record()
     b.synchronize()
     ms = a.elapsed_time(b) / reps

@@ -52,16 +52,19 @@ if triton is not None:
         ok = offs < E
         z = tl.load(logits + t * E + offs, mask=ok, other=-float("inf")).to(tl.float32)
         e = tl.where(ok, tl.exp(z - tl.max(z, axis=0)), 0.0)
-        p = tl.where(ok, e / tl.sum(e, axis=0), -1.0)
+        p = e / tl.sum(e, axis=0)
+        # past E, and each expert once taken: -inf. A NaN (an overflowed logit, a broken weight) ranks lowest of
+        # the real experts, so every id chosen names an expert (torch.topk's guarantee; the ids index weights)
+        p = tl.where(ok, tl.where(p == p, p, -1.0), -float("inf"))
         slot = tl.arange(0, KP)
         chosen_w = tl.zeros([KP], dtype=tl.float32)
         chosen_id = tl.zeros([KP], dtype=tl.int64)
         for k in tl.static_range(K):  # K rounds of argmax (lowest index among equals)
             best = tl.max(p, axis=0)
-            idx = tl.min(tl.where(p == best, offs, BLOCK_E), axis=0)
+            idx = tl.minimum(tl.min(tl.where(p == best, offs, BLOCK_E), axis=0), E - 1)
             chosen_w = tl.where(slot == k, best, chosen_w)
             chosen_id = tl.where(slot == k, idx.to(tl.int64), chosen_id)
-            p = tl.where(offs == idx, -1.0, p)
+            p = tl.where(offs == idx, -float("inf"), p)
         if RENORM:
             chosen_w = chosen_w / tl.sum(chosen_w, axis=0)
         tl.store(w_out + t * K + slot, chosen_w.to(w_out.dtype.element_ty), mask=slot < K)

@@ -265,9 +265,7 @@ def swiglu_picked(
     return y
 
 
-def fuses(qtypes, n_ff: int, n_embd: int) -> bool:
-    """Whether swiglu_picked serves experts of these types and sizes (gate and up stored alike)."""
+def fuses(qtypes) -> bool:
+    """Whether swiglu_picked serves experts of these (gate, up, down) types: gate and up stored alike."""
     g, u, d = qtypes
-    return (
-        g == u and g in DOTS and d in DOTS and all(n % GGML_QUANT_SIZES[t][0] == 0 for n, t in ((n_embd, g), (n_ff, d)))
-    )
+    return g == u and g in DOTS and d in DOTS

@@ -51,13 +51,13 @@ class ExpertTensors:
         pick: RowGather | None = None,
     ):
         """(gate, up, down) as functions that dequantize stored bytes `raws` (on any device) when called;
-        rows picks experts, in that order, by `pick` (the owner's picker; without one, a fresh picker that
-        remembers no failed kernel). Lazy, so only one dequantized stack is alive at a time."""
+        rows picks experts, in that order, by `pick` (the owner's picker; needed with rows). Lazy, so only one
+        dequantized stack is alive at a time."""
 
         def make(raw: torch.Tensor, v: TensorView):
             def dequantized() -> torch.Tensor:
                 start = timeline.stamp()
-                picked = raw if rows is None else (pick or RowGather())(raw, rows)  # raw may hold just some experts
+                picked = raw if rows is None else pick(raw, rows)  # raw may hold just some experts
                 out = dequantize(picked, v.qtype, (picked.shape[0], *v.shape[1:]), dtype)
                 timeline.add("compute", "dequant", start, timeline.stamp(), layer=layer)
                 return out
@@ -86,7 +86,7 @@ def _picked(
 
     qtypes = tuple(v.qtype for v in t.views)
     n_ff = t.views[0].shape[1]
-    if qmatvec.fuses(qtypes, n_ff, x.shape[-1]):  # two launches for the whole layer
+    if qmatvec.fuses(qtypes):  # two launches for the whole layer
         return qmatvec.swiglu_picked(x, weights, ids, raws, qtypes, n_ff)
     return moe_swiglu_picked(x, weights, ids, *matvecs(qmatvec, raws, t))
 

@@ -113,9 +113,7 @@ def plan(
     """Choose the placement, budgeting the staging slots the schedule allocates for --slots `slots`; raise a
     clear error when the asked one cannot fit."""
     n_layer = len(expert_bytes)
-    n_slots = schedule.staging_slots(slots)
-    if n_slots < 1:
-        raise MoestreamError(f"--slots {n_slots}: must be at least 1 (2 or more to overlap copies with compute)")
+    n_slots = schedule.staging_slots(slots)  # the options checked --slots
     if n_cpu_moe == "auto":
         if budget is None:
             raise MoestreamError("--n-cpu-moe auto needs --vram-budget SIZE to know what fits")

@@ -74,6 +74,8 @@ class Engine:
         """Change placement or schedule (n_cpu_moe, stream, slots, ubatch...) without reloading dense weights.
 
         On a bad change the engine keeps working with its previous options."""
+        if "deltanet" in changes:  # the model chose its delta rule when it was built
+            raise MoestreamError("the delta-net rule is chosen at load: load the model again with deltanet=...")
         options = dataclasses.replace(self.options, **changes)
         self._graphs.clear()  # captured steps read the old expert buffers; free their memory before the new ones
         self.offload.close()  # first: the new placement may page-lock the same ranges
