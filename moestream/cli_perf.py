@@ -10,7 +10,7 @@ from moestream.errors import MoestreamError
 
 def cmd_bench(a: argparse.Namespace) -> None:
     from moestream import cli_report
-    from moestream.runtime.bench import run_bench
+    from moestream.runtime.bench import Sweep, run_bench
     from moestream.runtime.loader import load
 
     at_least(a.repetitions, 1, "-r")
@@ -29,17 +29,20 @@ def cmd_bench(a: argparse.Namespace) -> None:
     if fmt == "md":
         print(cli_report.md_header())
     try:
+        sweep = Sweep(
+            prompts=a.n_prompt,
+            gens=a.n_gen,
+            ubatches=a.ubatch if a.batch_size is None else [min(u, a.batch_size) for u in a.ubatch],
+            n_cpu_moes=["all" if a.cpu_moe else n for n in a.n_cpu_moe],
+            streams=streams,
+            slots=a.slots,
+            picks=a.streamed_layers,
+            repeats=a.repetitions,
+            floors=not a.no_floors,
+        )
         rows, link = run_bench(
             engine,
-            a.n_prompt,
-            a.n_gen,
-            a.ubatch if a.batch_size is None else [min(u, a.batch_size) for u in a.ubatch],
-            ["all" if a.cpu_moe else n for n in a.n_cpu_moe],
-            streams,
-            a.slots,
-            a.streamed_layers,
-            a.repetitions,
-            floors=not a.no_floors,
+            sweep,
             progress=(lambda r: print(cli_report.md_row(r, info), flush=True)) if fmt == "md" else None,
         )
     finally:

@@ -92,19 +92,22 @@ def _measure(engine, test: str, tokens: list[int], repeats: int):
     return times, last.get("logits"), moved, used, peak, copy_gbs, links
 
 
-def run_bench(
-    engine,
-    prompts: list[int],
-    gens: list[int],
-    ubatches: list[int],
-    n_cpu_moes: list[int],
-    streams: list[str],
-    slots: list[int],
-    picks: list[str],
-    repeats: int,
-    floors: bool,
-    progress=None,
-) -> tuple[list[BenchRow], float]:
+@dataclass(frozen=True)
+class Sweep:
+    """What one bench run measures: every combination of the lists, each test `repeats` times."""
+
+    prompts: list[int]  # ppN tests (0: none)
+    gens: list[int]  # tgN tests (0: none)
+    ubatches: list[int]
+    n_cpu_moes: list[int | str]
+    streams: list[str]
+    slots: list[int]
+    picks: list[str]  # --streamed-layers first | spread
+    repeats: int = 3
+    floors: bool = True  # also time each test with every expert resident (the compute floor)
+
+
+def run_bench(engine, sweep: Sweep, progress=None) -> tuple[list[BenchRow], float]:
     """Every combination of the lists; returns the rows and the pinned link rate (bytes/s) measured first."""
     f = engine.source
     size = f.path.stat().st_size / 2**30
@@ -114,12 +117,13 @@ def run_bench(
     first_logits: dict[tuple[str, int], torch.Tensor] = {}
     first_token: dict[str, int] = {}
     compute_floor: dict[tuple[str, int], float] = {}
-    tests = [(f"pp{p}", p) for p in prompts if p > 0] + [(f"tg{n}", n) for n in gens if n > 0]
-    for ub, ncmoe, pick, stream, k in itertools.product(ubatches, n_cpu_moes, picks, streams, slots):
+    w = sweep
+    tests = [(f"pp{p}", p) for p in w.prompts if p > 0] + [(f"tg{n}", n) for n in w.gens if n > 0]
+    for ub, ncmoe, pick, stream, k in itertools.product(w.ubatches, w.n_cpu_moes, w.picks, w.streams, w.slots):
         engine.reconfigure(ubatch=ub, n_cpu_moe=ncmoe, streamed_layers=pick, stream=stream, slots=k, progress=False)
         for test, n in tests:
             tokens = random_prompt(n, engine.spec.n_vocab)
-            times, logits, moved, used, peak, copy_gbs, links = _measure(engine, test, tokens, repeats)
+            times, logits, moved, used, peak, copy_gbs, links = _measure(engine, test, tokens, w.repeats)
             secs = statistics.mean(times)
             tps = [n / t for t in times]
             row = BenchRow(
@@ -152,11 +156,11 @@ def run_bench(
             rows.append(row)
             if progress:
                 progress(row)
-    if floors:
-        for ub in ubatches:
+    if w.floors:
+        for ub in w.ubatches:
             engine.reconfigure(ubatch=ub, n_cpu_moe=0, stream=Schedule.OVERLAP, vram_budget=None, progress=False)
             for test, n in tests:
-                times, *_ = _measure(engine, test, random_prompt(n, engine.spec.n_vocab), repeats)
+                times, *_ = _measure(engine, test, random_prompt(n, engine.spec.n_vocab), w.repeats)
                 compute_floor[(test, ub)] = statistics.mean(times)
         for row in rows:
             row.compute_floor_s = compute_floor[(row.test, row.ubatch)]

@@ -6,7 +6,7 @@ import pytest
 
 import moestream
 from moestream.offload.device import CpuDevice
-from moestream.runtime.bench import run_bench
+from moestream.runtime.bench import Sweep, run_bench
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -27,7 +27,8 @@ def test_copy_rate_is_bytes_over_copy_time(model_file):
     )
     try:
         tensor_bytes = e.offload.placement.expert_bytes[0] / 3  # gate, up and down are the same size here
-        rows, _ = run_bench(e, [32], [0], [32], ["all"], ["overlap", "serial"], [2], ["first"], 1, floors=False)
+        sweep = Sweep([32], [0], [32], ["all"], ["overlap", "serial"], [2], ["first"], repeats=1, floors=False)
+        rows, _ = run_bench(e, sweep)
     finally:
         e.close()
         dev.close()
