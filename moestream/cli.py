@@ -213,7 +213,7 @@ def cmd_make_model(a: argparse.Namespace) -> None:
     preset = get_preset(a.preset, a.layers)
     writable(a.out, "make-model")
     make_model(a.out, preset, quant=a.quant, seed=a.seed)
-    print(f"wrote {a.out}: preset {preset.name}, {preset.n_layer} layers, {a.quant}")
+    print(f"wrote {a.out}: preset {preset.name}, {preset.spec.n_layer} layers, {a.quant}")
 
 
 COMMANDS = {

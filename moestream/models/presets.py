@@ -6,50 +6,24 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from moestream.errors import MoestreamError
+from moestream.models.spec import ModelSpec
 
 
 @dataclass(frozen=True)
 class Preset:
-    name: str
-    arch: str
-    n_layer: int
-    n_embd: int
-    n_head: int
-    n_head_kv: int
-    head_dim: int
-    n_expert: int
-    n_expert_used: int
-    n_ff_exp: int
-    n_vocab: int
-    n_ctx: int = 4096
-    n_ff: int = 0  # the dense FFN size the real config declares (written as metadata, unused by MoE layers)
-    rope_base: float = 1_000_000.0
-    rms_eps: float = 1e-6
-    tied_output: bool = False
-    n_rot: int = 0  # rotated channels per head; 0 means all of head_dim
-    n_ff_shexp: int = 0  # shared expert FFN size; 0 when the architecture has none
-    extra: dict[str, Any] = field(default_factory=dict)  # architecture-specific keys, minus the `{arch}.`
+    """A generated model: its spec (the one ModelSpec a reader of the file gets back, extras aside) and what
+    only the writer needs."""
 
-    def common_metadata(self) -> dict[str, Any]:
-        """The `{arch}.*` keys every MoE architecture reads through `spec.common_spec_fields`."""
-        a = self.arch + "."
-        meta: dict[str, Any] = {
-            a + "block_count": self.n_layer,
-            a + "context_length": self.n_ctx,
-            a + "embedding_length": self.n_embd,
-            a + "attention.head_count": self.n_head,
-            a + "attention.head_count_kv": self.n_head_kv,
-            a + "rope.freq_base": self.rope_base,
-            a + "attention.layer_norm_rms_epsilon": self.rms_eps,
-            a + "expert_used_count": self.n_expert_used,
-            a + "expert_count": self.n_expert,
-            a + "attention.key_length": self.head_dim,
-            a + "attention.value_length": self.head_dim,
-            a + "expert_feed_forward_length": self.n_ff_exp,
-        }
-        if self.n_rot:
-            meta[a + "rope.dimension_count"] = self.n_rot
-        return meta
+    name: str
+    spec: ModelSpec
+    n_ff: int = 0  # the dense FFN size the real config declares (written as metadata, unused by MoE layers)
+    tied_output: bool = False
+    gguf_keys: dict[str, Any] = field(default_factory=dict)  # architecture-specific metadata as stored, minus
+    # the `{arch}.` prefix (a reader turns them into spec.extra)
+
+
+def _spec(arch: str, n_ctx: int = 4096, rope_base: float = 1_000_000.0, rms_eps: float = 1e-6, **shape) -> ModelSpec:
+    return ModelSpec(arch=arch, n_ctx_train=n_ctx, rope_base=rope_base, rms_eps=rms_eps, **shape)
 
 
 def _qwen35_hybrid(k_heads: int, v_heads: int, head_dim: int, rope_sections: tuple[int, ...]) -> dict:
@@ -71,82 +45,92 @@ PRESETS: dict[str, Preset] = {
         # K-quant friendly: every row a multiple of 256, so Q4_K_M really writes Q4_K / Q6_K blocks
         Preset(
             "tiny",
-            "qwen3moe",
-            n_layer=2,
-            n_embd=256,
-            n_head=4,
-            n_head_kv=2,
-            head_dim=64,
-            n_expert=8,
-            n_expert_used=2,
-            n_ff_exp=256,
-            n_vocab=1280,
+            _spec(
+                "qwen3moe",
+                n_layer=2,
+                n_embd=256,
+                n_head=4,
+                n_head_kv=2,
+                head_dim=64,
+                n_expert=8,
+                n_expert_used=2,
+                n_ff_exp=256,
+                n_vocab=1280,
+            ),
         ),
         # odd sizes: 5 heads over 1 KV head, 6 experts choosing 3, a vocabulary that is no round number
         Preset(
             "tiny-odd",
-            "qwen3moe",
-            n_layer=3,
-            n_embd=160,
-            n_head=5,
-            n_head_kv=1,
-            head_dim=32,
-            n_expert=6,
-            n_expert_used=3,
-            n_ff_exp=96,
-            n_vocab=1291,
+            _spec(
+                "qwen3moe",
+                n_layer=3,
+                n_embd=160,
+                n_head=5,
+                n_head_kv=1,
+                head_dim=32,
+                n_expert=6,
+                n_expert_used=3,
+                n_ff_exp=96,
+                n_vocab=1291,
+            ),
             tied_output=True,
         ),
         Preset(
             "qwen3-30b-a3b",
-            "qwen3moe",
-            n_layer=48,
-            n_embd=2048,
-            n_head=32,
-            n_head_kv=4,
-            head_dim=128,
-            n_expert=128,
-            n_expert_used=8,
-            n_ff_exp=768,
-            n_vocab=151936,
-            n_ctx=40960,
+            _spec(
+                "qwen3moe",
+                n_layer=48,
+                n_embd=2048,
+                n_head=32,
+                n_head_kv=4,
+                head_dim=128,
+                n_expert=128,
+                n_expert_used=8,
+                n_ff_exp=768,
+                n_vocab=151936,
+                n_ctx=40960,
+            ),
             n_ff=6144,
         ),
         # 3 delta-net layers, then full attention; a quarter of each head rotates, as in the real model
         Preset(
             "tiny-qwen35moe",
-            "qwen35moe",
-            n_layer=4,
-            n_embd=256,
-            n_head=4,
-            n_head_kv=2,
-            head_dim=64,
-            n_expert=8,
-            n_expert_used=2,
-            n_ff_exp=256,
-            n_vocab=1280,
-            rope_base=10_000_000.0,
-            n_rot=16,
-            n_ff_shexp=256,
-            extra=_qwen35_hybrid(k_heads=2, v_heads=4, head_dim=64, rope_sections=(3, 3, 2, 0)),
+            _spec(
+                "qwen35moe",
+                n_layer=4,
+                n_embd=256,
+                n_head=4,
+                n_head_kv=2,
+                head_dim=64,
+                n_expert=8,
+                n_expert_used=2,
+                n_ff_exp=256,
+                n_vocab=1280,
+                rope_base=10_000_000.0,
+                n_rot=16,
+                n_ff_shexp=256,
+            ),
+            gguf_keys=_qwen35_hybrid(k_heads=2, v_heads=4, head_dim=64, rope_sections=(3, 3, 2, 0)),
         ),
         Preset(
             "qwen3.6-35b-a3b",
-            "qwen35moe",
-            n_layer=40,
-            n_embd=2048,
-            n_head=16,
-            n_head_kv=2,
-            head_dim=256,
-            n_expert=256,
-            n_expert_used=8,
-            n_ff_exp=512,
-            n_vocab=248320,
-            n_ctx=262144,
-            rope_base=10_000_000.0,
-            n_rot=64,
-            n_ff_shexp=512,
-            extra=_qwen35_hybrid(k_heads=16, v_heads=32, head_dim=128, rope_sections=(11, 11, 10, 0)),
+            _spec(
+                "qwen35moe",
+                n_layer=40,
+                n_embd=2048,
+                n_head=16,
+                n_head_kv=2,
+                head_dim=256,
+                n_expert=256,
+                n_expert_used=8,
+                n_ff_exp=512,
+                n_vocab=248320,
+                n_ctx=262144,
+                rope_base=10_000_000.0,
+                n_rot=64,
+                n_ff_shexp=512,
+            ),
+            gguf_keys=_qwen35_hybrid(k_heads=16, v_heads=32, head_dim=128, rope_sections=(11, 11, 10, 0)),
         ),
     )
 }
@@ -159,5 +143,5 @@ def get_preset(name: str, n_layer: int | None = None) -> Preset:
     if n_layer is not None:
         if n_layer < 1:
             raise MoestreamError(f"--layers {n_layer}: must be at least 1")
-        p = replace(p, n_layer=n_layer)
+        p = replace(p, spec=replace(p.spec, n_layer=n_layer))
     return p

@@ -24,7 +24,7 @@ from moestream.models.deltanet import (
     prefill_rule,
 )
 from moestream.models.layers import Batch, Cache, imrope_text_cos_sin, rms_norm
-from moestream.models.spec import ModelSpec, common_spec_fields, read_int, read_key
+from moestream.models.spec import ModelSpec, common_metadata, common_spec_fields, read_int, read_key
 
 if TYPE_CHECKING:
     from moestream.models.presets import Preset
@@ -82,9 +82,9 @@ def metadata(p: Preset) -> dict[str, Any]:
     """The `qwen35moe.*` keys of a generated file of preset p (read back by `read_spec`)."""
     a = ARCH + "."
     return (
-        p.common_metadata()
-        | {a + "expert_shared_feed_forward_length": p.n_ff_shexp}
-        | {a + key: value for key, value in p.extra.items()}
+        common_metadata(p.spec)
+        | {a + "expert_shared_feed_forward_length": p.spec.n_ff_shexp}
+        | {a + key: value for key, value in p.gguf_keys.items()}
     )
 
 

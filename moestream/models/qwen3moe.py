@@ -24,7 +24,7 @@ from moestream.models.layers import (
     rope_cos_sin,
     route_softmax_topk,
 )
-from moestream.models.spec import ModelSpec, common_spec_fields
+from moestream.models.spec import ModelSpec, common_metadata, common_spec_fields
 
 if TYPE_CHECKING:
     from moestream.models.presets import Preset
@@ -39,7 +39,7 @@ def read_spec(meta: dict[str, Any], n_vocab: int) -> ModelSpec:
 
 def metadata(p: Preset) -> dict[str, Any]:
     """The `qwen3moe.*` keys of a generated file of preset p (read back by `read_spec`)."""
-    return p.common_metadata() | {ARCH + ".feed_forward_length": p.n_ff or p.n_ff_exp}
+    return common_metadata(p.spec) | {ARCH + ".feed_forward_length": p.n_ff or p.spec.n_ff_exp}
 
 
 def tensor_shapes(spec: ModelSpec, tied_output: bool = False) -> dict[str, tuple[int, ...]]:

@@ -117,3 +117,25 @@ def common_spec_fields(meta: dict[str, Any], arch: str, n_vocab: int) -> dict[st
         rms_eps=read_float(meta, p + "attention.layer_norm_rms_epsilon", hi=1.0),
         n_rot=read_int(meta, p + "rope.dimension_count", 0, lo=0),
     )
+
+
+def common_metadata(spec: ModelSpec) -> dict[str, Any]:
+    """The `{arch}.*` keys common_spec_fields reads back into spec (a generated file's metadata)."""
+    a = spec.arch + "."
+    meta: dict[str, Any] = {
+        a + "block_count": spec.n_layer,
+        a + "context_length": spec.n_ctx_train,
+        a + "embedding_length": spec.n_embd,
+        a + "attention.head_count": spec.n_head,
+        a + "attention.head_count_kv": spec.n_head_kv,
+        a + "rope.freq_base": spec.rope_base,
+        a + "attention.layer_norm_rms_epsilon": spec.rms_eps,
+        a + "expert_used_count": spec.n_expert_used,
+        a + "expert_count": spec.n_expert,
+        a + "attention.key_length": spec.head_dim,
+        a + "attention.value_length": spec.head_dim,
+        a + "expert_feed_forward_length": spec.n_ff_exp,
+    }
+    if spec.n_rot:
+        meta[a + "rope.dimension_count"] = spec.n_rot
+    return meta

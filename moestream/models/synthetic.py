@@ -31,12 +31,12 @@ FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}  # rows not a multip
 def preset_metadata(p: Preset, quant: str) -> dict[str, Any]:
     """General keys, the architecture's `{arch}.*` keys and a test tokenizer."""
     meta: dict[str, Any] = {
-        "general.architecture": p.arch,
+        "general.architecture": p.spec.arch,
         "general.name": f"moestream-generated {p.name}",
         "general.file_type": FILE_TYPES[quant],
         "general.quantization_version": 2,
     }
-    return meta | architecture(p.arch).metadata(p) | tiny_tokenizer_metadata(p.n_vocab)
+    return meta | architecture(p.spec.arch).metadata(p) | tiny_tokenizer_metadata(p.spec.n_vocab)
 
 
 def _use_more_bits(i: int, n: int) -> bool:
@@ -120,13 +120,13 @@ def make_model(
     """Write a generated model of the preset to `out`, one tensor at a time."""
     if quant not in QUANTS:
         raise MoestreamError(f"--quant {quant}: choose from {', '.join(QUANTS)}")
-    arch = architecture(preset.arch)
+    arch = architecture(preset.spec.arch)
     meta = preset_metadata(preset, quant)
-    spec = arch.read_spec(meta, preset.n_vocab)  # the spec a reader of the file will see
+    spec = arch.read_spec(meta, preset.spec.n_vocab)  # the spec a reader of the file will see
     shapes = arch.tensor_shapes(spec, tied_output=preset.tied_output)
-    plans = [TensorPlan(n, tensor_type(n, s, quant, preset.n_layer), s) for n, s in shapes.items()]
+    plans = [TensorPlan(n, tensor_type(n, s, quant, preset.spec.n_layer), s) for n, s in shapes.items()]
 
-    tasks = {p.name: _chunks(p, preset.n_layer, seed) for p in plans}
+    tasks = {p.name: _chunks(p, preset.spec.n_layer, seed) for p in plans}
     workers = min(os.cpu_count() or 1, 32)
     # big files: worker processes generate and quantize chunks (numpy holds the GIL too often for threads)
     pool = mp.get_context("fork").Pool(workers) if workers > 1 and max(map(len, tasks.values())) > 1 else None
@@ -146,7 +146,7 @@ def make_model(
         return np.concatenate(parts).reshape(p.byte_shape)
 
     try:
-        write_gguf(out, preset.arch, meta, plans, produce, progress)
+        write_gguf(out, preset.spec.arch, meta, plans, produce, progress)
     finally:
         if pool is not None:
             pool.close()

@@ -146,7 +146,7 @@ def test_model_logits_fla_vs_torch(model_file, monkeypatch, ubatch: int) -> None
     micro-batches of 7 (state carried between fla calls), with the fla rule and the torch rule."""
     preset = "tiny-qwen35moe"
     path = model_file(preset, "F32")
-    tokens = prompt_tokens(100, get_preset(preset).n_vocab, seed=3)
+    tokens = prompt_tokens(100, get_preset(preset).spec.n_vocab, seed=3)
     logits = {}
     for mode in ("torch", "fla"):
         monkeypatch.setenv(DELTANET_ENV, mode)  # read once, by the options load() makes

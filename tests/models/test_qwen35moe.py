@@ -28,7 +28,7 @@ def test_logits_and_greedy_match_transformers(model_file, quant):
 def test_ubatch_size_does_not_change_logits(model_file):
     """100 tokens span two 64-token delta-rule chunks in one pass; ubatch 1 runs the recurrent form only."""
     path = model_file(PRESET, "F32")
-    tokens = prompt_tokens(100, get_preset(PRESET).n_vocab, seed=3)
+    tokens = prompt_tokens(100, get_preset(PRESET).spec.n_vocab, seed=3)
     whole = moestream.load(path, device="cpu", ubatch=100, progress=False).logits(tokens)
     for ubatch in (7, 1):
         split = moestream.load(path, device="cpu", ubatch=ubatch, progress=False).logits(tokens)
@@ -71,7 +71,7 @@ def test_file_follows_llama_cpp_layout(model_file):
 def test_recurrent_layers_key_wins_over_interval():
     p = get_preset(PRESET)
     meta = preset_metadata(p, "F32") | {"qwen35moe.attention.recurrent_layers": [False, True, False, True]}
-    assert qwen35moe.read_spec(meta, p.n_vocab).extra["recurrent_layers"] == (False, True, False, True)
+    assert qwen35moe.read_spec(meta, p.spec.n_vocab).extra["recurrent_layers"] == (False, True, False, True)
 
 
 def test_imrope_pairs_outside_the_text_sections_stay_still():
