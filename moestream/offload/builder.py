@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from moestream.errors import MoestreamError
 from moestream.formats.gguf import GGUFFile, torch_bytes
 from moestream.kernels.gather import RowGather
 from moestream.offload.device import CpuDevice, CudaDevice, cap_vram, make_device
@@ -131,11 +130,6 @@ def build_offload(
             small_batch = "gather" if device.type == "cuda" and readable and pick.kernel_ok else "upload"
             if small_batch == "upload" and isinstance(streamer, ShardedStreamer):
                 small_batch = "gather" if readable else "cpu"  # no device holds a whole layer to upload into
-        if small_batch == "upload" and isinstance(streamer, ShardedStreamer):
-            raise MoestreamError(
-                "--small-batch upload with several --devices: small batches gather their experts on the first "
-                "device or compute them on the cpu; use --small-batch gather, cpu or auto"
-            )
         if small_batch == "gather" and streamed and not readable:
             warnings.warn(
                 "--small-batch gather needs the streamed experts page-locked (not --stream serial, and "

@@ -127,6 +127,11 @@ class EngineOptions:
                 f"--tensor-split {','.join(map(str, split))}: expected {len(names)} non-negative weights, "
                 "not all 0 (one a device of --devices)"
             )
+        if len(names) > 1 and self.small_batch == "upload":
+            raise MoestreamError(
+                "--small-batch upload with several --devices: small batches gather their experts on the first "
+                "device or compute them on the cpu; use --small-batch gather, cpu or auto"
+            )
         resolve("devices", names)
         resolve("tensor_split", split)
         resolve("device", names[0])
