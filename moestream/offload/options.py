@@ -68,7 +68,9 @@ class EngineOptions:
             raise MoestreamError(f"--ctx {self.n_ctx}: must be at least 1 (or 0 for the model's own context)")
         resolve(
             "stream",
-            Schedule.parse(os.environ.get("MOESTREAM_STREAM", "overlap") if self.stream is None else self.stream),
+            Schedule.parse(
+                (os.environ.get("MOESTREAM_STREAM", "").strip() or "overlap") if self.stream is None else self.stream
+            ),
         )
         if self.slots < 2 and self.stream.overlaps:
             raise MoestreamError(f"--slots {self.slots}: {self.stream} needs at least 2 staging slots")

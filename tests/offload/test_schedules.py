@@ -198,3 +198,5 @@ def test_stream_env_is_read_once_with_the_options(monkeypatch):
         EngineOptions(device="cpu")
     with pytest.raises(dataclasses.FrozenInstanceError):
         opts.stream = Schedule.OVERLAP
+    monkeypatch.setenv("MOESTREAM_STREAM", " ")  # blank: the default, as a blank $MOESTREAM_DELTANET is auto
+    assert EngineOptions(device="cpu").stream is Schedule.OVERLAP
