@@ -6,6 +6,7 @@
 #   model    generate the qwen3-30b-a3b Q4_K_M model (skipped when a warm machine still has it) + routing
 #   pp512 pp2048 long profile decode decodediag cpuexp alloc   the issue-3/4/10 benches on that model
 #   small    an 8-layer slice of the benchmark model: decode_diag.py (fused vs torch ops, tile sizes) + cpuexp
+#   loadtest the server load test (issue 13) with the benchmark model, serving wheels from .whl/serve
 #   lbuild llamacpp   build llama.cpp's llama-bench (background) / wait and run tg128 at -ncmoe 0,26
 #   qwen35 routing35   the issue-5 headline table (generates the qwen3.6-35b-a3b model first), its routing
 # At most 8 files come back from $OUT: keep appending to the ones below.
@@ -73,6 +74,13 @@ for step in "$@"; do
     llamacpp) [[ -n ${LBUILD:-} ]] && wait $LBUILD; tail -3 /tmp/lcpp.log | tee -a "$OUT/gpu.txt"
               /tmp/lcpp/build/bin/llama-bench -m $MODEL -ngl 99 -fa 1 -p 0 -n 128 -r 3 -ncmoe 0,26 2>&1 \
                 | grep -v '^ggml\|^load' | tee -a "$OUT/bench.txt" ;;
+    loadtest) # issue 13 on the GPU: the server under 16 streaming clients for 60 s with the benchmark model. The
+              # image lacks the serving packages: carry their wheels in .whl/serve, fetched here with
+              # pip download --only-binary=:all: --python-version 3.12 --implementation cp --platform
+              # manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl/serve fastapi uvicorn openai
+              python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/serve/*.whl || exit 1
+              python3 scripts/load_test.py $MODEL --device cuda -ncmoe 26 --max-seqs 4 2>&1 | quiet \
+                | tee -a "$OUT/bench.txt" | tail -12 ;;
     alloc) for conf in "" "expandable_segments:True"; do  # A/B of the allocator under the 12 GiB cap
              echo "PYTORCH_CUDA_ALLOC_CONF=$conf" | tee -a "$OUT/bench.txt"
              PYTORCH_CUDA_ALLOC_CONF=$conf $B -p 2048 -ub 2048 --stream overlap --streamed-layers spread \
