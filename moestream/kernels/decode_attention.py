@@ -3,8 +3,9 @@
 The engine's static decode step replays a CUDA graph over a fixed KV bucket with the positions on the
 device. torch's SDPA with a boolean mask (models/layers.masked_attention, the reference) costs about eight
 extra kernels a layer for that: the mask build, repeat_interleave, transposes. Here the first kernel masks
-from the positions itself and skips the keys past them, so a long bucket costs what the sequence holds,
-and everything sized on the host comes from shapes alone: no reads back, the same launches every step.
+from the positions itself and skips whole chunks past them (inside a chunk the masked blocks still run), so
+a long bucket costs about what the sequence holds, and everything sized on the host comes from shapes alone:
+no reads back, the same launches every step.
 """
 
 from __future__ import annotations
