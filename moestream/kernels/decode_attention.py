@@ -10,12 +10,11 @@ no reads back, the same launches every step.
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
 
-from moestream.kernels.dequant import triton
+from moestream.kernels.dequant import on_device, triton
 
 MIN_CHUNK = 256  # keys a chunk holds at least: fewer and the combine's traffic and launch overhead dominate
 TARGET_PROGRAMS = 256  # chunk programs to aim for on long buckets: about two per SM of an H200 (132 SMs)
@@ -142,7 +141,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
     part = torch.empty((T * H, n_chunks, Dh), dtype=torch.float32, device=q.device)
     stats = torch.empty((2, T * H, n_chunks), dtype=torch.float32, device=q.device)  # running max, sum
     out = torch.empty((T, H, Dh), dtype=q.dtype, device=q.device)
-    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+    with on_device(q):
         _chunk_kernel[(T * Hkv, n_chunks)](
             q,
             k,

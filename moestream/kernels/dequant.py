@@ -9,6 +9,8 @@ float32 rounding, not bit for bit; every GPU path uses the same kernel, so sched
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -23,6 +25,13 @@ except ImportError:
     triton = None
 
 BLOCKS_PER_PROGRAM = 8
+
+
+def on_device(t: torch.Tensor):
+    """Triton launches on the current device: make it t's (say --device cuda:1); nothing for CPU tensors (the
+    interpreter)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
 
 if triton is not None:
 
@@ -93,6 +102,6 @@ def dequantize(
         return quants.dequantize(raw, qtype, shape, dtype)  # raises the reference's clear error
     out = torch.empty(shape, dtype=dtype, device=raw.device)
     grid = (triton.cdiv(n_blocks, BLOCKS_PER_PROGRAM),)
-    with torch.cuda.device(raw.device):  # Triton launches on the current device
+    with on_device(raw):
         _dequant_kernel[grid](raw, out, n_blocks, TILE=tile, ELEMS=block, SIZE=type_size, BLOCKS=BLOCKS_PER_PROGRAM)
     return out

@@ -10,11 +10,9 @@ every schedule on the GPU uses the same kernels, so schedules still agree exactl
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
-from moestream.kernels.dequant import triton
+from moestream.kernels.dequant import on_device, triton
 
 if triton is not None:
     import triton.language as tl
@@ -75,11 +73,6 @@ def usable(x: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
 
 
-def _on(x: torch.Tensor):
-    """Triton launches on the current device: make it x's (say --device cuda:1)."""
-    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
-
-
 def rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -94,7 +87,7 @@ def rms_norm(
     rows = x.numel() // D
     rope = cos is not None
     if rows:
-        with _on(x):
+        with on_device(x):
             _rms_norm_kernel[(rows,)](
                 x,
                 weight,
@@ -120,7 +113,7 @@ def softmax_topk(logits: torch.Tensor, k: int, renorm: bool, dtype: torch.dtype)
     weights = torch.empty((T, k), dtype=dtype, device=logits.device)
     ids = torch.empty((T, k), dtype=torch.int64, device=logits.device)
     if T:
-        with _on(logits):
+        with on_device(logits):
             _softmax_topk_kernel[(T,)](
                 logits,
                 weights,

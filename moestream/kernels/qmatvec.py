@@ -9,12 +9,10 @@ kernels/gather.py. A stack of matrices (experts) is indexed per row of x, with t
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from moestream.kernels.dequant import triton
+from moestream.kernels.dequant import on_device, triton
 
 Q = GGMLQuantizationType
 
@@ -189,32 +187,29 @@ def matvec(
     raw holds the stored bytes of one matrix [n_out, in] (mats None) or of a stack [E, n_out, in], in which
     case mats [P] (int64, on x's device) says which matrix each row of x multiplies. raw may be a CUDA tensor
     or page-locked host memory that the GPU can address."""
-    block, type_size = GGML_QUANT_SIZES[qtype]
-    n_in = x.shape[-1]
+    row_bytes, consts = _layout(qtype, x.shape[-1])
     x = x.contiguous()
     y = torch.empty((x.shape[0], n_out), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n_out, ROWS_PER_PROGRAM), x.shape[0])
-    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+    with on_device(x):
         _matvec_kernel[grid](
             raw,
             x,
             y,
             mats if mats is not None else x,  # unread when not stacked
             n_out,
-            n_in // block * type_size,
-            N_BLOCKS=n_in // block,
-            DOT=DOTS[qtype],
-            ELEMS=block,
-            SIZE=type_size,
+            row_bytes,
             STACKED=mats is not None,
             ROWS=ROWS_PER_PROGRAM,
+            **consts,
         )
     return y
 
 
-def _consts(qtype: GGMLQuantizationType, n_in: int) -> dict:
+def _layout(qtype: GGMLQuantizationType, n_in: int) -> tuple[int, dict]:
+    """The bytes a stored row of n_in elements takes, and the kernels' compile-time constants for it."""
     block, type_size = GGML_QUANT_SIZES[qtype]
-    return dict(N_BLOCKS=n_in // block, DOT=DOTS[qtype], ELEMS=block, SIZE=type_size)
+    return n_in // block * type_size, dict(N_BLOCKS=n_in // block, DOT=DOTS[qtype], ELEMS=block, SIZE=type_size)
 
 
 def swiglu_picked(
@@ -232,12 +227,11 @@ def swiglu_picked(
     D = x.shape[-1]
     x = x.contiguous()
     picks = ids.reshape(-1).contiguous()
-    g_type, u_type, d_type = qtypes
     h = torch.empty((T * K, n_ff), dtype=x.dtype, device=x.device)
     y = torch.empty((T, D), dtype=x.dtype, device=x.device)
-    gate_bytes = _consts(g_type, D)
-    down_bytes = _consts(d_type, n_ff)
-    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+    gate_row, gate_consts = _layout(qtypes[0], D)  # up is stored alike (fuses)
+    down_row, down_consts = _layout(qtypes[2], n_ff)
+    with on_device(x):
         _gate_up_kernel[(triton.cdiv(n_ff, ROWS_PER_PROGRAM), T * K)](
             raws[0],
             raws[1],
@@ -245,10 +239,10 @@ def swiglu_picked(
             h,
             picks,
             n_ff,
-            gate_bytes["N_BLOCKS"] * gate_bytes["SIZE"],
+            gate_row,
             K,
             ROWS=ROWS_PER_PROGRAM,
-            **gate_bytes,
+            **gate_consts,
         )
         _down_sum_kernel[(triton.cdiv(D, DOWN_ROWS), T)](
             raws[2],
@@ -257,10 +251,10 @@ def swiglu_picked(
             picks,
             y,
             D,
-            down_bytes["N_BLOCKS"] * down_bytes["SIZE"],
+            down_row,
             K=K,
             ROWS=DOWN_ROWS,
-            **down_bytes,
+            **down_consts,
         )
     return y
 
