@@ -102,12 +102,12 @@ def build_offload(
         opts.streamed_layers == "spread",
     )
     cap_vram(device, budget)  # allocations past the budget now fail, and the CLI says out of memory
-    others: list = []
-    if isinstance(dev, (list, tuple)):  # tests hand in one simulated device per --devices entry
-        dev, *others = dev
+    given_extra: list = []  # tests hand in one simulated device per --devices entry
+    if isinstance(dev, (list, tuple)):
+        dev, *given_extra = dev
     owns_dev = dev is None
     dev = dev or make_device(device)
-    extra_devs, owned_extra = list(others), False
+    made_extra: list = []  # the other --devices when made here (closed with the offload)
     pinned = PinnedRanges() if device.type == "cuda" else None
     try:
         resident = {}
@@ -119,9 +119,9 @@ def build_offload(
             bounce = not pinned.register([v.data for il in placement.streamed for v in tensors[il].views])
         streamer = None
         if streamed and opts.devices is not None and len(opts.devices) > 1:
-            extra_devs = others or [make_device(torch.device(d)) for d in opts.devices[1:]]
-            owned_extra = not others
-            streamer = _sharded(streamed, tensors, spec, opts, [dev, *extra_devs], bounce)
+            if not given_extra:
+                made_extra = [make_device(torch.device(d)) for d in opts.devices[1:]]
+            streamer = _sharded(streamed, tensors, spec, opts, [dev, *(given_extra or made_extra)], bounce)
         elif streamed:
             streamer = Streamer(dev, streamed, opts.stream, opts.slots, bounce)
         readable = device.type == "cpu" or (pinned is not None and pinned.nbytes > 0)  # page-locked: kernels read it
@@ -142,10 +142,10 @@ def build_offload(
     except BaseException:
         if pinned is not None:
             pinned.unregister()
-        for d in ([dev] if owns_dev else []) + (extra_devs if owned_extra else []):
+        for d in ([dev] if owns_dev else []) + made_extra:
             d.close()
         raise
-    off = Offload(placement, fp, experts, dev, pinned, bounce, owns_dev, note, extra_devs if owned_extra else [])
+    off = Offload(placement, fp, experts, dev, pinned, bounce, owns_dev, note, made_extra)
     if opts.progress:
         print(off.describe(), file=sys.stderr)
     return off
