@@ -152,9 +152,9 @@ class LayerExperts:
         return self.streamer.bytes_uploaded if self.streamer is not None else 0
 
     def count_moved(self, nbytes: int) -> None:
-        """Add bytes moved by work no Python ran for (a replayed graph)."""
+        """Add bytes gathers read over the link (counted here too when a replayed graph ran them)."""
         if self.streamer is not None:
-            self.streamer.bytes_uploaded += nbytes
+            self.streamer.count_read(nbytes)
 
     def capturable(self, n_tokens: int, n_expert_used: int) -> bool:
         """Whether a static pass of n_tokens queues the same device work every time, with no host sync:
@@ -216,7 +216,7 @@ class LayerExperts:
                 return self._on_device(il, t, whole, x, weights, ids)
         readable = self.host_readable and (x.device.type == "cpu" or self.pick.kernel_ok)
         if self.small_batch == "gather" and readable and ids.numel() < t.n_expert:
-            self.streamer.bytes_uploaded += ids.numel() * (t.nbytes // t.n_expert)  # read over the link
+            self.count_moved(ids.numel() * (t.nbytes // t.n_expert))  # read over the link
             with self.timeline.span("compute", "experts-gather", **label):  # no sync: ids stay on the device
                 return self._on_device(il, t, t.host_bytes(), x, weights, ids)
         used = torch.unique(ids.cpu())  # sync: the host must know which experts to move or read

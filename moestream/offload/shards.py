@@ -46,7 +46,7 @@ class ShardedStreamer:
     def __init__(self, streamers: list[Streamer], ranges: list[tuple[int, int]]):
         self.streamers = streamers
         self.ranges = ranges
-        self._extra = 0  # bytes read by work outside the rings (gathers on the first device)
+        self.read_outside = 0  # bytes read by work outside the rings (gathers on the first device)
 
     def begin(self, visits: list[int]) -> None:
         for s in self.streamers:
@@ -94,11 +94,10 @@ class ShardedStreamer:
 
     @property
     def bytes_uploaded(self) -> int:
-        return sum(self.link_bytes) + self._extra
+        return sum(self.link_bytes) + self.read_outside
 
-    @bytes_uploaded.setter
-    def bytes_uploaded(self, value: int) -> None:
-        self._extra = value - sum(self.link_bytes)
+    def count_read(self, nbytes: int) -> None:
+        self.read_outside += nbytes
 
     @property
     def timeline(self):
