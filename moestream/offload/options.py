@@ -109,9 +109,9 @@ class EngineOptions:
         shown = ",".join(names)
         if not names or any(d != "cpu" and not d.startswith("cuda:") for d in names):
             raise MoestreamError(f"--devices {shown}: expected a comma list of cuda:N (or cpu, to simulate)")
-        if len({d.split(":")[0] for d in names}) > 1 or len(set(names)) < len(names):
-            if names.count("cpu") != len(names):  # cpu,cpu simulates two devices; cuda ones must differ
-                raise MoestreamError(f"--devices {shown}: give distinct GPUs (cuda:0,cuda:1), or only cpu")
+        cpus = names.count("cpu")  # cpu,cpu simulates two devices; GPUs must differ and not mix with cpu
+        if cpus != len(names) and (cpus or len(set(names)) < len(names)):
+            raise MoestreamError(f"--devices {shown}: give distinct GPUs (cuda:0,cuda:1), or only cpu")
         if names[0] != "cpu":
             count = torch.cuda.device_count()
             if any(int(d.split(":")[1]) >= count for d in names):
