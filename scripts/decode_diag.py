@@ -1,6 +1,6 @@
 """Decode diagnostics on the GPU: how fast the gather kernel reads experts from host memory, the graphed
-step with and without the fused kernels and with other tile sizes (side by side, one process), and where a
-step's GPU time goes (kernel table of eager static steps, the same kernels a graph replays).
+step under several tile settings of the quantized matvecs (side by side, one process), and where the
+fastest step's GPU time goes (kernel table of eager static steps, the same kernels a graph replays).
 
     python scripts/decode_diag.py MODEL [stream]
 """
@@ -19,7 +19,7 @@ def _steps(engine, n: int = 72) -> list[int]:
     return [(7 * t) % 1000 + 1 for t in range(n)]  # not zeros: varied tokens, so varied experts
 
 
-def step_ms(engine) -> float:
+def step_ms(engine, n: int = 72) -> float:
     """Graphed one-token steps over positions 16..88, timed after a pass over the same positions (which
     captures each key bucket's graph), in CUDA-event ms a step."""
     engine._graphs.clear()
@@ -29,39 +29,43 @@ def step_ms(engine) -> float:
         engine.forward(list(range(1, 17)), cache)
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        for t in _steps(engine):
+        for t in _steps(engine, n):
             engine.forward([t], cache)
         b.record()
         b.synchronize()
-    return a.elapsed_time(b) / len(_steps(engine))
+    return a.elapsed_time(b) / n
 
 
-def sweep(engine) -> None:
-    """The resident step with the fused kernels against the torch ops they replaced, and the kernels'
-    tile sizes, side by side in one process (each variant recaptures its graphs)."""
-    from moestream.kernels import decode_attention, fused, qmatvec
+VARIANTS = {  # qmatvec's tile settings
+    "defaults": {},
+    "rows 16": dict(ROWS_PER_PROGRAM=16),
+    "rows 4 warps 2": dict(ROWS_PER_PROGRAM=4, WARPS=2),
+    "no grid minimum": dict(MIN_PROGRAMS=0),
+    ">=528 programs": dict(MIN_PROGRAMS=528),
+}
 
-    saved = (fused.usable, decode_attention.usable, qmatvec.fuses)
-    variants = [
-        ("torch ops (no fused kernels)", dict(off=True)),
-        ("fused (defaults)", {}),
-        ("fused, matvec rows 8", dict(rows=8)),
-        ("fused, matvec rows 32", dict(rows=32)),
-        ("fused, down rows 4", dict(down=4)),
-        ("fused, down rows 16", dict(down=16)),
-        ("fused, attention chunk >= 64", dict(chunk=64)),
-    ]
-    for name, v in variants:
-        if v.get("off"):
-            fused.usable = decode_attention.usable = lambda *a: False
-            qmatvec.fuses = lambda *a: False
-        qmatvec.ROWS_PER_PROGRAM = v.get("rows", 16)
-        qmatvec.DOWN_ROWS = v.get("down", 8)
-        decode_attention.MIN_CHUNK = v.get("chunk", 256)
+
+def use(variant: dict) -> dict:
+    """Set qmatvec's tile settings; returns the ones they replaced."""
+    from moestream.kernels import qmatvec
+
+    saved = {k: getattr(qmatvec, k) for k in variant}
+    for k, v in variant.items():
+        setattr(qmatvec, k, v)
+    return saved
+
+
+def sweep(engine, variants: dict) -> dict:
+    """The graphed step under each tile setting, side by side in one process (each recaptures its graphs).
+    Returns the fastest setting."""
+    best = (float("inf"), {})
+    for name, v in variants.items():
+        saved = use(v)
         ms = step_ms(engine)
-        print(f"step {name:<32} {ms:7.3f} ms  ({ms / engine.spec.n_layer * 1e3:6.1f} us a layer)")
-        fused.usable, decode_attention.usable, qmatvec.fuses = saved
-    qmatvec.ROWS_PER_PROGRAM, qmatvec.DOWN_ROWS, decode_attention.MIN_CHUNK = 16, 8, 256
+        use(saved)
+        print(f"step {name:<32} {ms:7.3f} ms  ({ms / engine.spec.n_layer * 1e3:6.1f} us a layer)", flush=True)
+        best = min(best, (ms, v), key=lambda b: b[0])
+    return best[1]
 
 
 def kernel_table(engine, n_steps: int = 2) -> None:
@@ -115,6 +119,8 @@ if __name__ == "__main__":
     opts = dict(n_cpu_moe=26, streamed_layers="spread", vram_budget="12GiB") if "stream" in rest else {}
     e = moestream.load(path, device="cuda", progress=False, **opts)
     gather_rate(e)
-    sweep(e)
+    best = sweep(e, VARIANTS)
+    print(f"kernel table of the fastest: {best}")
+    use(best)
     kernel_table(e)
     e.close()
