@@ -5,7 +5,7 @@
 #            tests and need httpx2/openai, which the GPU image lacks)
 #   model    generate the qwen3-30b-a3b Q4_K_M model (skipped when a warm machine still has it) + routing
 #   pp512 pp2048 long profile decode decodediag cpuexp alloc   the issue-3/4/10 benches on that model
-#   small    an 8-layer slice of the benchmark model: decode_diag.py (fused vs torch ops, tile sizes) + cpuexp
+#   small    an 8-layer slice of the benchmark model: decode_diag.py (tiles, trial block dots) + cpuexp
 #   loadtest the server load test (issue 13) with the benchmark model, serving wheels from .whl/serve
 #   lbuild llamacpp   build llama.cpp's llama-bench (background) / wait and run tg128 at -ncmoe 0,26
 #   qwen35 routing35   the issue-5 headline table (generates the qwen3.6-35b-a3b model first), its routing
@@ -56,9 +56,11 @@ for step in "$@"; do
     small) # an 8-layer slice of the benchmark preset (~20 s to write): per-layer decode A/B, kernel table, CPU matvec
            [[ -f $SMALL ]] || $MS make-model $SMALL --preset qwen3-30b-a3b --layers 8 --quant Q4_K_M 2>&1 | quiet | tail -1
            python3 scripts/decode_diag.py $SMALL 2>&1 | tee -a "$OUT/diag.txt"
-           for n in ${CPU_THREADS:-16 8}; do
+           for n in ${CPU_THREADS:-16 8 4 2 1}; do  # does the C kernel scale? (16 cores gave what 2 did)
              python3 scripts/cpu_experts.py $SMALL --layer 1 --threads $n 2>&1 | tee -a "$OUT/diag.txt"
-           done ;;
+           done
+           OMP_WAIT_POLICY=passive python3 scripts/cpu_experts.py $SMALL --layer 1 --threads 16 2>&1 \
+             | tee -a "$OUT/diag.txt" ;;
     decodediag) python3 scripts/decode_diag.py $MODEL 2>&1 | tee -a "$OUT/diag.txt"
                 python3 scripts/decode_diag.py $MODEL stream 2>&1 | tee -a "$OUT/diag.txt" ;;
     cpuexp) for n in ${CPU_THREADS:-8 16}; do for layer in 1; do  # the compiled CPU matvec on this host's cores
