@@ -86,7 +86,7 @@ def _picked(
 
     qtypes = tuple(v.qtype for v in t.views)
     n_ff = t.views[0].shape[1]
-    if qmatvec.fuses(qtypes):  # two launches for the whole layer
+    if qmatvec.fuses(qtypes):  # three launches for the whole layer
         return qmatvec.swiglu_picked(x, weights, ids, raws, qtypes, n_ff)
     return moe_swiglu_picked(x, weights, ids, *matvecs(qmatvec, raws, t))
 

@@ -1,5 +1,5 @@
 """The fused decode kernels against the torch ops they replace: RMSNorm (+ RoPE), the router's softmax top-k,
-and a layer's picked experts in two launches (from device memory and from page-locked host memory)."""
+and a layer's picked experts in three launches (from device memory and from page-locked host memory)."""
 
 from __future__ import annotations
 

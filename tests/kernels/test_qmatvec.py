@@ -54,29 +54,3 @@ def test_matvec_matches_dequantized_product(qtype, where):
         assert float((got16.float() - ref).abs().max() / ref.abs().max()) < 2e-2
     finally:
         pinned.unregister()
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("qtypes", [(Q.Q4_K, Q.Q6_K), (Q.Q6_K, Q.Q4_K), (Q.Q8_0, Q.Q8_0)])
-def test_swiglu_picked_matches_the_dequantized_experts(qtypes):
-    """Gate/up, each pair's down product and the weighted sum against float32 math on the dequantized stacks,
-    two tokens of three experts each, one expert picked by both."""
-    rng = np.random.default_rng(1)
-    E, F_, D = 5, 256, 512
-    shapes = [(E, F_, D), (E, F_, D), (E, D, F_)]
-    types = (qtypes[0], qtypes[0], qtypes[1])
-    W, raws = [], []
-    for shape, qtype in zip(shapes, types, strict=True):
-        stored = torch.from_numpy(quantize((rng.standard_normal(shape) * 0.05).astype(np.float32), qtype))
-        W.append(quants.dequantize(stored, qtype, shape, torch.float32).cuda())
-        raws.append(stored.cuda())
-    x = torch.randn(2, D, device="cuda")
-    ids = torch.tensor([[4, 0, 2], [1, 4, 3]], device="cuda")
-    weights = torch.softmax(torch.randn(2, 3, device="cuda"), -1)
-    h = torch.nn.functional.silu(torch.einsum("tkfd,td->tkf", W[0][ids], x)) * torch.einsum(
-        "tkfd,td->tkf", W[1][ids], x
-    )
-    ref = (torch.einsum("tkdf,tkf->tkd", W[2][ids], h) * weights[..., None]).sum(1)
-    got = qmatvec.swiglu_picked(x, weights, ids, raws, types, F_)
-    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
