@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import os
+import signal
 import sys
+import threading
 import warnings
 from collections import Counter
 
@@ -231,10 +235,39 @@ def _one_line_warning(message, category, filename, lineno, file=None, line=None)
     print(f"moestream: warning: {message}", file=sys.stderr)
 
 
+# What each command imports, loaded up front with Ctrl-C held back: an interrupt that lands inside an import
+# leaves that module half-initialised (seen: numpy without `multiply`), and the command then dies of it
+# with a traceback instead of stopping cleanly
+PRELOAD = {
+    "serve": ("moestream.runtime.loader", "moestream.serving.app", "uvicorn"),
+    "make-model": ("moestream.models.synthetic",),
+    "profile": ("moestream.runtime.loader", "moestream.profiling.session"),
+}
+
+
+@contextlib.contextmanager
+def interrupts_held():
+    """Ctrl-C inside the block takes effect (as KeyboardInterrupt) when the block ends."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
+        yield
+        return
+    held = []
+    previous = signal.signal(signal.SIGINT, lambda *_: held.append(True))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if held:
+        raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     warnings.showwarning = _one_line_warning
     try:
         args = build_parser().parse_args(argv)
+        with interrupts_held():
+            for module in PRELOAD.get(args.command, ("moestream.runtime.loader",)):
+                importlib.import_module(module)
         COMMANDS[args.command](args)
     except MoestreamError as e:
         print(f"moestream: error: {e}", file=sys.stderr)
