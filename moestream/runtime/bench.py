@@ -48,9 +48,20 @@ def random_prompt(n: int, n_vocab: int, seed: int = 0) -> list[int]:
     return torch.randint(0, n_vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _measure(engine, test: str, tokens: list[int], repeats: int):
-    """(seconds per run, last logits, bytes uploaded per run, mean experts-used fraction, peak GPU GiB,
-    link GB/s while copying, bytes per run into each device's ring with --devices)."""
+@dataclass
+class _Measured:
+    """What timing one test gave."""
+
+    times: list[float]  # seconds, each run
+    logits: torch.Tensor | None  # the last prefill's (None for decode tests)
+    moved: int  # expert bytes over the link a run
+    used: float  # mean fraction of experts the router used per streamed layer and micro-batch
+    peak_gib: float  # GPU memory high-water mark (0 on the CPU)
+    copy_gbs: float | None  # the link while copying (None: no streamer)
+    links: list[float]  # bytes a run into each device's ring (--devices)
+
+
+def _measure(engine, test: str, tokens: list[int], repeats: int) -> _Measured:
     experts = engine.model.experts
     streamer = experts.streamer
     last = {}
@@ -89,7 +100,7 @@ def _measure(engine, test: str, tokens: list[int], repeats: int):
     used = float(torch.stack(experts.usage).mean()) if experts.usage else 0.0
     experts.track_usage, experts.usage = False, []
     links = [(b - a) / repeats for a, b in zip(links_before, getattr(streamer, "link_bytes", []), strict=True)]
-    return times, last.get("logits"), moved, used, peak, copy_gbs, links
+    return _Measured(times, last.get("logits"), moved, used, peak, copy_gbs, links)
 
 
 @dataclass(frozen=True)
@@ -123,36 +134,37 @@ def run_bench(engine, sweep: Sweep, progress=None) -> tuple[list[BenchRow], floa
         engine.reconfigure(ubatch=ub, n_cpu_moe=ncmoe, streamed_layers=pick, stream=stream, slots=k, progress=False)
         for test, n in tests:
             tokens = random_prompt(n, engine.spec.n_vocab)
-            times, logits, moved, used, peak, copy_gbs, links = _measure(engine, test, tokens, w.repeats)
-            secs = statistics.mean(times)
-            tps = [n / t for t in times]
+            m = _measure(engine, test, tokens, w.repeats)
+            secs = statistics.mean(m.times)
+            tps = [n / t for t in m.times]
+            streamer = engine.model.experts.streamer
             row = BenchRow(
-                name,
-                round(size, 2),
-                engine.offload.placement.n_cpu_moe,
-                ub,
-                stream,
-                len(streamer.slots) if (streamer := engine.model.experts.streamer) else k,  # what ran
-                pick,
-                test,
-                statistics.mean(tps),
-                statistics.pstdev(tps),
-                secs,
-                moved,
-                used,
-                moved / secs / 1e9,
-                copy_gbs,
-                peak,
-                transfer_floor_s=moved / link,
-                samples_s=list(times),
+                model=name,
+                size_gib=round(size, 2),
+                n_cpu_moe=engine.offload.placement.n_cpu_moe,
+                ubatch=ub,
+                stream=stream,
+                slots=len(streamer.slots) if streamer else k,  # what ran
+                streamed_layers=pick,
+                test=test,
+                tps=statistics.mean(tps),
+                tps_std=statistics.pstdev(tps),
+                seconds=secs,
+                bytes_uploaded=m.moved,
+                experts_used=m.used,
+                link_gbs=m.moved / secs / 1e9,
+                copy_gbs=m.copy_gbs,
+                gpu_peak_gib=m.peak_gib,
+                transfer_floor_s=m.moved / link,
+                samples_s=list(m.times),
                 small_batch=engine.model.experts.small_batch,
-                links_gbs=[b / secs / 1e9 for b in links],
+                links_gbs=[b / secs / 1e9 for b in m.links],
             )
-            if logits is not None:
-                tok = int(torch.argmax(logits[-1]))
+            if m.logits is not None:
+                tok = int(torch.argmax(m.logits[-1]))
                 row.same_tokens = first_token.setdefault(test, tok) == tok
-                ref = first_logits.setdefault((test, ub), logits)
-                row.same_bits = bool(torch.equal(ref, logits))
+                ref = first_logits.setdefault((test, ub), m.logits)
+                row.same_bits = bool(torch.equal(ref, m.logits))
             rows.append(row)
             if progress:
                 progress(row)
@@ -160,8 +172,8 @@ def run_bench(engine, sweep: Sweep, progress=None) -> tuple[list[BenchRow], floa
         for ub in w.ubatches:
             engine.reconfigure(ubatch=ub, n_cpu_moe=0, stream=Schedule.OVERLAP, vram_budget=None, progress=False)
             for test, n in tests:
-                times, *_ = _measure(engine, test, random_prompt(n, engine.spec.n_vocab), w.repeats)
-                compute_floor[(test, ub)] = statistics.mean(times)
+                m = _measure(engine, test, random_prompt(n, engine.spec.n_vocab), w.repeats)
+                compute_floor[(test, ub)] = statistics.mean(m.times)
         for row in rows:
             row.compute_floor_s = compute_floor[(row.test, row.ubatch)]
     return rows, link
