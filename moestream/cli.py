@@ -235,20 +235,25 @@ def _one_line_warning(message, category, filename, lineno, file=None, line=None)
     print(f"moestream: warning: {message}", file=sys.stderr)
 
 
-# What each command imports, loaded up front with Ctrl-C held back: an interrupt that lands inside an import
-# leaves that module half-initialised (seen: numpy without `multiply`), and the command then dies of it
-# with a traceback instead of stopping cleanly
+# The slow imports of each command (torch, numpy, gguf, the server's and the plots' packages, through these),
+# done up front with Ctrl-C held back: an interrupt that lands inside an import leaves that module
+# half-initialised (seen: numpy without `multiply`), and the command then dies of it with a traceback instead
+# of stopping cleanly. The commands still import what they use; these are already loaded by then.
 PRELOAD = {
-    "serve": ("moestream.runtime.loader", "moestream.serving.app", "uvicorn"),
+    "serve": ("moestream.runtime.loader", "moestream.serving.app", "moestream.serving.scheduler", "uvicorn"),
     "make-model": ("moestream.models.synthetic",),
-    "profile": ("moestream.runtime.loader", "moestream.profiling.session"),
+    "bench": ("moestream.runtime.loader", "moestream.runtime.bench", "moestream.cli_report"),
+    "profile": ("moestream.runtime.loader", "moestream.profiling.session", "moestream.profiling.plot"),
 }
 
 
 @contextlib.contextmanager
 def interrupts_held():
     """Ctrl-C inside the block takes effect (as KeyboardInterrupt) when the block ends."""
-    if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
+    # only the main thread gets signals; a SIGINT that is ignored (a background job) or handled elsewhere stays so
+    if threading.current_thread() is not threading.main_thread() or (
+        signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
         yield
         return
     held = []

@@ -89,12 +89,12 @@ def q6_k_dot_halves(base, xb, ok):
     return d * acc
 
 
-def _steps(engine, n: int = 72) -> list[int]:
+def _steps(n: int = 72) -> list[int]:
     return [(7 * t) % 1000 + 1 for t in range(n)]  # not zeros: varied tokens, so varied experts
 
 
 def step_ms(engine, n: int = 72) -> float:
-    """Graphed one-token steps over positions 16..88, timed after a pass over the same positions (which
+    """Graphed one-token steps over positions 16..87, timed after a pass over the same positions (which
     captures each key bucket's graph), in CUDA-event ms a step."""
     engine._graphs.clear()
     cache = engine.new_cache()
@@ -103,7 +103,7 @@ def step_ms(engine, n: int = 72) -> float:
         engine.forward(list(range(1, 17)), cache)
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        for t in _steps(engine, n):
+        for t in _steps(n):
             engine.forward([t], cache)
         b.record()
         b.synchronize()
@@ -116,7 +116,7 @@ VARIANTS = {  # qmatvec's tile settings and block dots
     "Q6_K half-word loads": dict(DOTS={**qmatvec.DOTS, Q.Q6_K: q6_k_dot_halves}),
     "both": dict(DOTS={**qmatvec.DOTS, Q.Q4_K: q4_k_dot_words, Q.Q6_K: q6_k_dot_halves}),
     "rows 16": dict(ROWS_PER_PROGRAM=16),
-    "no grid minimum": dict(MIN_PROGRAMS=0),
+    "no grid minimum": dict(PROGRAMS_PER_SM=0),
 }
 
 
@@ -129,6 +129,7 @@ def check_dots(engine) -> None:
     x = torch.randn(1, engine.spec.n_embd, device=dev, dtype=engine.dtype)
     for name in names:
         raw, qtype, shape = w._blocks[name]
+        assert raw.data_ptr() % 4 == 0, "the word-load dots need 4-byte aligned blocks"
         xin = x if shape[1] == x.shape[1] else torch.randn(1, shape[1], device=dev, dtype=engine.dtype)
         ref = qmatvec.matvec(raw, qtype, shape[0], xin).float()
         for label, v in VARIANTS.items():
@@ -141,9 +142,7 @@ def check_dots(engine) -> None:
 
 
 def use(variant: dict) -> dict:
-    """Set qmatvec's tile settings; returns the ones they replaced."""
-    from moestream.kernels import qmatvec
-
+    """Set qmatvec's tile settings or block dots; returns the ones they replaced."""
     saved = {k: getattr(qmatvec, k) for k in variant}
     for k, v in variant.items():
         setattr(qmatvec, k, v)
@@ -168,12 +167,14 @@ def kernel_table(engine, n_steps: int = 2) -> None:
     cache = engine.new_cache()
     engine.forward(list(range(1, 17)), cache)
     engine.forward([5], cache)
-    engine._graphs_ok = False
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for t in range(n_steps):
-            engine.forward([t + 2], cache)
-        torch.cuda.synchronize()
-    engine._graphs_ok = True
+    graphs_ok, engine._graphs_ok = engine._graphs_ok, False
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for t in range(n_steps):
+                engine.forward([t + 2], cache)
+            torch.cuda.synchronize()
+    finally:
+        engine._graphs_ok = graphs_ok
     events = prof.key_averages()
     total = sum(e.device_time_total for e in events) / n_steps / 1e3
     count = sum(e.count for e in events) / n_steps

@@ -9,6 +9,8 @@ kernels/gather.py. A stack of matrices (experts) is indexed per row of x, with t
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -16,11 +18,12 @@ from moestream.kernels.dequant import on_device, triton
 
 Q = GGMLQuantizationType
 
-# Tiles, from a side-by-side sweep of the graphed decode step on the H200 (scripts/decode_diag.py): 8 rows
-# beat 16 and 4; shrinking them until a launch has 264 programs (two per SM) helps the narrow k/v projections
+# Tiles, from side-by-side sweeps of the graphed decode step on the H200 (scripts/decode_diag.py): 8 rows beat
+# 16 and 4; halving them until a launch has two programs per SM (the k/v and o projections, one token) made the
+# whole step 1.10x faster (1.281 vs 1.414 ms for 8 layers)
 ROWS_PER_PROGRAM = 8
 WARPS = 4
-MIN_PROGRAMS = 264
+PROGRAMS_PER_SM = 2
 MAX_TOKENS = 4  # above this, dequantizing once and multiplying on the tensor cores is cheaper
 
 if triton is not None:
@@ -89,8 +92,8 @@ if triton is not None:
     def _row_dot(w, mat, out, n_out, row_bytes, xp, ok, N_BLOCKS: tl.constexpr, DOT: tl.constexpr, ELEMS, SIZE):
         """[R] dot products of rows `out` of matrix `mat` of the stack w with the vector at xp.
 
-        The blocks in a loop, not unrolled: as fast on the H200 (1.41 vs 1.43 ms a step of 8 layers), and
-        compiled in seconds where the unrolled Q6_K kernels took minutes."""
+        The blocks in a loop, not unrolled: as fast on the H200 (1.41 vs 1.43 ms a step of 8 layers) and
+        compiled faster (the Q6_K matvec of 8 blocks 5.3 s instead of 14)."""
         row = w + (mat * n_out + out[:, None].to(tl.int64)) * row_bytes
         acc = DOT(row, xp, ok)
         for j in range(1, N_BLOCKS):
@@ -105,7 +108,7 @@ if triton is not None:
         mats,
         n_out,
         row_bytes,
-        N_BLOCKS: tl.constexpr,  # blocks per row (a handful of sizes per model): unrolled, all loads in flight
+        N_BLOCKS: tl.constexpr,  # blocks per row (a handful of sizes per model)
         DOT: tl.constexpr,
         ELEMS: tl.constexpr,
         SIZE: tl.constexpr,
@@ -169,7 +172,7 @@ def matvec(
     row_bytes, consts = _layout(qtype, x.shape[-1])
     x = x.contiguous()
     y = torch.empty((x.shape[0], n_out), dtype=x.dtype, device=x.device)
-    rows, warps = _tile(ROWS_PER_PROGRAM, WARPS, n_out, x.shape[0])
+    rows, warps = _tile(ROWS_PER_PROGRAM, WARPS, n_out, x.shape[0], _min_programs(x.device))
     grid = (triton.cdiv(n_out, rows), x.shape[0])
     with on_device(x):
         _matvec_kernel[grid](
@@ -193,10 +196,21 @@ def _layout(qtype: GGMLQuantizationType, n_in: int) -> tuple[int, dict]:
     return n_in // block * type_size, dict(N_BLOCKS=n_in // block, DOT=DOTS[qtype], ELEMS=block, SIZE=type_size)
 
 
-def _tile(rows: int, warps: int, n_out: int, n_vectors: int) -> tuple[int, int]:
-    """Output rows and warps a program: fewer of both while the grid would have under MIN_PROGRAMS programs
-    (a small matrix, such as a 512-row k projection, then still spreads over the GPU)."""
-    while rows > 1 and -(-n_out // rows) * n_vectors < MIN_PROGRAMS:
+def _min_programs(device: torch.device) -> int:
+    """PROGRAMS_PER_SM programs for each multiprocessor of device (0 for the CPU, where Triton interprets)."""
+    return _multiprocessors(device) * PROGRAMS_PER_SM
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+
+
+def _tile(rows: int, warps: int, n_out: int, n_vectors: int, min_programs: int) -> tuple[int, int]:
+    """Output rows and warps a program: fewer of both while the grid would have under min_programs programs
+    (a small matrix, such as a 512-row k projection, then still spreads over the GPU). Each pair is its own
+    compiled kernel: a few per weight shape."""
+    while rows > 1 and -(-n_out // rows) * n_vectors < min_programs:
         rows //= 2
         warps = max(1, warps // 2)
     return rows, warps
@@ -212,15 +226,16 @@ def swiglu_picked(
 ) -> torch.Tensor:
     """models.layers.moe_swiglu_picked in three launches: gate, up and SiLU of every token-expert pair in one,
     each pair's down product in the next, the weighted sum over each token's experts as one bmm (a step 1.07x
-    faster than with one kernel looping over a token's experts, side by side on the H200). x [T, D]; weights,
-    ids [T, K]; raws the gate, up, down stacks' stored bytes (device or page-locked host memory), by ids."""
+    faster than with one kernel looping over a token's experts, side by side on the H200). Each pair's down
+    product is rounded to x's dtype before the weighted sum, as in the torch form. x [T, D]; weights, ids
+    [T, K]; raws the gate, up, down stacks' stored bytes (device or page-locked host memory), by ids."""
     T, K = ids.shape
     D = x.shape[-1]
     x = x.contiguous()
     picks = ids.reshape(-1).contiguous()
     h = torch.empty((T * K, n_ff), dtype=x.dtype, device=x.device)
     gate_row, gate_consts = _layout(qtypes[0], D)  # up is stored alike (fuses)
-    rows, warps = _tile(ROWS_PER_PROGRAM, WARPS, n_ff, T * K)
+    rows, warps = _tile(ROWS_PER_PROGRAM, WARPS, n_ff, T * K, _min_programs(x.device))
     with on_device(x):
         _gate_up_kernel[(triton.cdiv(n_ff, rows), T * K)](
             raws[0],

@@ -48,7 +48,7 @@ def random_prompt(n: int, n_vocab: int, seed: int = 0) -> list[int]:
     return torch.randint(0, n_vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Measured:
     """What timing one test gave."""
 
@@ -57,7 +57,7 @@ class _Measured:
     moved: int  # expert bytes over the link a run
     used: float  # mean fraction of experts the router used per streamed layer and micro-batch
     peak_gib: float  # GPU memory high-water mark (0 on the CPU)
-    copy_gbs: float | None  # the link while copying (None: no streamer)
+    copy_gbs: float | None  # the link while copying (None: no uploads)
     links: list[float]  # bytes a run into each device's ring (--devices)
 
 
@@ -100,7 +100,9 @@ def _measure(engine, test: str, tokens: list[int], repeats: int) -> _Measured:
     used = float(torch.stack(experts.usage).mean()) if experts.usage else 0.0
     experts.track_usage, experts.usage = False, []
     links = [(b - a) / repeats for a, b in zip(links_before, getattr(streamer, "link_bytes", []), strict=True)]
-    return _Measured(times, last.get("logits"), moved, used, peak, copy_gbs, links)
+    return _Measured(
+        times=times, logits=last.get("logits"), moved=moved, used=used, peak_gib=peak, copy_gbs=copy_gbs, links=links
+    )
 
 
 @dataclass(frozen=True)

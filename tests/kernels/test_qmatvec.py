@@ -18,13 +18,15 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def test_tiles_shrink_until_the_grid_spreads():
-    assert qmatvec._tile(8, 4, 4096, 1) == (8, 4)  # a q projection: 512 programs as it is
-    assert qmatvec._tile(8, 4, 512, 1) == (1, 1)  # a k projection: 64 programs at 8 rows, 512 at 1
-    assert qmatvec._tile(8, 4, 768, 8) == (8, 4)  # eight experts' gate/up rows: 768 programs
-    assert qmatvec._tile(8, 4, 2048, 1) == (4, 2)  # a down projection of one pair: 512 programs
+    H200 = 264  # two programs for each of its 132 multiprocessors
+    assert qmatvec._tile(8, 4, 4096, 1, H200) == (8, 4)  # a q projection: 512 programs as it is
+    assert qmatvec._tile(8, 4, 512, 1, H200) == (1, 1)  # a k projection: 64 programs at 8 rows, 512 at 1
+    assert qmatvec._tile(8, 4, 768, 8, H200) == (8, 4)  # eight experts' gate/up rows: 768 programs
+    assert qmatvec._tile(8, 4, 2048, 1, H200) == (4, 2)  # the o projection of one token: 512 programs
+    assert qmatvec._tile(8, 4, 512, 1, 0) == (8, 4)  # no minimum (the CPU): as given
     n_out, n_vec = 100, 2
-    rows, _ = qmatvec._tile(8, 4, n_out, n_vec)
-    assert rows == 1 or -(-n_out // rows) * n_vec >= qmatvec.MIN_PROGRAMS
+    rows, _ = qmatvec._tile(8, 4, n_out, n_vec, H200)
+    assert rows == 1 or -(-n_out // rows) * n_vec >= H200
 
 
 @pytest.mark.gpu
