@@ -121,24 +121,44 @@ VARIANTS = {  # qmatvec's tile settings and block dots
 
 
 def check_dots(engine) -> None:
-    """Each variant's matvecs against the defaults on the model's stored weights (every quantized dense
-    weight of layer 0 and the head), before anything is timed."""
-    w = engine.model.weights
-    names = [n for n in w._blocks if n.startswith("blk.0.") or n == "output.weight"]
-    dev = engine.device
-    x = torch.randn(1, engine.spec.n_embd, device=dev, dtype=engine.dtype)
-    for name in names:
+    """Each variant against the defaults on the model's stored weights, before anything is timed: the matvec
+    of every quantized dense weight of layer 0 and the head, and the first resident layer's picked experts."""
+    w, dev, dtype = engine.model.weights, engine.device, engine.dtype
+    cases = []
+    for name in [n for n in w._blocks if n.startswith("blk.0.") or n == "output.weight"]:
         raw, qtype, shape = w._blocks[name]
-        assert raw.data_ptr() % 4 == 0, "the word-load dots need 4-byte aligned blocks"
-        xin = x if shape[1] == x.shape[1] else torch.randn(1, shape[1], device=dev, dtype=engine.dtype)
-        ref = qmatvec.matvec(raw, qtype, shape[0], xin).float()
-        for label, v in VARIANTS.items():
+        x = torch.randn(1, shape[1], device=dev, dtype=dtype)
+        cases.append(
+            (
+                f"{name} ({qtype.name})",
+                [raw],
+                lambda raw=raw, qtype=qtype, shape=shape, x=x: qmatvec.matvec(raw, qtype, shape[0], x),
+            )
+        )
+    experts = engine.model.experts
+    if experts.resident:
+        il = min(experts.resident)
+        t, raws = experts.tensors[il], experts.resident[il]
+        K, E = engine.spec.n_expert_used, t.n_expert
+        x = torch.randn(1, engine.spec.n_embd, device=dev, dtype=dtype)
+        ids = torch.randperm(E, generator=torch.Generator().manual_seed(1))[:K].view(1, K).to(dev)
+        weights = torch.softmax(torch.randn(1, K, device=dev), -1).to(dtype)
+        qtypes = tuple(v.qtype for v in t.views)
+        n_ff = t.views[0].shape[1]
+        assert qmatvec.fuses(qtypes), "gate and up stored alike, as swiglu_picked needs"
+        cases.append(
+            (f"layer {il}'s picked experts", raws, lambda: qmatvec.swiglu_picked(x, weights, ids, raws, qtypes, n_ff))
+        )
+    for label, raws, run in cases:
+        assert all(r.data_ptr() % 4 == 0 for r in raws), "the word-load dots need 4-byte aligned blocks"
+        ref = run().float()
+        for name, v in VARIANTS.items():
             saved = use(v)
-            got = qmatvec.matvec(raw, qtype, shape[0], xin).float()
+            got = run().float()
             use(saved)
             err = float((got - ref).abs().max() / ref.abs().max())
-            print(f"check {name} ({qtype.name}) {label}: max relative difference {err:.1e}")
-            assert err < 2e-2, "a variant disagrees with the default matvec"
+            print(f"check {label} {name}: max relative difference {err:.1e}")
+            assert err < 2e-2, "a variant disagrees with the defaults"
 
 
 def use(variant: dict) -> dict:
