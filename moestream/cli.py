@@ -235,15 +235,14 @@ def _one_line_warning(message, category, filename, lineno, file=None, line=None)
     print(f"moestream: warning: {message}", file=sys.stderr)
 
 
-# The slow imports of each command (torch, numpy, gguf, the server's and the plots' packages, through these),
+# The slow third-party imports of each command (torch, numpy, gguf through the loader; the server's packages),
 # done up front with Ctrl-C held back: an interrupt that lands inside an import leaves that module
 # half-initialised (seen: numpy without `multiply`), and the command then dies of it with a traceback instead
-# of stopping cleanly. The commands still import what they use; these are already loaded by then.
+# of stopping cleanly. The commands still import what they use; the slow part is loaded by then. (matplotlib,
+# for `profile --plot` only, is not preloaded: it would cost every profile run its import.)
 PRELOAD = {
-    "serve": ("moestream.runtime.loader", "moestream.serving.app", "moestream.serving.scheduler", "uvicorn"),
+    "serve": ("moestream.runtime.loader", "moestream.serving.app", "uvicorn"),
     "make-model": ("moestream.models.synthetic",),
-    "bench": ("moestream.runtime.loader", "moestream.runtime.bench", "moestream.cli_report"),
-    "profile": ("moestream.runtime.loader", "moestream.profiling.session", "moestream.profiling.plot"),
 }
 
 
