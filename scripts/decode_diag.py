@@ -1,5 +1,5 @@
 """Decode diagnostics on the GPU: how fast the gather kernel reads experts from host memory, the graphed
-step under several tile settings and block dots of the quantized matvecs (side by side, one process), and
+step under several tile settings of the quantized matvecs (side by side, one process), and
 where the fastest step's GPU time goes (kernel table of eager static steps, the same kernels a graph replays).
 
     python scripts/decode_diag.py MODEL [stream]
@@ -10,83 +10,10 @@ from __future__ import annotations
 import sys
 
 import torch
-import triton
-import triton.language as tl
-from gguf import GGMLQuantizationType as Q
 
 import moestream
 from moestream.kernels import qmatvec
 from moestream.kernels.gather import RowGather
-
-# Trial block dots for qmatvec, to time against its own before they replace them (checked against them first
-# on the model's weights; their math agrees with formats/quants to float32 rounding under Triton's
-# interpreter): the stored blocks read as 32-bit (Q4_K) or 16-bit (Q6_K) words instead of byte by byte.
-
-
-@triton.jit
-def _scale_min_words(w1, w2, w3, k):
-    """The 6-bit scale and min of Q4_K sub-block k ([1, W] int32) from the scale words w1..w3 ([R, 1])."""
-    sh = 8 * (k % 4)
-    lo = k < 4
-    sc = tl.where(lo, (w1 >> sh) & 63, ((w3 >> sh) & 15) | (((w1 >> (sh + 6)) & 3) << 4))
-    mn = tl.where(lo, (w2 >> sh) & 63, ((w3 >> (sh + 4)) & 15) | (((w2 >> (sh + 6)) & 3) << 4))
-    return sc.to(tl.float32), mn.to(tl.float32)
-
-
-@triton.jit
-def q4_k_dot_words(base, xb, ok):
-    """q4_k_dot reading the block as 36 int32 words (5 loads a row instead of ~156 byte loads); needs the
-    block 4-byte aligned."""
-    wp = base.to(tl.pointer_type(tl.int32))
-    w0 = tl.load(wp, mask=ok, other=0)
-    w1 = tl.load(wp + 1, mask=ok, other=0)
-    w2 = tl.load(wp + 2, mask=ok, other=0)
-    w3 = tl.load(wp + 3, mask=ok, other=0)
-    d = (w0 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    dmin = ((w0 >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    lane = tl.arange(0, 32)[None, :]  # qs word: chunk lane // 8 of 32 bytes, bytes 4 * (lane % 8) + b
-    q = tl.load(wp + 4 + lane, mask=ok, other=0)  # [R, 32]
-    at = 64 * (lane // 8) + 4 * (lane % 8)  # element of byte 0's low nibble; high nibbles sit 32 further
-    s_lo = tl.zeros_like(d) * lane
-    s_hi = tl.zeros_like(d) * lane
-    x_lo = tl.zeros([1, 32], dtype=tl.float32)
-    x_hi = tl.zeros([1, 32], dtype=tl.float32)
-    for b in tl.static_range(4):
-        xl = tl.load(xb + at + b).to(tl.float32)
-        xh = tl.load(xb + at + 32 + b).to(tl.float32)
-        s_lo += ((q >> (8 * b)) & 15).to(tl.float32) * xl
-        s_hi += ((q >> (8 * b + 4)) & 15).to(tl.float32) * xh
-        x_lo += xl
-        x_hi += xh
-    k = 2 * (lane // 8)  # low nibbles: sub-block 2j, high: 2j + 1
-    sc0, m0 = _scale_min_words(w1, w2, w3, k)
-    sc1, m1 = _scale_min_words(w1, w2, w3, k + 1)
-    return d * (sc0 * s_lo + sc1 * s_hi) - dmin * (m0 * x_lo + m1 * x_hi)
-
-
-@triton.jit
-def q6_k_dot_halves(base, xb, ok):
-    """q6_k_dot reading ql and qh as 16-bit words (a Q6_K block is 210 bytes: 2-byte aligned at best)."""
-    hp = base.to(tl.pointer_type(tl.int16))
-    d = tl.load(hp + 104, mask=ok, other=0).to(tl.float16, bitcast=True).to(tl.float32)
-    lane = tl.arange(0, 32)[None, :]  # ql half-word of a half: bytes m = 2 * lane + c, quarter kk = lane // 16
-    kk = lane // 16
-    g = (lane % 16) // 8  # which 16 of the quarter's 32 share a scale
-    acc = tl.zeros_like(d) * lane
-    for h in tl.static_range(2):
-        ql = tl.load(hp + 32 * h + lane, mask=ok, other=0).to(tl.int32) & 0xFFFF
-        qh = tl.load(hp + 64 + 16 * h + lane % 16, mask=ok, other=0).to(tl.int32) & 0xFFFF
-        for nib in tl.static_range(2):  # low nibbles: quarters 0, 1; high: 2, 3
-            k = kk + 2 * nib
-            sc = tl.load(base + 192 + 8 * h + 2 * k + g, mask=ok, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-            part = tl.zeros_like(d) * lane
-            for c in tl.static_range(2):
-                low = (ql >> (8 * c + 4 * nib)) & 15
-                q = (low | (((qh >> (8 * c + 2 * k)) & 3) << 4)) - 32
-                xv = tl.load(xb + 128 * h + 32 * k + 2 * (lane % 16) + c).to(tl.float32)
-                part += q.to(tl.float32) * xv
-            acc += sc * part
-    return d * acc
 
 
 def _steps(n: int = 72) -> list[int]:
@@ -112,9 +39,6 @@ def step_ms(engine, n: int = 72) -> float:
 
 VARIANTS = {  # qmatvec's tile settings and block dots
     "defaults": {},
-    "Q4_K word loads": dict(DOTS={**qmatvec.DOTS, Q.Q4_K: q4_k_dot_words}),
-    "Q6_K half-word loads": dict(DOTS={**qmatvec.DOTS, Q.Q6_K: q6_k_dot_halves}),
-    "both": dict(DOTS={**qmatvec.DOTS, Q.Q4_K: q4_k_dot_words, Q.Q6_K: q6_k_dot_halves}),
     "rows 16": dict(ROWS_PER_PROGRAM=16),
     "no grid minimum": dict(PROGRAMS_PER_SM=0),
 }
@@ -131,7 +55,6 @@ def check_dots(engine) -> None:
         cases.append(
             (
                 f"{name} ({qtype.name})",
-                [raw],
                 lambda raw=raw, qtype=qtype, shape=shape, x=x: qmatvec.matvec(raw, qtype, shape[0], x),
             )
         )
@@ -147,10 +70,9 @@ def check_dots(engine) -> None:
         n_ff = t.views[0].shape[1]
         assert qmatvec.fuses(qtypes), "gate and up stored alike, as swiglu_picked needs"
         cases.append(
-            (f"layer {il}'s picked experts", raws, lambda: qmatvec.swiglu_picked(x, weights, ids, raws, qtypes, n_ff))
+            (f"layer {il}'s picked experts", lambda: qmatvec.swiglu_picked(x, weights, ids, raws, qtypes, n_ff))
         )
-    for label, raws, run in cases:
-        assert all(r.data_ptr() % 4 == 0 for r in raws), "the word-load dots need 4-byte aligned blocks"
+    for label, run in cases:
         ref = run().float()
         for name, v in VARIANTS.items():
             saved = use(v)

@@ -33,34 +33,47 @@ if triton is not None:
 
     # Block dots: base [R, 1] points at the current block of R rows, xb at the block's slice of x, ok [R, 1]
     # masks rows. Each returns [R, W] partial products of that block (summed by the caller at the end). They
-    # load the packed bytes as contiguous runs, each scale once per row, and unpack in registers.
+    # load the packed bytes as contiguous runs (Q4_K as 32-bit words), each scale once per row, and unpack in
+    # registers. Reading Q6_K's 210-byte blocks as 16-bit words instead gained nothing (1.219 vs 1.202 ms).
 
     @triton.jit
-    def _q4_k_scale_min(base, s: tl.constexpr, ok):
-        """The 6-bit scale and min of sub-block s (of 8), each [R, 1]."""
-        if s < 4:
-            sc = tl.load(base + 4 + s, mask=ok, other=0).to(tl.int32) & 63
-            mn = tl.load(base + 8 + s, mask=ok, other=0).to(tl.int32) & 63
-        else:
-            hi = tl.load(base + 8 + s, mask=ok, other=0).to(tl.int32)
-            sc = (hi & 15) | ((tl.load(base + s, mask=ok, other=0).to(tl.int32) >> 6) << 4)
-            mn = (hi >> 4) | ((tl.load(base + 4 + s, mask=ok, other=0).to(tl.int32) >> 6) << 4)
+    def _q4_k_scale_min(w1, w2, w3, k):
+        """The 6-bit scale and min of sub-block k ([1, W] int32, of 8) from the block's scale words w1..w3."""
+        sh = 8 * (k % 4)
+        lo = k < 4
+        sc = tl.where(lo, (w1 >> sh) & 63, ((w3 >> sh) & 15) | (((w1 >> (sh + 6)) & 3) << 4))
+        mn = tl.where(lo, (w2 >> sh) & 63, ((w3 >> (sh + 4)) & 15) | (((w2 >> (sh + 6)) & 3) << 4))
         return sc.to(tl.float32), mn.to(tl.float32)
 
     @triton.jit
     def q4_k_dot(base, xb, ok):
-        d, dmin = _f16_at(base, 0, ok), _f16_at(base, 2, ok)
-        lane = tl.arange(0, 32)[None, :]
-        acc = tl.zeros_like(d) * lane  # [R, 32]
-        for j in tl.static_range(4):  # 32 bytes: low nibbles are sub-block 2j, high nibbles 2j+1
-            qs = tl.load(base + 16 + 32 * j + lane, mask=ok, other=0).to(tl.int32)
-            sc0, m0 = _q4_k_scale_min(base, 2 * j, ok)
-            sc1, m1 = _q4_k_scale_min(base, 2 * j + 1, ok)
-            x0 = tl.load(xb + 64 * j + lane).to(tl.float32)
-            x1 = tl.load(xb + 64 * j + 32 + lane).to(tl.float32)
-            acc += ((d * sc0) * (qs & 15).to(tl.float32) - dmin * m0) * x0
-            acc += ((d * sc1) * (qs >> 4).to(tl.float32) - dmin * m1) * x1
-        return acc
+        """A Q4_K block (144 bytes) read as 36 int32 words: 5 loads a row instead of ~156 byte loads (the
+        graphed step 1.13x faster on the H200: 1.066 vs 1.202 ms for 8 layers). Needs 4-byte aligned blocks."""
+        wp = base.to(tl.pointer_type(tl.int32))
+        w0 = tl.load(wp, mask=ok, other=0)
+        w1 = tl.load(wp + 1, mask=ok, other=0)
+        w2 = tl.load(wp + 2, mask=ok, other=0)
+        w3 = tl.load(wp + 3, mask=ok, other=0)
+        d = (w0 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        dmin = ((w0 >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        lane = tl.arange(0, 32)[None, :]  # qs word: chunk lane // 8 of 32 bytes, bytes 4 * (lane % 8) + b
+        q = tl.load(wp + 4 + lane, mask=ok, other=0)  # [R, 32]
+        at = 64 * (lane // 8) + 4 * (lane % 8)  # element of byte 0's low nibble; high nibbles sit 32 further
+        s_lo = tl.zeros_like(d) * lane
+        s_hi = tl.zeros_like(d) * lane
+        x_lo = tl.zeros([1, 32], dtype=tl.float32)
+        x_hi = tl.zeros([1, 32], dtype=tl.float32)
+        for b in tl.static_range(4):
+            xl = tl.load(xb + at + b).to(tl.float32)
+            xh = tl.load(xb + at + 32 + b).to(tl.float32)
+            s_lo += ((q >> (8 * b)) & 15).to(tl.float32) * xl
+            s_hi += ((q >> (8 * b + 4)) & 15).to(tl.float32) * xh
+            x_lo += xl
+            x_hi += xh
+        k = 2 * (lane // 8)  # low nibbles: sub-block 2j, high: 2j + 1
+        sc0, m0 = _q4_k_scale_min(w1, w2, w3, k)
+        sc1, m1 = _q4_k_scale_min(w1, w2, w3, k + 1)
+        return d * (sc0 * s_lo + sc1 * s_hi) - dmin * (m0 * x_lo + m1 * x_hi)
 
     @triton.jit
     def q6_k_dot(base, xb, ok):
@@ -169,7 +182,7 @@ def matvec(
     raw holds the stored bytes of one matrix [n_out, in] (mats None) or of a stack [E, n_out, in], in which
     case mats [P] (int64, on x's device) says which matrix each row of x multiplies. raw may be a CUDA tensor
     or page-locked host memory that the GPU can address."""
-    row_bytes, consts = _layout(qtype, x.shape[-1])
+    row_bytes, consts = _layout(qtype, x.shape[-1], raw)
     x = x.contiguous()
     y = torch.empty((x.shape[0], n_out), dtype=x.dtype, device=x.device)
     rows, warps = _tile(ROWS_PER_PROGRAM, WARPS, n_out, x.shape[0], _min_programs(x.device))
@@ -190,9 +203,13 @@ def matvec(
     return y
 
 
-def _layout(qtype: GGMLQuantizationType, n_in: int) -> tuple[int, dict]:
-    """The bytes a stored row of n_in elements takes, and the kernels' compile-time constants for it."""
+def _layout(qtype: GGMLQuantizationType, n_in: int, raw: torch.Tensor) -> tuple[int, dict]:
+    """The bytes a stored row of n_in elements takes, and the kernels' compile-time constants for it. Every
+    buffer the engine hands in is its own allocation or a map of 32-byte aligned tensor data, so the Q4_K
+    dot's word loads are aligned; a view that is not would read wrong words, hence the check."""
     block, type_size = GGML_QUANT_SIZES[qtype]
+    if qtype == Q.Q4_K and raw.data_ptr() % 4:
+        raise ValueError("Q4_K blocks must start 4-byte aligned for the quantized matvec (pass a copy)")
     return n_in // block * type_size, dict(N_BLOCKS=n_in // block, DOT=DOTS[qtype], ELEMS=block, SIZE=type_size)
 
 
@@ -234,7 +251,8 @@ def swiglu_picked(
     x = x.contiguous()
     picks = ids.reshape(-1).contiguous()
     h = torch.empty((T * K, n_ff), dtype=x.dtype, device=x.device)
-    gate_row, gate_consts = _layout(qtypes[0], D)  # up is stored alike (fuses)
+    gate_row, gate_consts = _layout(qtypes[0], D, raws[0])  # up is stored alike (fuses)
+    _layout(qtypes[1], D, raws[1])
     rows, warps = _tile(ROWS_PER_PROGRAM, WARPS, n_ff, T * K, _min_programs(x.device))
     with on_device(x):
         _gate_up_kernel[(triton.cdiv(n_ff, rows), T * K)](

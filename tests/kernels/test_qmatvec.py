@@ -29,6 +29,13 @@ def test_tiles_shrink_until_the_grid_spreads():
     assert rows == 1 or -(-n_out // rows) * n_vec >= H200
 
 
+def test_q4_k_blocks_off_word_alignment_are_refused():
+    """The Q4_K dot loads 32-bit words: a view starting off a 4-byte boundary would read wrong values."""
+    buf = torch.zeros(2 + 144 * 2, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="4-byte aligned"):
+        qmatvec._layout(Q.Q4_K, 256, buf[2:].view(2, 144))
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0])
