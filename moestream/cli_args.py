@@ -59,6 +59,16 @@ def engine_flags(p: argparse.ArgumentParser, lists: bool = False) -> None:
         help="micro-batches smaller than this do not upload whole layers (see --small-batch)",
     )
     p.add_argument(
+        "--prefetch",
+        type=num,
+        default=None,
+        metavar="N",
+        help="decode with --small-batch gather: fetch the N experts each gathered layer's router ranks first "
+        "for the layer before's input while that layer runs, beside compute (0: off; default: as many as the "
+        "router picks). A wrong guess costs link bytes, never a different answer"
+        + ("; bench: a comma list compares them" if lists else ""),
+    )
+    p.add_argument(
         "--small-batch",
         default="auto",
         choices=("auto", "upload", "gather", "cpu"),
@@ -194,6 +204,7 @@ def engine_options(a: argparse.Namespace) -> dict:
         stream_min_batch=a.stream_min_batch,
         streamed_layers=first(a.streamed_layers),
         small_batch=a.small_batch,
+        prefetch=first(a.prefetch) if a.prefetch is not None else None,
         devices=a.devices,
         tensor_split=a.tensor_split.replace("/", ",") if a.tensor_split else None,
         threads=None if a.threads in (None, -1) else a.threads,  # llama.cpp's -t -1: the default

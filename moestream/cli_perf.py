@@ -37,6 +37,7 @@ def cmd_bench(a: argparse.Namespace) -> None:
             streams=streams,
             slots=a.slots,
             picks=a.streamed_layers,
+            prefetches=a.prefetch or [None],
             repeats=a.repetitions,
             floors=not a.no_floors,
         )
@@ -73,9 +74,14 @@ def cmd_bench(a: argparse.Namespace) -> None:
             print(f"  {r.test} {r.stream}: each --devices link, GB/s over the run: {each} = {sum(r.links_gbs):.1f}")
         if r.test.startswith("tg"):
             n = int(r.test[2:])
+            guess = (
+                ""
+                if r.prefetch_hit is None
+                else f", prefetch {r.prefetch} a layer: {r.prefetch_hit:.1%} of picks guessed"
+            )
             print(
-                f"  {r.test} ncmoe {r.n_cpu_moe} {r.streamed_layers}: {r.seconds / n * 1e3:.2f} ms a token, "
-                f"{r.bytes_uploaded / n / 1e6:.1f} MB of experts fetched a token"
+                f"  {r.test} ncmoe {r.n_cpu_moe} {r.streamed_layers} {r.small_batch}: {r.seconds / n * 1e3:.2f} ms a "
+                f"token, {r.bytes_uploaded / n / 1e6:.1f} MB of experts fetched a token{guess}"
             )
 
 

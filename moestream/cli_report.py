@@ -81,6 +81,8 @@ def record(row, info: dict, link_bps: float) -> dict:
         "slots": row.slots,
         "streamed_layers": row.streamed_layers,
         "small_batch": row.small_batch,
+        "prefetch": row.prefetch,
+        "prefetch_hit": row.prefetch_hit,
         "bytes_uploaded": row.bytes_uploaded,
         "experts_used": row.experts_used,
         "link_gbs": row.link_gbs,

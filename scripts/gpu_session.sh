@@ -49,8 +49,9 @@ for step in "$@"; do
                --stream serial,overlap,layer-major --trace "$OUT/trace_pp2048.json" --plot "$OUT/timeline_pp2048.png" \
                2>&1 | quiet | tee -a "$OUT/profile.txt" ;;
     decode) $MS bench -m $MODEL -ncmoe 0 -r 3 -p 0 -n 128 --no-floors 2>&1 | quiet | tee -a "$OUT/bench.txt"
-            for sb in ${SMALL_BATCH:-gather cpu}; do
-              $MS bench -m $MODEL -ncmoe 26 -r 3 -p 0 -n 128 --streamed-layers spread --small-batch $sb \
+            for sb in ${SMALL_BATCH:-gather cpu}; do  # gather: without and with next-layer prefetch, one run
+              pf=(); [[ $sb == gather ]] && pf=(--prefetch "${PREFETCH:-0,8}")
+              $MS bench -m $MODEL -ncmoe 26 -r 3 -p 0 -n 128 --streamed-layers spread --small-batch $sb "${pf[@]}" \
                 --vram-budget 12GiB --no-floors 2>&1 | quiet | tee -a "$OUT/bench.txt"
             done ;;
     small) # an 8-layer slice of the benchmark preset (~20 s to write): per-layer decode A/B, kernel table, CPU matvec

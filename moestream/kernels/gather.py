@@ -31,6 +31,42 @@ if triton is not None:
         row = tl.load(ids + r).to(tl.int64)
         tl.store(dst + r.to(tl.int64) * row_words + w, tl.load(src + row * row_words + w, mask=ok), mask=ok)
 
+    @triton.jit
+    def _misses_kernel(
+        src,
+        ids,
+        guess,
+        dst,
+        mats,
+        counts,
+        row_words,
+        n_guess,
+        GUESS: tl.constexpr,
+        WORDS: tl.constexpr,
+        FIRST: tl.constexpr,
+    ):
+        """Pick r's row of dst: guess's position j if ids[r] is guess[j] (prefetched there), else n_guess + r,
+        read here from host memory. The first stack's launch writes that row index to mats and counts
+        (picks, misses, bytes read) on the device; each launch adds its own stack's bytes."""
+        r = tl.program_id(0)
+        c = tl.program_id(1)
+        row = tl.load(ids + r)
+        g = tl.arange(0, GUESS)
+        hit = (tl.load(guess + g, mask=g < n_guess, other=-1) == row).to(tl.int32)
+        found = tl.max(hit, axis=0)
+        if c == 0:
+            if FIRST:
+                tl.store(mats + r, tl.where(found > 0, tl.argmax(hit, axis=0), n_guess + r).to(tl.int64))
+                tl.atomic_add(counts, 1)
+                tl.atomic_add(counts + 1, (1 - found).to(tl.int64))
+            if found == 0:
+                tl.atomic_add(counts + 2, row_words.to(tl.int64) * 4)
+        if found == 0:
+            w = c * WORDS + tl.arange(0, WORDS)
+            ok = w < row_words
+            at = row.to(tl.int64) * row_words + w
+            tl.store(dst + (n_guess + r).to(tl.int64) * row_words + w, tl.load(src + at, mask=ok), mask=ok)
+
 
 def available() -> bool:
     """Whether the kernel exists here (Triton present); whether it can read this host memory shows on first use."""
@@ -49,25 +85,62 @@ class RowGather:
         """Whether the kernel may read host memory (Triton present, no failed attempt by this picker)."""
         return available() and not self.kernel_failed
 
-    def __call__(self, src: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """src[rows] on rows' device. src [N, ...] holds stored bytes (uint8, any device); rows [n] int64."""
+    def __call__(self, src: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """src[rows] on rows' device, into out [n, ...] (contiguous) when given. src [N, ...] holds stored
+        bytes (uint8, any device); rows [n] int64."""
+        out = torch.empty((rows.numel(), *src.shape[1:]), dtype=src.dtype, device=rows.device) if out is None else out
         if src.device == rows.device:
-            return src[rows]
-        flat = src.reshape(src.shape[0], -1) if src.is_contiguous() else None  # a view, never a copy
-        usable = self.kernel_ok and rows.is_cuda and not src.is_cuda and src.dtype == torch.uint8 and flat is not None
-        if usable and flat.shape[1] % 4 == 0 and flat.data_ptr() % 4 == 0:
-            row_bytes = flat.shape[1]
-            out = torch.empty((rows.numel(), row_bytes), dtype=torch.uint8, device=rows.device)
-            words = row_bytes // 4
+            return torch.index_select(src, 0, rows, out=out)
+        if self.reads(src, rows):
+            words = out[0].numel() // 4
             try:
                 with torch.cuda.device(rows.device):
                     _gather_kernel[(rows.numel(), triton.cdiv(words, WORDS_PER_PROGRAM))](
-                        flat.view(torch.int32), rows, out.view(torch.int32), words, WORDS=WORDS_PER_PROGRAM
+                        _words(src), rows, out.view(torch.int32), words, WORDS=WORDS_PER_PROGRAM
                     )
-                return out.view(rows.numel(), *src.shape[1:])
+                return out
             except Exception as e:  # say it once, then pick through the host
                 self.kernel_failed = True
                 warnings.warn(
                     f"reading host memory from the GPU failed ({e}); experts are picked on the host", stacklevel=2
                 )
-        return src[rows.cpu()].to(rows.device)  # through the host: a sync on the ids
+        return out.copy_(src[rows.cpu()])  # through the host: a sync on the ids
+
+    def reads(self, src: torch.Tensor, rows: torch.Tensor) -> bool:
+        """Whether the kernel picks rows of host tensor src onto rows' GPU (whole 32-bit words, in place)."""
+        ok = self.kernel_ok and rows.is_cuda and not src.is_cuda and src.dtype == torch.uint8 and src.is_contiguous()
+        return ok and (src[0].numel() % 4 == 0 and src.data_ptr() % 4 == 0)
+
+
+def fill_misses(
+    src: torch.Tensor,
+    ids: torch.Tensor,
+    guess: torch.Tensor,
+    dst: torch.Tensor,
+    mats: torch.Tensor,
+    counts: torch.Tensor,
+    first: bool,
+) -> None:
+    """The picks ids [n] of host stack src that guess [G] missed, read into dst rows G.. (dst [G + n, ...] holds
+    the guessed experts in rows 0..G-1); mats [n] gets each pick's row of dst and counts [3] (picks, misses,
+    bytes) grows, both from the first stack's launch (first). No host sync: ids stay on the device."""
+    words = src[0].numel() // 4
+    G = guess.numel()
+    with torch.cuda.device(ids.device):
+        _misses_kernel[(ids.numel(), triton.cdiv(words, WORDS_PER_PROGRAM))](
+            _words(src),
+            ids,
+            guess,
+            dst.view(torch.int32),
+            mats,
+            counts,
+            words,
+            G,
+            GUESS=triton.next_power_of_2(G),
+            WORDS=WORDS_PER_PROGRAM,
+            FIRST=first,
+        )
+
+
+def _words(src: torch.Tensor) -> torch.Tensor:
+    return src.reshape(src.shape[0], -1).view(torch.int32)  # a view of the same bytes, never a copy

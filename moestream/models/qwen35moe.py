@@ -143,6 +143,8 @@ class Model(qwen3moe.Model):
     Norm weights are used as plain multipliers: the file already stores 1 + w.
     """
 
+    MOE_NORM = "post_attention_norm"
+
     def __init__(self, spec: ModelSpec, weights, embedding, experts):
         super().__init__(spec, weights, embedding, experts)
         # prefill's delta rule, chosen once here from spec.extra["deltanet"] (the options' $MOESTREAM_DELTANET,
@@ -176,7 +178,7 @@ class Model(qwen3moe.Model):
         eps = self.spec.rms_eps
         mix = self.delta_net if self.is_recurrent[il] else self.attention
         h = x + mix(il, rms_norm(x, self.w(il, "attn_norm"), eps), batch, cache)
-        return h + self.moe(il, rms_norm(h, self.w(il, "post_attention_norm"), eps))
+        return h + self.moe(il, rms_norm(h, self.w(il, self.MOE_NORM), eps))
 
     def attention(self, il: int, x: torch.Tensor, batch: Batch, cache: Cache) -> torch.Tensor:
         """Full attention whose output is gated per channel by sigmoid(gate), the gate projected beside q."""

@@ -133,10 +133,18 @@ class Model:
             del w
         return out
 
+    MOE_NORM = "ffn_norm"  # the norm in front of a layer's MoE block
+
     def layer(self, il: int, x: torch.Tensor, batch: Batch, cache: Cache) -> torch.Tensor:
         eps = self.spec.rms_eps
         h = x + self.attention(il, rms_norm(x, self.w(il, "attn_norm"), eps), batch, cache)
-        return h + self.moe(il, rms_norm(h, self.w(il, "ffn_norm"), eps))
+        return h + self.moe(il, rms_norm(h, self.w(il, self.MOE_NORM), eps))
+
+    def guess_experts(self, il: int, x: torch.Tensor, n: int) -> torch.Tensor:
+        """The n experts layer il's router would rank first for x, the residual stream before an earlier layer:
+        a guess of what il will pick, to fetch its experts ahead (ids [T, n])."""
+        logits = F.linear(rms_norm(x, self.w(il, self.MOE_NORM), self.spec.rms_eps), self.w(il, "ffn_gate_inp"))
+        return torch.topk(logits, n, dim=-1).indices
 
     def attention(self, il: int, x: torch.Tensor, batch: Batch, cache: Cache) -> torch.Tensor:
         s, T = self.spec, x.shape[0]

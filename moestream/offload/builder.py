@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
+from moestream.errors import MoestreamError
 from moestream.formats.gguf import GGUFFile, torch_bytes
 from moestream.kernels.gather import RowGather
 from moestream.offload.device import CpuDevice, CudaDevice, cap_vram, make_device
@@ -16,6 +17,7 @@ from moestream.offload.experts import ExpertTensors, LayerExperts
 from moestream.offload.host import PinnedRanges
 from moestream.offload.options import EngineOptions
 from moestream.offload.placement import Footprint, Placement, kv_cache_bytes, parse_size, plan, workspace_bytes
+from moestream.offload.prefetch import Prefetcher
 from moestream.offload.shards import ShardedStreamer, expert_ranges, shard_layer
 from moestream.offload.streamer import HostLayer, Streamer
 
@@ -81,10 +83,18 @@ def build_offload(
         il: ExpertTensors(tuple(f.tensor(n) for n in arch.expert_tensor_names(il))) for il in range(spec.n_layer)
     }
     n_ctx = opts.context(spec.n_ctx_train)
+    n_guess = spec.n_expert_used if opts.prefetch is None else opts.prefetch
+    if n_guess > spec.n_expert:
+        raise MoestreamError(f"--prefetch {n_guess}: the model has {spec.n_expert} experts a layer; give at most that")
+    per_expert = max(t.nbytes // t.n_expert for t in tensors.values())
+    may_gather = opts.small_batch == "gather" or (
+        opts.small_batch == "auto" and device.type == "cuda" and pick.kernel_ok
+    )
     fp = Footprint(
         dense=dense_bytes,
         kv_cache=kv_cache_bytes(spec, n_ctx, dtype),
         workspace=workspace_bytes(spec, opts.ubatch, n_ctx, dtype),
+        prefetch=Prefetcher.nbytes(per_expert, n_guess, spec.n_expert_used) if n_guess and may_gather else 0,
     )
     n_cpu_moe = spec.n_layer if opts.n_cpu_moe == "all" else opts.n_cpu_moe
     note = ""
@@ -136,8 +146,11 @@ def build_offload(
                 "page-locking must succeed); small batches upload their experts instead",
                 stacklevel=2,
             )
+        prefetcher = None
+        if streamed and small_batch == "gather" and readable and n_guess:
+            prefetcher = Prefetcher(tensors, placement.streamed, n_guess, spec.n_expert_used, device, pick)
         experts = LayerExperts(
-            tensors, resident, streamer, dtype, opts.stream_min_batch, dev, small_batch, readable, pick
+            tensors, resident, streamer, dtype, opts.stream_min_batch, dev, small_batch, readable, pick, prefetcher
         )
     except BaseException:
         if pinned is not None:

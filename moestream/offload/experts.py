@@ -9,6 +9,7 @@ resident and streamed layers give the same bits for the same micro-batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +23,9 @@ from moestream.offload.device import Device
 from moestream.offload.shards import ShardedLayer, ShardedStreamer
 from moestream.offload.streamer import Streamer
 from moestream.profiling.timeline import NULL, Timeline
+
+if TYPE_CHECKING:
+    from moestream.offload.prefetch import Prefetcher
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,7 @@ class LayerExperts:
         small_batch: str = "upload",
         host_readable: bool = False,
         pick: RowGather | None = None,
+        prefetcher: Prefetcher | None = None,
     ):
         self.tensors = tensors
         # below min_batch: "upload" just the chosen experts, "gather" them by a kernel reading host memory
@@ -135,6 +140,24 @@ class LayerExperts:
         # set during static passes (decode steps that may be captured in a graph): every streamed layer reads
         # its experts the same way whatever the staging slots happen to hold
         self.static = False
+        self.prefetcher = prefetcher  # gathered layers' experts guessed one layer ahead (--prefetch)
+
+    def guessed(self, n_tokens: int) -> set[int]:
+        """The layers whose experts a static pass of n_tokens gathers and should guess one layer ahead (by
+        prefetch(), called at the start of the layer before): one token, gathered, prefetch on."""
+        p = self.prefetcher
+        if p is None or not self.static or n_tokens != 1 or not self._gathers(self.dev.device):
+            return set()
+        return set(p.ring)
+
+    @property
+    def guess_width(self) -> int:
+        """How many experts a guess names (--prefetch)."""
+        return self.prefetcher.n_guess if self.prefetcher is not None else 0
+
+    def prefetch(self, il: int, guess: torch.Tensor) -> None:
+        """Start gathering layer il's experts guess [1, G] names, beside compute (no host sync)."""
+        self.count_moved(self.prefetcher.prefetch(il, guess))
 
     def start_layer(self, il: int, ubatch: int) -> None:
         """The engine begins layer il of a micro-batch: attention and router run from here to ffn()."""
@@ -214,10 +237,12 @@ class LayerExperts:
         if whole is not None:
             with self.timeline.span("compute", "experts", **label):
                 return self._on_device(il, t, whole, x, weights, ids)
-        readable = self.host_readable and (x.device.type == "cpu" or self.pick.kernel_ok)
-        if self.small_batch == "gather" and readable and ids.numel() < t.n_expert:
-            self.count_moved(ids.numel() * (t.nbytes // t.n_expert))  # read over the link
+        if self._gathers(x.device) and ids.numel() < t.n_expert:
             with self.timeline.span("compute", "experts-gather", **label):  # no sync: ids stay on the device
+                if self.prefetcher is not None and il in self.prefetcher.pending:  # misses counted on the device
+                    rows, at = self.prefetcher.take(il, ids)
+                    return self._on_device(il, t, rows, x, weights, at)
+                self.count_moved(ids.numel() * (t.nbytes // t.n_expert))  # read over the link
                 return self._on_device(il, t, t.host_bytes(), x, weights, ids)
         used = torch.unique(ids.cpu())  # sync: the host must know which experts to move or read
         local = torch.full((t.n_expert,), -1, dtype=torch.long)
@@ -238,6 +263,16 @@ class LayerExperts:
             out = moe_swiglu(x.float().cpu(), weights.float().cpu(), local[ids.cpu()], used.numel(), *stacks)
             return out.to(device=x.device, dtype=x.dtype)
 
+    def _gathers(self, device: torch.device) -> bool:
+        """Whether small batches gather their experts with a kernel reading host memory (or index it, on the
+        CPU device)."""
+        readable = self.host_readable and (device.type == "cpu" or self.pick.kernel_ok)
+        return self.small_batch == "gather" and readable
+
+    def prefetch_stats(self) -> tuple[int, int, int] | None:
+        """(picks, misses, bytes read for misses) of prefetched layers so far; None without prefetch."""
+        return self.prefetcher.stats() if self.prefetcher is not None else None
+
     def begin(self, visits: list[int]) -> None:
         """The streamed layers the coming pass will visit, in order (uploads start now)."""
         if self.streamer is not None:
@@ -245,5 +280,7 @@ class LayerExperts:
 
     def end_pass(self) -> None:
         """Compute has queued its last use of the current staging slot."""
+        if self.prefetcher is not None:
+            self.prefetcher.pending.clear()  # a pass that stopped half-way leaves guesses nobody takes
         if self.streamer is not None:
             self.streamer.finish()

@@ -37,6 +37,8 @@ class EngineOptions:
     stream_min_batch: int = 32  # smaller micro-batches do not upload whole layers: see small_batch
     small_batch: str = "auto"  # below stream_min_batch: "upload" the chosen experts, "gather" them, or "cpu";
     # auto: gather on a GPU that can read the page-locked experts, else upload
+    prefetch: int | None = None  # experts of a gathered layer guessed one layer ahead in decode (0: off; None:
+    # as many as the router picks)
     host_memory: str = "pinned"  # streamed experts: "pinned" (page-locked in place) or "pageable" (llama.cpp's mmap)
     threads: int | None = None  # CPU threads for CPU work (torch's intra-op pool); None: torch's default
     deltanet: str | None = None  # delta-net prefill rule: torch | fla | auto (default: $MOESTREAM_DELTANET or auto)
@@ -78,6 +80,8 @@ class EngineOptions:
             raise MoestreamError(f"--streamed-layers {self.streamed_layers}: expected first or spread")
         if self.small_batch not in ("auto", "upload", "gather", "cpu"):
             raise MoestreamError(f"--small-batch {self.small_batch}: expected auto, upload, gather or cpu")
+        if self.prefetch is not None and self.prefetch < 0:
+            raise MoestreamError(f"--prefetch {self.prefetch}: must be 0 (off) or more experts a layer")
         if self.host_memory not in ("pinned", "pageable"):
             raise MoestreamError(f"--host-memory {self.host_memory}: expected pinned or pageable")
         resolve("deltanet", deltanet_mode(os.environ.get(DELTANET_ENV) if self.deltanet is None else self.deltanet))

@@ -25,6 +25,7 @@ class Footprint:
     dense: int  # attention, norms, routers, output head, shared experts (dequantized)
     kv_cache: int
     workspace: int  # one layer's experts dequantized + activations of one micro-batch
+    prefetch: int = 0  # decode's ring of guessed experts (offload/prefetch.py), when any layer streams
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,8 @@ class Placement:
         return sum(self.expert_bytes[i] for i in self.streamed)
 
     def gpu_bytes(self, fp: Footprint) -> int:
-        return fp.dense + fp.kv_cache + fp.workspace + self.resident_bytes + self.staging_bytes
+        prefetch = fp.prefetch if self.streamed else 0
+        return fp.dense + fp.kv_cache + fp.workspace + prefetch + self.resident_bytes + self.staging_bytes
 
 
 def parse_size(text: str | int | None) -> int | None:

@@ -42,6 +42,8 @@ class BenchRow:
     samples_s: list[float] = field(default_factory=list)  # each timed run
     small_batch: str = ""  # what micro-batches under --stream-min-batch did (auto resolved)
     links_gbs: list[float] = field(default_factory=list)  # --devices: each device's link, bytes into its ring / run
+    prefetch: int = 0  # experts guessed a gathered layer ahead in decode (0: none)
+    prefetch_hit: float | None = None  # the fraction of those layers' picks that were guessed (None: no prefetch)
 
 
 def random_prompt(n: int, n_vocab: int, seed: int = 0) -> list[int]:
@@ -59,6 +61,7 @@ class _Measured:
     peak_gib: float  # GPU memory high-water mark (0 on the CPU)
     copy_gbs: float | None  # the link while copying (None: no uploads)
     links: list[float]  # bytes a run into each device's ring (--devices)
+    hit: float | None  # the fraction of prefetched layers' picks that were guessed (None: no prefetch)
 
 
 def _measure(engine, test: str, tokens: list[int], repeats: int) -> _Measured:
@@ -90,18 +93,32 @@ def _measure(engine, test: str, tokens: list[int], repeats: int) -> _Measured:
         copy_gbs = summarize(copies.resolve()).copy_gbps
     experts.track_usage, experts.usage = True, []
     before = streamer.bytes_uploaded if streamer else 0
+    guessed = experts.prefetch_stats()  # (picks, misses, bytes of misses), counted on the device
     links_before = list(getattr(streamer, "link_bytes", []))  # one entry a device with --devices
     cuda = engine.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(engine.device)
     times = timed(fn, engine.device, repeats=repeats, warmup=0)
     peak = torch.cuda.max_memory_allocated(engine.device) / 2**30 if cuda else 0.0
-    moved = ((streamer.bytes_uploaded if streamer else 0) - before) // repeats
+    moved = (streamer.bytes_uploaded if streamer else 0) - before
+    hit = None
+    if guessed is not None:
+        picks, misses, miss_bytes = (b - a for a, b in zip(guessed, experts.prefetch_stats(), strict=True))
+        moved += miss_bytes
+        hit = 1 - misses / picks if picks else None
+    moved //= repeats
     used = float(torch.stack(experts.usage).mean()) if experts.usage else 0.0
     experts.track_usage, experts.usage = False, []
     links = [(b - a) / repeats for a, b in zip(links_before, getattr(streamer, "link_bytes", []), strict=True)]
     return _Measured(
-        times=times, logits=last.get("logits"), moved=moved, used=used, peak_gib=peak, copy_gbs=copy_gbs, links=links
+        times=times,
+        logits=last.get("logits"),
+        moved=moved,
+        used=used,
+        peak_gib=peak,
+        copy_gbs=copy_gbs,
+        links=links,
+        hit=hit,
     )
 
 
@@ -116,6 +133,7 @@ class Sweep:
     streams: list[str]
     slots: list[int]
     picks: list[str]  # --streamed-layers first | spread
+    prefetches: list[int | None] = field(default_factory=lambda: [None])  # --prefetch (None: the router's count)
     repeats: int = 3
     floors: bool = True  # also time each test with every expert resident (the compute floor)
 
@@ -132,8 +150,11 @@ def run_bench(engine, sweep: Sweep, progress=None) -> tuple[list[BenchRow], floa
     compute_floor: dict[tuple[str, int], float] = {}
     w = sweep
     tests = [(f"pp{p}", p) for p in w.prompts if p > 0] + [(f"tg{n}", n) for n in w.gens if n > 0]
-    for ub, ncmoe, pick, stream, k in itertools.product(w.ubatches, w.n_cpu_moes, w.picks, w.streams, w.slots):
-        engine.reconfigure(ubatch=ub, n_cpu_moe=ncmoe, streamed_layers=pick, stream=stream, slots=k, progress=False)
+    combos = itertools.product(w.ubatches, w.n_cpu_moes, w.picks, w.streams, w.slots, w.prefetches)
+    for ub, ncmoe, pick, stream, k, pf in combos:
+        engine.reconfigure(
+            ubatch=ub, n_cpu_moe=ncmoe, streamed_layers=pick, stream=stream, slots=k, prefetch=pf, progress=False
+        )
         for test, n in tests:
             tokens = random_prompt(n, engine.spec.n_vocab)
             m = _measure(engine, test, tokens, w.repeats)
@@ -161,6 +182,8 @@ def run_bench(engine, sweep: Sweep, progress=None) -> tuple[list[BenchRow], floa
                 samples_s=list(m.times),
                 small_batch=engine.model.experts.small_batch,
                 links_gbs=[b / secs / 1e9 for b in m.links],
+                prefetch=engine.model.experts.guess_width,
+                prefetch_hit=m.hit,
             )
             if m.logits is not None:
                 tok = int(torch.argmax(m.logits[-1]))

@@ -219,12 +219,20 @@ class Engine:
         return self._static_pass(caches, len(tokens), lambda: self._layers(x, batch, caches))
 
     def _layers(self, x: torch.Tensor, batch: Batch, cache) -> torch.Tensor:
-        """Every layer, then the head: the body of a static pass (and of a captured step)."""
+        """Every layer, then the head: the body of a static pass (and of a captured step). Gathered layers'
+        experts are guessed from the input of the layer before (of layer 0: the embedding) and fetched
+        beside it."""
+        model, experts = self.model, self.model.experts
+        ahead, width = experts.guessed(x.shape[0]), experts.guess_width
+        if 0 in ahead:
+            experts.prefetch(0, model.guess_experts(0, x, width))
         for il in range(self.spec.n_layer):
-            self.model.experts.start_layer(il, 0)
-            x = self.model.layer(il, x, batch, cache)
+            experts.start_layer(il, 0)
+            if il + 1 in ahead:
+                experts.prefetch(il + 1, model.guess_experts(il + 1, x, width))
+            x = model.layer(il, x, batch, cache)
         with self.timeline.span("compute", "head"):
-            return self.model.head(x).float()
+            return model.head(x).float()
 
     def _static_pass(self, caches: list[SequenceCache], n_tokens: int, run: Callable[[], torch.Tensor]):
         """run() a static pass of n_tokens that appends one token to each cache: whole-layer uploads planned

@@ -45,21 +45,34 @@ def test_replayed_steps_give_the_eager_steps_bits(model_file, preset, n_cpu_moe,
     assert float((graphed - ref).abs().max() / ref.abs().max()) < tolerance
 
 
-def test_streamed_decode_reads_the_chosen_experts_and_gives_resident_tokens(model_file):
+@pytest.mark.parametrize("prefetch", [0, None, 1])
+def test_streamed_decode_reads_the_chosen_experts_and_gives_resident_tokens(model_file, prefetch):
+    """Gathered in replayed graphs, without a guess, with the router's count guessed a layer ahead on a side
+    stream, and with a one-expert guess (mostly misses, gathered after routing): resident tokens each time."""
     path = model_file("tiny", "Q4_K_M")
     params = SamplingParams(max_tokens=24, stop_at_eos=False)
     ref = moestream.load(path, device="cuda", progress=False)
-    got = moestream.load(path, device="cuda", progress=False, n_cpu_moe="all", small_batch="gather")
+    got = moestream.load(path, device="cuda", progress=False, n_cpu_moe="all", small_batch="gather", prefetch=prefetch)
     try:
         assert ref.generate(TOKENS[:16], params).tokens == got.generate(TOKENS[:16], params).tokens
         experts, cache = got.model.experts, got.new_cache()
         got.forward(TOKENS[:40], cache)  # a whole-layer upload per layer: 40 tokens >= stream_min_batch
-        before = experts.bytes_moved
+        before, counted = experts.bytes_moved, experts.prefetch_stats()
         for t in TOKENS[40:60]:
             got.forward([t], cache)
         assert cache in got._graphs
-        per_token = sum(t.nbytes // t.n_expert for t in experts.tensors.values()) * got.spec.n_expert_used
-        assert experts.bytes_moved - before == 20 * per_token  # replays counted: K experts a layer, no more
+        K, width = got.spec.n_expert_used, experts.guess_width
+        per_expert = sum(t.nbytes // t.n_expert for t in experts.tensors.values())
+        # replays counted: K experts a layer without prefetch, the guesses with it (misses on the device)
+        assert experts.bytes_moved - before == 20 * per_expert * (width or K)
+        if prefetch == 0:
+            assert counted is None
+            return
+        picks, misses, miss_bytes = (b - a for a, b in zip(counted, experts.prefetch_stats(), strict=True))
+        assert picks == 20 * got.spec.n_layer * K and 0 <= misses <= picks
+        assert miss_bytes == misses * per_expert // got.spec.n_layer  # tiny: every layer's experts alike
+        if prefetch == 1:
+            assert misses >= 20 * got.spec.n_layer * (K - 1)
     finally:
         ref.close()
         got.close()

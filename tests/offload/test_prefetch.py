@@ -1,0 +1,107 @@
+"""Next-layer prefetch of gathered layers' experts: whatever the guess, the same tokens and bits as without
+it, every pick counted, and the guessed bytes budgeted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moestream
+from moestream.errors import MoestreamError
+from moestream.offload.options import EngineOptions
+from moestream.offload.placement import Footprint, Placement
+from moestream.offload.prefetch import Prefetcher
+from moestream.runtime.sampling import SamplingParams
+
+PROMPT = [(11 * t) % 1000 + 5 for t in range(12)]
+GATHERED = dict(device="cpu", n_cpu_moe="all", small_batch="gather", progress=False)
+
+
+def decode(engine, n: int = 10) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens and the last step's logits of one-token static steps after the prompt."""
+    cache = engine.new_cache()
+    logits = engine.forward(PROMPT, cache)
+    tokens = []
+    for _ in range(n):
+        tokens.append(int(logits[-1].argmax()))
+        logits = engine.forward([tokens[-1]], cache)
+    return tokens, logits
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-odd"])
+def test_every_guess_width_gives_the_unguessed_bits(model_file, preset):
+    """Width 1 misses most picks, the expert count misses none: the rows read are the same experts either way."""
+    path = model_file(preset, "Q4_K_M")
+    off = moestream.load(path, prefetch=0, **GATHERED)
+    want = decode(off)
+    spec = off.spec
+    off.close()
+    for width in (1, spec.n_expert_used, spec.n_expert):
+        e = moestream.load(path, prefetch=width, **GATHERED)
+        try:
+            assert e.model.experts.guess_width == width
+            tokens, logits = decode(e)
+            picks, misses, miss_bytes = e.model.experts.prefetch_stats()
+        finally:
+            e.close()
+        assert tokens == want[0]
+        assert torch.equal(logits, want[1])
+        assert picks == 10 * spec.n_layer * spec.n_expert_used  # every step, every layer, every pick
+        if width == spec.n_expert:
+            assert misses == 0 and miss_bytes == 0
+        if width == 1:
+            assert misses >= 10 * spec.n_layer * (spec.n_expert_used - 1)
+        assert 0 <= misses <= picks
+
+
+def test_generation_matches_resident_with_prefetch_on_by_default(model_file):
+    path = model_file("tiny", "Q4_K_M")
+    params = SamplingParams(max_tokens=12, stop_at_eos=False)
+    ref = moestream.load(path, device="cpu", progress=False)
+    want = ref.generate(PROMPT, params).tokens
+    ref.close()
+    e = moestream.load(path, **GATHERED)
+    try:
+        assert e.model.experts.guess_width == e.spec.n_expert_used
+        assert e.generate(PROMPT, params).tokens == want
+        before = e.model.experts.bytes_moved
+        decode(e, 4)
+        per_expert = sum(t.nbytes // t.n_expert for t in e.model.experts.tensors.values())
+        prompt_bytes = e.model.experts.bytes_moved - before - 4 * per_expert * e.spec.n_expert_used
+        assert prompt_bytes >= 0  # each step's guesses counted: K experts a layer
+    finally:
+        e.close()
+
+
+def test_only_gathered_one_token_static_passes_guess(model_file):
+    path = model_file("tiny", "Q4_K_M")
+    e = moestream.load(path, device="cpu", n_cpu_moe="all", small_batch="upload", progress=False)
+    assert e.model.experts.prefetcher is None and e.model.experts.guessed(1) == set()
+    e.close()
+    e = moestream.load(path, **GATHERED)
+    try:
+        experts = e.model.experts
+        assert experts.guessed(1) == set()  # outside a static pass
+        experts.static = True
+        assert experts.guessed(1) == set(range(e.spec.n_layer)) and experts.guessed(2) == set()
+        experts.static = False
+    finally:
+        e.close()
+
+
+def test_the_guess_ring_is_budgeted_only_when_layers_stream():
+    fp = Footprint(dense=100, kv_cache=10, workspace=1, prefetch=Prefetcher.nbytes(1000, 8, 8))
+    assert fp.prefetch == 2 * 16 * 1000
+    resident = Placement(0, [8000, 8000], n_slots=1)
+    streamed = Placement(1, [8000, 8000], n_slots=1)
+    assert resident.gpu_bytes(fp) == 111 + 16000
+    assert streamed.gpu_bytes(fp) == 111 + 8000 + 8000 + fp.prefetch
+
+
+def test_bad_widths_are_refused(model_file):
+    with pytest.raises(MoestreamError, match="--prefetch -1"):
+        EngineOptions(prefetch=-1)
+    with pytest.raises(MoestreamError, match="--prefetch 9: the model has 8 experts"):
+        moestream.load(
+            model_file("tiny", "Q4_K_M"), prefetch=9, **{k: v for k, v in GATHERED.items() if k != "n_cpu_moe"}
+        )
