@@ -96,7 +96,7 @@ class RowGather:
             try:
                 with torch.cuda.device(rows.device):
                     _gather_kernel[(rows.numel(), triton.cdiv(words, WORDS_PER_PROGRAM))](
-                        _words(src), rows, out.view(torch.int32), words, WORDS=WORDS_PER_PROGRAM
+                        _words(src), rows, _words(out), words, WORDS=WORDS_PER_PROGRAM
                     )
                 return out
             except Exception as e:  # say it once, then pick through the host
@@ -131,7 +131,7 @@ def fill_misses(
             _words(src),
             ids,
             guess,
-            dst.view(torch.int32),
+            _words(dst),
             mats,
             counts,
             words,
@@ -142,5 +142,7 @@ def fill_misses(
         )
 
 
-def _words(src: torch.Tensor) -> torch.Tensor:
-    return src.reshape(src.shape[0], -1).view(torch.int32)  # a view of the same bytes, never a copy
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous byte stack [N, ...] as [N, bytes / 4] int32: the same memory (a stored row, say Q6_K's 630
+    bytes, need not be a multiple of 4; an expert of them is)."""
+    return t.reshape(t.shape[0], -1).view(torch.int32)

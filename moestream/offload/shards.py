@@ -63,6 +63,10 @@ class ShardedStreamer:
         for s in self.streamers:
             s.finish()
 
+    def forget(self) -> None:
+        for s in self.streamers:
+            s.forget()
+
     def held(self, il: int) -> ShardedLayer | None:
         """Layer il if every device's ring already holds its range of it (as Streamer.held), else None."""
         parts = [s.held(il) for s in self.streamers]

@@ -152,6 +152,14 @@ class Streamer:
                 self.current.layer = None
             self.current = None
 
+    def forget(self) -> None:
+        """Drop every slot's events and contents: a failed CUDA graph capture recorded events that never ran
+        (waiting on one is an error), so the slots are taken as empty after the device has drained."""
+        self.dev.synchronize()
+        for s in self.slots:
+            s.layer = s.ready = s.free = None
+        self.current = None
+
     def release(self, il: int) -> None:
         """Compute has moved on to layer il: a slot holding another layer is read no more, so free it now
         rather than at the next streamed layer, and queue the next upload behind it (with resident layers

@@ -28,7 +28,7 @@ def decode(engine, n: int = 10) -> tuple[list[int], torch.Tensor]:
     return tokens, logits
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-odd"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-odd", "tiny-qwen35moe"])
 def test_every_guess_width_gives_the_unguessed_bits(model_file, preset):
     """Width 1 misses most picks, the expert count misses none: the rows read are the same experts either way."""
     path = model_file(preset, "Q4_K_M")

@@ -126,3 +126,23 @@ def test_release_frees_the_slot_when_compute_moves_on():
         assert all(torch.equal(v, p) for v, p in zip(s.acquire(il), layers[il].parts, strict=True))
     s.finish()
     dev.close()
+
+
+def test_forgetting_the_slots_uploads_every_layer_again():
+    """After a failed graph capture the slots' events are unusable: forget() empties the ring, and the next
+    pass uploads what it needs (the right bytes) instead of trusting a slot."""
+    layers = host_layers(3)
+    dev = CpuDevice()
+    s = Streamer(dev, layers, Schedule.OVERLAP, 2)
+    s.begin([0, 1])
+    s.acquire(0)
+    s.acquire(1)
+    uploads = s.uploads
+    s.forget()
+    assert all(slot.layer is None and slot.ready is None and slot.free is None for slot in s.slots)
+    s.begin([1])
+    views = s.acquire(1)
+    assert s.uploads == uploads + 1  # layer 1 was in a slot; forgotten, it comes again
+    assert all(torch.equal(v, e) for v, e in zip(views, layers[1].parts, strict=True))
+    s.finish()
+    dev.close()
