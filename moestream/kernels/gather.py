@@ -32,6 +32,18 @@ if triton is not None:
         tl.store(dst + r.to(tl.int64) * row_words + w, tl.load(src + row * row_words + w, mask=ok), mask=ok)
 
     @triton.jit
+    def _gather_few_kernel(src, ids, dst, row_words, n_items, chunks, WORDS: tl.constexpr, PROGRAMS: tl.constexpr):
+        """_gather_kernel's copies from PROGRAMS programs, each looping over (pick, chunk) items: a gather
+        beside compute must leave it most multiprocessors (a program waiting on the link holds one)."""
+        for start in range(0, n_items, PROGRAMS):
+            item = start + tl.program_id(0)
+            r = item // chunks
+            w = (item % chunks) * WORDS + tl.arange(0, WORDS)
+            ok = (w < row_words) & (item < n_items)
+            row = tl.load(ids + r, mask=item < n_items, other=0).to(tl.int64)
+            tl.store(dst + r.to(tl.int64) * row_words + w, tl.load(src + row * row_words + w, mask=ok), mask=ok)
+
+    @triton.jit
     def _misses_kernel(
         src,
         ids,
@@ -85,19 +97,36 @@ class RowGather:
         """Whether the kernel may read host memory (Triton present, no failed attempt by this picker)."""
         return available() and not self.kernel_failed
 
-    def __call__(self, src: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self, src: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None = None, programs: int | None = None
+    ) -> torch.Tensor:
         """src[rows] on rows' device, into out [n, ...] (contiguous) when given. src [N, ...] holds stored
-        bytes (uint8, any device); rows [n] int64."""
+        bytes (uint8, any device); rows [n] int64. programs: at most this many kernel programs (None: one a
+        pick and chunk of it, the fastest alone)."""
         out = torch.empty((rows.numel(), *src.shape[1:]), dtype=src.dtype, device=rows.device) if out is None else out
         if src.device == rows.device:
             return torch.index_select(src, 0, rows, out=out)
         if self.reads(src, rows):
             words = out[0].numel() // 4
             try:
+                chunks = triton.cdiv(words, WORDS_PER_PROGRAM)
                 with torch.cuda.device(rows.device):
-                    _gather_kernel[(rows.numel(), triton.cdiv(words, WORDS_PER_PROGRAM))](
-                        _words(src), rows, _words(out), words, WORDS=WORDS_PER_PROGRAM
-                    )
+                    if programs is None:
+                        _gather_kernel[(rows.numel(), chunks)](
+                            _words(src), rows, _words(out), words, WORDS=WORDS_PER_PROGRAM
+                        )
+                    else:
+                        n_items = rows.numel() * chunks
+                        _gather_few_kernel[(programs,)](
+                            _words(src),
+                            rows,
+                            _words(out),
+                            words,
+                            n_items,
+                            chunks,
+                            WORDS=WORDS_PER_PROGRAM,
+                            PROGRAMS=programs,
+                        )
                 return out
             except Exception as e:  # say it once, then pick through the host
                 self.kernel_failed = True

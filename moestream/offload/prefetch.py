@@ -21,6 +21,7 @@ from moestream.kernels.gather import RowGather, fill_misses
 from moestream.offload.experts import ExpertTensors
 
 RING = 2
+PROGRAMS = 32  # gather programs on the side stream: a program waiting on the link holds a multiprocessor
 
 
 class _Slot:
@@ -74,7 +75,7 @@ class Prefetcher:
             self.stream.wait_stream(torch.cuda.current_stream())  # after all compute queued so far
             with torch.cuda.stream(self.stream):
                 for raw, r in zip(raws, rows, strict=True):
-                    self.pick(raw, slot.guess, out=r[: self.n_guess])
+                    self.pick(raw, slot.guess, out=r[: self.n_guess], programs=PROGRAMS)
                 slot.ready.record(self.stream)
         self.pending[il] = rows
         return self.n_guess * (self.tensors[il].nbytes // self.tensors[il].n_expert)

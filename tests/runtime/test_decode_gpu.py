@@ -70,7 +70,8 @@ def test_streamed_decode_reads_the_chosen_experts_and_gives_resident_tokens(mode
             return
         picks, misses, miss_bytes = (b - a for a, b in zip(counted, experts.prefetch_stats(), strict=True))
         assert picks == 20 * got.spec.n_layer * K and 0 <= misses <= picks
-        assert miss_bytes == misses * per_expert // got.spec.n_layer  # tiny: every layer's experts alike
+        sizes = [t.nbytes // t.n_expert for t in experts.tensors.values()]  # Q4_K_M: some layers' down is Q6_K
+        assert misses * min(sizes) <= miss_bytes <= misses * max(sizes)
         if prefetch == 1:
             assert misses >= 20 * got.spec.n_layer * (K - 1)
     finally:
