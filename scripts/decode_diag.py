@@ -37,7 +37,7 @@ def step_ms(engine, n: int = 72) -> float:
     return a.elapsed_time(b) / n
 
 
-VARIANTS = {  # qmatvec's tile settings and block dots
+VARIANTS = {  # qmatvec's tile settings
     "defaults": {},
     "rows 16": dict(ROWS_PER_PROGRAM=16),
     "no grid minimum": dict(PROGRAMS_PER_SM=0),
@@ -84,7 +84,7 @@ def check_dots(engine) -> None:
 
 
 def use(variant: dict) -> dict:
-    """Set qmatvec's tile settings or block dots; returns the ones they replaced."""
+    """Set qmatvec's tile settings; returns the ones they replaced."""
     saved = {k: getattr(qmatvec, k) for k in variant}
     for k, v in variant.items():
         setattr(qmatvec, k, v)

@@ -5,7 +5,7 @@
 #            tests and need httpx2/openai, which the GPU image lacks)
 #   model    generate the qwen3-30b-a3b Q4_K_M model (skipped when a warm machine still has it) + routing
 #   pp512 pp2048 long profile decode decodediag prefetch cpuexp alloc   the issue-3/4/10 benches on that model
-#   small    an 8-layer slice of the benchmark model: decode_diag.py (tiles, trial block dots) + cpuexp
+#   small    an 8-layer slice of the benchmark model: decode_diag.py (tile settings, kernel table) + cpuexp
 #   loadtest the server load test (issue 13) with the benchmark model, serving wheels from .whl/serve
 #   lbuild llamacpp   build llama.cpp's llama-bench (background) / wait and run tg128 at -ncmoe 0,26
 #   qwen35 routing35   the issue-5 headline table (generates the qwen3.6-35b-a3b model first), its routing
@@ -51,7 +51,7 @@ for step in "$@"; do
     decode) $MS bench -m $MODEL -ncmoe 0 -r 3 -p 0 -n 128 --no-floors 2>&1 | quiet | tee -a "$OUT/bench.txt"
             for sb in ${SMALL_BATCH:-gather cpu}; do  # gather: without and with next-layer prefetch, one run
               pf=(); [[ $sb == gather ]] && pf=(--prefetch "${PREFETCH:-0,8}")
-              $MS bench -m $MODEL -ncmoe 26 -r 3 -p 0 -n 128 --streamed-layers spread --small-batch $sb "${pf[@]}" \
+              $MS bench -m $MODEL -ncmoe 26 -r 3 -p 0 -n 128 --streamed-layers spread --small-batch $sb ${pf[@]+"${pf[@]}"} \
                 --vram-budget 12GiB --no-floors 2>&1 | quiet | tee -a "$OUT/bench.txt"
             done ;;
     small) # an 8-layer slice of the benchmark preset (~20 s to write): per-layer decode A/B, kernel table, CPU matvec

@@ -128,12 +128,14 @@ class RowGather:
                             PROGRAMS=programs,
                         )
                 return out
-            except Exception as e:  # say it once, then pick through the host
-                self.kernel_failed = True
-                warnings.warn(
-                    f"reading host memory from the GPU failed ({e}); experts are picked on the host", stacklevel=2
-                )
+            except Exception as e:
+                self.failed(e)
         return out.copy_(src[rows.cpu()])  # through the host: a sync on the ids
+
+    def failed(self, e: Exception) -> None:
+        """A kernel reading host memory failed: say it once; this picker goes through the host from now on."""
+        self.kernel_failed = True
+        warnings.warn(f"reading host memory from the GPU failed ({e}); experts are picked on the host", stacklevel=3)
 
     def reads(self, src: torch.Tensor, rows: torch.Tensor) -> bool:
         """Whether the kernel picks rows of host tensor src onto rows' GPU (whole 32-bit words, in place)."""

@@ -252,7 +252,7 @@ def swiglu_picked(
     picks = ids.reshape(-1).contiguous()
     h = torch.empty((T * K, n_ff), dtype=x.dtype, device=x.device)
     gate_row, gate_consts = _layout(qtypes[0], D, raws[0])  # up is stored alike (fuses)
-    _layout(qtypes[1], D, raws[1])
+    _layout(qtypes[1], D, raws[1])  # only to check up's alignment
     rows, warps = _tile(ROWS_PER_PROGRAM, WARPS, n_ff, T * K, _min_programs(x.device))
     with on_device(x):
         _gate_up_kernel[(triton.cdiv(n_ff, rows), T * K)](

@@ -17,7 +17,7 @@ from moestream.offload.experts import ExpertTensors, LayerExperts
 from moestream.offload.host import PinnedRanges
 from moestream.offload.options import EngineOptions
 from moestream.offload.placement import Footprint, Placement, kv_cache_bytes, parse_size, plan, workspace_bytes
-from moestream.offload.prefetch import Prefetcher
+from moestream.offload.prefetch import Prefetcher, ring_bytes
 from moestream.offload.shards import ShardedStreamer, expert_ranges, shard_layer
 from moestream.offload.streamer import HostLayer, Streamer
 
@@ -86,15 +86,16 @@ def build_offload(
     n_guess = spec.n_expert_used if opts.prefetch is None else opts.prefetch
     if n_guess > spec.n_expert:
         raise MoestreamError(f"--prefetch {n_guess}: the model has {spec.n_expert} experts a layer; give at most that")
-    per_expert = max(t.nbytes // t.n_expert for t in tensors.values())
-    may_gather = opts.small_batch == "gather" or (
-        opts.small_batch == "auto" and device.type == "cuda" and pick.kernel_ok
+    # the ring of guesses is budgeted where gathering can happen: a kernel reads the page-locked experts (or the CPU)
+    readable_here = device.type == "cpu" or (opts.host_memory == "pinned" and opts.stream.page_locks and pick.kernel_ok)
+    may_gather = readable_here and (
+        opts.small_batch == "gather" or (opts.small_batch == "auto" and device.type == "cuda")
     )
     fp = Footprint(
         dense=dense_bytes,
         kv_cache=kv_cache_bytes(spec, n_ctx, dtype),
         workspace=workspace_bytes(spec, opts.ubatch, n_ctx, dtype),
-        prefetch=Prefetcher.nbytes(per_expert, n_guess, spec.n_expert_used) if n_guess and may_gather else 0,
+        prefetch=ring_bytes(tensors, tensors, n_guess, spec.n_expert_used) if n_guess and may_gather else 0,
     )
     n_cpu_moe = spec.n_layer if opts.n_cpu_moe == "all" else opts.n_cpu_moe
     note = ""
@@ -147,7 +148,7 @@ def build_offload(
                 stacklevel=2,
             )
         prefetcher = None
-        if streamed and small_batch == "gather" and readable and n_guess:
+        if streamed and small_batch == "gather" and readable and n_guess and may_gather:
             prefetcher = Prefetcher(tensors, placement.streamed, n_guess, spec.n_expert_used, device, pick)
         experts = LayerExperts(
             tensors, resident, streamer, dtype, opts.stream_min_batch, dev, small_batch, readable, pick, prefetcher

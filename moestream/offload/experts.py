@@ -146,8 +146,10 @@ class LayerExperts:
         """The layers whose experts a static pass of n_tokens gathers and should guess one layer ahead (by
         prefetch(), called at the start of the layer before): one token, gathered, prefetch on."""
         p = self.prefetcher
-        if p is None or not self.static or n_tokens != 1 or not self._gathers(self.dev.device):
-            return set()
+        if p is None or not self.static or n_tokens != 1 or n_tokens >= self.min_batch:
+            return set()  # a batch of min_batch tokens uploads whole layers
+        if p.n_used >= next(iter(self.tensors.values())).n_expert or not self._gathers(self.dev.device):
+            return set()  # every expert picked: the layer gathers whole
         return set(p.ring)
 
     @property
@@ -156,8 +158,10 @@ class LayerExperts:
         return self.prefetcher.n_guess if self.prefetcher is not None else 0
 
     def prefetch(self, il: int, guess: torch.Tensor) -> None:
-        """Start gathering layer il's experts guess [1, G] names, beside compute (no host sync)."""
-        self.count_moved(self.prefetcher.prefetch(il, guess))
+        """Start gathering layer il's experts guess [1, G] names, beside compute (no host sync); nothing once
+        the gather kernel has failed (the layer then picks through the host)."""
+        if self._gathers(self.dev.device):
+            self.count_moved(self.prefetcher.prefetch(il, guess))
 
     def start_layer(self, il: int, ubatch: int) -> None:
         """The engine begins layer il of a micro-batch: attention and router run from here to ffn()."""
@@ -171,8 +175,10 @@ class LayerExperts:
 
     @property
     def bytes_moved(self) -> int:
-        """Expert bytes sent over the link so far: whole-layer uploads, picked experts, gathers."""
-        return self.streamer.bytes_uploaded if self.streamer is not None else 0
+        """Expert bytes sent over the link so far: whole-layer uploads, picked experts, gathers, prefetched
+        guesses and their misses (those counted on the device: reading them is a sync)."""
+        moved = self.streamer.bytes_uploaded if self.streamer is not None else 0
+        return moved + (self.prefetcher.stats()[2] if self.prefetcher is not None else 0)
 
     def count_moved(self, nbytes: int) -> None:
         """Add bytes gathers read over the link (counted here too when a replayed graph ran them)."""
@@ -281,6 +287,6 @@ class LayerExperts:
     def end_pass(self) -> None:
         """Compute has queued its last use of the current staging slot."""
         if self.prefetcher is not None:
-            self.prefetcher.pending.clear()  # a pass that stopped half-way leaves guesses nobody takes
+            self.prefetcher.drop()  # a pass that stopped half-way leaves guesses nobody takes
         if self.streamer is not None:
             self.streamer.finish()

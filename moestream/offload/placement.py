@@ -128,7 +128,8 @@ def plan(
             f"--vram-budget {budget / 2**30:.2f} GiB is too small: even with every layer's experts in host RAM "
             f"the GPU needs {smallest.gpu_bytes(fp) / 2**30:.2f} GiB (weights {fp.dense / 2**30:.2f}, "
             f"KV cache {fp.kv_cache / 2**30:.2f}, {n_slots} staging slots {smallest.staging_bytes / 2**30:.2f}, "
-            f"workspace {fp.workspace / 2**30:.2f}); raise the budget or lower --ctx / --ubatch"
+            f"workspace {fp.workspace / 2**30:.2f}, decode's prefetch ring {fp.prefetch / 2**30:.2f}); raise the "
+            "budget or lower --ctx / --ubatch (or --prefetch 0)"
         )
     if not isinstance(n_cpu_moe, int) or not 0 <= n_cpu_moe <= n_layer:
         raise MoestreamError(f"--n-cpu-moe {n_cpu_moe}: must be between 0 and {n_layer} (the layer count) or auto")

@@ -46,18 +46,12 @@ class Prefetcher:
         device: torch.device,
         pick: RowGather,
     ):
-        self.tensors, self.n_guess, self.n_used, self.pick = tensors, n_guess, n_used, pick
+        self.tensors, self.n_guess, self.n_used, self.pick, self.device = tensors, n_guess, n_used, pick, device
         self.ring = {il: i % RING for i, il in enumerate(sorted(streamed))}  # layer -> its slot
-        sizes = [max(tensors[il].views[s].nbytes // tensors[il].n_expert for il in streamed) for s in range(3)]
-        self.slots = [_Slot(sizes, n_guess, n_used, device) for _ in range(RING)]
+        self.slots = [_Slot(stack_sizes(tensors, streamed), n_guess, n_used, device) for _ in range(RING)]
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.counts = torch.zeros(3, dtype=torch.long, device=device)  # picks, misses, bytes read for misses
         self.pending: dict[int, list[torch.Tensor]] = {}  # layer -> its stacks' rows, the guessed ones queued
-
-    @staticmethod
-    def nbytes(expert_bytes: int, n_guess: int, n_used: int) -> int:
-        """Device bytes of the ring for layers of at most expert_bytes an expert (the placement budgets them)."""
-        return RING * (n_guess + n_used) * expert_bytes
 
     def prefetch(self, il: int, guess: torch.Tensor) -> int:
         """Queue the gather of layer il's guessed experts (guess [G] ids, on the device) on the side stream;
@@ -72,7 +66,7 @@ class Prefetcher:
             for raw, r in zip(raws, rows, strict=True):
                 self.pick(raw, slot.guess, out=r[: self.n_guess])
         else:
-            self.stream.wait_stream(torch.cuda.current_stream())  # after all compute queued so far
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))  # after all compute queued so far
             with torch.cuda.stream(self.stream):
                 for raw, r in zip(raws, rows, strict=True):
                     self.pick(raw, slot.guess, out=r[: self.n_guess], programs=PROGRAMS)
@@ -87,11 +81,14 @@ class Prefetcher:
         picks = ids.reshape(-1)
         raws = self.tensors[il].host_bytes()
         if slot.ready is not None:
-            torch.cuda.current_stream().wait_event(slot.ready)
+            torch.cuda.current_stream(self.device).wait_event(slot.ready)
         if all(self.pick.reads(raw, picks) for raw in raws):
-            for s, (raw, r) in enumerate(zip(raws, rows, strict=True)):
-                fill_misses(raw, picks, slot.guess, r, slot.mats, self.counts, first=s == 0)
-            return rows, slot.mats.view_as(ids)
+            try:
+                for s, (raw, r) in enumerate(zip(raws, rows, strict=True)):
+                    fill_misses(raw, picks, slot.guess, r, slot.mats, self.counts, first=s == 0)
+                return rows, slot.mats.view_as(ids)
+            except Exception as e:  # as RowGather: say it once, then pick through the host
+                self.pick.failed(e)
         hit = picks[:, None] == slot.guess[None, :]
         found = hit.any(1)
         mats = torch.where(found, hit.int().argmax(1), self.n_guess + torch.arange(picks.numel(), device=ids.device))
@@ -102,7 +99,25 @@ class Prefetcher:
         self.counts += torch.tensor([picks.numel(), missed.numel(), missed.numel() * per_expert], device=ids.device)
         return rows, mats.view_as(ids)
 
+    def drop(self) -> None:
+        """Forget guesses nobody took (a pass that stopped half-way), after compute has waited for their
+        gathers: a later pass, or a replayed graph, must not race a gather still writing a slot."""
+        for il in self.pending:
+            if self.slots[self.ring[il]].ready is not None:
+                torch.cuda.current_stream(self.device).wait_event(self.slots[self.ring[il]].ready)
+        self.pending.clear()
+
     def stats(self) -> tuple[int, int, int]:
         """(picks, misses, bytes read for misses) so far (reads the device counters: a sync)."""
         picks, misses, nbytes = self.counts.tolist()
         return picks, misses, nbytes
+
+
+def stack_sizes(tensors: dict[int, ExpertTensors], layers) -> list[int]:
+    """The bytes of one expert of each stack (gate, up, down), the largest over layers."""
+    return [max(tensors[il].views[s].nbytes // tensors[il].n_expert for il in layers) for s in range(3)]
+
+
+def ring_bytes(tensors: dict[int, ExpertTensors], layers, n_guess: int, n_used: int) -> int:
+    """Device bytes of the ring for guesses over these layers (what the placement budgets)."""
+    return RING * (n_guess + n_used) * sum(stack_sizes(tensors, layers))

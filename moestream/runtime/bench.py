@@ -92,7 +92,7 @@ def _measure(engine, test: str, tokens: list[int], repeats: int) -> _Measured:
             streamer.timeline = engine.timeline
         copy_gbs = summarize(copies.resolve()).copy_gbps
     experts.track_usage, experts.usage = True, []
-    before = streamer.bytes_uploaded if streamer else 0
+    before = experts.bytes_moved
     guessed = experts.prefetch_stats()  # (picks, misses, bytes of misses), counted on the device
     links_before = list(getattr(streamer, "link_bytes", []))  # one entry a device with --devices
     cuda = engine.device.type == "cuda"
@@ -100,13 +100,11 @@ def _measure(engine, test: str, tokens: list[int], repeats: int) -> _Measured:
         torch.cuda.reset_peak_memory_stats(engine.device)
     times = timed(fn, engine.device, repeats=repeats, warmup=0)
     peak = torch.cuda.max_memory_allocated(engine.device) / 2**30 if cuda else 0.0
-    moved = (streamer.bytes_uploaded if streamer else 0) - before
+    moved = (experts.bytes_moved - before) // repeats
     hit = None
     if guessed is not None:
-        picks, misses, miss_bytes = (b - a for a, b in zip(guessed, experts.prefetch_stats(), strict=True))
-        moved += miss_bytes
+        picks, misses, _ = (b - a for a, b in zip(guessed, experts.prefetch_stats(), strict=True))
         hit = 1 - misses / picks if picks else None
-    moved //= repeats
     used = float(torch.stack(experts.usage).mean()) if experts.usage else 0.0
     experts.track_usage, experts.usage = False, []
     links = [(b - a) / repeats for a, b in zip(links_before, getattr(streamer, "link_bytes", []), strict=True)]

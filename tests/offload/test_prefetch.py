@@ -10,7 +10,7 @@ import moestream
 from moestream.errors import MoestreamError
 from moestream.offload.options import EngineOptions
 from moestream.offload.placement import Footprint, Placement
-from moestream.offload.prefetch import Prefetcher
+from moestream.offload.prefetch import ring_bytes
 from moestream.runtime.sampling import SamplingParams
 
 PROMPT = [(11 * t) % 1000 + 5 for t in range(12)]
@@ -62,13 +62,36 @@ def test_generation_matches_resident_with_prefetch_on_by_default(model_file):
     ref.close()
     e = moestream.load(path, **GATHERED)
     try:
-        assert e.model.experts.guess_width == e.spec.n_expert_used
+        experts = e.model.experts
+        assert experts.guess_width == e.spec.n_expert_used
         assert e.generate(PROMPT, params).tokens == want
-        before = e.model.experts.bytes_moved
-        decode(e, 4)
-        per_expert = sum(t.nbytes // t.n_expert for t in e.model.experts.tensors.values())
-        prompt_bytes = e.model.experts.bytes_moved - before - 4 * per_expert * e.spec.n_expert_used
-        assert prompt_bytes >= 0  # each step's guesses counted: K experts a layer
+        cache = e.new_cache()
+        e.forward(PROMPT, cache)
+        before, counted = experts.bytes_moved, experts.prefetch_stats()
+        for t in want[:4]:
+            e.forward([t], cache)
+        picks, _, miss_bytes = (b - a for a, b in zip(counted, experts.prefetch_stats(), strict=True))
+        per_expert = sum(t.nbytes // t.n_expert for t in experts.tensors.values())  # of every layer
+        # each step's guesses of each layer, then its misses
+        assert experts.bytes_moved - before == 4 * per_expert * experts.guess_width + miss_bytes
+        assert picks == 4 * e.spec.n_layer * e.spec.n_expert_used
+    finally:
+        e.close()
+
+
+@pytest.mark.parametrize("n_cpu_moe", [1, 2])
+def test_a_spread_placement_guesses_across_resident_layers(model_file, n_cpu_moe):
+    """tiny-odd's 3 layers with 1 or 2 streamed, spread: guesses for a layer after a resident one, and for
+    layer 0 from the embedding; the tokens of the all-resident model."""
+    path = model_file("tiny-odd", "Q4_K_M")
+    ref = moestream.load(path, device="cpu", progress=False)
+    want = decode(ref)[0]
+    ref.close()
+    e = moestream.load(path, **(GATHERED | dict(n_cpu_moe=n_cpu_moe, streamed_layers="spread")))
+    try:
+        assert sorted(e.model.experts.prefetcher.ring) == e.offload.placement.streamed
+        assert decode(e)[0] == want
+        assert e.model.experts.prefetch_stats()[0] == 10 * n_cpu_moe * e.spec.n_expert_used
     finally:
         e.close()
 
@@ -87,15 +110,27 @@ def test_only_gathered_one_token_static_passes_guess(model_file):
         experts.static = False
     finally:
         e.close()
+    e = moestream.load(path, stream_min_batch=1, **GATHERED)  # one-token steps upload whole layers
+    try:
+        decode(e, 3)
+        assert e.model.experts.prefetch_stats() == (0, 0, 0) and not e.model.experts.prefetcher.pending
+        e.model.experts.static = True
+        assert e.model.experts.guessed(1) == set()
+    finally:
+        e.close()
 
 
-def test_the_guess_ring_is_budgeted_only_when_layers_stream():
-    fp = Footprint(dense=100, kv_cache=10, workspace=1, prefetch=Prefetcher.nbytes(1000, 8, 8))
-    assert fp.prefetch == 2 * 16 * 1000
-    resident = Placement(0, [8000, 8000], n_slots=1)
-    streamed = Placement(1, [8000, 8000], n_slots=1)
-    assert resident.gpu_bytes(fp) == 111 + 16000
-    assert streamed.gpu_bytes(fp) == 111 + 8000 + 8000 + fp.prefetch
+def test_the_guess_ring_is_budgeted_as_allocated_and_only_when_layers_stream(model_file):
+    e = moestream.load(model_file("tiny", "Q4_K_M"), **GATHERED)
+    try:
+        p, fp = e.model.experts.prefetcher, e.offload.footprint
+        allocated = sum(buf.numel() for slot in p.slots for buf in slot.bufs)
+        assert fp.prefetch == allocated == ring_bytes(p.tensors, p.tensors, p.n_guess, p.n_used) > 0
+    finally:
+        e.close()
+    fp = Footprint(dense=100, kv_cache=10, workspace=1, prefetch=5000)
+    assert Placement(0, [8000, 8000], n_slots=1).gpu_bytes(fp) == 111 + 16000
+    assert Placement(1, [8000, 8000], n_slots=1).gpu_bytes(fp) == 111 + 8000 + 8000 + 5000
 
 
 def test_bad_widths_are_refused(model_file):

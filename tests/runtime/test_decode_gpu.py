@@ -63,12 +63,13 @@ def test_streamed_decode_reads_the_chosen_experts_and_gives_resident_tokens(mode
         assert cache in got._graphs
         K, width = got.spec.n_expert_used, experts.guess_width
         per_expert = sum(t.nbytes // t.n_expert for t in experts.tensors.values())
-        # replays counted: K experts a layer without prefetch, the guesses with it (misses on the device)
-        assert experts.bytes_moved - before == 20 * per_expert * (width or K)
+        moved = experts.bytes_moved - before
         if prefetch == 0:
             assert counted is None
+            assert moved == 20 * per_expert * K  # replays counted: K experts a layer, no more
             return
         picks, misses, miss_bytes = (b - a for a, b in zip(counted, experts.prefetch_stats(), strict=True))
+        assert moved == 20 * per_expert * width + miss_bytes  # the guesses, then the misses (counted on the device)
         assert picks == 20 * got.spec.n_layer * K and 0 <= misses <= picks
         sizes = [t.nbytes // t.n_expert for t in experts.tensors.values()]  # Q4_K_M: some layers' down is Q6_K
         assert misses * min(sizes) <= miss_bytes <= misses * max(sizes)
