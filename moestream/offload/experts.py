@@ -140,17 +140,17 @@ class LayerExperts:
         # set during static passes (decode steps that may be captured in a graph): every streamed layer reads
         # its experts the same way whatever the staging slots happen to hold
         self.static = False
-        self.prefetcher = prefetcher  # gathered layers' experts guessed one layer ahead (--prefetch)
+        self.prefetcher = prefetcher  # gathered layers' experts guessed a layer or so ahead (--prefetch)
 
-    def guessed(self, n_tokens: int) -> set[int]:
-        """The layers whose experts a static pass of n_tokens gathers and should guess one layer ahead (by
-        prefetch(), called at the start of the layer before): one token, gathered, prefetch on."""
+    def guess_plan(self, n_tokens: int) -> dict[int, int]:
+        """For a static pass of n_tokens: {layer at whose start (-1: before layer 0) to call prefetch(): the
+        gathered layer to guess}. Empty unless one token, gathered, prefetch on."""
         p = self.prefetcher
         if p is None or not self.static or n_tokens != 1 or n_tokens >= self.min_batch:
-            return set()  # a batch of min_batch tokens uploads whole layers
+            return {}  # a batch of min_batch tokens uploads whole layers
         if p.n_used >= next(iter(self.tensors.values())).n_expert or not self._gathers(self.dev.device):
-            return set()  # every expert picked: the layer gathers whole
-        return set(p.ring)
+            return {}  # every expert picked: the layer gathers whole
+        return p.schedule()
 
     @property
     def guess_width(self) -> int:

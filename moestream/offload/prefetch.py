@@ -8,9 +8,8 @@ the top 8 on the generated qwen3-30b-a3b preset). Those are gathered on a side s
 after L+1's real routing a guessed pick reads the prefetched rows and a missed one is gathered then, with no
 host sync. A wrong guess costs link bytes, never correctness: the rows hold the same experts' bytes.
 
-Two ring slots suffice: slot i % 2 is next overwritten by the prefetch for the streamed layer after next,
-and the side stream first waits for everything compute queued before it, which includes the layer that
-read the slot.
+The side stream first waits for everything compute queued before it, so a slot is rewritten only after the
+layer that read it.
 """
 
 from __future__ import annotations
@@ -22,6 +21,11 @@ from moestream.offload.experts import ExpertTensors
 
 RING = 2
 PROGRAMS = 32  # gather programs on the side stream: a program waiting on the link holds a multiprocessor
+# Where a streamed layer's guess is made: at the start of the layer before it ("layer", measured), or of the
+# streamed layer before it ("streamed": earlier where resident layers sit between, so the side stream has the
+# next gather queued before the current one ends, from an input further back; not yet timed). Two slots
+# suffice for both: a slot is next written for the streamed layer after next, queued after its last reader.
+LEAD = "layer"
 
 
 class _Slot:
@@ -35,7 +39,7 @@ class _Slot:
 
 
 class Prefetcher:
-    """The guessed experts of gathered layers, one layer ahead, for one-token static passes."""
+    """The guessed experts of gathered layers, a layer or so ahead, for one-token static passes."""
 
     def __init__(
         self,
@@ -52,6 +56,12 @@ class Prefetcher:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.counts = torch.zeros(3, dtype=torch.long, device=device)  # picks, misses, bytes read for misses
         self.pending: dict[int, list[torch.Tensor]] = {}  # layer -> its stacks' rows, the guessed ones queued
+
+    def schedule(self) -> dict[int, int]:
+        """{layer at whose start a guess is made (-1: before layer 0, from the embedding): the layer guessed}."""
+        order = sorted(self.ring)
+        lead = LEAD == "streamed"
+        return {(order[i - 1] if lead and i else il - 1): il for i, il in enumerate(order)}
 
     def prefetch(self, il: int, guess: torch.Tensor) -> int:
         """Queue the gather of layer il's guessed experts (guess [G] ids, on the device) on the side stream;

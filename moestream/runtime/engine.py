@@ -220,16 +220,18 @@ class Engine:
 
     def _layers(self, x: torch.Tensor, batch: Batch, cache) -> torch.Tensor:
         """Every layer, then the head: the body of a static pass (and of a captured step). Gathered layers'
-        experts are guessed from the input of the layer before (of layer 0: the embedding) and fetched
-        beside it."""
+        experts are guessed from the input of an earlier layer (offload/prefetch.py) and fetched beside it."""
         model, experts = self.model, self.model.experts
-        ahead, width = experts.guessed(x.shape[0]), experts.guess_width
-        if 0 in ahead:
-            experts.prefetch(0, model.guess_experts(0, x, width))
+        plan, width = experts.guess_plan(x.shape[0]), experts.guess_width
+
+        def guess(at: int, x: torch.Tensor) -> None:
+            if at in plan:
+                experts.prefetch(plan[at], model.guess_experts(plan[at], x, width))
+
+        guess(-1, x)
         for il in range(self.spec.n_layer):
             experts.start_layer(il, 0)
-            if il + 1 in ahead:
-                experts.prefetch(il + 1, model.guess_experts(il + 1, x, width))
+            guess(il, x)
             x = model.layer(il, x, batch, cache)
         with self.timeline.span("compute", "head"):
             return model.head(x).float()

@@ -8,6 +8,7 @@ import torch
 
 import moestream
 from moestream.errors import MoestreamError
+from moestream.offload import prefetch
 from moestream.offload.options import EngineOptions
 from moestream.offload.placement import Footprint, Placement
 from moestream.offload.prefetch import ring_bytes
@@ -79,17 +80,22 @@ def test_generation_matches_resident_with_prefetch_on_by_default(model_file):
         e.close()
 
 
+@pytest.mark.parametrize("lead", ["layer", "streamed"])
 @pytest.mark.parametrize("n_cpu_moe", [1, 2])
-def test_a_spread_placement_guesses_across_resident_layers(model_file, n_cpu_moe):
-    """tiny-odd's 3 layers with 1 or 2 streamed, spread: guesses for a layer after a resident one, and for
-    layer 0 from the embedding; the tokens of the all-resident model."""
+def test_a_spread_placement_guesses_across_resident_layers(model_file, n_cpu_moe, lead, monkeypatch):
+    """tiny-odd's 3 layers with 1 or 2 streamed, spread: guesses for a layer after a resident one (made there,
+    or at the streamed layer before it), and for layer 0 from the embedding; the all-resident model's tokens."""
+    monkeypatch.setattr(prefetch, "LEAD", lead)
     path = model_file("tiny-odd", "Q4_K_M")
     ref = moestream.load(path, device="cpu", progress=False)
     want = decode(ref)[0]
     ref.close()
     e = moestream.load(path, **(GATHERED | dict(n_cpu_moe=n_cpu_moe, streamed_layers="spread")))
     try:
-        assert sorted(e.model.experts.prefetcher.ring) == e.offload.placement.streamed
+        streamed = e.offload.placement.streamed
+        assert sorted(e.model.experts.prefetcher.ring) == streamed
+        at = [s - 1 for s in streamed] if lead == "layer" else [streamed[0] - 1, *streamed[:-1]]
+        assert e.model.experts.prefetcher.schedule() == dict(zip(at, streamed, strict=True))
         assert decode(e)[0] == want
         assert e.model.experts.prefetch_stats()[0] == 10 * n_cpu_moe * e.spec.n_expert_used
     finally:
@@ -99,14 +105,14 @@ def test_a_spread_placement_guesses_across_resident_layers(model_file, n_cpu_moe
 def test_only_gathered_one_token_static_passes_guess(model_file):
     path = model_file("tiny", "Q4_K_M")
     e = moestream.load(path, device="cpu", n_cpu_moe="all", small_batch="upload", progress=False)
-    assert e.model.experts.prefetcher is None and e.model.experts.guessed(1) == set()
+    assert e.model.experts.prefetcher is None and e.model.experts.guess_plan(1) == {}
     e.close()
     e = moestream.load(path, **GATHERED)
     try:
         experts = e.model.experts
-        assert experts.guessed(1) == set()  # outside a static pass
+        assert experts.guess_plan(1) == {}  # outside a static pass
         experts.static = True
-        assert experts.guessed(1) == set(range(e.spec.n_layer)) and experts.guessed(2) == set()
+        assert experts.guess_plan(1) == {il - 1: il for il in range(e.spec.n_layer)} and experts.guess_plan(2) == {}
         experts.static = False
     finally:
         e.close()
@@ -115,7 +121,7 @@ def test_only_gathered_one_token_static_passes_guess(model_file):
         decode(e, 3)
         assert e.model.experts.prefetch_stats() == (0, 0, 0) and not e.model.experts.prefetcher.pending
         e.model.experts.static = True
-        assert e.model.experts.guessed(1) == set()
+        assert e.model.experts.guess_plan(1) == {}
     finally:
         e.close()
 
