@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import mmap
+
+import numpy as np
 import pytest
 import torch
 
@@ -33,3 +36,18 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(saved)
+
+
+@pytest.fixture
+def own_pages():
+    """copy(array) -> the array in pages of its own (an anonymous mapping). Page-locking rounds out to whole
+    pages: a heap array's neighbours would be locked with it, and CUDA refuses ("invalid argument") a later
+    copy from a neighbour that starts inside the locked range and runs past it. The model file's tensors are
+    pages of a mapping already."""
+
+    def copy(a: np.ndarray) -> np.ndarray:
+        out = np.frombuffer(mmap.mmap(-1, max(a.nbytes, 1)), dtype=a.dtype, count=a.size).reshape(a.shape)
+        out[...] = a
+        return out
+
+    return copy

@@ -38,7 +38,11 @@ class PinnedRanges:
         return sum(size for _, size in self.ranges)
 
     def register(self, arrays: list[np.ndarray]) -> bool:
-        """Page-lock the pages under each array (merged into runs). False, with one warning, if refused."""
+        """Page-lock the pages under each array (merged into runs). False, with one warning, if refused.
+
+        Whole pages: memory sharing them is locked too, and CUDA refuses a copy that starts inside a locked
+        range and runs past it. The model's tensors are pages of the file's own mapping; other memory given
+        here should have pages of its own."""
         spans = sorted((a.ctypes.data, a.ctypes.data + a.nbytes) for a in arrays)
         merged: list[list[int]] = []
         for start, end in spans:

@@ -61,13 +61,14 @@ def test_softmax_topk_takes_the_lowest_id_among_equals():
 
 @pytest.mark.parametrize("down_type", [Q.Q4_K, Q.Q6_K])
 @pytest.mark.parametrize("where", ["device", "host"])
-def test_swiglu_picked_matches_dequantized_experts(down_type, where):
+def test_swiglu_picked_matches_dequantized_experts(down_type, where, own_pages):
     E, F_, D, T, K = 6, 512, 768, 3, 4
     rng = np.random.default_rng(0)
     shapes = ((E, F_, D), (E, F_, D), (E, D, F_))
     types = (Q.Q4_K, Q.Q4_K, down_type)
     stored = [
-        quantize((rng.standard_normal(s) * 0.05).astype(np.float32), t) for s, t in zip(shapes, types, strict=True)
+        own_pages(quantize((rng.standard_normal(s) * 0.05).astype(np.float32), t))
+        for s, t in zip(shapes, types, strict=True)
     ]
     pinned = PinnedRanges()
     try:

@@ -85,7 +85,7 @@ def test_decode_with_streamed_layers(model_file, small_batch):
     got.close()
 
 
-def test_gather_reads_page_locked_host_memory():
+def test_gather_reads_page_locked_host_memory(own_pages):
     """The gather kernel reads registered host pages directly: same bytes as indexing on the host, no warning."""
     import warnings
 
@@ -93,7 +93,7 @@ def test_gather_reads_page_locked_host_memory():
 
     from moestream.kernels import gather
 
-    host = np.random.default_rng(0).integers(0, 256, (64, 4, 630), dtype=np.uint8)  # rows of Q6_K x 768
+    host = own_pages(np.random.default_rng(0).integers(0, 256, (64, 4, 630), dtype=np.uint8))  # rows: Q6_K x 768
     pinned = PinnedRanges()
     assert pinned.register([host])
     try:
