@@ -64,6 +64,12 @@ class Offload:
             lines.append(
                 f"staging: {len(self.experts.streamer.slots)} slots x {p.slot_bytes / 2**20:.1f} MiB; host: {how}"
             )
+            if (pf := self.experts.prefetcher) is not None:
+                ring = sum(buf.numel() for slot in pf.slots for buf in slot.bufs)
+                lines.append(
+                    f"decode: {pf.n_guess} experts of each streamed layer guessed ahead and gathered beside compute "
+                    f"(--prefetch; ring {ring / 2**20:.1f} MiB)"
+                )
         return "\n".join(lines)
 
 

@@ -161,7 +161,7 @@ class LayerExperts:
         """Start gathering layer il's experts guess [1, G] names, beside compute (no host sync); nothing once
         the gather kernel has failed (the layer then picks through the host)."""
         if self._gathers(self.dev.device):
-            self.count_moved(self.prefetcher.prefetch(il, guess))
+            self.count_moved(self.prefetcher.prefetch(il, guess, self.timeline))
 
     def start_layer(self, il: int, ubatch: int) -> None:
         """The engine begins layer il of a micro-batch: attention and router run from here to ffn()."""

@@ -18,6 +18,7 @@ import torch
 
 from moestream.kernels.gather import RowGather, fill_misses
 from moestream.offload.experts import ExpertTensors
+from moestream.profiling.timeline import NULL, Timeline
 
 RING = 2
 PROGRAMS = 32  # gather programs on the side stream: a program waiting on the link holds a multiprocessor
@@ -63,26 +64,31 @@ class Prefetcher:
         lead = LEAD == "streamed"
         return {(order[i - 1] if lead and i else il - 1): il for i, il in enumerate(order)}
 
-    def prefetch(self, il: int, guess: torch.Tensor) -> int:
-        """Queue the gather of layer il's guessed experts (guess [G] ids, on the device) on the side stream;
-        returns the bytes it reads over the link."""
+    def prefetch(self, il: int, guess: torch.Tensor, timeline: Timeline = NULL) -> int:
+        """Queue the gather of layer il's guessed experts (guess [G] ids, on the device) on the side stream (a
+        "copy" span of the timeline); returns the bytes it reads over the link."""
         slot, raws = self.slots[self.ring[il]], self.tensors[il].host_bytes()
         slot.guess.copy_(guess.reshape(-1))
         rows = [
             buf[: (self.n_guess + self.n_used) * raw[0].numel()].view(-1, *raw.shape[1:])
             for buf, raw in zip(slot.bufs, raws, strict=True)
         ]
+        nbytes = self.n_guess * (self.tensors[il].nbytes // self.tensors[il].n_expert)
         if self.stream is None:  # the CPU device: in order, on the calling thread
+            start = timeline.stamp()
             for raw, r in zip(raws, rows, strict=True):
                 self.pick(raw, slot.guess, out=r[: self.n_guess])
+            timeline.add("copy", "prefetch", start, timeline.stamp(), layer=il, nbytes=nbytes)
         else:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # after all compute queued so far
             with torch.cuda.stream(self.stream):
+                start = timeline.stamp(self.stream)
                 for raw, r in zip(raws, rows, strict=True):
                     self.pick(raw, slot.guess, out=r[: self.n_guess], programs=PROGRAMS)
+                timeline.add("copy", "prefetch", start, timeline.stamp(self.stream), layer=il, nbytes=nbytes)
                 slot.ready.record(self.stream)
         self.pending[il] = rows
-        return self.n_guess * (self.tensors[il].nbytes // self.tensors[il].n_expert)
+        return nbytes
 
     def take(self, il: int, ids: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Layer il's stacks holding the experts ids [T, K] picked, and each pick's row of them (shaped as

@@ -12,6 +12,7 @@ from moestream.offload import prefetch
 from moestream.offload.options import EngineOptions
 from moestream.offload.placement import Footprint, Placement
 from moestream.offload.prefetch import ring_bytes
+from moestream.profiling.timeline import NULL, Timeline
 from moestream.runtime.sampling import SamplingParams
 
 PROMPT = [(11 * t) % 1000 + 5 for t in range(12)]
@@ -146,3 +147,17 @@ def test_bad_widths_are_refused(model_file):
         moestream.load(
             model_file("tiny", "Q4_K_M"), prefetch=9, **{k: v for k, v in GATHERED.items() if k != "n_cpu_moe"}
         )
+
+
+def test_the_placement_line_and_the_timeline_show_the_guesses(model_file):
+    e = moestream.load(model_file("tiny", "Q4_K_M"), **GATHERED)
+    try:
+        assert "decode: 2 experts of each streamed layer guessed ahead" in e.offload.describe()
+        timeline = Timeline(e.device)
+        e.record(timeline)
+        decode(e, 3)
+        e.record(NULL)
+        spans = [s for s in timeline.resolve() if s.name == "prefetch"]
+        assert [s.layer for s in spans] == [0, 1] * 3 and all(s.lane == "copy" and s.nbytes > 0 for s in spans)
+    finally:
+        e.close()
