@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from moestream.errors import MoestreamError
+from moestream.offload.schedule import SmallBatch
 
 
 def engine_flags(p: argparse.ArgumentParser, lists: bool = False) -> None:
@@ -71,7 +72,7 @@ def engine_flags(p: argparse.ArgumentParser, lists: bool = False) -> None:
     p.add_argument(
         "--small-batch",
         default="auto",
-        choices=("auto", "upload", "gather", "cpu"),
+        choices=[m.value for m in SmallBatch],
         help="below --stream-min-batch: upload only the chosen experts, gather them with a kernel reading "
         "page-locked host memory (no host sync; needs page-locking, so not with --stream serial), or compute "
         "them on the CPU; auto (default): gather where a GPU can read the page-locked experts, else upload",

@@ -18,6 +18,7 @@ from moestream.offload.host import PinnedRanges
 from moestream.offload.options import EngineOptions
 from moestream.offload.placement import Footprint, Placement, kv_cache_bytes, parse_size, plan, workspace_bytes
 from moestream.offload.prefetch import Prefetcher, ring_bytes
+from moestream.offload.schedule import SmallBatch
 from moestream.offload.shards import ShardedStreamer, expert_ranges, shard_layer
 from moestream.offload.streamer import HostLayer, Streamer
 
@@ -92,11 +93,10 @@ def build_offload(
     n_guess = spec.n_expert_used if opts.prefetch is None else opts.prefetch
     if n_guess > spec.n_expert:
         raise MoestreamError(f"--prefetch {n_guess}: the model has {spec.n_expert} experts a layer; give at most that")
-    # the ring of guesses is budgeted where gathering can happen: a kernel reads the page-locked experts (or the CPU)
-    readable_here = device.type == "cpu" or (opts.host_memory == "pinned" and opts.stream.page_locks and pick.kernel_ok)
-    may_gather = readable_here and (
-        opts.small_batch == "gather" or (opts.small_batch == "auto" and device.type == "cuda")
-    )
+    # the ring of guesses is budgeted where small batches will gather, judged before page-locking is tried
+    will_lock = device.type == "cpu" or (opts.host_memory == "pinned" and opts.stream.page_locks)
+    sharded = opts.devices is not None and len(opts.devices) > 1
+    may_gather = _prefetches(opts.small_batch, device, will_lock, pick, sharded)
     fp = Footprint(
         dense=dense_bytes,
         kv_cache=kv_cache_bytes(spec, n_ctx, dtype),
@@ -142,19 +142,15 @@ def build_offload(
         elif streamed:
             streamer = Streamer(dev, streamed, opts.stream, opts.slots, bounce)
         readable = device.type == "cpu" or (pinned is not None and pinned.nbytes > 0)  # page-locked: kernels read it
-        small_batch = opts.small_batch
-        if small_batch == "auto":  # gather decoded 10.4 vs upload's 7.8 tokens/s on the H200 (docs/benchmarks.md)
-            small_batch = "gather" if device.type == "cuda" and readable and pick.kernel_ok else "upload"
-            if small_batch == "upload" and isinstance(streamer, ShardedStreamer):
-                small_batch = "gather" if readable else "cpu"  # no device holds a whole layer to upload into
-        if small_batch == "gather" and streamed and not readable:
+        small_batch = opts.small_batch.resolve(device.type == "cuda", readable, pick.kernel_ok, sharded)
+        if small_batch is SmallBatch.GATHER and streamed and not readable:
             warnings.warn(
                 "--small-batch gather needs the streamed experts page-locked (not --stream serial, and "
                 "page-locking must succeed); small batches upload their experts instead",
                 stacklevel=2,
             )
         prefetcher = None
-        if streamed and small_batch == "gather" and readable and n_guess and may_gather:
+        if streamed and n_guess and _prefetches(small_batch, device, readable, pick, sharded):
             prefetcher = Prefetcher(tensors, placement.streamed, n_guess, spec.n_expert_used, device, pick)
         experts = LayerExperts(
             tensors, resident, streamer, dtype, opts.stream_min_batch, dev, small_batch, readable, pick, prefetcher
@@ -169,6 +165,12 @@ def build_offload(
     if opts.progress:
         print(off.describe(), file=sys.stderr)
     return off
+
+
+def _prefetches(mode: SmallBatch, device: torch.device, readable: bool, pick: RowGather, sharded: bool) -> bool:
+    """Whether decode guesses and gathers experts ahead: small batches gather, from memory a kernel can read."""
+    gathers = mode.resolve(device.type == "cuda", readable, pick.kernel_ok, sharded) is SmallBatch.GATHER
+    return gathers and readable and (device.type == "cpu" or pick.kernel_ok)
 
 
 def _sharded(streamed: dict, tensors: dict, spec, opts: EngineOptions, devs: list, bounce: bool) -> ShardedStreamer:

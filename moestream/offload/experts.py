@@ -20,6 +20,7 @@ from moestream.kernels.gather import RowGather
 from moestream.kernels.grouped_moe import runs_on_device
 from moestream.models.layers import expert_counts, moe_swiglu, moe_swiglu_picked, moe_swiglu_sharded
 from moestream.offload.device import Device
+from moestream.offload.schedule import SmallBatch
 from moestream.offload.shards import ShardedLayer, ShardedStreamer
 from moestream.offload.streamer import Streamer
 from moestream.profiling.timeline import NULL, Timeline
@@ -115,7 +116,7 @@ class LayerExperts:
         dtype: torch.dtype,
         min_batch: int,
         dev: Device,
-        small_batch: str = "upload",
+        small_batch: SmallBatch = SmallBatch.UPLOAD,
         host_readable: bool = False,
         pick: RowGather | None = None,
         prefetcher: Prefetcher | None = None,
@@ -198,7 +199,7 @@ class LayerExperts:
             return True
         return (
             n_tokens < self.min_batch
-            and self.small_batch == "gather"
+            and self.small_batch is SmallBatch.GATHER
             and self.host_readable
             and self.pick.kernel_ok
             and n_tokens * n_expert_used < t.n_expert
@@ -253,7 +254,7 @@ class LayerExperts:
         used = torch.unique(ids.cpu())  # sync: the host must know which experts to move or read
         local = torch.full((t.n_expert,), -1, dtype=torch.long)
         local[used] = torch.arange(used.numel())  # expert id -> its row among the chosen ones
-        views = self.streamer.upload_experts(il, used.tolist()) if self.small_batch != "cpu" else None
+        views = self.streamer.upload_experts(il, used.tolist()) if self.small_batch is not SmallBatch.CPU else None
         if views is not None:
             self.dev.compute()
             with self.timeline.span("compute", "experts", **label):
@@ -273,7 +274,7 @@ class LayerExperts:
         """Whether small batches gather their experts with a kernel reading host memory (or index it, on the
         CPU device)."""
         readable = self.host_readable and (device.type == "cpu" or self.pick.kernel_ok)
-        return self.small_batch == "gather" and readable
+        return self.small_batch is SmallBatch.GATHER and readable
 
     def prefetch_stats(self) -> tuple[int, int, int] | None:
         """(picks, misses, bytes read for misses) of prefetched layers so far; None without prefetch."""

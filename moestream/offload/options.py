@@ -16,7 +16,7 @@ import torch
 from moestream.errors import MoestreamError
 from moestream.models.deltanet import DELTANET_ENV, deltanet_mode
 from moestream.offload.placement import parse_size
-from moestream.offload.schedule import Schedule
+from moestream.offload.schedule import Schedule, SmallBatch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -35,8 +35,8 @@ class EngineOptions:
     # $MOESTREAM_STREAM or overlap)
     slots: int = 3  # staging slots in the ring
     stream_min_batch: int = 32  # smaller micro-batches do not upload whole layers: see small_batch
-    small_batch: str = "auto"  # below stream_min_batch: "upload" the chosen experts, "gather" them, or "cpu";
-    # auto: gather on a GPU that can read the page-locked experts, else upload
+    small_batch: SmallBatch | str = "auto"  # below stream_min_batch: upload, gather or cpu (made a SmallBatch;
+    # auto: resolved by SmallBatch.resolve once placement knows what is page-locked)
     prefetch: int | None = None  # experts of a gathered layer guessed one layer ahead in decode (0: off; None:
     # as many as the router picks)
     host_memory: str = "pinned"  # streamed experts: "pinned" (page-locked in place) or "pageable" (llama.cpp's mmap)
@@ -78,8 +78,7 @@ class EngineOptions:
             raise MoestreamError(f"--slots {self.slots}: {self.stream} needs at least 2 staging slots")
         if self.streamed_layers not in ("first", "spread"):
             raise MoestreamError(f"--streamed-layers {self.streamed_layers}: expected first or spread")
-        if self.small_batch not in ("auto", "upload", "gather", "cpu"):
-            raise MoestreamError(f"--small-batch {self.small_batch}: expected auto, upload, gather or cpu")
+        resolve("small_batch", SmallBatch.parse(self.small_batch))
         if self.prefetch is not None and self.prefetch < 0:
             raise MoestreamError(f"--prefetch {self.prefetch}: must be 0 (off) or more experts a layer")
         if self.host_memory not in ("pinned", "pageable"):

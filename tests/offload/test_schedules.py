@@ -12,7 +12,7 @@ from moestream.errors import MoestreamError
 from moestream.offload.device import CpuDevice
 from moestream.offload.options import EngineOptions
 from moestream.offload.placement import Placement
-from moestream.offload.schedule import Schedule
+from moestream.offload.schedule import Schedule, SmallBatch
 from moestream.runtime.sampling import SamplingParams
 
 TOKENS = torch.randint(0, 1280, (40,), generator=torch.Generator().manual_seed(5)).tolist()
@@ -186,6 +186,20 @@ def test_schedule_parses_cli_strings_and_owns_the_slot_rule():
         Schedule.parse("fast")
     assert [s.staging_slots(4) for s in Schedule] == [1, 1, 4, 4]
     assert [s.page_locks for s in Schedule] == [False, True, True, True]
+
+
+def test_small_batch_modes_parse_and_auto_resolves_by_one_rule():
+    assert EngineOptions(device="cpu", small_batch="gather").small_batch is SmallBatch.GATHER
+    with pytest.raises(MoestreamError, match="^--small-batch fast: expected one of auto, upload, gather, cpu$"):
+        EngineOptions(device="cpu", small_batch="fast")
+    auto = SmallBatch.AUTO
+    assert auto.resolve(on_gpu=True, readable=True, kernel_ok=True, sharded=False) is SmallBatch.GATHER
+    assert auto.resolve(on_gpu=True, readable=True, kernel_ok=False, sharded=False) is SmallBatch.UPLOAD
+    assert auto.resolve(on_gpu=False, readable=True, kernel_ok=True, sharded=False) is SmallBatch.UPLOAD  # CPU
+    assert auto.resolve(on_gpu=True, readable=False, kernel_ok=True, sharded=True) is SmallBatch.CPU
+    assert auto.resolve(on_gpu=False, readable=True, kernel_ok=False, sharded=True) is SmallBatch.GATHER
+    assert all(m.resolve(True, False, False, False) is m for m in SmallBatch if m is not auto)  # as asked
+    assert str(SmallBatch.CPU) == "cpu" == SmallBatch.CPU  # as the CLI spells it, in reports
 
 
 def test_stream_env_is_read_once_with_the_options(monkeypatch):
