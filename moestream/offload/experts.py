@@ -276,6 +276,13 @@ class LayerExperts:
         readable = self.host_readable and (device.type == "cpu" or self.pick.kernel_ok)
         return self.small_batch is SmallBatch.GATHER and readable
 
+    def forget(self) -> None:
+        """A graph capture failed: the streamer's and the prefetcher's events recorded in it never ran."""
+        if self.streamer is not None:
+            self.streamer.forget()
+        if self.prefetcher is not None and self.prefetcher.stream is not None:
+            self.prefetcher.forget()
+
     def prefetch_stats(self) -> tuple[int, int, int] | None:
         """(picks, misses, bytes read for misses) of prefetched layers so far; None without prefetch."""
         return self.prefetcher.stats() if self.prefetcher is not None else None

@@ -123,6 +123,14 @@ class Prefetcher:
                 torch.cuda.current_stream(self.device).wait_event(self.slots[self.ring[il]].ready)
         self.pending.clear()
 
+    def forget(self) -> None:
+        """Drop guesses and their events after a failed graph capture: those events never ran (waiting on one
+        is an error), and the slots hold nothing anyone will take."""
+        torch.cuda.synchronize(self.device)
+        self.pending.clear()
+        for slot in self.slots:
+            slot.ready = torch.cuda.Event()
+
     def stats(self) -> tuple[int, int, int]:
         """(picks, misses, bytes read for misses) so far (reads the device counters: a sync)."""
         picks, misses, nbytes = self.counts.tolist()

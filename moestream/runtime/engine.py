@@ -269,8 +269,7 @@ class Engine:
         except RuntimeError as e:
             self._graphs_ok = False
             self._graphs.clear()
-            if self.model.experts.streamer is not None:
-                self.model.experts.streamer.forget()  # its events from the capture never ran
+            self.model.experts.forget()  # events recorded in the capture never ran
             warnings.warn(f"decode steps could not be captured in a CUDA graph ({e}); running eagerly", stacklevel=3)
 
     def logits(self, tokens: list[int]) -> torch.Tensor:

@@ -78,3 +78,30 @@ def test_streamed_decode_reads_the_chosen_experts_and_gives_resident_tokens(mode
     finally:
         ref.close()
         got.close()
+
+
+def test_a_capture_that_fails_half_way_leaves_eager_steps_that_work(model_file, monkeypatch):
+    """Events recorded inside a failed capture never ran: the streamer and the prefetcher forget them, and the
+    steps after it (eager from then on) give the tokens of an engine whose captures worked."""
+    path = model_file("tiny", "Q4_K_M")
+    params = SamplingParams(max_tokens=12, stop_at_eos=False)
+    opts = dict(device="cuda", progress=False, n_cpu_moe="all", small_batch="gather")
+    ref = moestream.load(path, **opts)
+    want = ref.generate(TOKENS[:40], params).tokens
+    ref.close()
+    e = moestream.load(path, **opts)
+    layers = type(e)._layers
+
+    def failing(self, *args):
+        out = layers(self, *args)
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("a capture refused half-way (test)")
+        return out
+
+    monkeypatch.setattr(type(e), "_layers", failing)
+    try:
+        with pytest.warns(UserWarning, match="could not be captured"):
+            got = e.generate(TOKENS[:40], params).tokens  # 40 tokens: the prompt streams whole layers first
+        assert not e._graphs_ok and got == want
+    finally:
+        e.close()
