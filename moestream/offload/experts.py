@@ -43,6 +43,11 @@ class ExpertTensors:
     def n_expert(self) -> int:
         return self.views[0].shape[0]
 
+    @property
+    def expert_bytes(self) -> int:
+        """Stored bytes of one expert (its gate, up and down rows)."""
+        return self.nbytes // self.n_expert
+
     def host_bytes(self) -> list[torch.Tensor]:
         return [torch_bytes(v) for v in self.views]
 
@@ -197,13 +202,7 @@ class LayerExperts:
             return False
         if len(self.resident) == len(self.tensors):
             return True
-        return (
-            n_tokens < self.min_batch
-            and self.small_batch is SmallBatch.GATHER
-            and self.host_readable
-            and self.pick.kernel_ok
-            and n_tokens * n_expert_used < t.n_expert
-        )
+        return n_tokens < self.min_batch and self._gathers(dev) and n_tokens * n_expert_used < t.n_expert
 
     def ffn(self, il: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         t, tl = self.tensors[il], self.timeline
@@ -249,7 +248,7 @@ class LayerExperts:
                 if self.prefetcher is not None and il in self.prefetcher.pending:  # misses counted on the device
                     rows, at = self.prefetcher.take(il, ids)
                     return self._on_device(il, t, rows, x, weights, at)
-                self.count_moved(ids.numel() * (t.nbytes // t.n_expert))  # read over the link
+                self.count_moved(ids.numel() * t.expert_bytes)  # read over the link
                 return self._on_device(il, t, t.host_bytes(), x, weights, ids)
         used = torch.unique(ids.cpu())  # sync: the host must know which experts to move or read
         local = torch.full((t.n_expert,), -1, dtype=torch.long)

@@ -73,7 +73,7 @@ class Prefetcher:
             buf[: (self.n_guess + self.n_used) * raw[0].numel()].view(-1, *raw.shape[1:])
             for buf, raw in zip(slot.bufs, raws, strict=True)
         ]
-        nbytes = self.n_guess * (self.tensors[il].nbytes // self.tensors[il].n_expert)
+        nbytes = self.n_guess * self.tensors[il].expert_bytes
         if self.stream is None:  # the CPU device: in order, on the calling thread
             start = timeline.stamp()
             for raw, r in zip(raws, rows, strict=True):
@@ -111,16 +111,18 @@ class Prefetcher:
         missed = (~found).nonzero().view(-1)  # a host sync: the CPU device, or a GPU whose gather kernel failed
         for raw, r in zip(raws, rows, strict=True):
             r[self.n_guess + missed] = self.pick(raw, picks[missed])
-        per_expert = self.tensors[il].nbytes // self.tensors[il].n_expert
-        self.counts += torch.tensor([picks.numel(), missed.numel(), missed.numel() * per_expert], device=ids.device)
+        n_missed = missed.numel()
+        self.counts += torch.tensor(
+            [picks.numel(), n_missed, n_missed * self.tensors[il].expert_bytes], device=ids.device
+        )
         return rows, mats.view_as(ids)
 
     def drop(self) -> None:
         """Forget guesses nobody took (a pass that stopped half-way), after compute has waited for their
         gathers: a later pass, or a replayed graph, must not race a gather still writing a slot."""
         for il in self.pending:
-            if self.slots[self.ring[il]].ready is not None:
-                torch.cuda.current_stream(self.device).wait_event(self.slots[self.ring[il]].ready)
+            if (ready := self.slots[self.ring[il]].ready) is not None:
+                torch.cuda.current_stream(self.device).wait_event(ready)
         self.pending.clear()
 
     def forget(self) -> None:

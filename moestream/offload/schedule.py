@@ -26,10 +26,7 @@ class Schedule(enum.Enum):
     @classmethod
     def parse(cls, text: str | Schedule) -> Schedule:
         """A --stream value (or $MOESTREAM_STREAM); anything else is a one-line error."""
-        try:
-            return cls(text)
-        except ValueError:
-            raise MoestreamError(f"--stream {text}: expected one of {', '.join(s.value for s in cls)}") from None
+        return _parse(cls, text, "--stream")
 
     @property
     def overlaps(self) -> bool:
@@ -58,10 +55,7 @@ class SmallBatch(enum.StrEnum):
 
     @classmethod
     def parse(cls, text: str | SmallBatch) -> SmallBatch:
-        try:
-            return cls(text)
-        except ValueError:
-            raise MoestreamError(f"--small-batch {text}: expected one of {', '.join(m.value for m in cls)}") from None
+        return _parse(cls, text, "--small-batch")
 
     def resolve(self, on_gpu: bool, readable: bool, kernel_ok: bool, sharded: bool) -> SmallBatch:
         """The mode that runs: auto gathers on a GPU whose kernels can read the page-locked experts (decode
@@ -74,3 +68,11 @@ class SmallBatch(enum.StrEnum):
         if sharded:
             return SmallBatch.GATHER if readable else SmallBatch.CPU
         return SmallBatch.UPLOAD
+
+
+def _parse(cls, text, flag: str):
+    """The member of enum cls spelled text; anything else is a one-line error naming flag and the choices."""
+    try:
+        return cls(text)
+    except ValueError:
+        raise MoestreamError(f"{flag} {text}: expected one of {', '.join(m.value for m in cls)}") from None
