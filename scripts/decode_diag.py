@@ -40,8 +40,6 @@ def step_ms(engine, n: int = 72) -> float:
 VARIANTS = {  # qmatvec's tile settings
     "defaults": {},
     "rows 16": dict(ROWS_PER_PROGRAM=16),
-    "split-K 2": dict(SPLIT_K=2),
-    "split-K 4": dict(SPLIT_K=4),
     "no grid minimum": dict(PROGRAMS_PER_SM=0),
 }
 

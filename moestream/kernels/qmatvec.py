@@ -25,10 +25,6 @@ ROWS_PER_PROGRAM = 8
 WARPS = 4
 PROGRAMS_PER_SM = 2
 MAX_TOKENS = 4  # above this, dequantizing once and multiplying on the tensor cores is cheaper
-# A trial, not yet timed: each row's blocks shared by SPLIT_K programs (float32 partials summed in order by one
-# more launch), for more loads in flight where a program's loop over a row's blocks waits on memory (the q/k/v/o
-# projections ran at ~0.25 TB/s). 1: one program a row block. scripts/decode_diag.py times 2 and 4.
-SPLIT_K = 1
 
 if triton is not None:
     import triton.language as tl
@@ -131,20 +127,13 @@ if triton is not None:
         SIZE: tl.constexpr,
         STACKED: tl.constexpr,
         ROWS: tl.constexpr,
-        SPLIT: tl.constexpr,  # programs sharing a row's blocks (1: one program, y in x's dtype)
     ):
         p = tl.program_id(1).to(tl.int64)  # which row of x (a token, or a token-expert pair)
         out = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS] output rows
         ok = (out < n_out)[:, None]
         mat = tl.load(mats + p).to(tl.int64) if STACKED else 0
-        PER: tl.constexpr = N_BLOCKS // SPLIT
-        s = tl.program_id(2)  # this program's share: blocks s * PER ..
-        xp = x + p * N_BLOCKS * ELEMS + s * (PER * ELEMS)
-        dot = _row_dot(w + s * (PER * SIZE), mat, out, n_out, row_bytes, xp, ok, PER, DOT, ELEMS, SIZE)
-        if SPLIT == 1:
-            tl.store(y + p * n_out + out, dot.to(y.dtype.element_ty), mask=out < n_out)
-        else:  # float32 partial sums [SPLIT, P, n_out], added up in order by the caller
-            tl.store(y + (s * tl.num_programs(1) + p) * n_out + out, dot, mask=out < n_out)
+        dot = _row_dot(w, mat, out, n_out, row_bytes, x + p * N_BLOCKS * ELEMS, ok, N_BLOCKS, DOT, ELEMS, SIZE)
+        tl.store(y + p * n_out + out, dot.to(y.dtype.element_ty), mask=out < n_out)
 
     @triton.jit
     def _gate_up_kernel(
@@ -195,13 +184,9 @@ def matvec(
     or page-locked host memory that the GPU can address."""
     row_bytes, consts = _layout(qtype, x.shape[-1], raw)
     x = x.contiguous()
-    split = SPLIT_K if consts["N_BLOCKS"] % SPLIT_K == 0 else 1
-    if split == 1:
-        y = torch.empty((x.shape[0], n_out), dtype=x.dtype, device=x.device)
-    else:
-        y = torch.empty((split, x.shape[0], n_out), dtype=torch.float32, device=x.device)
-    rows, warps = _tile(ROWS_PER_PROGRAM, WARPS, n_out, x.shape[0] * split, _min_programs(x.device))
-    grid = (triton.cdiv(n_out, rows), x.shape[0], split)
+    y = torch.empty((x.shape[0], n_out), dtype=x.dtype, device=x.device)
+    rows, warps = _tile(ROWS_PER_PROGRAM, WARPS, n_out, x.shape[0], _min_programs(x.device))
+    grid = (triton.cdiv(n_out, rows), x.shape[0])
     with on_device(x):
         _matvec_kernel[grid](
             raw,
@@ -212,11 +197,10 @@ def matvec(
             row_bytes,
             STACKED=mats is not None,
             ROWS=rows,
-            SPLIT=split,
             num_warps=warps,
             **consts,
         )
-    return y if split == 1 else y.sum(0).to(x.dtype)
+    return y
 
 
 def _layout(qtype: GGMLQuantizationType, n_in: int, raw: torch.Tensor) -> tuple[int, dict]:

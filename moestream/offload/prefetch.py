@@ -21,12 +21,13 @@ from moestream.offload.experts import ExpertTensors
 from moestream.profiling.timeline import NULL, Timeline
 
 RING = 2
-PROGRAMS = 32  # gather programs on the side stream: a program waiting on the link holds a multiprocessor
-# Where a streamed layer's guess is made: at the start of the layer before it ("layer", measured), or of the
-# streamed layer before it ("streamed": earlier where resident layers sit between, so the side stream has the
-# next gather queued before the current one ends, from an input further back; not yet timed). Two slots
-# suffice for both: a slot is next written for the streamed layer after next, queued after its last reader.
-LEAD = "layer"
+PROGRAMS = 16  # gather programs on the side stream: a program waiting on the link holds a multiprocessor
+# Where a streamed layer's guess is made: at the start of the layer before it ("layer"), or of the streamed
+# layer before it ("streamed", the default: earlier where resident layers sit between, so the side stream has
+# the next gather queued before the current one ends; 13.3 vs 14.7 ms a step on the H200, for 97.1 vs 97.7% of
+# picks guessed). Two slots suffice for both: a slot is next written for the streamed layer after next, queued
+# after its last reader.
+LEAD = "streamed"
 
 
 class _Slot:
