@@ -70,6 +70,15 @@ def engine_flags(p: argparse.ArgumentParser, lists: bool = False) -> None:
         + ("; bench: a comma list compares them" if lists else ""),
     )
     p.add_argument(
+        "--expert-cache",
+        type=_cache_list if lists else _cache,
+        default=None,
+        metavar="N|auto",
+        help="decode with --prefetch: keep the N most-picked experts of each streamed layer on the GPU, read there "
+        "instead of over the link (0: off; default auto: as many as --vram-budget leaves, none without a budget)"
+        + ("; bench: a comma list compares them" if lists else ""),
+    )
+    p.add_argument(
         "--small-batch",
         default="auto",
         choices=[m.value for m in SmallBatch],
@@ -170,6 +179,14 @@ def _ncmoe(text: str) -> int | str:
     return text if text in ("all", "auto") else _int(text)
 
 
+def _cache(text: str) -> int | str:
+    return text if text == "auto" else _int(text)
+
+
+def _cache_list(text: str) -> list[int | str]:
+    return [_cache(t) for t in text.split(",")]
+
+
 def _int(text: str) -> int:
     try:
         return int(text)
@@ -206,6 +223,7 @@ def engine_options(a: argparse.Namespace) -> dict:
         streamed_layers=first(a.streamed_layers),
         small_batch=a.small_batch,
         prefetch=first(a.prefetch) if a.prefetch is not None else None,
+        expert_cache=first(a.expert_cache) if a.expert_cache is not None else "auto",
         devices=a.devices,
         tensor_split=a.tensor_split.replace("/", ",") if a.tensor_split else None,
         threads=None if a.threads in (None, -1) else a.threads,  # llama.cpp's -t -1: the default

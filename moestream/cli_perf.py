@@ -38,6 +38,7 @@ def cmd_bench(a: argparse.Namespace) -> None:
             slots=a.slots,
             picks=a.streamed_layers,
             prefetches=a.prefetch or [None],
+            caches=a.expert_cache or ["auto"],
             repeats=a.repetitions,
             floors=not a.no_floors,
         )
@@ -79,6 +80,8 @@ def cmd_bench(a: argparse.Namespace) -> None:
                 if r.prefetch_hit is None
                 else f", prefetch {r.prefetch} a layer: {r.prefetch_hit:.1%} of picks guessed"
             )
+            if r.cache_hit is not None:
+                guess += f", expert cache {r.expert_cache} a layer: {r.cache_hit:.1%} of picks held"
             print(
                 f"  {r.test} ncmoe {r.n_cpu_moe} {r.streamed_layers} {r.small_batch}: {r.seconds / n * 1e3:.2f} ms a "
                 f"token, {r.bytes_uploaded / n / 1e6:.1f} MB of experts fetched a token{guess}"

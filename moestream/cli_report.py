@@ -83,6 +83,8 @@ def record(row, info: dict, link_bps: float) -> dict:
         "small_batch": row.small_batch,
         "prefetch": row.prefetch,
         "prefetch_hit": row.prefetch_hit,
+        "expert_cache": row.expert_cache,
+        "cache_hit": row.cache_hit,
         "bytes_uploaded": row.bytes_uploaded,
         "experts_used": row.experts_used,
         "link_gbs": row.link_gbs,

@@ -4,7 +4,7 @@
 #   tests    pytest -m gpu (without fla's kernels: `fla` runs those, ~100 s of autotuning; tests/serving are CPU
 #            tests and need httpx2/openai, which the GPU image lacks)
 #   model    generate the qwen3-30b-a3b Q4_K_M model (skipped when a warm machine still has it) + routing
-#   pp512 pp2048 long profile decode decodediag prefetch cpuexp alloc   the issue-3/4/10 benches on that model
+#   pp512 pp2048 long profile decode decodediag prefetch cachediag cpuexp alloc   issue-3/4/10 benches on it
 #   small    an 8-layer slice of the benchmark model: decode_diag.py (tile settings, kernel table) + cpuexp
 #   loadtest the server load test (issue 13) with the benchmark model, serving wheels from .whl/serve
 #   lbuild llamacpp   build llama.cpp's llama-bench (background) / wait and run tg128 at -ncmoe 0,26
@@ -50,7 +50,7 @@ for step in "$@"; do
                2>&1 | quiet | tee -a "$OUT/profile.txt" ;;
     decode) $MS bench -m $MODEL -ncmoe 0 -r 3 -p 0 -n 128 --no-floors 2>&1 | quiet | tee -a "$OUT/bench.txt"
             for sb in ${SMALL_BATCH:-gather cpu}; do  # gather: without and with next-layer prefetch, one run
-              pf=(); [[ $sb == gather ]] && pf=(--prefetch "${PREFETCH:-0,8}")
+              pf=(); [[ $sb == gather ]] && pf=(--prefetch "${PREFETCH:-0,8}" --expert-cache "${CACHE:-0,auto}")
               $MS bench -m $MODEL -ncmoe 26 -r 3 -p 0 -n 128 --streamed-layers spread --small-batch $sb ${pf[@]+"${pf[@]}"} \
                 --vram-budget 12GiB --no-floors 2>&1 | quiet | tee -a "$OUT/bench.txt"
             done ;;
@@ -63,6 +63,7 @@ for step in "$@"; do
            OMP_WAIT_POLICY=passive python3 scripts/cpu_experts.py $SMALL --layer 1 --threads 16 2>&1 \
              | tee -a "$OUT/diag.txt" ;;
     prefetch) python3 scripts/prefetch_diag.py $MODEL 2>&1 | tee -a "$OUT/diag.txt" ;;  # issue 10: side-stream gathers
+    cachediag) python3 scripts/cache_diag.py $MODEL 2>&1 | tee -a "$OUT/diag.txt" ;;  # issue 10: the expert cache
     decodediag) python3 scripts/decode_diag.py $MODEL 2>&1 | tee -a "$OUT/diag.txt"
                 python3 scripts/decode_diag.py $MODEL stream 2>&1 | tee -a "$OUT/diag.txt" ;;
     cpuexp) for n in ${CPU_THREADS:-8 16}; do for layer in 1; do  # the compiled CPU matvec on this host's cores

@@ -1,6 +1,6 @@
 """Next-layer prefetch on the GPU: the graphed decode step of a streamed placement (-ncmoe 26 spread, 12 GiB)
-without a guess and with one (its width, the side stream's gather programs, where it is made), side by side
-in one process, each checked to give the unguessed run's greedy tokens.
+without a guess and with one (its width, the side stream's gather programs, where it is made, the experts
+the expert cache holds), side by side in one process, each checked to give the unguessed run's greedy tokens.
 
     python scripts/prefetch_diag.py MODEL
 """
@@ -38,17 +38,24 @@ if __name__ == "__main__":
     )
     want = greedy(e)
     print(f"prefetch off                {step_ms(e):7.3f} ms a step", flush=True)
-    variants = [(8, 16, "layer"), (8, 32, "layer"), (8, 16, "streamed"), (8, 32, "streamed"), (10, 32, "streamed")]
-    for width, programs, lead in variants:  # experts a guess, gather programs, where the guess is made
-        e.reconfigure(prefetch=width)
+    variants = [  # experts a guess, gather programs, where the guess is made, experts held a layer
+        (8, 16, "streamed", 0),
+        (8, 16, "streamed", "auto"),
+        (8, 16, "streamed", 8),
+        (8, 16, "layer", "auto"),
+        (10, 16, "streamed", "auto"),
+    ]
+    for width, programs, lead, held in variants:
+        e.reconfigure(prefetch=width, expert_cache=held)
         prefetch.PROGRAMS, prefetch.LEAD = programs, lead
         before = e.model.experts.prefetch_stats()
         ms = step_ms(e)
-        picks, misses, _ = (b - a for a, b in zip(before, e.model.experts.prefetch_stats(), strict=True))
+        d = [b - a for a, b in zip(before, e.model.experts.prefetch_stats(), strict=True)]
         same = greedy(e) == want
         print(
-            f"prefetch {width:>2}, {programs:>3} programs, at the {lead:<8} before {ms:7.3f} ms a step, "
-            f"{1 - misses / picks:.1%} guessed, same tokens: {same}",
+            f"prefetch {width:>2}, {programs:>3} programs, at the {lead:<8} before, {e.model.experts.cached_width:>3} "
+            f"held: {ms:7.3f} ms a step, {1 - d[1] / d[0]:.1%} guessed, {d[4] / d[0]:.1%} held, "
+            f"{(d[2] + d[3]) / 144 / 1e6:.1f} MB a step over the link, same tokens: {same}",
             flush=True,
         )
     e.close()

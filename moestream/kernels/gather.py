@@ -20,6 +20,8 @@ except ImportError:
     triton = None
 
 WORDS_PER_PROGRAM = 2048
+Cached = tuple[torch.Tensor, torch.Tensor]  # a device stack of some experts' rows, and slot_of [n_expert]: each
+# expert's row of it (-1: not held)
 
 if triton is not None:
 
@@ -32,16 +34,37 @@ if triton is not None:
         tl.store(dst + r.to(tl.int64) * row_words + w, tl.load(src + row * row_words + w, mask=ok), mask=ok)
 
     @triton.jit
-    def _gather_few_kernel(src, ids, dst, row_words, n_items, chunks, WORDS: tl.constexpr, PROGRAMS: tl.constexpr):
+    def _gather_few_kernel(
+        src, ids, dst, row_words, n_items, chunks, WORDS: tl.constexpr, PROGRAMS: tl.constexpr, AT: tl.constexpr
+    ):
         """_gather_kernel's copies from PROGRAMS programs, each looping over (pick, chunk) items: a gather
-        beside compute must leave it most multiprocessors (a program waiting on the link holds one)."""
+        beside compute must leave it most multiprocessors (a program waiting on the link holds one). AT: ids
+        are word offsets from src (anywhere in the unified address space: a device cache's rows too)."""
         for start in range(0, n_items, PROGRAMS):
             item = start + tl.program_id(0)
             r = item // chunks
             w = (item % chunks) * WORDS + tl.arange(0, WORDS)
             ok = (w < row_words) & (item < n_items)
             row = tl.load(ids + r, mask=item < n_items, other=0).to(tl.int64)
-            tl.store(dst + r.to(tl.int64) * row_words + w, tl.load(src + row * row_words + w, mask=ok), mask=ok)
+            at = row if AT else row * row_words
+            tl.store(dst + r.to(tl.int64) * row_words + w, tl.load(src + at + w, mask=ok), mask=ok)
+
+    @triton.jit
+    def _held_offsets_kernel(
+        guess, slot_of, offs, counts, n_guess, w0, w1, w2, d0, d1, d2, expert_bytes, GUESS: tl.constexpr
+    ):
+        """For each guessed expert and stack s (words a row w_s): where the gather reads it, as a word offset
+        from that stack's host base: its row of the device cache (d_s words away) when slot_of holds it, else
+        its host row; and the bytes the guess reads over the link, added to counts[3]."""
+        g = tl.arange(0, GUESS)
+        live = g < n_guess
+        e = tl.load(guess + g, mask=live, other=0)
+        at = tl.load(slot_of + e, mask=live, other=-1)
+        hot = at >= 0
+        tl.store(offs + g, tl.where(hot, d0 + at * w0, e * w0), mask=live)
+        tl.store(offs + n_guess + g, tl.where(hot, d1 + at * w1, e * w1), mask=live)
+        tl.store(offs + 2 * n_guess + g, tl.where(hot, d2 + at * w2, e * w2), mask=live)
+        tl.atomic_add(counts + 3, tl.sum((live & (at < 0)).to(tl.int64), axis=0) * expert_bytes)
 
     @triton.jit
     def _misses_kernel(
@@ -51,33 +74,50 @@ if triton is not None:
         dst,
         mats,
         counts,
+        cache,
+        slot_of,
+        freq,
         row_words,
         n_guess,
         GUESS: tl.constexpr,
         WORDS: tl.constexpr,
         FIRST: tl.constexpr,
+        CACHED: tl.constexpr,
     ):
         """Pick r's row of dst: guess's position j if ids[r] is guess[j] (prefetched there), else n_guess + r,
-        read here from host memory. The first stack's launch writes that row index to mats and counts
-        (picks, misses, bytes read) on the device; each launch adds its own stack's bytes."""
+        read here from host memory, or from the device stack cache when CACHED and slot_of names a row of it.
+        The first stack's launch writes that row index to mats and counts picks and misses (and with CACHED,
+        picks the cache holds, and each expert's picks in freq) on the device; each launch adds the bytes its
+        own stack read over the link."""
         r = tl.program_id(0)
         c = tl.program_id(1)
         row = tl.load(ids + r)
         g = tl.arange(0, GUESS)
         hit = (tl.load(guess + g, mask=g < n_guess, other=-1) == row).to(tl.int32)
         found = tl.max(hit, axis=0)
+        if CACHED:
+            at = tl.load(slot_of + row)
+        else:
+            at = tl.full((), -1, tl.int64)
         if c == 0:
             if FIRST:
                 tl.store(mats + r, tl.where(found > 0, tl.argmax(hit, axis=0), n_guess + r).to(tl.int64))
                 tl.atomic_add(counts, 1)
                 tl.atomic_add(counts + 1, (1 - found).to(tl.int64))
-            if found == 0:
+                if CACHED:
+                    tl.atomic_add(counts + 4, (at >= 0).to(tl.int64))
+                    tl.atomic_add(freq + row, 1)
+            if (found == 0) & (at < 0):
                 tl.atomic_add(counts + 2, row_words.to(tl.int64) * 4)
         if found == 0:
             w = c * WORDS + tl.arange(0, WORDS)
             ok = w < row_words
-            at = row.to(tl.int64) * row_words + w
-            tl.store(dst + (n_guess + r).to(tl.int64) * row_words + w, tl.load(src + at, mask=ok), mask=ok)
+            if CACHED:
+                hot = tl.load(cache + at * row_words + w, mask=ok & (at >= 0))
+                v = tl.where(at >= 0, hot, tl.load(src + row.to(tl.int64) * row_words + w, mask=ok & (at < 0)))
+            else:
+                v = tl.load(src + row.to(tl.int64) * row_words + w, mask=ok)
+            tl.store(dst + (n_guess + r).to(tl.int64) * row_words + w, v, mask=ok)
 
 
 def available() -> bool:
@@ -98,14 +138,19 @@ class RowGather:
         return available() and not self.kernel_failed
 
     def __call__(
-        self, src: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None = None, programs: int | None = None
+        self,
+        src: torch.Tensor,
+        rows: torch.Tensor,
+        out: torch.Tensor | None = None,
+        programs: int | None = None,
+        cache: Cached | None = None,
     ) -> torch.Tensor:
         """src[rows] on rows' device, into out [n, ...] (contiguous) when given. src [N, ...] holds stored
         bytes (uint8, any device); rows [n] int64. programs: at most this many kernel programs (None: one a
-        pick and chunk of it, the fastest alone)."""
+        pick and chunk of it, the fastest alone). cache: rows of src also held on the device, read there."""
         out = torch.empty((rows.numel(), *src.shape[1:]), dtype=src.dtype, device=rows.device) if out is None else out
         if src.device == rows.device:
-            return torch.index_select(src, 0, rows, out=out)
+            return _from_cache(torch.index_select(src, 0, rows, out=out), rows, cache)
         if self.reads(src, rows):
             words = out[0].numel() // 4
             try:
@@ -115,22 +160,46 @@ class RowGather:
                         _gather_kernel[(rows.numel(), chunks)](
                             _words(src), rows, _words(out), words, WORDS=WORDS_PER_PROGRAM
                         )
-                    else:
-                        n_items = rows.numel() * chunks
-                        _gather_few_kernel[(programs,)](
-                            _words(src),
-                            rows,
-                            _words(out),
-                            words,
-                            n_items,
-                            chunks,
-                            WORDS=WORDS_PER_PROGRAM,
-                            PROGRAMS=programs,
-                        )
-                return out
+                        return _from_cache(out, rows, cache)
+                    self._few(src, rows, out, programs, at=False)
+                    return _from_cache(out, rows, cache)
             except Exception as e:
                 self.failed(e)
-        return out.copy_(src[rows.cpu()])  # through the host: a sync on the ids
+        return _from_cache(out.copy_(src[rows.cpu()]), rows, cache)  # through the host: a sync on the ids
+
+    def _few(self, src: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, programs: int, at: bool) -> None:
+        words = out[0].numel() // 4
+        chunks = triton.cdiv(words, WORDS_PER_PROGRAM)
+        _gather_few_kernel[(programs,)](
+            _words(src), rows, _words(out), words, rows.numel() * chunks, chunks, WORDS_PER_PROGRAM, programs, at
+        )
+
+    def gather_held(
+        self,
+        srcs: list[torch.Tensor],
+        ids: torch.Tensor,
+        outs: list[torch.Tensor],
+        stacks: list[torch.Tensor],
+        slot_of: torch.Tensor,
+        counts: torch.Tensor,
+        offs: torch.Tensor,
+        programs: int,
+    ) -> None:
+        """Each host stack's rows ids [G] into outs on PROGRAMS programs, those slot_of [n_expert] names read
+        from the device stacks instead (offs [3, G]: where each is read); counts[3] grows by the bytes read over
+        the link. Raises if the kernels fail (the caller then picks another way)."""
+        G = ids.numel()
+        words = [out[0].numel() // 4 for out in outs]
+        deltas = []
+        for src, stack in zip(srcs, stacks, strict=True):
+            gap = stack.data_ptr() - src.data_ptr()  # one address space: the device rows seen from the host base
+            deltas.append(gap // 4)
+        with torch.cuda.device(ids.device):
+            _held_offsets_kernel[(1,)](
+                ids, slot_of, offs, counts, G, *words, *deltas, 4 * sum(words), GUESS=triton.next_power_of_2(G)
+            )
+            for s, (src, out) in enumerate(zip(srcs, outs, strict=True)):
+                self._few(src, offs[s], out, programs, at=True)
 
     def failed(self, e: Exception) -> None:
         """A kernel reading host memory failed: say it once; this picker goes through the host from now on."""
@@ -151,12 +220,16 @@ def fill_misses(
     mats: torch.Tensor,
     counts: torch.Tensor,
     first: bool,
+    cache: Cached | None = None,
+    freq: torch.Tensor | None = None,
 ) -> None:
     """The picks ids [n] of host stack src that guess [G] missed, read into dst rows G.. (dst [G + n, ...] holds
-    the guessed experts in rows 0..G-1); mats [n] gets each pick's row of dst and counts [3] (picks, misses,
-    bytes) grows, both from the first stack's launch (first). No host sync: ids stay on the device."""
+    the guessed experts in rows 0..G-1), from cache where it holds them; mats [n] gets each pick's row of dst and
+    counts (picks, misses, bytes read for misses, -, cached picks) grows, and freq [n_expert] (with a cache),
+    from the first stack's launch (first). No host sync: ids stay on the device."""
     words = src[0].numel() // 4
     G = guess.numel()
+    stack, slot_of = cache if cache is not None else (dst, ids)  # unread without a cache
     with torch.cuda.device(ids.device):
         _misses_kernel[(ids.numel(), triton.cdiv(words, WORDS_PER_PROGRAM))](
             _words(src),
@@ -165,12 +238,27 @@ def fill_misses(
             _words(dst),
             mats,
             counts,
+            _words(stack),
+            slot_of,
+            freq if freq is not None else counts,
             words,
             G,
             GUESS=triton.next_power_of_2(G),
             WORDS=WORDS_PER_PROGRAM,
             FIRST=first,
+            CACHED=cache is not None,
         )
+
+
+def _from_cache(out: torch.Tensor, rows: torch.Tensor, cache: Cached | None) -> torch.Tensor:
+    """out [n, ...], src's rows: those the cache holds rewritten from it (the same bytes; read there so that a
+    wrong cache shows as a wrong answer wherever the kernel is not used)."""
+    if cache is not None:
+        stack, slot_of = cache
+        at = slot_of[rows]
+        hot = (at >= 0).nonzero().view(-1)  # a host sync: only off the kernel's path
+        out[hot] = stack[at[hot]]
+    return out
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:

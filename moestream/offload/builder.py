@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from tqdm import tqdm
@@ -13,10 +13,19 @@ from moestream.errors import MoestreamError
 from moestream.formats.gguf import GGUFFile, torch_bytes
 from moestream.kernels.gather import RowGather
 from moestream.offload.device import CpuDevice, CudaDevice, cap_vram, make_device
+from moestream.offload.expert_cache import ExpertCache
 from moestream.offload.experts import ExpertTensors, LayerExperts
 from moestream.offload.host import PinnedRanges
 from moestream.offload.options import EngineOptions
-from moestream.offload.placement import Footprint, Placement, kv_cache_bytes, parse_size, plan, workspace_bytes
+from moestream.offload.placement import (
+    Footprint,
+    Placement,
+    cached_experts,
+    kv_cache_bytes,
+    parse_size,
+    plan,
+    workspace_bytes,
+)
 from moestream.offload.prefetch import Prefetcher, ring_bytes
 from moestream.offload.schedule import SmallBatch
 from moestream.offload.shards import ShardedStreamer, expert_ranges, shard_layer
@@ -67,9 +76,17 @@ class Offload:
             )
             if (pf := self.experts.prefetcher) is not None:
                 ring = sum(buf.numel() for slot in pf.slots for buf in slot.bufs)
+                held = (
+                    ""
+                    if pf.cache is None
+                    else (
+                        f"; {pf.cache.n} of each held on the GPU, the most picked ({pf.cache.nbytes / 2**30:.2f} GiB, "
+                        "--expert-cache)"
+                    )
+                )
                 lines.append(
                     f"decode: {pf.n_guess} experts of each streamed layer guessed ahead and gathered beside compute "
-                    f"(--prefetch; ring {ring / 2**20:.1f} MiB)"
+                    f"(--prefetch; ring {ring / 2**20:.1f} MiB){held}"
                 )
         return "\n".join(lines)
 
@@ -151,7 +168,11 @@ def build_offload(
             )
         prefetcher = None
         if streamed and n_guess and _prefetches(small_batch, device, readable, pick, sharded):
-            prefetcher = Prefetcher(tensors, placement.streamed, n_guess, spec.n_expert_used, device, pick)
+            sizes = [tensors[il].expert_bytes for il in placement.streamed]
+            n_cached = min(spec.n_expert, cached_experts(opts.expert_cache, placement, fp, budget, sizes))
+            cache = ExpertCache(tensors, placement.streamed, n_cached, device, pick) if n_cached else None
+            fp = replace(fp, expert_cache=cache.nbytes if cache is not None else 0)
+            prefetcher = Prefetcher(tensors, placement.streamed, n_guess, spec.n_expert_used, device, pick, cache)
         experts = LayerExperts(
             tensors, resident, streamer, dtype, opts.stream_min_batch, dev, small_batch, readable, pick, prefetcher
         )

@@ -26,7 +26,7 @@ from moestream.offload.streamer import Streamer
 from moestream.profiling.timeline import NULL, Timeline
 
 if TYPE_CHECKING:
-    from moestream.offload.prefetch import Prefetcher
+    from moestream.offload.prefetch import PickStats, Prefetcher
 
 
 @dataclass(frozen=True)
@@ -163,11 +163,17 @@ class LayerExperts:
         """How many experts a guess names (--prefetch)."""
         return self.prefetcher.n_guess if self.prefetcher is not None else 0
 
+    @property
+    def cached_width(self) -> int:
+        """How many experts of each streamed layer the expert cache holds (--expert-cache)."""
+        p = self.prefetcher
+        return p.cache.n if p is not None and p.cache is not None else 0
+
     def prefetch(self, il: int, guess: torch.Tensor) -> None:
         """Start gathering layer il's experts guess [1, G] names, beside compute (no host sync); nothing once
         the gather kernel has failed (the layer then picks through the host)."""
         if self._gathers(self.dev.device):
-            self.count_moved(self.prefetcher.prefetch(il, guess, self.timeline))
+            self.prefetcher.prefetch(il, guess, self.timeline)
 
     def start_layer(self, il: int, ubatch: int) -> None:
         """The engine begins layer il of a micro-batch: attention and router run from here to ffn()."""
@@ -184,7 +190,10 @@ class LayerExperts:
         """Expert bytes sent over the link so far: whole-layer uploads, picked experts, gathers, prefetched
         guesses and their misses (those counted on the device: reading them is a sync)."""
         moved = self.streamer.bytes_uploaded if self.streamer is not None else 0
-        return moved + (self.prefetcher.stats()[2] if self.prefetcher is not None else 0)
+        if self.prefetcher is None:
+            return moved
+        counted = self.prefetcher.stats()
+        return moved + counted.miss_bytes + counted.guess_bytes
 
     def count_moved(self, nbytes: int) -> None:
         """Add bytes gathers read over the link (counted here too when a replayed graph ran them)."""
@@ -282,8 +291,8 @@ class LayerExperts:
         if self.prefetcher is not None and self.prefetcher.stream is not None:
             self.prefetcher.forget()
 
-    def prefetch_stats(self) -> tuple[int, int, int] | None:
-        """(picks, misses, bytes read for misses) of prefetched layers so far; None without prefetch."""
+    def prefetch_stats(self) -> PickStats | None:
+        """Counts of prefetched layers' picks so far; None without prefetch."""
         return self.prefetcher.stats() if self.prefetcher is not None else None
 
     def begin(self, visits: list[int]) -> None:
@@ -295,5 +304,7 @@ class LayerExperts:
         """Compute has queued its last use of the current staging slot."""
         if self.prefetcher is not None:
             self.prefetcher.drop()  # a pass that stopped half-way leaves guesses nobody takes
+            if self.prefetcher.cache is not None:
+                self.prefetcher.cache.end_pass()
         if self.streamer is not None:
             self.streamer.finish()

@@ -39,6 +39,8 @@ class EngineOptions:
     # auto: resolved by SmallBatch.resolve once placement knows what is page-locked)
     prefetch: int | None = None  # experts of a gathered layer guessed one layer ahead in decode (0: off; None:
     # as many as the router picks)
+    expert_cache: int | str = "auto"  # experts of each streamed layer kept on the GPU for decode's gathers
+    # (offload/expert_cache.py; with prefetch). auto: as many as --vram-budget leaves (none without a budget)
     host_memory: str = "pinned"  # streamed experts: "pinned" (page-locked in place) or "pageable" (llama.cpp's mmap)
     threads: int | None = None  # CPU threads for CPU work (torch's intra-op pool); None: torch's default
     deltanet: str | None = None  # delta-net prefill rule: torch | fla | auto (default: $MOESTREAM_DELTANET or auto)
@@ -81,6 +83,13 @@ class EngineOptions:
         resolve("small_batch", SmallBatch.parse(self.small_batch))
         if self.prefetch is not None and self.prefetch < 0:
             raise MoestreamError(f"--prefetch {self.prefetch}: must be 0 (off) or more experts a layer")
+        if self.expert_cache != "auto":
+            try:
+                resolve("expert_cache", int(self.expert_cache))
+            except ValueError:
+                raise MoestreamError(f"--expert-cache {self.expert_cache}: expected an expert count or auto") from None
+            if self.expert_cache < 0:
+                raise MoestreamError(f"--expert-cache {self.expert_cache}: must be 0 (off), more experts or auto")
         if self.host_memory not in ("pinned", "pageable"):
             raise MoestreamError(f"--host-memory {self.host_memory}: expected pinned or pageable")
         resolve("deltanet", deltanet_mode(os.environ.get(DELTANET_ENV) if self.deltanet is None else self.deltanet))

@@ -26,6 +26,7 @@ class Footprint:
     kv_cache: int
     workspace: int  # one layer's experts dequantized + activations of one micro-batch
     prefetch: int = 0  # decode's ring of guessed experts (offload/prefetch.py), when any layer streams
+    expert_cache: int = 0  # streamed layers' experts held for decode (offload/expert_cache.py)
 
 
 @dataclass(frozen=True)
@@ -64,8 +65,8 @@ class Placement:
         return sum(self.expert_bytes[i] for i in self.streamed)
 
     def gpu_bytes(self, fp: Footprint) -> int:
-        prefetch = fp.prefetch if self.streamed else 0
-        return fp.dense + fp.kv_cache + fp.workspace + prefetch + self.resident_bytes + self.staging_bytes
+        decode = fp.prefetch + fp.expert_cache if self.streamed else 0
+        return fp.dense + fp.kv_cache + fp.workspace + decode + self.resident_bytes + self.staging_bytes
 
 
 def parse_size(text: str | int | None) -> int | None:
@@ -140,6 +141,29 @@ def plan(
             f"{budget / 2**30:.2f} GiB; use --n-cpu-moe auto or stream more layers"
         )
     return p
+
+
+# Left free by an auto-sized expert cache: the footprint above undercounts a decode run's memory by 256-330 MiB
+# (qwen3-30b-a3b at -ncmoe 26 under 12 GiB: a cache sized with 256 spare ran out of memory in bench tg128)
+CACHE_SLACK = 640 * 2**20
+
+
+def cached_experts(asked: int | str, p: Placement, fp: Footprint, budget: int | None, sizes: list[int]) -> int:
+    """Experts of each streamed layer the expert cache holds: `asked`, or (auto) as many as the budget leaves
+    after everything else, CACHE_SLACK spared (none without a budget). sizes: one expert's bytes in each
+    streamed layer; at most all of a layer's experts (n, in sizes' layers)."""
+    if not p.streamed:
+        return 0
+    per = len(p.streamed) * max(sizes)
+    if asked == "auto":
+        return 0 if budget is None else max(0, (budget - p.gpu_bytes(fp) - CACHE_SLACK) // per)
+    if budget is not None and p.gpu_bytes(fp) + asked * per > budget:
+        room = max(0, (budget - p.gpu_bytes(fp)) // per)
+        raise MoestreamError(
+            f"--expert-cache {asked} needs {asked * per / 2**30:.2f} GiB on the GPU but --vram-budget leaves room "
+            f"for {room} experts a streamed layer; use --expert-cache auto or a smaller count"
+        )
+    return asked
 
 
 def kv_cache_bytes(spec, n_ctx: int, dtype: torch.dtype) -> int:

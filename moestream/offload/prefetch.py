@@ -14,9 +14,12 @@ layer that read it.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from moestream.kernels.gather import RowGather, fill_misses
+from moestream.offload.expert_cache import ExpertCache
 from moestream.offload.experts import ExpertTensors
 from moestream.profiling.timeline import NULL, Timeline
 
@@ -30,6 +33,16 @@ PROGRAMS = 16  # gather programs on the side stream: a program waiting on the li
 LEAD = "streamed"
 
 
+class PickStats(NamedTuple):
+    """Counts of prefetched layers' picks so far (kept on the device, read as one)."""
+
+    picks: int
+    misses: int  # picks the guess did not name, gathered after routing
+    miss_bytes: int  # bytes those read over the link
+    guess_bytes: int  # bytes the guesses read over the link
+    cached: int  # picks the expert cache held
+
+
 class _Slot:
     """Rows for G guessed plus n missed experts of each stack (gate, up, down), and the guess."""
 
@@ -38,6 +51,7 @@ class _Slot:
         self.guess = torch.zeros(n_guess, dtype=torch.long, device=device)
         self.mats = torch.zeros(n_picks, dtype=torch.long, device=device)  # each pick's row of the stacks
         self.ready = torch.cuda.Event() if device.type == "cuda" else None
+        self.offs = torch.zeros((3, n_guess), dtype=torch.long, device=device)  # where a held guess is read
 
 
 class Prefetcher:
@@ -51,12 +65,14 @@ class Prefetcher:
         n_used: int,
         device: torch.device,
         pick: RowGather,
+        cache: ExpertCache | None = None,
     ):
         self.tensors, self.n_guess, self.n_used, self.pick, self.device = tensors, n_guess, n_used, pick, device
+        self.cache = cache  # experts held on the device: read there, not over the link
         self.ring = {il: i % RING for i, il in enumerate(sorted(streamed))}  # layer -> its slot
         self.slots = [_Slot(stack_sizes(tensors, streamed), n_guess, n_used, device) for _ in range(RING)]
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.counts = torch.zeros(3, dtype=torch.long, device=device)  # picks, misses, bytes read for misses
+        self.counts = torch.zeros(len(PickStats._fields), dtype=torch.long, device=device)  # PickStats
         self.pending: dict[int, list[torch.Tensor]] = {}  # layer -> its stacks' rows, the guessed ones queued
 
     def schedule(self) -> dict[int, int]:
@@ -65,31 +81,46 @@ class Prefetcher:
         lead = LEAD == "streamed"
         return {(order[i - 1] if lead and i else il - 1): il for i, il in enumerate(order)}
 
-    def prefetch(self, il: int, guess: torch.Tensor, timeline: Timeline = NULL) -> int:
+    def prefetch(self, il: int, guess: torch.Tensor, timeline: Timeline = NULL) -> None:
         """Queue the gather of layer il's guessed experts (guess [G] ids, on the device) on the side stream (a
-        "copy" span of the timeline); returns the bytes it reads over the link."""
+        "copy" span of the timeline); the bytes it reads over the link are counted on the device."""
         slot, raws = self.slots[self.ring[il]], self.tensors[il].host_bytes()
         slot.guess.copy_(guess.reshape(-1))
         rows = [
             buf[: (self.n_guess + self.n_used) * raw[0].numel()].view(-1, *raw.shape[1:])
             for buf, raw in zip(slot.bufs, raws, strict=True)
         ]
-        nbytes = self.n_guess * self.tensors[il].expert_bytes
+        cache = self.cache
+
+        outs = [r[: self.n_guess] for r in rows]
+
+        def gather(programs: int | None) -> None:
+            if cache is not None and programs is not None and all(self.pick.reads(raw, slot.guess) for raw in raws):
+                try:  # one launch says where each guess is read (host or cache), then the usual gathers
+                    stacks, slot_of = cache.stacks[il], cache.of(il, 0)[1]
+                    self.pick.gather_held(raws, slot.guess, outs, stacks, slot_of, self.counts, slot.offs, programs)
+                    return
+                except Exception as e:  # as RowGather: say it once, then pick through the host
+                    self.pick.failed(e)
+            for s, (raw, out) in enumerate(zip(raws, outs, strict=True)):
+                held = cache.of(il, s) if cache is not None else None
+                self.pick(raw, slot.guess, out=out, programs=programs, cache=held)
+            link = self.n_guess if cache is None else cache.uncached(il, slot.guess)
+            self.counts[3] += link * self.tensors[il].expert_bytes
+
+        nbytes = self.n_guess * self.tensors[il].expert_bytes  # at most: the timeline's span
         if self.stream is None:  # the CPU device: in order, on the calling thread
             start = timeline.stamp()
-            for raw, r in zip(raws, rows, strict=True):
-                self.pick(raw, slot.guess, out=r[: self.n_guess])
+            gather(None)
             timeline.add("copy", "prefetch", start, timeline.stamp(), layer=il, nbytes=nbytes)
         else:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # after all compute queued so far
             with torch.cuda.stream(self.stream):
                 start = timeline.stamp(self.stream)
-                for raw, r in zip(raws, rows, strict=True):
-                    self.pick(raw, slot.guess, out=r[: self.n_guess], programs=PROGRAMS)
+                gather(PROGRAMS)
                 timeline.add("copy", "prefetch", start, timeline.stamp(self.stream), layer=il, nbytes=nbytes)
                 slot.ready.record(self.stream)
         self.pending[il] = rows
-        return nbytes
 
     def take(self, il: int, ids: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Layer il's stacks holding the experts ids [T, K] picked, and each pick's row of them (shaped as
@@ -99,10 +130,13 @@ class Prefetcher:
         raws = self.tensors[il].host_bytes()
         if slot.ready is not None:
             torch.cuda.current_stream(self.device).wait_event(slot.ready)
+        cache = self.cache
+        held = [cache.of(il, s) if cache is not None else None for s in range(len(raws))]
         if all(self.pick.reads(raw, picks) for raw in raws):
             try:
+                freq = cache.counts(il) if cache is not None else None
                 for s, (raw, r) in enumerate(zip(raws, rows, strict=True)):
-                    fill_misses(raw, picks, slot.guess, r, slot.mats, self.counts, first=s == 0)
+                    fill_misses(raw, picks, slot.guess, r, slot.mats, self.counts, s == 0, held[s], freq)
                 return rows, slot.mats.view_as(ids)
             except Exception as e:  # as RowGather: say it once, then pick through the host
                 self.pick.failed(e)
@@ -110,11 +144,15 @@ class Prefetcher:
         found = hit.any(1)
         mats = torch.where(found, hit.int().argmax(1), self.n_guess + torch.arange(picks.numel(), device=ids.device))
         missed = (~found).nonzero().view(-1)  # a host sync: the CPU device, or a GPU whose gather kernel failed
-        for raw, r in zip(raws, rows, strict=True):
-            r[self.n_guess + missed] = self.pick(raw, picks[missed])
-        n_missed = missed.numel()
+        for s, (raw, r) in enumerate(zip(raws, rows, strict=True)):
+            r[self.n_guess + missed] = self.pick(raw, picks[missed], cache=held[s])
+        n_cached = 0
+        if cache is not None:
+            cache.counts(il).index_add_(0, picks, torch.ones_like(picks))
+            n_cached = picks.numel() - int(cache.uncached(il, picks))
+        n_link = missed.numel() if cache is None else int(cache.uncached(il, picks[missed]))
         self.counts += torch.tensor(
-            [picks.numel(), n_missed, n_missed * self.tensors[il].expert_bytes], device=ids.device
+            [picks.numel(), missed.numel(), n_link * self.tensors[il].expert_bytes, 0, n_cached], device=ids.device
         )
         return rows, mats.view_as(ids)
 
@@ -134,10 +172,9 @@ class Prefetcher:
         for slot in self.slots:
             slot.ready = torch.cuda.Event()
 
-    def stats(self) -> tuple[int, int, int]:
-        """(picks, misses, bytes read for misses) so far (reads the device counters: a sync)."""
-        picks, misses, nbytes = self.counts.tolist()
-        return picks, misses, nbytes
+    def stats(self) -> PickStats:
+        """The counts so far (reads the device counters: a sync)."""
+        return PickStats(*self.counts.tolist())
 
 
 def stack_sizes(tensors: dict[int, ExpertTensors], layers) -> list[int]:

@@ -44,6 +44,8 @@ class BenchRow:
     links_gbs: list[float] = field(default_factory=list)  # --devices: each device's link, bytes into its ring / run
     prefetch: int = 0  # experts guessed a gathered layer ahead in decode (0: none)
     prefetch_hit: float | None = None  # the fraction of those layers' picks that were guessed (None: no prefetch)
+    expert_cache: int = 0  # experts of each streamed layer the cache held (0: none)
+    cache_hit: float | None = None  # the fraction of prefetched layers' picks it held (None: no cache)
 
 
 def random_prompt(n: int, n_vocab: int, seed: int = 0) -> list[int]:
@@ -62,6 +64,7 @@ class _Measured:
     copy_gbs: float | None  # the link while copying (None: no uploads)
     links: list[float]  # bytes a run into each device's ring (--devices)
     hit: float | None  # the fraction of prefetched layers' picks that were guessed (None: no prefetch)
+    cached: float | None  # the fraction of them the expert cache held (None: no cache)
 
 
 def _measure(engine, test: str, tokens: list[int], repeats: int) -> _Measured:
@@ -101,10 +104,12 @@ def _measure(engine, test: str, tokens: list[int], repeats: int) -> _Measured:
     times = timed(fn, engine.device, repeats=repeats, warmup=0)
     peak = torch.cuda.max_memory_allocated(engine.device) / 2**30 if cuda else 0.0
     moved = (experts.bytes_moved - before) // repeats
-    hit = None
+    hit = cached = None
     if guessed is not None:
-        picks, misses, _ = (b - a for a, b in zip(guessed, experts.prefetch_stats(), strict=True))
+        picks, misses, _, _, held = (b - a for a, b in zip(guessed, experts.prefetch_stats(), strict=True))
         hit = 1 - misses / picks if picks else None
+        if experts.cached_width and picks:
+            cached = held / picks
     used = float(torch.stack(experts.usage).mean()) if experts.usage else 0.0
     experts.track_usage, experts.usage = False, []
     links = [(b - a) / repeats for a, b in zip(links_before, getattr(streamer, "link_bytes", []), strict=True)]
@@ -117,6 +122,7 @@ def _measure(engine, test: str, tokens: list[int], repeats: int) -> _Measured:
         copy_gbs=copy_gbs,
         links=links,
         hit=hit,
+        cached=cached,
     )
 
 
@@ -132,6 +138,7 @@ class Sweep:
     slots: list[int]
     picks: list[str]  # --streamed-layers first | spread
     prefetches: list[int | None] = field(default_factory=lambda: [None])  # --prefetch (None: the router's count)
+    caches: list[int | str] = field(default_factory=lambda: ["auto"])  # --expert-cache
     repeats: int = 3
     floors: bool = True  # also time each test with every expert resident (the compute floor)
 
@@ -148,10 +155,17 @@ def run_bench(engine, sweep: Sweep, progress=None) -> tuple[list[BenchRow], floa
     compute_floor: dict[tuple[str, int], float] = {}
     w = sweep
     tests = [(f"pp{p}", p) for p in w.prompts if p > 0] + [(f"tg{n}", n) for n in w.gens if n > 0]
-    combos = itertools.product(w.ubatches, w.n_cpu_moes, w.picks, w.streams, w.slots, w.prefetches)
-    for ub, ncmoe, pick, stream, k, pf in combos:
+    combos = itertools.product(w.ubatches, w.n_cpu_moes, w.picks, w.streams, w.slots, w.prefetches, w.caches)
+    for ub, ncmoe, pick, stream, k, pf, held in combos:
         engine.reconfigure(
-            ubatch=ub, n_cpu_moe=ncmoe, streamed_layers=pick, stream=stream, slots=k, prefetch=pf, progress=False
+            ubatch=ub,
+            n_cpu_moe=ncmoe,
+            streamed_layers=pick,
+            stream=stream,
+            slots=k,
+            prefetch=pf,
+            expert_cache=held,
+            progress=False,
         )
         for test, n in tests:
             tokens = random_prompt(n, engine.spec.n_vocab)
@@ -182,6 +196,8 @@ def run_bench(engine, sweep: Sweep, progress=None) -> tuple[list[BenchRow], floa
                 links_gbs=[b / secs / 1e9 for b in m.links],
                 prefetch=engine.model.experts.guess_width,
                 prefetch_hit=m.hit,
+                expert_cache=engine.model.experts.cached_width,
+                cache_hit=m.cached,
             )
             if m.logits is not None:
                 tok = int(torch.argmax(m.logits[-1]))

@@ -8,9 +8,9 @@ import torch
 
 import moestream
 from moestream.errors import MoestreamError
-from moestream.offload import prefetch
+from moestream.offload import expert_cache, prefetch
 from moestream.offload.options import EngineOptions
-from moestream.offload.placement import Footprint, Placement
+from moestream.offload.placement import CACHE_SLACK, Footprint, Placement, cached_experts
 from moestream.offload.prefetch import ring_bytes
 from moestream.profiling.timeline import NULL, Timeline
 from moestream.runtime.sampling import SamplingParams
@@ -43,7 +43,7 @@ def test_every_guess_width_gives_the_unguessed_bits(model_file, preset):
         try:
             assert e.model.experts.guess_width == width
             tokens, logits = decode(e)
-            picks, misses, miss_bytes = e.model.experts.prefetch_stats()
+            picks, misses, miss_bytes, _, cached = e.model.experts.prefetch_stats()
         finally:
             e.close()
         assert tokens == want[0]
@@ -53,7 +53,7 @@ def test_every_guess_width_gives_the_unguessed_bits(model_file, preset):
             assert misses == 0 and miss_bytes == 0
         if width == 1:
             assert misses >= 10 * spec.n_layer * (spec.n_expert_used - 1)
-        assert 0 <= misses <= picks
+        assert 0 <= misses <= picks and cached == 0  # no budget: no expert cache
 
 
 def test_generation_matches_resident_with_prefetch_on_by_default(model_file):
@@ -72,10 +72,11 @@ def test_generation_matches_resident_with_prefetch_on_by_default(model_file):
         before, counted = experts.bytes_moved, experts.prefetch_stats()
         for t in want[:4]:
             e.forward([t], cache)
-        picks, _, miss_bytes = (b - a for a, b in zip(counted, experts.prefetch_stats(), strict=True))
-        per_expert = sum(t.nbytes // t.n_expert for t in experts.tensors.values())  # of every layer
+        picks, _, miss_bytes, guess_bytes, _ = (b - a for a, b in zip(counted, experts.prefetch_stats(), strict=True))
+        per_expert = sum(t.expert_bytes for t in experts.tensors.values())  # of every layer
         # each step's guesses of each layer, then its misses
-        assert experts.bytes_moved - before == 4 * per_expert * experts.guess_width + miss_bytes
+        assert guess_bytes == 4 * per_expert * experts.guess_width
+        assert experts.bytes_moved - before == guess_bytes + miss_bytes
         assert picks == 4 * e.spec.n_layer * e.spec.n_expert_used
     finally:
         e.close()
@@ -120,7 +121,7 @@ def test_only_gathered_one_token_static_passes_guess(model_file):
     e = moestream.load(path, stream_min_batch=1, **GATHERED)  # one-token steps upload whole layers
     try:
         decode(e, 3)
-        assert e.model.experts.prefetch_stats() == (0, 0, 0) and not e.model.experts.prefetcher.pending
+        assert e.model.experts.prefetch_stats() == (0, 0, 0, 0, 0) and not e.model.experts.prefetcher.pending
         e.model.experts.static = True
         assert e.model.experts.guess_plan(1) == {}
     finally:
@@ -161,3 +162,77 @@ def test_the_placement_line_and_the_timeline_show_the_guesses(model_file):
         assert [s.layer for s in spans] == [0, 1] * 3 and all(s.lane == "copy" and s.nbytes > 0 for s in spans)
     finally:
         e.close()
+
+
+@pytest.mark.parametrize("width", [1, 2])
+def test_the_expert_cache_is_read_and_changes_no_bit(model_file, width):
+    """Held experts come from the cache's rows (a wrong row shows as other logits), picks they serve cross no
+    link, and the cache holds each layer's most-picked experts after a refresh."""
+    path = model_file("tiny", "Q4_K_M")
+    off = moestream.load(path, prefetch=0, **GATHERED)
+    want = decode(off, 12)
+    off.close()
+    e = moestream.load(path, prefetch=width, expert_cache=3, **GATHERED)
+    try:
+        experts = e.model.experts
+        cache = experts.prefetcher.cache
+        assert experts.cached_width == 3 and "3 of each held on the GPU" in e.offload.describe()
+        tokens, logits = decode(e, 12)
+        assert tokens == want[0] and torch.equal(logits, want[1])
+        picks, misses, miss_bytes, guess_bytes, cached = experts.prefetch_stats()
+        sizes = {il: t.expert_bytes for il, t in experts.tensors.items()}
+        assert picks == 12 * e.spec.n_layer * e.spec.n_expert_used and 0 < cached < picks
+        assert miss_bytes <= misses * max(sizes.values()) and guess_bytes < 12 * width * sum(sizes.values())
+        cache.refresh()
+        for i, il in enumerate(cache.layers):
+            held = cache.held[i]
+            freq = cache.freq[i]
+            assert sorted(held) == sorted(set(held)) and min(freq[held]) >= max(
+                freq[[x for x in range(8) if x not in held]]
+            )
+            for s, raw in enumerate(experts.tensors[il].host_bytes()):
+                assert torch.equal(cache.stacks[il][s], raw[held])  # the file's bytes
+        cache.stacks[cache.layers[0]][0].zero_()  # a cache that lies must be caught
+        assert not torch.equal(decode(e, 12)[1], want[1])
+    finally:
+        e.close()
+
+
+def test_the_cache_refreshes_on_a_doubling_then_fixed_schedule(model_file, monkeypatch):
+    e = moestream.load(model_file("tiny", "Q4_K_M"), expert_cache=2, **GATHERED)
+    try:
+        cache = e.model.experts.prefetcher.cache
+        seen = []
+        monkeypatch.setattr(cache, "refresh", lambda: seen.append(cache.passes))
+        for _ in range(3 * expert_cache.REFRESH):
+            cache.end_pass()
+        assert seen == [1, 2, 4, 8, 16, 32, 64, 96]
+    finally:
+        e.close()
+
+
+def test_the_expert_cache_is_sized_by_the_budget_and_refused_past_it(model_file):
+    path = model_file("tiny", "Q4_K_M")
+    e = moestream.load(path, **GATHERED)
+    try:
+        assert e.model.experts.cached_width == 0  # auto without a budget: none
+        fp, p = e.offload.footprint, e.offload.placement
+        sizes = [t.expert_bytes for t in e.model.experts.tensors.values()]
+        per = len(p.streamed) * max(sizes)
+        budget = p.gpu_bytes(fp) + CACHE_SLACK + 5 * per + per // 2
+        assert cached_experts("auto", p, fp, budget, sizes) == 5
+        assert cached_experts(4, p, fp, budget, sizes) == 4
+        with pytest.raises(MoestreamError, match="--expert-cache 7 needs .* room for 5 experts a streamed layer"):
+            cached_experts(7, p, fp, p.gpu_bytes(fp) + 5 * per, sizes)
+        assert cached_experts("auto", Placement(0, [8000], n_slots=1), fp, budget, sizes) == 0
+    finally:
+        e.close()
+    held = moestream.load(path, expert_cache=99, **GATHERED)  # more than the layer has: all of them
+    try:
+        assert held.model.experts.cached_width == held.spec.n_expert
+        assert held.offload.footprint.expert_cache == held.model.experts.prefetcher.cache.nbytes > 0
+    finally:
+        held.close()
+    for bad, says in (("-1", "must be 0"), ("lots", "expected an expert count or auto")):
+        with pytest.raises(MoestreamError, match=f"--expert-cache {bad}: {says}"):
+            EngineOptions(expert_cache=bad)

@@ -45,14 +45,23 @@ def test_replayed_steps_give_the_eager_steps_bits(model_file, preset, n_cpu_moe,
     assert float((graphed - ref).abs().max() / ref.abs().max()) < tolerance
 
 
-@pytest.mark.parametrize("prefetch", [0, None, 1])
-def test_streamed_decode_reads_the_chosen_experts_and_gives_resident_tokens(model_file, prefetch):
+@pytest.mark.parametrize("prefetch,held", [(0, 0), (None, 0), (1, 0), (None, 3), (1, 3)])
+def test_streamed_decode_reads_the_chosen_experts_and_gives_resident_tokens(model_file, prefetch, held):
     """Gathered in replayed graphs, without a guess, with the router's count guessed a layer ahead on a side
-    stream, and with a one-expert guess (mostly misses, gathered after routing): resident tokens each time."""
+    stream, and with a one-expert guess (mostly misses, gathered after routing), with and without 3 experts a
+    layer held in the expert cache: resident tokens each time."""
     path = model_file("tiny", "Q4_K_M")
     params = SamplingParams(max_tokens=24, stop_at_eos=False)
     ref = moestream.load(path, device="cuda", progress=False)
-    got = moestream.load(path, device="cuda", progress=False, n_cpu_moe="all", small_batch="gather", prefetch=prefetch)
+    got = moestream.load(
+        path,
+        device="cuda",
+        progress=False,
+        n_cpu_moe="all",
+        small_batch="gather",
+        prefetch=prefetch,
+        expert_cache=held,
+    )
     try:
         assert ref.generate(TOKENS[:16], params).tokens == got.generate(TOKENS[:16], params).tokens
         experts, cache = got.model.experts, got.new_cache()
@@ -68,11 +77,18 @@ def test_streamed_decode_reads_the_chosen_experts_and_gives_resident_tokens(mode
             assert counted is None
             assert moved == 20 * per_expert * K  # replays counted: K experts a layer, no more
             return
-        picks, misses, miss_bytes = (b - a for a, b in zip(counted, experts.prefetch_stats(), strict=True))
-        assert moved == 20 * per_expert * width + miss_bytes  # the guesses, then the misses (counted on the device)
+        picks, misses, miss_bytes, guess_bytes, cached = (
+            b - a for a, b in zip(counted, experts.prefetch_stats(), strict=True)
+        )
+        assert moved == guess_bytes + miss_bytes  # counted on the device
         assert picks == 20 * got.spec.n_layer * K and 0 <= misses <= picks
         sizes = [t.nbytes // t.n_expert for t in experts.tensors.values()]  # Q4_K_M: some layers' down is Q6_K
-        assert misses * min(sizes) <= miss_bytes <= misses * max(sizes)
+        if held:  # held experts cross no link, guessed or missed
+            assert experts.cached_width == held and 0 < cached < picks
+            assert guess_bytes < 20 * per_expert * width and miss_bytes <= misses * max(sizes)
+        else:
+            assert cached == 0 and guess_bytes == 20 * per_expert * width
+            assert misses * min(sizes) <= miss_bytes <= misses * max(sizes)
         if prefetch == 1:
             assert misses >= 20 * got.spec.n_layer * (K - 1)
     finally:

@@ -1,0 +1,89 @@
+"""A GPU cache of the streamed layers' most-picked experts, in the VRAM a budget leaves (decode with prefetch).
+
+A one-token step with streamed layers is link-bound once their experts are guessed ahead (604 MB a token at
+-ncmoe 26 on qwen3-30b-a3b, ~40 GB/s of a ~48 GB/s gather). An expert the cache holds is one the link does not
+carry when it is guessed or missed: the prefetch and misses kernels read it from the cache's rows instead.
+
+Which experts: the most picked so far in each layer, counted on the device by the misses kernel. The cache is
+refreshed between passes (a host sync, never inside a captured step) after pass 1, 2, 4, ... REFRESH, then
+every REFRESH passes; only experts that changed are copied. Captured graphs read its rows and its map in place,
+so they stay valid. The rows hold the file's bytes: cached or not, the same tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moestream.kernels.gather import Cached, RowGather
+from moestream.offload.experts import ExpertTensors
+
+REFRESH = 32  # passes between refreshes, once warm
+
+
+class ExpertCache:
+    """n experts of each streamed layer on the device, with the map and pick counts the kernels use."""
+
+    def __init__(
+        self, tensors: dict[int, ExpertTensors], streamed: list[int], n: int, device: torch.device, pick: RowGather
+    ):
+        self.tensors, self.n, self.pick = tensors, n, pick
+        self.layers = sorted(streamed)
+        n_expert = tensors[self.layers[0]].n_expert
+        self.stacks = {
+            il: [torch.empty((n, *raw.shape[1:]), dtype=torch.uint8, device=device) for raw in tensors[il].host_bytes()]
+            for il in self.layers
+        }
+        self.slot_of = torch.full((len(self.layers), n_expert), -1, dtype=torch.long, device=device)
+        self.freq = torch.zeros((len(self.layers), n_expert), dtype=torch.long, device=device)  # picks so far
+        self.held = [[-1] * n for _ in self.layers]  # the expert in each row (host copy of slot_of)
+        self.row = {il: i for i, il in enumerate(self.layers)}
+        self.passes = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.numel() for stacks in self.stacks.values() for s in stacks)
+
+    def of(self, il: int, stack: int) -> Cached:
+        """What the gather kernels take for one stack (gate, up, down) of layer il."""
+        return self.stacks[il][stack], self.slot_of[self.row[il]]
+
+    def counts(self, il: int) -> torch.Tensor:
+        """Layer il's pick counts (the misses kernel adds to them)."""
+        return self.freq[self.row[il]]
+
+    def end_pass(self) -> None:
+        """A pass ended: on schedule, hold each layer's most-picked experts (a host sync)."""
+        self.passes += 1
+        p = self.passes
+        if (p & (p - 1) == 0 and p <= REFRESH) or p % REFRESH == 0:
+            self.refresh()
+
+    def refresh(self) -> None:
+        """Copy in the experts that became the most picked ones; a held one wins ties (no churn on equal counts)."""
+        score = self.freq * 2 + (self.slot_of >= 0).long()
+        want = score.topk(self.n, dim=1).indices.tolist()
+        changed = False
+        for i, il in enumerate(self.layers):
+            held, keep = self.held[i], set(want[i])
+            new = [e for e in want[i] if e not in set(held)]
+            if not new:
+                continue
+            rows = [r for r, e in enumerate(held) if e not in keep][: len(new)]
+            ids = torch.tensor(new, device=self.slot_of.device)
+            at = torch.tensor(rows, device=self.slot_of.device)
+            for raw, stack in zip(self.tensors[il].host_bytes(), self.stacks[il], strict=True):
+                stack[at] = self.pick(raw, ids)
+            for r, e in zip(rows, new, strict=True):
+                held[r] = e
+            changed = True
+        if changed:
+            slot_of = torch.full(self.slot_of.shape, -1, dtype=torch.long)
+            for i, held in enumerate(self.held):
+                for r, e in enumerate(held):
+                    if e >= 0:
+                        slot_of[i, e] = r
+            self.slot_of.copy_(slot_of)
+
+    def uncached(self, il: int, ids: torch.Tensor) -> torch.Tensor:
+        """How many of experts ids layer il's cache does not hold (on the device: no sync)."""
+        return (self.slot_of[self.row[il]][ids] < 0).sum()
