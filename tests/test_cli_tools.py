@@ -119,3 +119,18 @@ def test_run_streams_text_with_experts_in_host_ram(model_file, capsys):
     assert main(argv) == 0
     captured = capsys.readouterr()
     assert "generated" in captured.err and "tok/s" in captured.err
+
+
+def test_bench_reports_guesses_and_the_expert_cache(model_file, capsys):
+    """tg rows with --prefetch and --expert-cache lists: how many picks were guessed and held, same tokens."""
+    path = model_file("tiny", "Q4_K_M")
+    argv = ["bench", "-m", path, "--device", "cpu", "-p", "0", "-n", "12", "-ncmoe", "all", "-r", "1"]
+    argv += ["--small-batch", "gather", "--prefetch", "2", "--expert-cache", "0,3", "--no-floors"]
+    assert main(argv + ["-o", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["prefetch"], r["expert_cache"]) for r in rows] == [(2, 0), (2, 3)]
+    assert rows[0]["cache_hit"] is None and 0 < rows[1]["cache_hit"] < 1
+    assert rows[1]["bytes_uploaded"] < rows[0]["bytes_uploaded"]  # held experts cross no link
+    assert all(r["same_tokens"] is not False and 0 < r["prefetch_hit"] <= 1 for r in rows)
+    assert main(argv) == 0
+    assert "expert cache 3 a layer:" in capsys.readouterr().out

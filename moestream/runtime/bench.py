@@ -172,14 +172,14 @@ def run_bench(engine, sweep: Sweep, progress=None) -> tuple[list[BenchRow], floa
             m = _measure(engine, test, tokens, w.repeats)
             secs = statistics.mean(m.times)
             tps = [n / t for t in m.times]
-            streamer = engine.model.experts.streamer
+            experts = engine.model.experts  # not kept past this row: its staging slots hold device memory
             row = BenchRow(
                 model=name,
                 size_gib=round(size, 2),
                 n_cpu_moe=engine.offload.placement.n_cpu_moe,
                 ubatch=ub,
                 stream=stream,
-                slots=len(streamer.slots) if streamer else k,  # what ran
+                slots=len(experts.streamer.slots) if experts.streamer else k,  # what ran
                 streamed_layers=pick,
                 test=test,
                 tps=statistics.mean(tps),
@@ -192,13 +192,14 @@ def run_bench(engine, sweep: Sweep, progress=None) -> tuple[list[BenchRow], floa
                 gpu_peak_gib=m.peak_gib,
                 transfer_floor_s=m.moved / link,
                 samples_s=list(m.times),
-                small_batch=engine.model.experts.small_batch,
+                small_batch=experts.small_batch,
                 links_gbs=[b / secs / 1e9 for b in m.links],
-                prefetch=engine.model.experts.guess_width,
+                prefetch=experts.guess_width,
                 prefetch_hit=m.hit,
-                expert_cache=engine.model.experts.cached_width,
+                expert_cache=experts.cached_width,
                 cache_hit=m.cached,
             )
+            del experts
             if m.logits is not None:
                 tok = int(torch.argmax(m.logits[-1]))
                 row.same_tokens = first_token.setdefault(test, tok) == tok
