@@ -105,6 +105,8 @@ def test_prompt_longer_than_context(model_file, capsys):
         (["--temp", "-1"], "--temp"),
         (["--top-p", "0"], "--top-p"),
         (["--device", "tpu"], "--device"),
+        (["--expert-cache", "-2"], "--expert-cache"),
+        (["--prefetch", "-1"], "--prefetch"),
     ],
 )
 def test_flags_out_of_range(model_file, capsys, flags, word):

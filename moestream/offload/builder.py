@@ -167,6 +167,12 @@ def build_offload(
                 stacklevel=2,
             )
         prefetcher = None
+        if streamed and opts.expert_cache not in ("auto", 0) and not (n_guess and may_gather):
+            warnings.warn(
+                f"--expert-cache {opts.expert_cache}: the cache serves decode's guessed gathers, which need "
+                "--small-batch gather (or auto on a GPU) and --prefetch above 0; no experts are held",
+                stacklevel=2,
+            )
         if streamed and n_guess and _prefetches(small_batch, device, readable, pick, sharded):
             sizes = [tensors[il].expert_bytes for il in placement.streamed]
             n_cached = min(spec.n_expert, cached_experts(opts.expert_cache, placement, fp, budget, sizes))

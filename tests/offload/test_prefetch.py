@@ -236,3 +236,12 @@ def test_the_expert_cache_is_sized_by_the_budget_and_refused_past_it(model_file)
     for bad, says in (("-1", "must be 0"), ("lots", "expected an expert count or auto")):
         with pytest.raises(MoestreamError, match=f"--expert-cache {bad}: {says}"):
             EngineOptions(expert_cache=bad)
+
+
+def test_a_cache_asked_without_guesses_is_said_to_hold_nothing(model_file):
+    with pytest.warns(UserWarning, match="--expert-cache 3: .* no experts are held"):
+        e = moestream.load(model_file("tiny", "Q4_K_M"), expert_cache=3, **(GATHERED | dict(prefetch=0)))
+    try:
+        assert e.model.experts.cached_width == 0
+    finally:
+        e.close()
