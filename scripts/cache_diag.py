@@ -19,9 +19,9 @@ from moestream.offload.expert_cache import ExpertCache
 
 
 def report(e, label: str, want: list[int]) -> None:
-    before = e.model.experts.prefetch_stats()
+    before = e.experts.prefetch_stats()
     ms = step_ms(e)
-    d = [b - a for a, b in zip(before, e.model.experts.prefetch_stats(), strict=True)]
+    d = [b - a for a, b in zip(before, e.experts.prefetch_stats(), strict=True)]
     print(
         f"{label:<34} {ms:7.3f} ms a step, {1 - d[1] / d[0]:.1%} guessed, {d[4] / d[0]:.1%} held, "
         f"{(d[2] + d[3]) / 144 / 1e6:.1f} MB a step over the link, same tokens: {greedy(e) == want}",
@@ -37,8 +37,8 @@ if __name__ == "__main__":
     want = greedy(e)
     report(e, "no cache", want)
     e.reconfigure(expert_cache="auto")
-    report(e, f"{e.model.experts.cached_width} held, refreshed", want)
-    cache = e.model.experts.prefetcher.cache
+    report(e, f"{e.experts.cached_width} held, refreshed", want)
+    cache = e.experts.prefetcher.cache
     torch.cuda.synchronize()
     for _ in range(3):
         cache.freq.random_(0, 100)

@@ -58,7 +58,7 @@ def check_dots(engine) -> None:
                 lambda raw=raw, qtype=qtype, shape=shape, x=x: qmatvec.matvec(raw, qtype, shape[0], x),
             )
         )
-    experts = engine.model.experts
+    experts = engine.experts
     if experts.resident:
         il = min(experts.resident)
         t, raws = experts.tensors[il], experts.resident[il]
@@ -127,7 +127,7 @@ def kernel_table(engine, n_steps: int = 2) -> None:
 
 def gather_rate(engine, reps: int = 50) -> None:
     pick = RowGather()
-    experts = engine.model.experts
+    experts = engine.experts
     streamed = [il for il in experts.tensors if il not in experts.resident]
     if not streamed:
         return

@@ -24,9 +24,9 @@ def per_layer(path: str, dtype: str) -> None:
         x = e.model.embed(torch.tensor(tokens, device=e.device))
         b = e.model.make_batch(0, len(tokens), e.device, e.dtype)
         out = [x.float().cpu()]
-        e.model.experts.begin([])
+        p = e.experts.begin([])
         for il in range(e.spec.n_layer):
-            x = e.model.layer(il, x, b, cache)
+            x = e.model.layer(il, x, b, cache, p)
             out.append(x.float().cpu())
         out.append(e.model.head(x).float().cpu())
         hs.append(out)

@@ -48,12 +48,12 @@ if __name__ == "__main__":
     for width, programs, lead, held in variants:
         e.reconfigure(prefetch=width, expert_cache=held)
         prefetch.PROGRAMS, prefetch.LEAD = programs, lead
-        before = e.model.experts.prefetch_stats()
+        before = e.experts.prefetch_stats()
         ms = step_ms(e)
-        d = [b - a for a, b in zip(before, e.model.experts.prefetch_stats(), strict=True)]
+        d = [b - a for a, b in zip(before, e.experts.prefetch_stats(), strict=True)]
         same = greedy(e) == want
         print(
-            f"prefetch {width:>2}, {programs:>3} programs, at the {lead:<8} before, {e.model.experts.cached_width:>3} "
+            f"prefetch {width:>2}, {programs:>3} programs, at the {lead:<8} before, {e.experts.cached_width:>3} "
             f"held: {ms:7.3f} ms a step, {1 - d[1] / d[0]:.1%} guessed, {d[4] / d[0]:.1%} held, "
             f"{(d[2] + d[3]) / 144 / 1e6:.1f} MB a step over the link, same tokens: {same}",
             flush=True,

@@ -23,7 +23,7 @@ from moestream.models.deltanet import (
     l2_normalize,
     prefill_rule,
 )
-from moestream.models.layers import Batch, Cache, imrope_text_cos_sin, rms_norm
+from moestream.models.layers import Batch, Cache, ExpertSource, imrope_text_cos_sin, rms_norm
 from moestream.models.spec import ModelSpec, common_metadata, common_spec_fields, read_int, read_key
 
 if TYPE_CHECKING:
@@ -145,8 +145,8 @@ class Model(qwen3moe.Model):
 
     MOE_NORM = "post_attention_norm"
 
-    def __init__(self, spec: ModelSpec, weights, embedding, experts):
-        super().__init__(spec, weights, embedding, experts)
+    def __init__(self, spec: ModelSpec, weights, embedding):
+        super().__init__(spec, weights, embedding)
         # prefill's delta rule, chosen once here from spec.extra["deltanet"] (the options' $MOESTREAM_DELTANET,
         # put there by the loader): a choice this device cannot run fails at load, not at the first prompt
         self.prefill_rule: DeltaRule = prefill_rule(spec.extra.get("deltanet", "auto"), weights.device)
@@ -174,11 +174,11 @@ class Model(qwen3moe.Model):
         s = self.spec
         return imrope_text_cos_sin(positions, s.rot_dim, s.rope_base, s.extra["rope_sections"], dtype)
 
-    def layer(self, il: int, x: torch.Tensor, batch: Batch, cache: Cache) -> torch.Tensor:
+    def layer(self, il: int, x: torch.Tensor, batch: Batch, cache: Cache, experts: ExpertSource) -> torch.Tensor:
         eps = self.spec.rms_eps
         mix = self.delta_net if self.is_recurrent[il] else self.attention
         h = x + mix(il, rms_norm(x, self.w(il, "attn_norm"), eps), batch, cache)
-        return h + self.moe(il, rms_norm(h, self.w(il, self.MOE_NORM), eps))
+        return h + self.moe(il, rms_norm(h, self.w(il, self.MOE_NORM), eps), experts)
 
     def attention(self, il: int, x: torch.Tensor, batch: Batch, cache: Cache) -> torch.Tensor:
         """Full attention whose output is gated per channel by sigmoid(gate), the gate projected beside q."""
@@ -218,9 +218,9 @@ class Model(qwen3moe.Model):
         out = rms_norm(out, self.w(il, "ssm_norm"), eps) * F.silu(z.float())
         return self.linear(out.reshape(T, -1).to(x.dtype), il, "ssm_out")
 
-    def moe(self, il: int, x: torch.Tensor) -> torch.Tensor:
+    def moe(self, il: int, x: torch.Tensor, experts: ExpertSource) -> torch.Tensor:
         """Routed experts plus the shared expert scaled by sigmoid(x . ffn_gate_inp_shexp)."""
         shared = F.silu(self.linear(x, il, "ffn_gate_shexp")) * self.linear(x, il, "ffn_up_shexp")
         shared = self.linear(shared, il, "ffn_down_shexp")
         gate = torch.sigmoid(F.linear(x, self.w(il, "ffn_gate_inp_shexp").reshape(1, -1)))  # [T, 1]
-        return super().moe(il, x) + gate * shared
+        return super().moe(il, x, experts) + gate * shared

@@ -88,12 +88,10 @@ class Model:
         spec: ModelSpec,
         weights: dict[str, torch.Tensor],
         embedding: Callable[[torch.Tensor], torch.Tensor],
-        experts: ExpertSource,
     ):
         self.spec = spec
         self.weights = weights  # dense tensors on the compute device; "output.weight" even when tied
         self.embedding = embedding  # token ids -> rows [T, D] on the compute device
-        self.experts = experts  # an ExpertSource
         self.attention_layers = spec.attention_layers
 
     def new_recurrent_state(self, device: torch.device) -> dict:
@@ -135,10 +133,11 @@ class Model:
 
     MOE_NORM = "ffn_norm"  # the norm in front of a layer's MoE block
 
-    def layer(self, il: int, x: torch.Tensor, batch: Batch, cache: Cache) -> torch.Tensor:
+    def layer(self, il: int, x: torch.Tensor, batch: Batch, cache: Cache, experts: ExpertSource) -> torch.Tensor:
+        """experts: the pass's source of routed experts (the engine's, like the cache)."""
         eps = self.spec.rms_eps
         h = x + self.attention(il, rms_norm(x, self.w(il, "attn_norm"), eps), batch, cache)
-        return h + self.moe(il, rms_norm(h, self.w(il, self.MOE_NORM), eps))
+        return h + self.moe(il, rms_norm(h, self.w(il, self.MOE_NORM), eps), experts)
 
     def guess_experts(self, il: int, x: torch.Tensor, n: int) -> torch.Tensor:
         """The n experts layer il's router would rank first for x, the residual stream before an earlier layer:
@@ -168,6 +167,6 @@ class Model:
         k_all, v_all = cache.kv.write(il, batch.positions, k, v, batch.n_keys)
         return masked_attention(q, k_all, v_all, batch.positions)
 
-    def moe(self, il: int, x: torch.Tensor) -> torch.Tensor:
+    def moe(self, il: int, x: torch.Tensor, experts: ExpertSource) -> torch.Tensor:
         weights, ids = route_softmax_topk(x, self.w(il, "ffn_gate_inp"), self.spec.n_expert_used)
-        return self.experts.ffn(il, x, weights, ids)
+        return experts.ffn(il, x, weights, ids)

@@ -8,6 +8,7 @@ resident and streamed layers give the same bits for the same micro-batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -24,6 +25,8 @@ from moestream.offload.schedule import SmallBatch
 from moestream.offload.shards import ShardedLayer, ShardedStreamer
 from moestream.offload.streamer import Streamer
 from moestream.profiling.timeline import NULL, Timeline
+
+OnRoute = Callable[[int, torch.Tensor, torch.Tensor], None]  # (layer, its MoE input x [T, D], ids [T, K])
 
 if TYPE_CHECKING:
     from moestream.offload.prefetch import PickStats, Prefetcher
@@ -111,7 +114,8 @@ def matvecs(kernel, raws, t: ExpertTensors) -> list:
 
 
 class LayerExperts:
-    """The ExpertSource the model calls: resident layers, streamed layers and the CPU path for small batches."""
+    """Where each layer's experts come from: resident layers, streamed layers and the CPU path for small
+    batches. Models reach it through the ExpertPass of the pass they run in."""
 
     def __init__(
         self,
@@ -141,18 +145,26 @@ class LayerExperts:
         self.min_batch = min_batch
         self.track_usage = False  # when set, record the fraction of experts each streamed micro-batch used
         self.usage: list[torch.Tensor] = []
-        self.timeline = NULL
-        self._layer: tuple[int, int, object] = (-1, -1, None)  # (layer, micro-batch, stamp) the engine started
-        # set during static passes (decode steps that may be captured in a graph): every streamed layer reads
-        # its experts the same way whatever the staging slots happen to hold
-        self.static = False
         self.prefetcher = prefetcher  # gathered layers' experts guessed a layer or so ahead (--prefetch)
 
-    def guess_plan(self, n_tokens: int) -> dict[int, int]:
-        """For a static pass of n_tokens: {layer at whose start (-1: before layer 0) to call prefetch(): the
-        gathered layer to guess}. Empty unless one token, gathered, prefetch on."""
+    def begin(
+        self, visits: list[int], static: bool = False, timeline: Timeline = NULL, on_route: OnRoute | None = None
+    ) -> ExpertPass:
+        """A pass over the layers starts: the streamed layers it will visit, in order (uploads start now)."""
+        if self.streamer is not None:
+            self.streamer.begin(visits)
+        return ExpertPass(self, static, timeline, on_route)
+
+    def record(self, timeline: Timeline) -> None:
+        """Send the streamer's copy spans to timeline (compute spans go to each pass's)."""
+        if self.streamer is not None:
+            self.streamer.timeline = timeline
+
+    def guess_plan(self, n_tokens: int, static: bool) -> dict[int, int]:
+        """For a pass of n_tokens: {layer at whose start (-1: before layer 0) to call prefetch(): the gathered
+        layer to guess}. Empty unless a static pass of one token, gathered, prefetch on."""
         p = self.prefetcher
-        if p is None or not self.static or n_tokens != 1 or n_tokens >= self.min_batch:
+        if p is None or not static or n_tokens != 1 or n_tokens >= self.min_batch:
             return {}  # a batch of min_batch tokens uploads whole layers
         if p.n_used >= next(iter(self.tensors.values())).n_expert or not self._gathers(self.dev.device):
             return {}  # every expert picked: the layer gathers whole
@@ -169,17 +181,11 @@ class LayerExperts:
         p = self.prefetcher
         return p.cache.n if p is not None and p.cache is not None else 0
 
-    def prefetch(self, il: int, guess: torch.Tensor) -> None:
+    def prefetch(self, il: int, guess: torch.Tensor, timeline: Timeline = NULL) -> None:
         """Start gathering layer il's experts guess [1, G] names, beside compute (no host sync); nothing once
         the gather kernel has failed (the layer then picks through the host)."""
         if self._gathers(self.dev.device):
-            self.prefetcher.prefetch(il, guess, self.timeline)
-
-    def start_layer(self, il: int, ubatch: int) -> None:
-        """The engine begins layer il of a micro-batch: attention and router run from here to ffn()."""
-        if self.streamer is not None:
-            self.streamer.release(il)
-        self._layer = (il, ubatch, self.timeline.stamp())
+            self.prefetcher.prefetch(il, guess, timeline)
 
     def streams(self, il: int, n_tokens: int) -> bool:
         """Whether a micro-batch of n_tokens makes the streamer upload layer il."""
@@ -213,14 +219,14 @@ class LayerExperts:
             return True
         return n_tokens < self.min_batch and self._gathers(dev) and n_tokens * n_expert_used < t.n_expert
 
-    def ffn(self, il: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        t, tl = self.tensors[il], self.timeline
-        layer, ubatch, layer_start = self._layer
+    def ffn(self, p: ExpertPass, il: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        t, tl = self.tensors[il], p.timeline
+        layer, ubatch, layer_start = p.layer
         label = dict(layer=il, ubatch=ubatch) if layer == il else dict(layer=il)
         if layer == il:
             tl.add("compute", "attention", layer_start, tl.stamp(), **label)
         if il not in self.resident and x.shape[0] < self.min_batch:
-            return self._small_batch(il, t, x, weights, ids, label)
+            return self._small_batch(p, il, t, x, weights, ids, label)
         if il in self.resident:
             raws = self.resident[il]
         else:
@@ -228,48 +234,49 @@ class LayerExperts:
                 self.usage.append((expert_counts(ids.reshape(-1), t.n_expert) > 0).float().mean())
             raws = self.streamer.acquire(il)  # the compute stream now waits for the upload
         with tl.span("compute", "experts", **label):
-            return self._on_device(il, t, raws, x, weights, ids)
+            return self._on_device(tl, il, t, raws, x, weights, ids)
 
-    def _on_device(self, il: int, t: ExpertTensors, raws, x, weights, ids) -> torch.Tensor:
+    def _on_device(self, tl: Timeline, il: int, t: ExpertTensors, raws, x, weights, ids) -> torch.Tensor:
         self.dev.compute()  # injected slowness on the CPU device; nothing on a GPU
         if isinstance(raws, ShardedLayer):  # --devices: each range of experts on its own device
-            shards = [(lo, hi, t.stacks(r, self.dtype, None, self.timeline, il)) for lo, hi, r in raws.parts]
+            shards = [(lo, hi, t.stacks(r, self.dtype, None, tl, il)) for lo, hi, r in raws.parts]
             return moe_swiglu_sharded(x, weights, ids, shards)
         T, K = ids.shape
         if _matvec_serves(t, x.device, x.shape[0]):
             return _picked(x, weights, ids, raws, t, self.pick)
         if T * K < t.n_expert:  # few tokens: dequantize just the chosen experts, one per token-expert pair
             pairs = torch.arange(T * K, device=x.device).view(T, K)
-            stacks = t.stacks(raws, self.dtype, ids.reshape(-1), self.timeline, il, self.pick)
+            stacks = t.stacks(raws, self.dtype, ids.reshape(-1), tl, il, self.pick)
             return moe_swiglu(x, weights, pairs, T * K, *stacks)
-        return moe_swiglu(x, weights, ids, t.n_expert, *t.stacks(raws, self.dtype, None, self.timeline, il))
+        return moe_swiglu(x, weights, ids, t.n_expert, *t.stacks(raws, self.dtype, None, tl, il))
 
-    def _small_batch(self, il: int, t: ExpertTensors, x, weights, ids, label: dict) -> torch.Tensor:
+    def _small_batch(self, p: ExpertPass, il: int, t: ExpertTensors, x, weights, ids, label: dict) -> torch.Tensor:
         """A streamed layer for a few tokens: gather the experts they chose with a kernel reading host memory
         (no sync), upload only those (a sync to learn which), or compute them on the CPU straight from the
         map (moving a few rows of x instead of weights)."""
-        whole = None if self.static else self.streamer.held(il)
+        tl = p.timeline
+        whole = None if p.static else self.streamer.held(il)
         if whole is not None:
-            with self.timeline.span("compute", "experts", **label):
-                return self._on_device(il, t, whole, x, weights, ids)
+            with tl.span("compute", "experts", **label):
+                return self._on_device(tl, il, t, whole, x, weights, ids)
         if self._gathers(x.device) and ids.numel() < t.n_expert:
-            with self.timeline.span("compute", "experts-gather", **label):  # no sync: ids stay on the device
+            with tl.span("compute", "experts-gather", **label):  # no sync: ids stay on the device
                 if self.prefetcher is not None and il in self.prefetcher.pending:  # misses counted on the device
                     rows, at = self.prefetcher.take(il, ids)
-                    return self._on_device(il, t, rows, x, weights, at)
+                    return self._on_device(tl, il, t, rows, x, weights, at)
                 self.count_moved(ids.numel() * t.expert_bytes)  # read over the link
-                return self._on_device(il, t, t.host_bytes(), x, weights, ids)
+                return self._on_device(tl, il, t, t.host_bytes(), x, weights, ids)
         used = torch.unique(ids.cpu())  # sync: the host must know which experts to move or read
         local = torch.full((t.n_expert,), -1, dtype=torch.long)
         local[used] = torch.arange(used.numel())  # expert id -> its row among the chosen ones
         views = self.streamer.upload_experts(il, used.tolist()) if self.small_batch is not SmallBatch.CPU else None
         if views is not None:
             self.dev.compute()
-            with self.timeline.span("compute", "experts", **label):
+            with tl.span("compute", "experts", **label):
                 if _matvec_serves(t, x.device, x.shape[0]):
                     return _picked(x, weights, local.to(x.device)[ids], views, t, self.pick)
                 return moe_swiglu(x, weights, local.to(x.device)[ids], used.numel(), *t.stacks(views, self.dtype))
-        with self.timeline.span("compute", "experts-cpu", **label):
+        with tl.span("compute", "experts-cpu", **label):
             if all(v.qtype in cpu_quant.TYPES for v in t.views) and cpu_quant.available():
                 on_cpu = matvecs(cpu_quant, t.host_bytes(), t)
                 out = moe_swiglu_picked(x.float().cpu(), weights.float().cpu(), ids.cpu(), *on_cpu)
@@ -295,11 +302,6 @@ class LayerExperts:
         """Counts of prefetched layers' picks so far; None without prefetch."""
         return self.prefetcher.stats() if self.prefetcher is not None else None
 
-    def begin(self, visits: list[int]) -> None:
-        """The streamed layers the coming pass will visit, in order (uploads start now)."""
-        if self.streamer is not None:
-            self.streamer.begin(visits)
-
     def end_pass(self) -> None:
         """Compute has queued its last use of the current staging slot."""
         if self.prefetcher is not None:
@@ -308,3 +310,38 @@ class LayerExperts:
                 self.prefetcher.cache.end_pass()
         if self.streamer is not None:
             self.streamer.finish()
+
+
+class ExpertPass:
+    """One pass over the layers (a prefill, a decode step), made by the engine through LayerExperts.begin and
+    handed to model.layer like the cache: the model's MoE asks it for each layer's routed experts.
+
+    static: a pass whose device work must be the same every time (a decode step that may be captured in a
+    CUDA graph): every streamed layer reads its experts the same way whatever the staging slots hold."""
+
+    def __init__(self, source: LayerExperts, static: bool, timeline: Timeline, on_route: OnRoute | None = None):
+        self.source, self.static, self.timeline = source, static, timeline
+        self.on_route = on_route  # sees each layer's input and routing (a counter, a test's probe)
+        self.layer: tuple[int, int, object] = (-1, -1, None)  # (layer, micro-batch, stamp) the engine started
+
+    def start_layer(self, il: int, ubatch: int) -> None:
+        """The engine begins layer il of a micro-batch: attention and router run from here to ffn()."""
+        if self.source.streamer is not None:
+            self.source.streamer.release(il)
+        self.layer = (il, ubatch, self.timeline.stamp())
+
+    def ffn(self, il: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Layer il's routed experts for x [T, D] (ids, weights [T, K]): the ExpertSource models call."""
+        if self.on_route is not None:
+            self.on_route(il, x, ids)
+        return self.source.ffn(self, il, x, weights, ids)
+
+    def guess_plan(self, n_tokens: int) -> dict[int, int]:
+        return self.source.guess_plan(n_tokens, self.static)
+
+    def prefetch(self, il: int, guess: torch.Tensor) -> None:
+        self.source.prefetch(il, guess, self.timeline)
+
+    def end(self) -> None:
+        """Compute has queued its last use of the current staging slot."""
+        self.source.end_pass()

@@ -8,19 +8,13 @@ from moestream.models.layers import expert_counts
 
 
 class RoutingCounter:
-    """Wraps an ExpertSource and counts the router's choices on their way through."""
+    """Counts the router's choices of every pass it is handed to (Engine.forward's on_route)."""
 
-    def __init__(self, inner, n_layer: int, n_expert: int):
-        self.inner = inner
+    def __init__(self, n_layer: int, n_expert: int):
         self.counts = torch.zeros(n_layer, n_expert, dtype=torch.int64)
 
-    def __getattr__(self, name: str):
-        """The engine's streaming hooks (streams, begin, end_pass) go to the wrapped source unchanged."""
-        return getattr(self.inner, name)
-
-    def ffn(self, il: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def __call__(self, il: int, x: torch.Tensor, ids: torch.Tensor) -> None:
         self.counts[il] += expert_counts(ids.reshape(-1), self.counts.shape[1]).cpu()
-        return self.inner.ffn(il, x, weights, ids)
 
     def imbalance(self) -> torch.Tensor:
         """Busiest expert's load over the mean load, per layer."""
@@ -32,10 +26,6 @@ def routing_load(engine, n_tokens: int = 2048, seed: int = 0) -> RoutingCounter:
     """Run a prompt of random tokens and count each layer's expert load."""
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, engine.spec.n_vocab, (n_tokens,), generator=g).tolist()
-    counter = RoutingCounter(engine.model.experts, engine.spec.n_layer, engine.spec.n_expert)
-    engine.model.experts = counter
-    try:
-        engine.forward(tokens, engine.new_cache())
-    finally:
-        engine.model.experts = counter.inner
+    counter = RoutingCounter(engine.spec.n_layer, engine.spec.n_expert)
+    engine.forward(tokens, engine.new_cache(), on_route=counter)
     return counter

@@ -68,7 +68,7 @@ class _Measured:
 
 
 def _measure(engine, test: str, tokens: list[int], repeats: int) -> _Measured:
-    experts = engine.model.experts
+    experts = engine.experts
     streamer = experts.streamer
     last = {}
 
@@ -172,7 +172,7 @@ def run_bench(engine, sweep: Sweep, progress=None) -> tuple[list[BenchRow], floa
             m = _measure(engine, test, tokens, w.repeats)
             secs = statistics.mean(m.times)
             tps = [n / t for t in m.times]
-            experts = engine.model.experts  # not kept past this row: its staging slots hold device memory
+            experts = engine.experts  # not kept past this row: its staging slots hold device memory
             row = BenchRow(
                 model=name,
                 size_gib=round(size, 2),

@@ -16,6 +16,7 @@ from moestream.errors import MoestreamError
 from moestream.formats.tokenizer import TextStream
 from moestream.models.layers import Batch
 from moestream.offload.device import cap_vram
+from moestream.offload.experts import ExpertPass, LayerExperts, OnRoute
 from moestream.offload.options import EngineOptions
 from moestream.offload.schedule import Schedule
 from moestream.profiling.timeline import NULL, Timeline
@@ -66,9 +67,12 @@ class Engine:
     def record(self, timeline: Timeline) -> None:
         """Send copy and compute spans of the following passes to timeline (NULL turns recording off)."""
         self.timeline = timeline
-        self.model.experts.timeline = timeline
-        if self.model.experts.streamer is not None:
-            self.model.experts.streamer.timeline = timeline
+        self.experts.record(timeline)
+
+    @property
+    def experts(self) -> LayerExperts:
+        """Where each layer's experts come from, for the current placement."""
+        return self.offload.experts
 
     def reconfigure(self, **changes) -> None:
         """Change placement or schedule (n_cpu_moe, stream, slots, ubatch...) without reloading dense weights.
@@ -79,7 +83,7 @@ class Engine:
         options = dataclasses.replace(self.options, **changes)
         self._graphs.clear()  # captured steps read the old expert buffers; free their memory before the new ones
         self.offload.close()  # first: the new placement may page-lock the same ranges
-        self.offload = self.model.experts = None  # and let its device memory go before the new one is made
+        self.offload = None  # and let its device memory go before the new one is made
         failed = None
         try:
             self.offload = self._make_offload(options)
@@ -89,7 +93,6 @@ class Engine:
             self.offload = self._make_offload(self.options)
         else:
             self.options = options
-        self.model.experts = self.offload.experts
         self.record(self.timeline)
         if failed is not None:
             raise failed
@@ -113,17 +116,20 @@ class Engine:
         return SequenceCache(kv, self.model.new_recurrent_state(self.device))
 
     @torch.inference_mode()
-    def forward(self, tokens: list[int], cache: SequenceCache, all_logits: bool = False) -> torch.Tensor:
+    def forward(
+        self, tokens: list[int], cache: SequenceCache, all_logits: bool = False, on_route: OnRoute | None = None
+    ) -> torch.Tensor:
         """Run tokens through the model in micro-batches of options.ubatch, appending to cache.
 
         Token-major runs each micro-batch through every layer; layer-major runs every micro-batch through
         layer L before layer L+1, so each streamed layer crosses the link once per prompt. Both compute
-        exactly what chunked prefill computes. Returns logits [T, V] if all_logits else [1, V].
+        exactly what chunked prefill computes. Returns logits [T, V] if all_logits else [1, V]. on_route sees
+        each layer's MoE input and routing (a single token then runs as a prefill, not a decode step).
         """
         self._check(tokens, cache)
-        if len(tokens) == 1:
+        if len(tokens) == 1 and on_route is None:
             return self._step(tokens[0], cache)
-        ub, n_layer, experts = self.options.ubatch, self.spec.n_layer, self.model.experts
+        ub, n_layer, experts = self.options.ubatch, self.spec.n_layer, self.experts
         chunks = [tokens[i : i + ub] for i in range(0, len(tokens), ub)]
         if self.options.stream is Schedule.LAYER_MAJOR and len(chunks) > 1:
             order = [(il, j) for il in range(n_layer) for j in range(len(chunks))]
@@ -137,19 +143,19 @@ class Engine:
         make = self.model.make_batch
         batches = [make(cache.n_past + i * ub, len(c), self.device, self.dtype) for i, c in enumerate(chunks)]
         xs = [self.model.embed(torch.tensor(c)) for c in chunks]  # token ids stay on the host: rows are read there
-        experts.begin(visits)
+        p = experts.begin(visits, timeline=self.timeline, on_route=on_route)
         started = False
         try:
             for il, j in tqdm(order, desc="prefill", unit="layer", disable=not show, leave=False):
-                experts.start_layer(il, j)
+                p.start_layer(il, j)
                 started = True
-                xs[j] = self.model.layer(il, xs[j], batches[j], cache)
+                xs[j] = self.model.layer(il, xs[j], batches[j], cache, p)
         except BaseException:
             if started:  # some layers' KV / recurrent state already moved on: the cache is unusable
                 cache.broken = True
             raise
         finally:
-            experts.end_pass()
+            p.end()
         cache.n_past += len(tokens)
         with self.timeline.span("compute", "head"):
             if all_logits:
@@ -180,14 +186,14 @@ class Engine:
         if self.timeline is NULL and self.replays_steps:
             graphs = self._graphs.setdefault(cache, StepGraphs())
 
-        def step(x: torch.Tensor, positions: torch.Tensor, n_keys: int) -> torch.Tensor:
-            return self._layers(x, model.static_batch(positions, n_keys, self.dtype), cache)
-
         x = model.embed(torch.tensor([token]))
 
-        def run() -> torch.Tensor:
+        def run(p: ExpertPass) -> torch.Tensor:
+            def step(x: torch.Tensor, positions: torch.Tensor, n_keys: int) -> torch.Tensor:
+                return self._layers(x, model.static_batch(positions, n_keys, self.dtype), cache, p)
+
             if graphs is not None and n_keys in graphs:
-                return graphs.replay(x, cache.n_past, n_keys, model.experts)
+                return graphs.replay(x, cache.n_past, n_keys, self.experts)
             positions = torch.tensor([cache.n_past], device=self.device)
             logits = step(x, positions, n_keys)  # also the warm-up a capture needs
             if graphs is not None:
@@ -216,42 +222,40 @@ class Engine:
         positions = torch.tensor([c.n_past for c in caches], device=dev)
         batch = Batch(-1, *model.rope(positions, self.dtype), positions, rows=rows)
         x = model.embed(torch.tensor(tokens))
-        return self._static_pass(caches, len(tokens), lambda: self._layers(x, batch, caches))
+        return self._static_pass(caches, len(tokens), lambda p: self._layers(x, batch, caches, p))
 
-    def _layers(self, x: torch.Tensor, batch: Batch, cache) -> torch.Tensor:
+    def _layers(self, x: torch.Tensor, batch: Batch, cache, p: ExpertPass) -> torch.Tensor:
         """Every layer, then the head: the body of a static pass (and of a captured step). Gathered layers'
         experts are guessed from the input of an earlier layer (offload/prefetch.py) and fetched beside it."""
-        model, experts = self.model, self.model.experts
-        plan, width = experts.guess_plan(x.shape[0]), experts.guess_width
+        model = self.model
+        plan, width = p.guess_plan(x.shape[0]), self.experts.guess_width
 
         def guess(at: int, x: torch.Tensor) -> None:
             if at in plan:
-                experts.prefetch(plan[at], model.guess_experts(plan[at], x, width))
+                p.prefetch(plan[at], model.guess_experts(plan[at], x, width))
 
         guess(-1, x)
         for il in range(self.spec.n_layer):
-            experts.start_layer(il, 0)
+            p.start_layer(il, 0)
             guess(il, x)
-            x = model.layer(il, x, batch, cache)
+            x = model.layer(il, x, batch, cache, p)
         with self.timeline.span("compute", "head"):
             return model.head(x).float()
 
-    def _static_pass(self, caches: list[SequenceCache], n_tokens: int, run: Callable[[], torch.Tensor]):
+    def _static_pass(self, caches: list[SequenceCache], n_tokens: int, run: Callable[[ExpertPass], torch.Tensor]):
         """run() a static pass of n_tokens that appends one token to each cache: whole-layer uploads planned
         (--stream-min-batch 1), experts read the same way whatever the slots hold, the caches retired if it
         fails half-way."""
-        experts = self.model.experts
-        experts.begin([il for il in range(self.spec.n_layer) if experts.streams(il, n_tokens)])
-        experts.static = True
+        experts = self.experts
+        p = experts.begin([il for il in range(self.spec.n_layer) if experts.streams(il, n_tokens)], True, self.timeline)
         try:
-            logits = run()
+            logits = run(p)
         except BaseException:
             for c in caches:
                 c.broken = True  # a KV row or recurrent state may be half-written
             raise
         finally:
-            experts.static = False
-            experts.end_pass()
+            p.end()
         for c in caches:
             c.n_past += 1
         return logits
@@ -259,17 +263,16 @@ class Engine:
     @property
     def replays_steps(self) -> bool:
         """Whether one-token steps replay CUDA graphs here (then one sequence at a time is the fast path)."""
-        experts = self.model.experts
-        return self._graphs_ok and self.device.type == "cuda" and experts.capturable(1, self.spec.n_expert_used)
+        return self._graphs_ok and self.device.type == "cuda" and self.experts.capturable(1, self.spec.n_expert_used)
 
     def _capture(self, graphs: StepGraphs, step, x: torch.Tensor, positions: torch.Tensor, n_keys: int) -> None:
         """Capture a step; if CUDA refuses, say so once and keep decoding eagerly (same kernels, same bits)."""
         try:
-            graphs.capture(step, x, positions, n_keys, self.model.experts)
+            graphs.capture(step, x, positions, n_keys, self.experts)
         except RuntimeError as e:
             self._graphs_ok = False
             self._graphs.clear()
-            self.model.experts.forget()  # events recorded in the capture never ran
+            self.experts.forget()  # events recorded in the capture never ran
             warnings.warn(f"decode steps could not be captured in a CUDA graph ({e}); running eagerly", stacklevel=3)
 
     def logits(self, tokens: list[int]) -> torch.Tensor:

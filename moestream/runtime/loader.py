@@ -99,7 +99,7 @@ def load(
         offload = make_offload(opts)
         try:
             embedding = HostEmbedding(f.tensor("token_embd.weight"), device, dtype)
-            model = arch.Model(spec, weights, embedding, offload.experts)
+            model = arch.Model(spec, weights, embedding)
             return Engine(model, tokenizer, opts, source=f, offload=offload, make_offload=make_offload)
         except BaseException:
             offload.close()

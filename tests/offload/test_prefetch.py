@@ -41,9 +41,9 @@ def test_every_guess_width_gives_the_unguessed_bits(model_file, preset):
     for width in (1, spec.n_expert_used, spec.n_expert):
         e = moestream.load(path, prefetch=width, **GATHERED)
         try:
-            assert e.model.experts.guess_width == width
+            assert e.experts.guess_width == width
             tokens, logits = decode(e)
-            picks, misses, miss_bytes, _, cached = e.model.experts.prefetch_stats()
+            picks, misses, miss_bytes, _, cached = e.experts.prefetch_stats()
         finally:
             e.close()
         assert tokens == want[0]
@@ -64,7 +64,7 @@ def test_generation_matches_resident_with_prefetch_on_by_default(model_file):
     ref.close()
     e = moestream.load(path, **GATHERED)
     try:
-        experts = e.model.experts
+        experts = e.experts
         assert experts.guess_width == e.spec.n_expert_used
         assert e.generate(PROMPT, params).tokens == want
         cache = e.new_cache()
@@ -95,11 +95,11 @@ def test_a_spread_placement_guesses_across_resident_layers(model_file, n_cpu_moe
     e = moestream.load(path, **(GATHERED | dict(n_cpu_moe=n_cpu_moe, streamed_layers="spread")))
     try:
         streamed = e.offload.placement.streamed
-        assert sorted(e.model.experts.prefetcher.ring) == streamed
+        assert sorted(e.experts.prefetcher.ring) == streamed
         at = [s - 1 for s in streamed] if lead == "layer" else [streamed[0] - 1, *streamed[:-1]]
-        assert e.model.experts.prefetcher.schedule() == dict(zip(at, streamed, strict=True))
+        assert e.experts.prefetcher.schedule() == dict(zip(at, streamed, strict=True))
         assert decode(e)[0] == want
-        assert e.model.experts.prefetch_stats()[0] == 10 * n_cpu_moe * e.spec.n_expert_used
+        assert e.experts.prefetch_stats()[0] == 10 * n_cpu_moe * e.spec.n_expert_used
     finally:
         e.close()
 
@@ -107,23 +107,21 @@ def test_a_spread_placement_guesses_across_resident_layers(model_file, n_cpu_moe
 def test_only_gathered_one_token_static_passes_guess(model_file):
     path = model_file("tiny", "Q4_K_M")
     e = moestream.load(path, device="cpu", n_cpu_moe="all", small_batch="upload", progress=False)
-    assert e.model.experts.prefetcher is None and e.model.experts.guess_plan(1) == {}
+    assert e.experts.prefetcher is None and e.experts.guess_plan(1, static=True) == {}
     e.close()
     e = moestream.load(path, **GATHERED)
     try:
-        experts = e.model.experts
-        assert experts.guess_plan(1) == {}  # outside a static pass
-        experts.static = True
-        assert experts.guess_plan(1) == {il - 1: il for il in range(e.spec.n_layer)} and experts.guess_plan(2) == {}
-        experts.static = False
+        experts = e.experts
+        assert experts.guess_plan(1, static=False) == {}  # outside a static pass
+        assert experts.guess_plan(1, static=True) == {il - 1: il for il in range(e.spec.n_layer)}
+        assert experts.guess_plan(2, static=True) == {}
     finally:
         e.close()
     e = moestream.load(path, stream_min_batch=1, **GATHERED)  # one-token steps upload whole layers
     try:
         decode(e, 3)
-        assert e.model.experts.prefetch_stats() == (0, 0, 0, 0, 0) and not e.model.experts.prefetcher.pending
-        e.model.experts.static = True
-        assert e.model.experts.guess_plan(1) == {}
+        assert e.experts.prefetch_stats() == (0, 0, 0, 0, 0) and not e.experts.prefetcher.pending
+        assert e.experts.guess_plan(1, static=True) == {}
     finally:
         e.close()
 
@@ -131,7 +129,7 @@ def test_only_gathered_one_token_static_passes_guess(model_file):
 def test_the_guess_ring_is_budgeted_as_allocated_and_only_when_layers_stream(model_file):
     e = moestream.load(model_file("tiny", "Q4_K_M"), **GATHERED)
     try:
-        p, fp = e.model.experts.prefetcher, e.offload.footprint
+        p, fp = e.experts.prefetcher, e.offload.footprint
         allocated = sum(buf.numel() for slot in p.slots for buf in slot.bufs)
         assert fp.prefetch == allocated == ring_bytes(p.tensors, p.tensors, p.n_guess, p.n_used) > 0
     finally:
@@ -174,7 +172,7 @@ def test_the_expert_cache_is_read_and_changes_no_bit(model_file, width):
     off.close()
     e = moestream.load(path, prefetch=width, expert_cache=3, **GATHERED)
     try:
-        experts = e.model.experts
+        experts = e.experts
         cache = experts.prefetcher.cache
         assert experts.cached_width == 3 and "3 of each held on the GPU" in e.offload.describe()
         tokens, logits = decode(e, 12)
@@ -201,7 +199,7 @@ def test_the_expert_cache_is_read_and_changes_no_bit(model_file, width):
 def test_the_cache_refreshes_on_a_doubling_then_fixed_schedule(model_file, monkeypatch):
     e = moestream.load(model_file("tiny", "Q4_K_M"), expert_cache=2, **GATHERED)
     try:
-        cache = e.model.experts.prefetcher.cache
+        cache = e.experts.prefetcher.cache
         seen = []
         monkeypatch.setattr(cache, "refresh", lambda: seen.append(cache.passes))
         for _ in range(3 * expert_cache.REFRESH):
@@ -215,9 +213,9 @@ def test_the_expert_cache_is_sized_by_the_budget_and_refused_past_it(model_file)
     path = model_file("tiny", "Q4_K_M")
     e = moestream.load(path, **GATHERED)
     try:
-        assert e.model.experts.cached_width == 0  # auto without a budget: none
+        assert e.experts.cached_width == 0  # auto without a budget: none
         fp, p = e.offload.footprint, e.offload.placement
-        sizes = [t.expert_bytes for t in e.model.experts.tensors.values()]
+        sizes = [t.expert_bytes for t in e.experts.tensors.values()]
         per = len(p.streamed) * max(sizes)
         budget = p.gpu_bytes(fp) + CACHE_SLACK + 5 * per + per // 2
         assert cached_experts("auto", p, fp, budget, sizes) == 5
@@ -229,8 +227,8 @@ def test_the_expert_cache_is_sized_by_the_budget_and_refused_past_it(model_file)
         e.close()
     held = moestream.load(path, expert_cache=99, **GATHERED)  # more than the layer has: all of them
     try:
-        assert held.model.experts.cached_width == held.spec.n_expert
-        assert held.offload.footprint.expert_cache == held.model.experts.prefetcher.cache.nbytes > 0
+        assert held.experts.cached_width == held.spec.n_expert
+        assert held.offload.footprint.expert_cache == held.experts.prefetcher.cache.nbytes > 0
     finally:
         held.close()
     for bad, says in (("-1", "must be 0"), ("lots", "expected an expert count or auto")):
@@ -242,6 +240,6 @@ def test_a_cache_asked_without_guesses_is_said_to_hold_nothing(model_file):
     with pytest.warns(UserWarning, match="--expert-cache 3: .* no experts are held"):
         e = moestream.load(model_file("tiny", "Q4_K_M"), expert_cache=3, **(GATHERED | dict(prefetch=0)))
     try:
-        assert e.model.experts.cached_width == 0
+        assert e.experts.cached_width == 0
     finally:
         e.close()

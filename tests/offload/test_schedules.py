@@ -23,7 +23,7 @@ def run(path, tokens=TOKENS, device_impl=None, **opts):
         path, device="cpu", ubatch=16, stream_min_batch=8, progress=False, device_impl=device_impl, **opts
     )
     try:
-        return engine.logits(tokens), engine.model.experts.streamer
+        return engine.logits(tokens), engine.experts.streamer
     finally:
         engine.close()
 
@@ -88,8 +88,8 @@ def test_small_batches_skip_whole_layer_uploads(model_file, small_batch):
     )
     a, b = ref.logits(TOKENS[:12]), small.logits(TOKENS[:12])
     assert float((a - b).abs().max() / a.abs().max()) < 1e-5
-    assert small.model.experts.small_batch == ("upload" if small_batch == "auto" else small_batch)
-    streamer = small.model.experts.streamer
+    assert small.experts.small_batch == ("upload" if small_batch == "auto" else small_batch)
+    streamer = small.experts.streamer
     every_layer = sum(p.numel() for layer in streamer.layers.values() for p in layer.parts)
     if small_batch == "cpu":
         assert streamer.bytes_uploaded == 0
@@ -155,7 +155,7 @@ def test_auto_budgets_the_one_slot_serial_and_pinned_use(model_file):
     budget = Placement(2, expert_bytes, 1).gpu_bytes(fp)  # two layers streamed through one slot just fit
     for stream in ("serial", "pinned"):
         e = moestream.load(path, device="cpu", progress=False, n_cpu_moe="auto", vram_budget=budget, stream=stream)
-        chosen, slots = e.offload.placement, len(e.model.experts.streamer.slots)
+        chosen, slots = e.offload.placement, len(e.experts.streamer.slots)
         e.close()
         assert slots == 1 and chosen.staging_bytes == chosen.slot_bytes
         assert chosen.n_cpu_moe == 2 and chosen.gpu_bytes(fp) <= budget
@@ -173,7 +173,7 @@ def test_placement_budgets_the_slots_the_streamer_allocates(model_file, stream, 
     e = moestream.load(
         model_file("tiny-odd", "Q8_0"), device="cpu", progress=False, n_cpu_moe="all", stream=stream, slots=slots
     )
-    placement, allocated = e.offload.placement, len(e.model.experts.streamer.slots)
+    placement, allocated = e.offload.placement, len(e.experts.streamer.slots)
     e.close()
     assert placement.n_slots == allocated == expected
     assert placement.staging_bytes == expected * placement.slot_bytes

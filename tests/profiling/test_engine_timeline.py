@@ -34,7 +34,7 @@ def profile(model_file, schedule: str, copy_s: float, compute_s: float):
     dev = CpuDevice(copy_delay_s=copy_s, compute_delay_s=compute_s)
     e = load_streamed(model_file, device_impl=dev)
     try:
-        return profile_pass(e, TOKENS, schedule, repeats=1), e.model.experts.streamer
+        return profile_pass(e, TOKENS, schedule, repeats=1), e.experts.streamer
     finally:
         e.close()
         dev.close()

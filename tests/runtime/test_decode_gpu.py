@@ -64,7 +64,7 @@ def test_streamed_decode_reads_the_chosen_experts_and_gives_resident_tokens(mode
     )
     try:
         assert ref.generate(TOKENS[:16], params).tokens == got.generate(TOKENS[:16], params).tokens
-        experts, cache = got.model.experts, got.new_cache()
+        experts, cache = got.experts, got.new_cache()
         got.forward(TOKENS[:40], cache)  # a whole-layer upload per layer: 40 tokens >= stream_min_batch
         before, counted = experts.bytes_moved, experts.prefetch_stats()
         for t in TOKENS[40:60]:
