@@ -9,6 +9,7 @@
 #   loadtest the server load test (issue 13) with the benchmark model, serving wheels from .whl/serve
 #   lbuild llamacpp   build llama.cpp's llama-bench (background) / wait and run tg128 at -ncmoe 0,26
 #   qwen35 routing35   the issue-5 headline table (generates the qwen3.6-35b-a3b model first), its routing
+#   decode35 tg128 of that model: resident, and -ncmoe 26 spread 12 GiB with and without prefetch and cache
 # At most 8 files come back from $OUT: keep appending to the ones below.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -94,6 +95,11 @@ for step in "$@"; do
     qwen35) make_model $Q35 qwen3.6-35b-a3b | tee -a "$OUT/model35.txt"
             $MS bench -m $Q35 -ncmoe 26 -r 2 -p 2048 -ub 2048 --stream serial,pinned,overlap,layer-major \
               --streamed-layers first,spread --vram-budget 12GiB 2>&1 | quiet | tee -a "$OUT/bench35.txt" ;;
+    decode35) make_model $Q35 qwen3.6-35b-a3b | tee -a "$OUT/model35.txt"  # issue 10's second model
+              $MS bench -m $Q35 -ncmoe 0 -r 3 -p 0 -n 128 --no-floors 2>&1 | quiet | tee -a "$OUT/bench35.txt"
+              $MS bench -m $Q35 -ncmoe 26 -r 3 -p 0 -n 128 --streamed-layers spread --small-batch gather \
+                --prefetch 0,8 --expert-cache 0,auto --vram-budget 12GiB --no-floors 2>&1 | quiet \
+                | tee -a "$OUT/bench35.txt" ;;
     routing35) $MS info $Q35 --routing --tokens 2048 2>&1 | quiet | tail -45 | tee -a "$OUT/model35.txt" | tail -3 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac

@@ -282,7 +282,8 @@ def test_serial_pipeline_numbers_match_injected_delays():
     assert close(s.avg_gbps, NBYTES / (c + k) / 1e9)
     assert close(s.wait_on_upload_s, L * c, abs_=0.01)
     assert len(s.stalls) == L and sorted(st.layer for st in s.stalls) == list(range(L))
-    assert all(close(ls.wait_s, c, abs_=0.003) for ls in s.layers)
+    # each wait is one sleep: on a busy 2-core runner a sleep overshoots by several ms (CI failed once at 3 ms)
+    assert all(close(ls.wait_s, c, abs_=0.01) for ls in s.layers)
 
 
 def test_overlapped_compute_bound_pipeline_hides_all_but_the_first_upload():
@@ -294,7 +295,7 @@ def test_overlapped_compute_bound_pipeline_hides_all_but_the_first_upload():
     assert close(s.copy_gbps, NBYTES / c / 1e9)
     assert close(s.avg_gbps, L * NBYTES / (c + L * k) / 1e9)
     assert close(s.wait_on_upload_s, c, abs_=0.01)
-    assert s.stalls[0].layer == 0 and close(s.stalls[0].upload_s, c, abs_=0.003)
+    assert s.stalls[0].layer == 0 and close(s.stalls[0].upload_s, c, abs_=0.01)
 
 
 def test_overlapped_copy_bound_pipeline_waits_on_every_upload():
