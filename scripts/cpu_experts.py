@@ -16,7 +16,9 @@ from moestream.formats.gguf import GGUFFile
 from moestream.kernels import cpu_quant
 from moestream.kernels.gather import RowGather
 from moestream.models.layers import moe_swiglu, moe_swiglu_picked
-from moestream.offload.experts import ExpertTensors, matvecs
+from moestream.models.moe import matvecs
+from moestream.offload.experts import ExpertTensors
+from moestream.profiling.timeline import NULL
 from moestream.runtime.loader import describe
 
 
@@ -48,14 +50,16 @@ def main() -> None:
         weights = torch.full((1, K), 1.0 / K)
         raws = t.host_bytes()
 
+        stored = t.stored(raws, ids, torch.float32, NULL, a.layer, RowGather(), on_host=True)
+
         def compiled():
-            return moe_swiglu_picked(x, weights, ids, *matvecs(cpu_quant, raws, t))
+            return moe_swiglu_picked(x, weights, ids, *matvecs(cpu_quant, stored))
 
         def torch_dequant():
             used = torch.unique(ids)
             local = torch.full((t.n_expert,), -1, dtype=torch.long)
             local[used] = torch.arange(used.numel())
-            stacks = t.stacks(raws, torch.float32, rows=used, pick=RowGather())
+            stacks = [lambda s=s: stored.dequantize(s, used) for s in range(3)]
             return moe_swiglu(x, weights, local[ids], used.numel(), *stacks)
 
         err = float((compiled() - torch_dequant()).abs().max() / torch_dequant().abs().max())

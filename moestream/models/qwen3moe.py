@@ -24,6 +24,7 @@ from moestream.models.layers import (
     rope_cos_sin,
     route_softmax_topk,
 )
+from moestream.models.moe import moe_stored
 from moestream.models.spec import ModelSpec, common_metadata, common_spec_fields
 
 if TYPE_CHECKING:
@@ -169,4 +170,4 @@ class Model:
 
     def moe(self, il: int, x: torch.Tensor, experts: ExpertSource) -> torch.Tensor:
         weights, ids = route_softmax_topk(x, self.w(il, "ffn_gate_inp"), self.spec.n_expert_used)
-        return experts.ffn(il, x, weights, ids)
+        return moe_stored(x, weights, experts.weights(il, x, ids))

@@ -1,9 +1,9 @@
-"""Where the MoE layer gets its experts. The model asks for layer L's output; this module decides whether
-the stored bytes are already on the device (resident), arrive through the streamer (streamed), or whether
-the few experts a small batch needs are cheaper to compute on the CPU straight from the map.
-
-Every path dequantizes the stored blocks where the math runs, then calls the same grouped SwiGLU, so
-resident and streamed layers give the same bits for the same micro-batch.
+"""Where the MoE layer gets its experts. The model asks for layer L's stored experts; this module decides
+whether the bytes are already on the device (resident), arrive through the streamer (streamed), are gathered
+from the page-locked map (a small batch's picks, guessed ahead or not), or whether the few experts a small
+batch needs are cheaper to compute on the CPU straight from the map, and hands the model a `StoredExperts`
+its MoE multiplies (`models/moe.py`). The same bytes reach the same math, so resident and streamed layers give
+the same bits for the same micro-batch.
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from moestream.formats.gguf import TensorView, torch_bytes
-from moestream.kernels import cpu_quant, qmatvec
+from moestream.kernels import qmatvec
 from moestream.kernels.dequant import dequantize
 from moestream.kernels.gather import RowGather
 from moestream.kernels.grouped_moe import runs_on_device
-from moestream.models.layers import expert_counts, moe_swiglu, moe_swiglu_picked, moe_swiglu_sharded
+from moestream.models.layers import expert_counts
+from moestream.models.moe import Dequantize, StoredExperts
 from moestream.offload.device import Device
 from moestream.offload.schedule import SmallBatch
 from moestream.offload.shards import ShardedLayer, ShardedStreamer
@@ -54,63 +55,45 @@ class ExpertTensors:
     def host_bytes(self) -> list[torch.Tensor]:
         return [torch_bytes(v) for v in self.views]
 
-    def stacks(
+    def dequantizer(
         self,
         raws: list[torch.Tensor],
         dtype: torch.dtype,
-        rows: torch.Tensor | None = None,
         timeline: Timeline = NULL,
         layer: int | None = None,
         pick: RowGather | None = None,
-    ):
-        """(gate, up, down) as functions that dequantize stored bytes `raws` (on any device) when called;
-        rows picks experts, in that order, by `pick` (the owner's picker; needed with rows). Lazy, so only one
-        dequantized stack is alive at a time."""
+    ) -> Dequantize:
+        """How the model's MoE makes stack s of stored bytes `raws` (on any device) dense, all of it or the rows
+        it names (picked by `pick`, the owner's picker: needed with rows), as a "dequant" span."""
 
-        def make(raw: torch.Tensor, v: TensorView):
-            def dequantized() -> torch.Tensor:
-                start = timeline.stamp()
-                picked = raw if rows is None else pick(raw, rows)  # raw may hold just some experts
-                out = dequantize(picked, v.qtype, (picked.shape[0], *v.shape[1:]), dtype)
-                timeline.add("compute", "dequant", start, timeline.stamp(), layer=layer)
-                return out
+        def dequantized(s: int, rows: torch.Tensor | None) -> torch.Tensor:
+            start = timeline.stamp()
+            raw, v = raws[s], self.views[s]
+            picked = raw if rows is None else pick(raw, rows)  # raw may hold just some experts
+            out = dequantize(picked, v.qtype, (picked.shape[0], *v.shape[1:]), dtype)
+            timeline.add("compute", "dequant", start, timeline.stamp(), layer=layer)
+            return out
 
-            return dequantized
+        return dequantized
 
-        return tuple(make(raw, v) for raw, v in zip(raws, self.views, strict=True))
+    def stored(
+        self, raws, ids: torch.Tensor, dtype: torch.dtype, timeline: Timeline, layer: int, pick: RowGather, **how
+    ) -> StoredExperts:
+        """What the model's MoE gets: raws (gate, up, down bytes) with ids [T, K] indexing their rows."""
+        raws = list(raws)
+        return StoredExperts(
+            tuple(raws),
+            tuple(v.qtype for v in self.views),
+            tuple(v.shape for v in self.views),
+            ids,
+            self.dequantizer(raws, dtype, timeline, layer, pick),
+            **how,
+        )
 
 
 def _matvec_serves(t: ExpertTensors, device: torch.device, n_tokens: int) -> bool:
     """A token or few on a GPU: the experts multiply straight from their stored blocks."""
     return all(qmatvec.usable(v.qtype, device, n_tokens) for v in t.views)
-
-
-def _picked(
-    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, raws, t: ExpertTensors, pick: RowGather
-) -> torch.Tensor:
-    """The chosen experts' SwiGLU by quantized matvecs over raws (device or page-locked host memory), with ids
-    indexing raws' stacks; `pick` brings host experts over."""
-
-    if not raws[0].is_cuda:  # page-locked host memory: bring the chosen experts over first. Whole experts move
-        # at link speed (48.7 GB/s on the H200); a matvec reading the host in short runs got 28.7 GB/s
-        picks = ids.reshape(-1)
-        raws = [pick(raw, picks) for raw in raws]
-        ids = torch.arange(picks.numel(), device=x.device).view_as(ids)
-
-    qtypes = tuple(v.qtype for v in t.views)
-    n_ff = t.views[0].shape[1]
-    if qmatvec.fuses(qtypes):  # three launches for the whole layer
-        return qmatvec.swiglu_picked(x, weights, ids, raws, qtypes, n_ff)
-    return moe_swiglu_picked(x, weights, ids, *matvecs(qmatvec, raws, t))
-
-
-def matvecs(kernel, raws, t: ExpertTensors) -> list:
-    """The gate, up and down MatVecs of stored bytes raws, by a kernel module's matvec (qmatvec on the GPU,
-    cpu_quant on the CPU)."""
-    return [
-        lambda picks, rows, raw=raw, v=v: kernel.matvec(raw, v.qtype, v.shape[1], rows, picks)
-        for raw, v in zip(raws, t.views, strict=True)
-    ]
 
 
 class LayerExperts:
@@ -219,71 +202,64 @@ class LayerExperts:
             return True
         return n_tokens < self.min_batch and self._gathers(dev) and n_tokens * n_expert_used < t.n_expert
 
-    def ffn(self, p: ExpertPass, il: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def weights(self, p: ExpertPass, il: int, x: torch.Tensor, ids: torch.Tensor) -> StoredExperts:
+        """Layer il's experts for x [T, D] routed to ids [T, K], brought where the math will read them."""
         t, tl = self.tensors[il], p.timeline
         layer, ubatch, layer_start = p.layer
         label = dict(layer=il, ubatch=ubatch) if layer == il else dict(layer=il)
         if layer == il:
             tl.add("compute", "attention", layer_start, tl.stamp(), **label)
         if il not in self.resident and x.shape[0] < self.min_batch:
-            return self._small_batch(p, il, t, x, weights, ids, label)
+            return self._small_batch(p, il, t, x, ids, label)
         if il in self.resident:
             raws = self.resident[il]
         else:
             if self.track_usage:  # stays on the device: no sync
                 self.usage.append((expert_counts(ids.reshape(-1), t.n_expert) > 0).float().mean())
             raws = self.streamer.acquire(il)  # the compute stream now waits for the upload
-        with tl.span("compute", "experts", **label):
-            return self._on_device(tl, il, t, raws, x, weights, ids)
+        p.open_span("experts", label)
+        return self._on_device(tl, il, t, raws, x, ids)
 
-    def _on_device(self, tl: Timeline, il: int, t: ExpertTensors, raws, x, weights, ids) -> torch.Tensor:
+    def _on_device(self, tl: Timeline, il: int, t: ExpertTensors, raws, x, ids) -> StoredExperts:
+        """raws on x's device (or, gathered, page-locked host memory the GPU reads), ids indexing their rows."""
         self.dev.compute()  # injected slowness on the CPU device; nothing on a GPU
         if isinstance(raws, ShardedLayer):  # --devices: each range of experts on its own device
-            shards = [(lo, hi, t.stacks(r, self.dtype, None, tl, il)) for lo, hi, r in raws.parts]
-            return moe_swiglu_sharded(x, weights, ids, shards)
-        T, K = ids.shape
-        if _matvec_serves(t, x.device, x.shape[0]):
-            return _picked(x, weights, ids, raws, t, self.pick)
-        if T * K < t.n_expert:  # few tokens: dequantize just the chosen experts, one per token-expert pair
-            pairs = torch.arange(T * K, device=x.device).view(T, K)
-            stacks = t.stacks(raws, self.dtype, ids.reshape(-1), tl, il, self.pick)
-            return moe_swiglu(x, weights, pairs, T * K, *stacks)
-        return moe_swiglu(x, weights, ids, t.n_expert, *t.stacks(raws, self.dtype, None, tl, il))
+            parts = tuple((lo, hi, t.stored(r, ids, self.dtype, tl, il, self.pick)) for lo, hi, r in raws.parts)
+            return t.stored((), ids, self.dtype, tl, il, self.pick, parts=parts)
+        if not raws[0].is_cuda and _matvec_serves(t, x.device, x.shape[0]):
+            # page-locked host memory: bring the chosen experts over first. Whole experts move at link speed
+            # (48.7 GB/s on the H200); a matvec reading the host in short runs got 28.7 GB/s
+            picks = ids.reshape(-1)
+            raws = [self.pick(raw, picks) for raw in raws]
+            ids = torch.arange(picks.numel(), device=x.device).view_as(ids)
+        return t.stored(raws, ids, self.dtype, tl, il, self.pick)
 
-    def _small_batch(self, p: ExpertPass, il: int, t: ExpertTensors, x, weights, ids, label: dict) -> torch.Tensor:
+    def _small_batch(self, p: ExpertPass, il: int, t: ExpertTensors, x, ids, label: dict) -> StoredExperts:
         """A streamed layer for a few tokens: gather the experts they chose with a kernel reading host memory
-        (no sync), upload only those (a sync to learn which), or compute them on the CPU straight from the
-        map (moving a few rows of x instead of weights)."""
+        (no sync), upload only those (a sync to learn which), or leave them to the CPU straight from the map
+        (moving a few rows of x instead of weights)."""
         tl = p.timeline
         whole = None if p.static else self.streamer.held(il)
         if whole is not None:
-            with tl.span("compute", "experts", **label):
-                return self._on_device(tl, il, t, whole, x, weights, ids)
+            p.open_span("experts", label)
+            return self._on_device(tl, il, t, whole, x, ids)
         if self._gathers(x.device) and ids.numel() < t.n_expert:
-            with tl.span("compute", "experts-gather", **label):  # no sync: ids stay on the device
-                if self.prefetcher is not None and il in self.prefetcher.pending:  # misses counted on the device
-                    rows, at = self.prefetcher.take(il, ids)
-                    return self._on_device(tl, il, t, rows, x, weights, at)
-                self.count_moved(ids.numel() * t.expert_bytes)  # read over the link
-                return self._on_device(tl, il, t, t.host_bytes(), x, weights, ids)
+            p.open_span("experts-gather", label)  # no sync: ids stay on the device
+            if self.prefetcher is not None and il in self.prefetcher.pending:  # misses counted on the device
+                rows, at = self.prefetcher.take(il, ids)
+                return self._on_device(tl, il, t, rows, x, at)
+            self.count_moved(ids.numel() * t.expert_bytes)  # read over the link
+            return self._on_device(tl, il, t, t.host_bytes(), x, ids)
         used = torch.unique(ids.cpu())  # sync: the host must know which experts to move or read
         local = torch.full((t.n_expert,), -1, dtype=torch.long)
         local[used] = torch.arange(used.numel())  # expert id -> its row among the chosen ones
         views = self.streamer.upload_experts(il, used.tolist()) if self.small_batch is not SmallBatch.CPU else None
         if views is not None:
-            self.dev.compute()
-            with tl.span("compute", "experts", **label):
-                if _matvec_serves(t, x.device, x.shape[0]):
-                    return _picked(x, weights, local.to(x.device)[ids], views, t, self.pick)
-                return moe_swiglu(x, weights, local.to(x.device)[ids], used.numel(), *t.stacks(views, self.dtype))
-        with tl.span("compute", "experts-cpu", **label):
-            if all(v.qtype in cpu_quant.TYPES for v in t.views) and cpu_quant.available():
-                on_cpu = matvecs(cpu_quant, t.host_bytes(), t)
-                out = moe_swiglu_picked(x.float().cpu(), weights.float().cpu(), ids.cpu(), *on_cpu)
-                return out.to(device=x.device, dtype=x.dtype)
-            stacks = t.stacks(t.host_bytes(), torch.float32, rows=used, pick=self.pick)
-            out = moe_swiglu(x.float().cpu(), weights.float().cpu(), local[ids.cpu()], used.numel(), *stacks)
-            return out.to(device=x.device, dtype=x.dtype)
+            stored = self._on_device(tl, il, t, views, x, local.to(x.device)[ids])
+            p.open_span("experts", label)
+            return stored
+        p.open_span("experts-cpu", label)
+        return t.stored(t.host_bytes(), ids, torch.float32, tl, il, self.pick, on_host=True)
 
     def _gathers(self, device: torch.device) -> bool:
         """Whether small batches gather their experts with a kernel reading host memory (or index it, on the
@@ -323,18 +299,31 @@ class ExpertPass:
         self.source, self.static, self.timeline = source, static, timeline
         self.on_route = on_route  # sees each layer's input and routing (a counter, a test's probe)
         self.layer: tuple[int, int, object] = (-1, -1, None)  # (layer, micro-batch, stamp) the engine started
+        self._span: tuple[str, object, dict] | None = None  # the experts span open until the next layer starts
 
     def start_layer(self, il: int, ubatch: int) -> None:
-        """The engine begins layer il of a micro-batch: attention and router run from here to ffn()."""
+        """The engine begins layer il of a micro-batch: attention and router run from here to weights()."""
+        self.layers_done()
         if self.source.streamer is not None:
             self.source.streamer.release(il)
         self.layer = (il, ubatch, self.timeline.stamp())
 
-    def ffn(self, il: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Layer il's routed experts for x [T, D] (ids, weights [T, K]): the ExpertSource models call."""
+    def weights(self, il: int, x: torch.Tensor, ids: torch.Tensor) -> StoredExperts:
+        """Layer il's stored experts for x [T, D] routed to ids [T, K]: the ExpertSource models call. The
+        model's MoE math that follows is timed as the layer's experts span, up to the next layer's start."""
         if self.on_route is not None:
             self.on_route(il, x, ids)
-        return self.source.ffn(self, il, x, weights, ids)
+        return self.source.weights(self, il, x, ids)
+
+    def open_span(self, name: str, label: dict) -> None:
+        self._span = (name, self.timeline.stamp(), label)
+
+    def layers_done(self) -> None:
+        """The last layer's MoE is queued: its span ends here (start_layer ends the ones before)."""
+        if self._span is not None:
+            name, start, label = self._span
+            self.timeline.add("compute", name, start, self.timeline.stamp(), **label)
+            self._span = None
 
     def guess_plan(self, n_tokens: int) -> dict[int, int]:
         return self.source.guess_plan(n_tokens, self.static)
@@ -344,4 +333,5 @@ class ExpertPass:
 
     def end(self) -> None:
         """Compute has queued its last use of the current staging slot."""
+        self.layers_done()
         self.source.end_pass()

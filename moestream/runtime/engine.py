@@ -239,6 +239,7 @@ class Engine:
             p.start_layer(il, 0)
             guess(il, x)
             x = model.layer(il, x, batch, cache, p)
+        p.layers_done()
         with self.timeline.span("compute", "head"):
             return model.head(x).float()
 

@@ -1,0 +1,93 @@
+"""A layer's routed experts, computed from their stored bytes: the math a model's MoE block runs on what its
+expert source hands it (`StoredExperts`). Where the bytes come from (resident, a staging slot, gathered from
+the page-locked map, a prefetch ring) is the offload layer's business; how to multiply them is decided here,
+from where they lie and how many tokens there are:
+
+- a token or few on a GPU: quantized matvecs straight from the blocks (`kernels/qmatvec.py`), fused where the
+  types allow;
+- on the host (`--small-batch cpu`): the compiled CPU matvec, or float32 dequantization without it;
+- split over several devices (`--devices`): each range of experts on its own;
+- otherwise the grouped SwiGLU over dequantized stacks, of just the picked rows when there are fewer picks
+  than rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from moestream.kernels import cpu_quant, qmatvec
+from moestream.models.layers import moe_swiglu, moe_swiglu_picked, moe_swiglu_sharded
+
+Dequantize = Callable[[int, torch.Tensor | None], torch.Tensor]
+"""(stack: 0 gate, 1 up, 2 down; rows of it or None for all) -> the dense weights on the bytes' device."""
+
+
+@dataclass(frozen=True)
+class StoredExperts:
+    """A layer's gate, up and down stacks as stored (bytes on one device, or the host), and the picks' rows.
+
+    ids [T, K] index the stacks' rows: the router's ids for a whole layer, rows of a gathered subset else.
+    dequantize is the source's, so it can time the work; on_host runs the math on the CPU and sends the result
+    back; parts splits the experts into id ranges (lo, hi, that range's StoredExperts) on their own devices."""
+
+    raws: tuple[torch.Tensor, ...]
+    qtypes: tuple
+    shapes: tuple[tuple[int, ...], ...]  # each stack's stored shape: (E, F, D) gate and up, (E, D, F) down
+    ids: torch.Tensor
+    dequantize: Dequantize
+    on_host: bool = False
+    parts: tuple[tuple[int, int, StoredExperts], ...] = ()
+
+    @property
+    def n_rows(self) -> int:
+        """Experts the stacks hold."""
+        return self.raws[0].shape[0]
+
+
+def moe_stored(x: torch.Tensor, weights: torch.Tensor, w: StoredExperts) -> torch.Tensor:
+    """Sum over each token's chosen experts of weight * down(silu(gate(x)) * up(x)); x [T, D], weights [T, K]."""
+    if w.parts:
+        shards = [(lo, hi, _lazy(part, None)) for lo, hi, part in w.parts]
+        return moe_swiglu_sharded(x, weights, w.ids, shards)
+    if w.on_host:
+        return _on_host(x, weights, w)
+    ids = w.ids
+    T, K = ids.shape
+    if all(qmatvec.usable(q, x.device, T) for q in w.qtypes):
+        if qmatvec.fuses(w.qtypes):  # three launches for the whole layer
+            return qmatvec.swiglu_picked(x, weights, ids, list(w.raws), w.qtypes, w.shapes[0][1])
+        return moe_swiglu_picked(x, weights, ids, *matvecs(qmatvec, w))
+    if T * K < w.n_rows:  # few tokens: dequantize just the chosen experts, one per token-expert pair
+        pairs = torch.arange(T * K, device=x.device).view(T, K)
+        return moe_swiglu(x, weights, pairs, T * K, *_lazy(w, ids.reshape(-1)))
+    return moe_swiglu(x, weights, ids, w.n_rows, *_lazy(w, None))
+
+
+def _on_host(x: torch.Tensor, weights: torch.Tensor, w: StoredExperts) -> torch.Tensor:
+    """The chosen experts on the CPU straight from the stored blocks, moving a few rows of x, not weights."""
+    xh, wh, ids = x.float().cpu(), weights.float().cpu(), w.ids.cpu()
+    if all(q in cpu_quant.TYPES for q in w.qtypes) and cpu_quant.available():
+        out = moe_swiglu_picked(xh, wh, ids, *matvecs(cpu_quant, w))
+    else:
+        used = torch.unique(ids)
+        local = torch.full((w.n_rows,), -1, dtype=torch.long)
+        local[used] = torch.arange(used.numel())  # expert id -> its row among the chosen ones
+        out = moe_swiglu(xh, wh, local[ids], used.numel(), *_lazy(w, used))
+    return out.to(device=x.device, dtype=x.dtype)
+
+
+def _lazy(w: StoredExperts, rows: torch.Tensor | None) -> tuple:
+    """The three stacks (of rows, or whole) as functions dequantizing when called: one alive at a time."""
+    return tuple(partial(w.dequantize, s, rows) for s in range(3))
+
+
+def matvecs(kernel, w: StoredExperts) -> list:
+    """The gate, up and down MatVecs of w's bytes by a kernel module's matvec (qmatvec, cpu_quant)."""
+    return [
+        lambda picks, rows, raw=raw, q=q, shape=shape: kernel.matvec(raw, q, shape[1], rows, picks)
+        for raw, q, shape in zip(w.raws, w.qtypes, w.shapes, strict=True)
+    ]
