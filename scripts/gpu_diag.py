@@ -28,6 +28,7 @@ def per_layer(path: str, dtype: str) -> None:
         for il in range(e.spec.n_layer):
             x = e.model.layer(il, x, b, cache, p)
             out.append(x.float().cpu())
+        p.end()
         out.append(e.model.head(x).float().cpu())
         hs.append(out)
     errs = [float((a - b).abs().max() / a.abs().max()) for a, b in zip(*hs, strict=True)]

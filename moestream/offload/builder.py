@@ -167,18 +167,20 @@ def build_offload(
                 stacklevel=2,
             )
         prefetcher = None
-        if streamed and opts.expert_cache not in ("auto", 0) and not (n_guess and may_gather):
-            warnings.warn(
-                f"--expert-cache {opts.expert_cache}: the cache serves decode's guessed gathers, which need "
-                "--small-batch gather (or auto on a GPU) and --prefetch above 0; no experts are held",
-                stacklevel=2,
-            )
+        cache = None
         if streamed and n_guess and _prefetches(small_batch, device, readable, pick, sharded):
             sizes = [tensors[il].expert_bytes for il in placement.streamed]
-            n_cached = min(spec.n_expert, cached_experts(opts.expert_cache, placement, fp, budget, sizes))
+            n_cached = cached_experts(opts.expert_cache, placement, fp, budget, sizes, spec.n_expert)
             cache = ExpertCache(tensors, placement.streamed, n_cached, device, pick) if n_cached else None
             fp = replace(fp, expert_cache=cache.nbytes if cache is not None else 0)
             prefetcher = Prefetcher(tensors, placement.streamed, n_guess, spec.n_expert_used, device, pick, cache)
+        if streamed and opts.expert_cache not in ("auto", 0) and cache is None:
+            warnings.warn(
+                f"--expert-cache {opts.expert_cache}: the cache serves decode's guessed gathers, which need "
+                "--small-batch gather (or auto on a GPU), streamed experts page-locked and --prefetch above 0; "
+                "no experts are held",
+                stacklevel=2,
+            )
         experts = LayerExperts(
             tensors, resident, streamer, dtype, opts.stream_min_batch, dev, small_batch, readable, pick, prefetcher
         )

@@ -38,6 +38,7 @@ class ExpertCache:
         self.held = [[-1] * n for _ in self.layers]  # the expert in each row (host copy of slot_of)
         self.row = {il: i for i, il in enumerate(self.layers)}
         self.passes = 0
+        self.moved = 0  # bytes refreshes read over the link so far
 
     @property
     def nbytes(self) -> int:
@@ -51,38 +52,58 @@ class ExpertCache:
         """Layer il's pick counts (the misses kernel adds to them)."""
         return self.freq[self.row[il]]
 
-    def end_pass(self) -> None:
-        """A pass ended: on schedule, hold each layer's most-picked experts (a host sync)."""
+    def end_pass(self) -> int:
+        """A pass ended: on schedule, hold each layer's most-picked experts (a host sync). Returns the bytes
+        the refresh read over the link."""
         self.passes += 1
         p = self.passes
         if (p & (p - 1) == 0 and p <= REFRESH) or p % REFRESH == 0:
-            self.refresh()
+            return self.refresh()
+        return 0
 
-    def refresh(self) -> None:
-        """Copy in the experts that became the most picked ones; a held one wins ties (no churn on equal counts)."""
+    def refresh(self) -> int:
+        """Copy in the experts that became the most picked ones (a held one wins ties: no churn on equal
+        counts); nothing before any pick was counted. Returns the bytes read over the link. The map first
+        drops the rows about to be rewritten, so a refresh stopped half-way leaves no row named for an
+        expert it no longer holds."""
+        if not int(self.freq.sum()):
+            return 0
         score = self.freq * 2 + (self.slot_of >= 0).long()
         want = score.topk(self.n, dim=1).indices.tolist()
-        changed = False
-        for i, il in enumerate(self.layers):
-            held, keep = self.held[i], set(want[i])
+        moves = []  # (layer index, rows, new experts)
+        for i, held in enumerate(self.held):
+            keep = set(want[i])
             new = [e for e in want[i] if e not in set(held)]
-            if not new:
-                continue
-            rows = [r for r, e in enumerate(held) if e not in keep][: len(new)]
+            if new:
+                moves.append((i, [r for r, e in enumerate(held) if e not in keep][: len(new)], new))
+        if not moves:
+            return 0
+        for i, rows, _ in moves:
+            for r in rows:
+                self.held[i][r] = -1
+        self._write_map()
+        moved = 0
+        for i, rows, new in moves:
+            il = self.layers[i]
             ids = torch.tensor(new, device=self.slot_of.device)
             at = torch.tensor(rows, device=self.slot_of.device)
             for raw, stack in zip(self.tensors[il].host_bytes(), self.stacks[il], strict=True):
                 stack[at] = self.pick(raw, ids)
             for r, e in zip(rows, new, strict=True):
-                held[r] = e
-            changed = True
-        if changed:
-            slot_of = torch.full(self.slot_of.shape, -1, dtype=torch.long)
-            for i, held in enumerate(self.held):
-                for r, e in enumerate(held):
-                    if e >= 0:
-                        slot_of[i, e] = r
-            self.slot_of.copy_(slot_of)
+                self.held[i][r] = e
+            moved += len(new) * self.tensors[il].expert_bytes
+        self._write_map()
+        self.moved += moved
+        return moved
+
+    def _write_map(self) -> None:
+        """slot_of from held (stream-ordered after the copies queued before it)."""
+        slot_of = torch.full(self.slot_of.shape, -1, dtype=torch.long)
+        for i, held in enumerate(self.held):
+            for r, e in enumerate(held):
+                if e >= 0:
+                    slot_of[i, e] = r
+        self.slot_of.copy_(slot_of)
 
     def uncached(self, il: int, ids: torch.Tensor) -> torch.Tensor:
         """How many of experts ids layer il's cache does not hold (on the device: no sync)."""

@@ -280,12 +280,14 @@ class LayerExperts:
 
     def end_pass(self) -> None:
         """Compute has queued its last use of the current staging slot."""
-        if self.prefetcher is not None:
-            self.prefetcher.drop()  # a pass that stopped half-way leaves guesses nobody takes
-            if self.prefetcher.cache is not None:
-                self.prefetcher.cache.end_pass()
-        if self.streamer is not None:
-            self.streamer.finish()
+        try:
+            if self.prefetcher is not None:
+                self.prefetcher.drop()  # a pass that stopped half-way leaves guesses nobody takes
+                if self.prefetcher.cache is not None:
+                    self.count_moved(self.prefetcher.cache.end_pass())
+        finally:
+            if self.streamer is not None:
+                self.streamer.finish()
 
 
 class ExpertPass:

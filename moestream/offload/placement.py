@@ -148,15 +148,18 @@ def plan(
 CACHE_SLACK = 640 * 2**20
 
 
-def cached_experts(asked: int | str, p: Placement, fp: Footprint, budget: int | None, sizes: list[int]) -> int:
+def cached_experts(
+    asked: int | str, p: Placement, fp: Footprint, budget: int | None, sizes: list[int], n_expert: int
+) -> int:
     """Experts of each streamed layer the expert cache holds: `asked`, or (auto) as many as the budget leaves
-    after everything else, CACHE_SLACK spared (none without a budget). sizes: one expert's bytes in each
-    streamed layer; at most all of a layer's experts (n, in sizes' layers)."""
+    after everything else, CACHE_SLACK spared (none without a budget); at most the n_expert a layer has.
+    sizes: one expert's bytes in each streamed layer. An asked count spares no slack: the user chose it."""
     if not p.streamed:
         return 0
     per = len(p.streamed) * max(sizes)
     if asked == "auto":
-        return 0 if budget is None else max(0, (budget - p.gpu_bytes(fp) - CACHE_SLACK) // per)
+        return 0 if budget is None else min(n_expert, max(0, (budget - p.gpu_bytes(fp) - CACHE_SLACK) // per))
+    asked = min(asked, n_expert)
     if budget is not None and p.gpu_bytes(fp) + asked * per > budget:
         room = max(0, (budget - p.gpu_bytes(fp)) // per)
         raise MoestreamError(

@@ -218,11 +218,13 @@ def test_the_expert_cache_is_sized_by_the_budget_and_refused_past_it(model_file)
         sizes = [t.expert_bytes for t in e.experts.tensors.values()]
         per = len(p.streamed) * max(sizes)
         budget = p.gpu_bytes(fp) + CACHE_SLACK + 5 * per + per // 2
-        assert cached_experts("auto", p, fp, budget, sizes) == 5
-        assert cached_experts(4, p, fp, budget, sizes) == 4
+        assert cached_experts("auto", p, fp, budget, sizes, 8) == 5
+        assert cached_experts("auto", p, fp, budget, sizes, 4) == 4  # all a layer has
+        assert cached_experts(4, p, fp, budget, sizes, 8) == 4
+        assert cached_experts(99, p, fp, p.gpu_bytes(fp) + 8 * per, sizes, 8) == 8  # all fit: no error
         with pytest.raises(MoestreamError, match="--expert-cache 7 needs .* room for 5 experts a streamed layer"):
-            cached_experts(7, p, fp, p.gpu_bytes(fp) + 5 * per, sizes)
-        assert cached_experts("auto", Placement(0, [8000], n_slots=1), fp, budget, sizes) == 0
+            cached_experts(7, p, fp, p.gpu_bytes(fp) + 5 * per, sizes, 8)
+        assert cached_experts("auto", Placement(0, [8000], n_slots=1), fp, budget, sizes, 8) == 0
     finally:
         e.close()
     held = moestream.load(path, expert_cache=99, **GATHERED)  # more than the layer has: all of them
@@ -241,5 +243,39 @@ def test_a_cache_asked_without_guesses_is_said_to_hold_nothing(model_file):
         e = moestream.load(model_file("tiny", "Q4_K_M"), expert_cache=3, **(GATHERED | dict(prefetch=0)))
     try:
         assert e.experts.cached_width == 0
+    finally:
+        e.close()
+
+
+def test_a_refresh_stopped_half_way_names_no_row_for_an_expert_it_lost(model_file, monkeypatch):
+    """The map drops the rows about to be rewritten before any is copied: an error between the copies leaves
+    rows either unnamed or holding what the map says. A refresh before any pick copies nothing."""
+    e = moestream.load(model_file("tiny", "Q4_K_M"), expert_cache=3, **GATHERED)
+    try:
+        cache = e.experts.prefetcher.cache
+        assert cache.refresh() == 0 and cache.held == [[-1] * 3] * len(cache.layers)  # no picks counted yet
+        decode(e, 6)
+        cache.freq.zero_()
+        cache.freq[:, 5:] = 7  # every layer now wants experts 5, 6, 7
+        calls = []
+
+        def fail_second(raw, ids, **kw):
+            calls.append(1)
+            if len(calls) == 2:
+                raise KeyboardInterrupt
+            return e.experts.pick.__class__.__call__(e.experts.pick, raw, ids, **kw)
+
+        monkeypatch.setattr(cache, "pick", fail_second)
+        with pytest.raises(KeyboardInterrupt):
+            cache.refresh()
+        monkeypatch.undo()
+        for i, il in enumerate(cache.layers):
+            for s, raw in enumerate(e.experts.tensors[il].host_bytes()):
+                for expert, row in enumerate(cache.slot_of[i].tolist()):
+                    if row >= 0:  # whatever the map names is what the row holds
+                        assert torch.equal(cache.stacks[il][s][row], raw[expert])
+        before = cache.moved
+        assert cache.refresh() > 0 and cache.moved > before
+        assert all(sorted(h) == [5, 6, 7] for h in cache.held)
     finally:
         e.close()
