@@ -152,17 +152,16 @@ class RowGather:
         if src.device == rows.device:
             return _from_cache(torch.index_select(src, 0, rows, out=out), rows, cache)
         if self.reads(src, rows):
-            words = out[0].numel() // 4
             try:
-                chunks = triton.cdiv(words, WORDS_PER_PROGRAM)
                 with torch.cuda.device(rows.device):
                     if programs is None:
-                        _gather_kernel[(rows.numel(), chunks)](
+                        words = out[0].numel() // 4
+                        _gather_kernel[(rows.numel(), triton.cdiv(words, WORDS_PER_PROGRAM))](
                             _words(src), rows, _words(out), words, WORDS=WORDS_PER_PROGRAM
                         )
-                        return _from_cache(out, rows, cache)
-                    self._few(src, rows, out, programs, at=False)
-                    return _from_cache(out, rows, cache)
+                    else:
+                        self._few(src, rows, out, programs, at=False)
+                return _from_cache(out, rows, cache)
             except Exception as e:
                 self.failed(e)
         return _from_cache(out.copy_(src[rows.cpu()]), rows, cache)  # through the host: a sync on the ids

@@ -44,9 +44,13 @@ class ExpertCache:
     def nbytes(self) -> int:
         return sum(s.numel() for stacks in self.stacks.values() for s in stacks)
 
+    def slots(self, il: int) -> torch.Tensor:
+        """Layer il's map: each expert's row of its stacks (-1: not held)."""
+        return self.slot_of[self.row[il]]
+
     def of(self, il: int, stack: int) -> Cached:
         """What the gather kernels take for one stack (gate, up, down) of layer il."""
-        return self.stacks[il][stack], self.slot_of[self.row[il]]
+        return self.stacks[il][stack], self.slots(il)
 
     def counts(self, il: int) -> torch.Tensor:
         """Layer il's pick counts (the misses kernel adds to them)."""
@@ -72,8 +76,8 @@ class ExpertCache:
         want = score.topk(self.n, dim=1).indices.tolist()
         moves = []  # (layer index, rows, new experts)
         for i, held in enumerate(self.held):
-            keep = set(want[i])
-            new = [e for e in want[i] if e not in set(held)]
+            keep, have = set(want[i]), set(held)
+            new = [e for e in want[i] if e not in have]
             if new:
                 moves.append((i, [r for r, e in enumerate(held) if e not in keep][: len(new)], new))
         if not moves:
@@ -107,4 +111,4 @@ class ExpertCache:
 
     def uncached(self, il: int, ids: torch.Tensor) -> torch.Tensor:
         """How many of experts ids layer il's cache does not hold (on the device: no sync)."""
-        return (self.slot_of[self.row[il]][ids] < 0).sum()
+        return (self.slots(il)[ids] < 0).sum()

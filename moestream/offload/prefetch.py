@@ -90,15 +90,13 @@ class Prefetcher:
             buf[: (self.n_guess + self.n_used) * raw[0].numel()].view(-1, *raw.shape[1:])
             for buf, raw in zip(slot.bufs, raws, strict=True)
         ]
-        cache = self.cache
-
-        outs = [r[: self.n_guess] for r in rows]
+        cache, outs = self.cache, [r[: self.n_guess] for r in rows]
 
         def gather(programs: int | None) -> None:
             if cache is not None and programs is not None and all(self.pick.reads(raw, slot.guess) for raw in raws):
                 try:  # one launch says where each guess is read (host or cache), then the usual gathers
-                    stacks, slot_of = cache.stacks[il], cache.of(il, 0)[1]
-                    self.pick.gather_held(raws, slot.guess, outs, stacks, slot_of, self.counts, slot.offs, programs)
+                    held = cache.stacks[il], cache.slots(il)
+                    self.pick.gather_held(raws, slot.guess, outs, *held, self.counts, slot.offs, programs)
                     return
                 except Exception as e:  # as RowGather: say it once, then pick through the host
                     self.pick.failed(e)
