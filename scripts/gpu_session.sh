@@ -5,7 +5,7 @@
 #            tests and need httpx2/openai, which the GPU image lacks)
 #   model    generate the qwen3-30b-a3b Q4_K_M model (skipped when a warm machine still has it) + routing
 #   pp512 pp2048 long profile decode decodediag prefetch cachediag cpuexp alloc   issue-3/4/10 benches on it
-#   small    an 8-layer slice of the benchmark model: decode_diag.py (tile settings, kernel table) + cpuexp
+#   small    an 8-layer slice of the benchmark model ($SMALL_PRESET to slice another preset): decode_diag.py (tile settings, kernel table) + cpuexp
 #   loadtest the server load test (issue 13) with the benchmark model, serving wheels from .whl/serve
 #   lbuild llamacpp   build llama.cpp's llama-bench (background) / wait and run tg128 at -ncmoe 0,26
 #   qwen35 routing35   the issue-5 headline table (generates the qwen3.6-35b-a3b model first), its routing
@@ -19,7 +19,8 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 MS="python3 -m moestream.cli"
 MODEL=/tmp/qwen3-30b-a3b-Q4_K_M.gguf
 Q35=/tmp/qwen3.6-35b-a3b-Q4_K_M.gguf
-SMALL=/tmp/qwen3-30b-a3b-8layers-Q4_K_M.gguf
+SMALL_PRESET=${SMALL_PRESET:-qwen3-30b-a3b}  # small: which preset to slice
+SMALL=/tmp/$SMALL_PRESET-8layers-Q4_K_M.gguf
 quiet() { grep --line-buffered -v -e '%|' -e $'\r'; }  # drop progress bars
 make_model() {  # make_model PATH PRESET
   [[ -f $1 ]] && { echo "reusing $1"; return; }
@@ -56,7 +57,7 @@ for step in "$@"; do
                 --vram-budget 12GiB --no-floors 2>&1 | quiet | tee -a "$OUT/bench.txt"
             done ;;
     small) # an 8-layer slice of the benchmark preset (~20 s to write): per-layer decode A/B, kernel table, CPU matvec
-           [[ -f $SMALL ]] || $MS make-model $SMALL --preset qwen3-30b-a3b --layers 8 --quant Q4_K_M 2>&1 | quiet | tail -1
+           [[ -f $SMALL ]] || $MS make-model $SMALL --preset $SMALL_PRESET --layers 8 --quant Q4_K_M 2>&1 | quiet | tail -1
            python3 scripts/decode_diag.py $SMALL 2>&1 | tee -a "$OUT/diag.txt"
            for n in ${CPU_THREADS:-16 8 4 2 1}; do  # does the C kernel scale? (16 cores gave what 2 did)
              python3 scripts/cpu_experts.py $SMALL --layer 1 --threads $n 2>&1 | tee -a "$OUT/diag.txt"

@@ -1,17 +1,20 @@
-"""The GPU-only expert branches on a machine without a GPU: Triton's interpreter runs the quantized matvecs
-(dense projections, `models/moe.py`'s matvec branch, the host gather before it) on the CPU device, and each
+"""The GPU-only branches on a machine without a GPU: Triton's interpreter runs the quantized matvecs (dense
+projections, `models/moe.py`'s matvec branch, the host gather before it) and the delta-net decode kernels
+(qwen35moe) on the CPU device, and each
 placement's greedy tokens must equal the plain CPU path's. Slow (minutes a placement): a check after changing
 those branches, before device time is spent.
 
-    pip install triton==3.6.0 && TRITON_INTERPRET=1 python scripts/interpret_paths.py MODEL   (a tiny Q4_K_M)
+    pip install triton==3.6.0 && TRITON_INTERPRET=1 python scripts/interpret_paths.py MODEL [resident]   (a tiny Q4_K_M)
 """
 
 from __future__ import annotations
 
 import sys
 
+import torch
+
 import moestream
-from moestream.kernels import qmatvec
+from moestream.kernels import deltanet_step, qmatvec
 
 PROMPT = [(11 * t) % 1000 + 5 for t in range(12)]
 PLACEMENTS = [
@@ -37,7 +40,8 @@ if __name__ == "__main__":
     want, want_logits = greedy(ref)
     ref.close()
     qmatvec.usable = lambda qtype, device, n: qtype in qmatvec.DOTS and n <= qmatvec.MAX_TOKENS  # CPU too
-    for placement in PLACEMENTS:
+    deltanet_step.usable = lambda qkv, *states: qkv.shape[0] == 1 and all(t.dtype == torch.float32 for t in states)
+    for placement in PLACEMENTS[: 1 if "resident" in sys.argv[2:] else None]:
         e = moestream.load(sys.argv[1], device="cpu", progress=False, **placement)
         got, logits = greedy(e)
         e.close()

@@ -59,6 +59,22 @@ if triton is not None:
         return (d * sc.to(tl.float32)) * q.to(tl.float32) - dmin * mn.to(tl.float32)
 
     @triton.jit
+    def q5_k_tile(base, e, ok):
+        """Q4_K's scales and nibbles (qs 32 bytes later) plus a fifth bit: bit s of qh[e % 32] for sub-block s."""
+        d, dmin = _f16_at(base, 0, ok), _f16_at(base, 2, ok)
+        s = e // 32
+        lo = s < 4
+        a = tl.load(base + 4 + s % 4, mask=ok, other=0).to(tl.int32)
+        m = tl.load(base + 8 + s % 4, mask=ok, other=0).to(tl.int32)
+        md = tl.load(base + 12 + s % 4, mask=ok, other=0).to(tl.int32)
+        sc = tl.where(lo, a & 63, (md & 15) | ((a >> 6) << 4))
+        mn = tl.where(lo, m & 63, (md >> 4) | ((m >> 6) << 4))
+        byte = tl.load(base + 48 + (s // 2) * 32 + e % 32, mask=ok, other=0).to(tl.int32)
+        high = (tl.load(base + 16 + e % 32, mask=ok, other=0).to(tl.int32) >> s) & 1
+        q = ((byte >> ((s % 2) * 4)) & 15) | (high << 4)
+        return (d * sc.to(tl.float32)) * q.to(tl.float32) - dmin * mn.to(tl.float32)
+
+    @triton.jit
     def q6_k_tile(base, e, ok):
         d = _f16_at(base, 208, ok)
         h, r = e // 128, e % 128  # two halves of 128; each packs low nibbles in ql and 2 high bits in qh
@@ -83,7 +99,7 @@ if triton is not None:
         x = TILE(src + b.to(tl.int64) * SIZE, e, ok)
         tl.store(dst + b.to(tl.int64) * ELEMS + e, x.to(dst.dtype.element_ty), mask=ok)
 
-    TILES = {Q.Q4_K: q4_k_tile, Q.Q6_K: q6_k_tile, Q.Q8_0: q8_0_tile}
+    TILES = {Q.Q4_K: q4_k_tile, Q.Q5_K: q5_k_tile, Q.Q6_K: q6_k_tile, Q.Q8_0: q8_0_tile}
 else:
     TILES = {}
 

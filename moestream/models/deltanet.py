@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from moestream.errors import MoestreamError
+from moestream.models.layers import rms_norm
 
 DeltaRule = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 DELTANET_ENV = "MOESTREAM_DELTANET"  # torch | fla | auto (default): the prefill delta rule, read with the options
@@ -215,6 +216,39 @@ def delta_rule_chunked(
         s = s * chunk_decay[:, n] + k_to_end[:, n] @ d
     out = out.reshape(n_heads, n_chunks * chunk, dv)[:, :n_tokens]
     return out.transpose(0, 1).to(out_dtype), s
+
+
+def gated_delta_mix(
+    qkv: torch.Tensor,
+    alpha: torch.Tensor,
+    beta: torch.Tensor,
+    z: torch.Tensor,
+    conv_weight: torch.Tensor,
+    dt_bias: torch.Tensor,
+    ssm_a: torch.Tensor,
+    norm: torch.Tensor,
+    state: DeltaNetState,
+    k_heads: int,
+    eps: float,
+    rule: DeltaRule,
+) -> torch.Tensor:
+    """A delta-net layer's token mix from its projections: the short convolution over qkv [T, C], unit q and
+    k, decay g = softplus(alpha + dt_bias) * ssm_a and beta = sigmoid(beta) ([T, Hv] each, as projected), the
+    delta rule (`rule`) on the state, then RMSNorm gated by silu(z [T, Hv * Dv]). The state moves on in place
+    (a captured decode step reads and writes the same memory). Returns [T, Hv * Dv] in z's dtype."""
+    T = qkv.shape[0]
+    n_heads, dk, dv = state.recurrent_state.shape
+    y, conv_state = causal_conv1d(qkv.float(), conv_weight, state.conv_state)
+    state.conv_state.copy_(conv_state)
+    q, k, v = y.split([k_heads * dk, k_heads * dk, n_heads * dv], dim=-1)
+    # value head h reads key head h % Hk: the file stores value heads tiled over the key heads
+    q = l2_normalize(q.view(T, k_heads, dk), eps).repeat(1, n_heads // k_heads, 1)  # [T, Hv, Dk]
+    k = l2_normalize(k.view(T, k_heads, dk), eps).repeat(1, n_heads // k_heads, 1)
+    g = F.softplus(alpha.float() + dt_bias.float()) * ssm_a.float()  # log decay, <= 0
+    out, recurrent_state = rule(q, k, v.view(T, n_heads, dv), g, torch.sigmoid(beta.float()), state.recurrent_state)
+    state.recurrent_state.copy_(recurrent_state)
+    out = rms_norm(out, norm, eps) * F.silu(z.float().view(T, n_heads, dv))
+    return out.reshape(T, -1).to(z.dtype)
 
 
 @functools.cache

@@ -14,15 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from moestream.errors import MoestreamError
+from moestream.kernels import deltanet_step
 from moestream.models import qwen3moe
-from moestream.models.deltanet import (
-    DeltaNetState,
-    DeltaRule,
-    causal_conv1d,
-    delta_rule_recurrent,
-    l2_normalize,
-    prefill_rule,
-)
+from moestream.models.deltanet import DeltaNetState, DeltaRule, delta_rule_recurrent, gated_delta_mix, prefill_rule
 from moestream.models.layers import Batch, Cache, ExpertSource, imrope_text_cos_sin, rms_norm
 from moestream.models.spec import ModelSpec, common_metadata, common_spec_fields, read_int, read_key
 
@@ -196,27 +190,21 @@ class Model(qwen3moe.Model):
         if batch.rows:  # tokens of different sequences: each moves its own state
             rows = zip(batch.rows, cache, strict=True)
             return torch.cat([self.delta_net(il, x[i : i + 1], b, c) for i, (b, c) in enumerate(rows)])
-        e, eps, T = self.spec.extra, self.spec.rms_eps, x.shape[0]
-        Hk, Hv, Dk, Dv = e["k_heads"], e["v_heads"], e["k_dim"], e["v_dim"]
+        eps, T = self.spec.rms_eps, x.shape[0]
         state: DeltaNetState = cache.recurrent[il]
-        qkv = self.linear(x, il, "attn_qkv").float()  # [T, C]
-        qkv, conv_state = causal_conv1d(qkv, self.w(il, "ssm_conv1d"), state.conv_state)
-        state.conv_state.copy_(conv_state)  # in place: a captured decode step reads and writes the same memory
-        q, k, v = qkv.split([Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
-        # value head h reads key head h % Hk: the file stores value heads tiled over the key heads
-        q = l2_normalize(q.view(T, Hk, Dk), eps).repeat(1, Hv // Hk, 1)  # [T, Hv, Dk]
-        k = l2_normalize(k.view(T, Hk, Dk), eps).repeat(1, Hv // Hk, 1)
-        v = v.view(T, Hv, Dv)
-        alpha = self.linear(x, il, "ssm_alpha").float()  # [T, Hv]
-        dt_bias, ssm_a = self.weights[f"blk.{il}.ssm_dt.bias"], self.weights[f"blk.{il}.ssm_a"]
-        g = F.softplus(alpha + dt_bias.float()) * ssm_a.float()  # log decay, <= 0
-        beta = torch.sigmoid(self.linear(x, il, "ssm_beta").float())
-        rule = delta_rule_recurrent if T == 1 else self.prefill_rule  # decode | prefill (fla or torch)
-        out, recurrent_state = rule(q, k, v, g, beta, state.recurrent_state)  # [T, Hv, Dv]
-        state.recurrent_state.copy_(recurrent_state)
-        z = self.linear(x, il, "attn_gate").view(T, Hv, Dv)
-        out = rms_norm(out, self.w(il, "ssm_norm"), eps) * F.silu(z.float())
-        return self.linear(out.reshape(T, -1).to(x.dtype), il, "ssm_out")
+        qkv, alpha, beta, z = (self.linear(x, il, n) for n in ("attn_qkv", "ssm_alpha", "ssm_beta", "attn_gate"))
+        b = f"blk.{il}."
+        weights = (self.w(il, "ssm_conv1d"), self.weights[b + "ssm_dt.bias"], self.weights[b + "ssm_a"])
+        weights += (self.w(il, "ssm_norm"),)
+        k_heads = self.spec.extra["k_heads"]
+        if deltanet_step.usable(qkv, state.conv_state, state.recurrent_state):  # a token on the GPU: 2 kernels
+            out = deltanet_step.decode_step(
+                qkv, alpha, beta, z, *weights, state.conv_state, state.recurrent_state, k_heads, eps
+            )
+        else:
+            rule = delta_rule_recurrent if T == 1 else self.prefill_rule  # decode | prefill (fla or torch)
+            out = gated_delta_mix(qkv, alpha, beta, z, *weights, state, k_heads, eps, rule)
+        return self.linear(out, il, "ssm_out")
 
     def moe(self, il: int, x: torch.Tensor, experts: ExpertSource) -> torch.Tensor:
         """Routed experts plus the shared expert scaled by sigmoid(x . ffn_gate_inp_shexp)."""

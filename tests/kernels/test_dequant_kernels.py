@@ -16,7 +16,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0])
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0])
 def test_kernel_matches_reference(qtype):
     assert qtype in TILES
     x = (np.random.default_rng(0).standard_normal((6, 40, 512)) * 0.05).astype(np.float32)

@@ -38,7 +38,7 @@ def test_q4_k_blocks_off_word_alignment_are_refused():
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0])
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0])
 @pytest.mark.parametrize("where", ["device", "host"])
 def test_matvec_matches_dequantized_product(qtype, where, own_pages):
     w = (np.random.default_rng(0).standard_normal((6, 72, 768)) * 0.05).astype(np.float32)  # 72: a partial tile
