@@ -17,7 +17,7 @@ from moestream.kernels import cpu_quant
 from moestream.kernels.gather import RowGather
 from moestream.models.layers import moe_swiglu, moe_swiglu_picked
 from moestream.models.moe import matvecs
-from moestream.offload.experts import ExpertTensors
+from moestream.offload.expert_tensors import ExpertTensors
 from moestream.profiling.timeline import NULL
 from moestream.runtime.loader import describe
 

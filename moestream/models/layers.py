@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -16,16 +16,6 @@ from torch.nn.attention.bias import causal_lower_right
 
 from moestream.kernels import decode_attention, fused
 from moestream.kernels.grouped_moe import grouped_mm
-
-if TYPE_CHECKING:
-    from moestream.models.moe import StoredExperts
-
-
-class ExpertSource(Protocol):
-    """What a MoE layer asks of the offload layer: its routed experts' stored bytes, wherever they live, as a
-    models.moe.StoredExperts for models.moe.moe_stored (x [T, D], ids [T, K])."""
-
-    def weights(self, il: int, x: torch.Tensor, ids: torch.Tensor) -> StoredExperts: ...
 
 
 class Cache(Protocol):

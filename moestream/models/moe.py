@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import Protocol
 
 import torch
 
@@ -46,6 +47,13 @@ class StoredExperts:
     def n_rows(self) -> int:
         """Experts the stacks hold."""
         return self.raws[0].shape[0]
+
+
+class ExpertSource(Protocol):
+    """What a MoE layer asks of the offload layer: its routed experts' stored bytes, wherever they live, as a
+    StoredExperts for moe_stored (x [T, D], ids [T, K])."""
+
+    def weights(self, il: int, x: torch.Tensor, ids: torch.Tensor) -> StoredExperts: ...
 
 
 def moe_stored(x: torch.Tensor, weights: torch.Tensor, w: StoredExperts) -> torch.Tensor:

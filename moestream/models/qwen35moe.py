@@ -17,7 +17,8 @@ from moestream.errors import MoestreamError
 from moestream.kernels import deltanet_step
 from moestream.models import qwen3moe
 from moestream.models.deltanet import DeltaNetState, DeltaRule, delta_rule_recurrent, gated_delta_mix, prefill_rule
-from moestream.models.layers import Batch, Cache, ExpertSource, imrope_text_cos_sin, rms_norm
+from moestream.models.layers import Batch, Cache, imrope_text_cos_sin, rms_norm
+from moestream.models.moe import ExpertSource
 from moestream.models.spec import ModelSpec, common_metadata, common_spec_fields, read_int, read_key
 
 if TYPE_CHECKING:

@@ -16,7 +16,6 @@ from moestream.models.layers import (
     HEAD_ROWS,
     Batch,
     Cache,
-    ExpertSource,
     causal_attention,
     masked_attention,
     rms_norm,
@@ -24,7 +23,7 @@ from moestream.models.layers import (
     rope_cos_sin,
     route_softmax_topk,
 )
-from moestream.models.moe import moe_stored
+from moestream.models.moe import ExpertSource, moe_stored
 from moestream.models.spec import ModelSpec, common_metadata, common_spec_fields
 
 if TYPE_CHECKING:

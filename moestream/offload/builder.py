@@ -14,7 +14,8 @@ from moestream.formats.gguf import GGUFFile, torch_bytes
 from moestream.kernels.gather import RowGather
 from moestream.offload.device import CpuDevice, CudaDevice, cap_vram, make_device
 from moestream.offload.expert_cache import ExpertCache
-from moestream.offload.experts import ExpertTensors, LayerExperts
+from moestream.offload.expert_tensors import ExpertTensors
+from moestream.offload.experts import LayerExperts
 from moestream.offload.host import PinnedRanges
 from moestream.offload.options import EngineOptions
 from moestream.offload.placement import (

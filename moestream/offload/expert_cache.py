@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from moestream.kernels.gather import Cached, RowGather
-from moestream.offload.experts import ExpertTensors
+from moestream.offload.expert_tensors import ExpertTensors
 
 REFRESH = 32  # passes between refreshes, once warm
 

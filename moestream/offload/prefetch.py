@@ -20,7 +20,7 @@ import torch
 
 from moestream.kernels.gather import RowGather, fill_misses
 from moestream.offload.expert_cache import ExpertCache
-from moestream.offload.experts import ExpertTensors
+from moestream.offload.expert_tensors import ExpertTensors
 from moestream.profiling.timeline import NULL, Timeline
 
 RING = 2
