@@ -136,7 +136,8 @@ def build_offload(
         fp,
         opts.streamed_layers == "spread",
     )
-    cap_vram(device, budget)  # allocations past the budget now fail, and the CLI says out of memory
+    # allocations past the budget now fail, and the CLI says out of memory
+    cap_vram(device, budget, opts.expandable_segments)
     given_extra: list = []  # tests hand in one simulated device per --devices entry
     if isinstance(dev, (list, tuple)):
         dev, *given_extra = dev

@@ -8,7 +8,6 @@ into compute to provoke races.
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
@@ -167,16 +166,17 @@ class CpuDevice:
 Device = CudaDevice | CpuDevice
 
 
-def cap_vram(device: torch.device, budget: int | None) -> None:
+def cap_vram(device: torch.device, budget: int | None, expandable: bool = False) -> None:
     """Make a VRAM budget a real limit: the caching allocator refuses to grow past it (None lifts it).
 
     Under a cap, memory stranded in half-used fixed-size segments is memory lost: qwen3.6-35b at 12 GiB ran out
     with 790 MiB reserved but free. Expandable segments grow in place and leave none, at no measured cost
-    (pp2048 overlap 10842 vs 10859 tokens/s), so a cap turns them on unless the user configured the allocator.
+    (pp2048 overlap 10842 vs 10859 tokens/s), so a cap turns them on (EngineOptions.expandable_segments: unless
+    the user configured the allocator).
     """
     if device.type != "cuda":
         return
-    if budget and not {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"} & os.environ.keys():
+    if budget and expandable:
         torch._C._accelerator_setAllocatorSettings("expandable_segments:True")
     index = device.index if device.index is not None else torch.cuda.current_device()
     total = torch.cuda.get_device_properties(index).total_memory

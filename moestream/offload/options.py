@@ -1,7 +1,9 @@
 """Engine options: one frozen dataclass the CLI, the Python API and the server all fill, checked once.
 
-The environment is read here and nowhere else ($MOESTREAM_STREAM, $MOESTREAM_DELTANET): once, when the options
-are made, so a bad value fails at load and later changes to the environment change nothing.
+The environment is read here and nowhere else ($MOESTREAM_STREAM, $MOESTREAM_DELTANET, whether torch's allocator
+is configured): once, when the options are made, so a bad value fails at load and later changes to the
+environment change nothing. The one exception is the C matvec's first build (kernels/cpu_quant.py), which
+honours $CC and $XDG_CACHE_HOME as any C build does.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ class EngineOptions:
     n_cpu_moe: int | str = 0  # experts of layers 0..N-1 stay in host RAM; "all" or "auto" (with vram_budget)
     streamed_layers: str = "first"  # first: layers 0..N-1, as llama.cpp; spread: N layers evenly spaced
     vram_budget: int | str | None = None  # cap on GPU bytes: weights + KV cache + staging + workspace
+    expandable_segments: bool | None = None  # under a budget, turn on the allocator's expandable segments
+    # (default: yes, unless $PYTORCH_CUDA_ALLOC_CONF or $PYTORCH_ALLOC_CONF configure the allocator)
     stream: Schedule | str | None = None  # serial | pinned | overlap | layer-major, made a Schedule (default:
     # $MOESTREAM_STREAM or overlap)
     slots: int = 3  # staging slots in the ring
@@ -92,6 +96,8 @@ class EngineOptions:
                 raise MoestreamError(f"--expert-cache {self.expert_cache}: must be 0 (off), more experts or auto")
         if self.host_memory not in ("pinned", "pageable"):
             raise MoestreamError(f"--host-memory {self.host_memory}: expected pinned or pageable")
+        if self.expandable_segments is None:
+            resolve("expandable_segments", not {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"} & os.environ.keys())
         resolve("deltanet", deltanet_mode(os.environ.get(DELTANET_ENV) if self.deltanet is None else self.deltanet))
         if self.threads is not None and self.threads < 1:
             raise MoestreamError(f"--threads {self.threads}: must be at least 1")

@@ -87,7 +87,8 @@ def load(
         dense = {name: t for name, t in f.tensors.items() if name not in host}
         if "output.weight" not in dense:  # tied: the head reads the embedding matrix, so it goes to the device
             dense["output.weight"] = f.tensor("token_embd.weight")
-        cap_vram(device, parse_size(opts.vram_budget))  # before the first upload: dense weights count too
+        # before the first upload: dense weights count too
+        cap_vram(device, parse_size(opts.vram_budget), opts.expandable_segments)
         weights = DenseWeights(dense, device, dtype, progress=opts.progress)
         dense_bytes = weights.nbytes
 

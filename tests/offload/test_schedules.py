@@ -214,3 +214,16 @@ def test_stream_env_is_read_once_with_the_options(monkeypatch):
         opts.stream = Schedule.OVERLAP
     monkeypatch.setenv("MOESTREAM_STREAM", " ")  # blank: the default, as a blank $MOESTREAM_DELTANET is auto
     assert EngineOptions(device="cpu").stream is Schedule.OVERLAP
+
+
+def test_allocator_settings_are_left_to_a_user_who_configured_them(monkeypatch):
+    """Under a budget moestream turns on expandable segments, unless $PYTORCH_CUDA_ALLOC_CONF (or its new name)
+    configures torch's allocator: read with the options, not when the cap is set."""
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    assert EngineOptions(device="cpu").expandable_segments is True
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.setenv(name, "max_split_size_mb:256")
+        assert EngineOptions(device="cpu").expandable_segments is False
+        monkeypatch.delenv(name)
+    assert EngineOptions(device="cpu", expandable_segments=False).expandable_segments is False

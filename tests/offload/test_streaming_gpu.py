@@ -151,14 +151,12 @@ def test_held_gathers_read_cache_rows_on_the_device_and_the_rest_from_the_host(o
         pinned.unregister()
 
 
-def test_vram_cap_turns_on_expandable_segments(monkeypatch):
+def test_vram_cap_turns_on_expandable_segments():
     """Under a budget, fresh allocations land in segments that grow in place, so no reserved memory is stranded."""
     from moestream.offload.device import cap_vram
 
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     dev = torch.device("cuda")
-    cap_vram(dev, torch.cuda.get_device_properties(0).total_memory // 2)
+    cap_vram(dev, torch.cuda.get_device_properties(0).total_memory // 2, expandable=True)
     try:
         torch.cuda.empty_cache()
         x = torch.empty(300 << 20, dtype=torch.uint8, device=dev)
