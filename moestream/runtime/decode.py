@@ -5,16 +5,18 @@ than the GPU work (the last profile: 137 of 144 ms "busy" in launches). A static
 the device, a fixed number of KV rows read under a mask, streamed experts picked on the device) queues the
 same work every token, so it is captured once per sequence cache and key-count bucket and then replayed:
 one launch per token. The first step of a bucket runs eagerly (it is also the warm-up that compiles the
-Triton kernels), later ones replay; both run the same kernels, so they give the same bits.
+Triton kernels), later ones replay; both run the same kernels, so they give the same bits. A server's running
+batch (a token for each of several sequences) is captured the same way, once per set of caches and buckets.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import torch
 
 MIN_KEYS = 256
+BATCH_GRAPHS = 8  # captured batch steps kept: each holds its caches' memory
 
 
 def key_bucket(n_past: int, n_ctx: int) -> int:
@@ -27,45 +29,52 @@ def key_bucket(n_past: int, n_ctx: int) -> int:
     return min(n, n_ctx)
 
 
-Step = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]  # (x [1, D], positions [1], n_keys) -> logits
+Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [B, D], positions [B]) -> logits [B, V]
 
 
 class _Captured:
-    def __init__(self, graph, x: torch.Tensor, positions: torch.Tensor, out: torch.Tensor, moved: int):
+    def __init__(self, graph, x: torch.Tensor, positions: torch.Tensor, out: torch.Tensor, moved: int, holds):
         self.graph, self.x, self.positions, self.out = graph, x, positions, out
         self.moved = moved  # expert bytes one replay reads over the link (no Python runs to count them)
+        self.holds = holds  # what the graph's kernels read and write besides its buffers (kept alive)
 
 
 class StepGraphs:
-    """The captured steps of one sequence cache (they read and write its memory), one per key bucket.
+    """Captured steps that run one at a time, keyed by what fixes their kernels (a key bucket, or a batch's
+    caches and buckets); all share one memory pool. Past `limit` entries the oldest is dropped."""
 
-    All buckets share one memory pool: only one of them runs at a time."""
-
-    def __init__(self):
+    def __init__(self, limit: int | None = None):
         self.pool = torch.cuda.graph_pool_handle()
-        self.steps: dict[int, _Captured] = {}
+        self.steps: dict[Hashable, _Captured] = {}
+        self.limit = limit
 
-    def __contains__(self, n_keys: int) -> bool:
-        return n_keys in self.steps
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self.steps
 
-    def capture(self, step: Step, x: torch.Tensor, positions: torch.Tensor, n_keys: int, experts) -> None:
-        """Record step's kernels for this bucket (nothing runs): x and positions become its input buffers."""
+    def capture(self, step: Step, x: torch.Tensor, positions: torch.Tensor, key: Hashable, experts, holds=()) -> None:
+        """Record step's kernels under key (nothing runs): x and positions become its input buffers. holds:
+        the sequence caches the step touches, kept alive as long as the graph that writes them."""
         x, positions = x.clone(), positions.clone()
         graph = torch.cuda.CUDAGraph()
         before, stream = experts.bytes_moved, torch.cuda.current_stream()
         try:
             with torch.cuda.graph(graph, pool=self.pool):
-                out = step(x, positions, n_keys)
+                out = step(x, positions)
         finally:
             torch.cuda.set_stream(stream)  # a capture that failed can leave its side stream current
             moved = experts.bytes_moved - before
             experts.count_moved(-moved)  # capturing ran nothing
-        self.steps[n_keys] = _Captured(graph, x, positions, out, moved)
+        if self.limit is not None and len(self.steps) >= self.limit:
+            del self.steps[next(iter(self.steps))]
+        self.steps[key] = _Captured(graph, x, positions, out, moved, tuple(holds))
 
-    def replay(self, x: torch.Tensor, position: int, n_keys: int, experts) -> torch.Tensor:
-        s = self.steps[n_keys]
+    def replay(self, x: torch.Tensor, positions: list[int], key: Hashable, experts) -> torch.Tensor:
+        s = self.steps[key]
         s.x.copy_(x)
-        s.positions.fill_(position)
+        if len(positions) == 1:
+            s.positions.fill_(positions[0])
+        else:
+            s.positions.copy_(torch.tensor(positions))
         s.graph.replay()
         experts.count_moved(s.moved)
         return s.out.clone()  # the next replay overwrites out

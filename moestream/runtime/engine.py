@@ -8,6 +8,7 @@ import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from tqdm import tqdm
@@ -20,7 +21,7 @@ from moestream.offload.experts import ExpertPass, LayerExperts, OnRoute
 from moestream.offload.options import EngineOptions
 from moestream.offload.schedule import Schedule
 from moestream.profiling.timeline import NULL, Timeline
-from moestream.runtime.decode import StepGraphs, key_bucket
+from moestream.runtime.decode import BATCH_GRAPHS, StepGraphs, key_bucket
 from moestream.runtime.kv_cache import KVCache, SequenceCache
 from moestream.runtime.sampling import Sampler, SamplingParams
 
@@ -61,6 +62,7 @@ class Engine:
                 stacklevel=2,
             )
         self._graphs: weakref.WeakKeyDictionary[SequenceCache, StepGraphs] = weakref.WeakKeyDictionary()
+        self._batch_graphs: StepGraphs | None = None  # forward_each's, by caches and key buckets
         self._graphs_ok = True  # False once a capture failed: later steps run eagerly
         self._cache: SequenceCache | None = None  # generate()'s, reused so its captured steps are too
 
@@ -81,7 +83,7 @@ class Engine:
         if "deltanet" in changes:  # the model chose its delta rule when it was built
             raise MoestreamError("the delta-net rule is chosen at load: load the model again with deltanet=...")
         options = dataclasses.replace(self.options, **changes)
-        self._graphs.clear()  # captured steps read the old expert buffers; free their memory before the new ones
+        self._forget_graphs()  # captured steps read the old expert buffers; free their memory before the new ones
         self.offload.close()  # first: the new placement may page-lock the same ranges
         self.offload = None  # and let its device memory go before the new one is made
         failed = None
@@ -183,46 +185,56 @@ class Engine:
         model = self.model
         n_keys = key_bucket(cache.n_past, self.n_ctx)
         graphs = None
-        if self.timeline is NULL and self.replays_steps:
+        if self.timeline is NULL and self.replays():
             graphs = self._graphs.setdefault(cache, StepGraphs())
 
-        x = model.embed(torch.tensor([token]))
+        def step(p: ExpertPass, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            return self._layers(x, model.static_batch(positions, n_keys, self.dtype), cache, p)
 
-        def run(p: ExpertPass) -> torch.Tensor:
-            def step(x: torch.Tensor, positions: torch.Tensor, n_keys: int) -> torch.Tensor:
-                return self._layers(x, model.static_batch(positions, n_keys, self.dtype), cache, p)
-
-            if graphs is not None and n_keys in graphs:
-                return graphs.replay(x, cache.n_past, n_keys, self.experts)
-            positions = torch.tensor([cache.n_past], device=self.device)
-            logits = step(x, positions, n_keys)  # also the warm-up a capture needs
-            if graphs is not None:
-                self._capture(graphs, step, x, positions, n_keys)
-            return logits
-
-        return self._static_pass([cache], 1, run)
+        return self._replayed([cache], model.embed(torch.tensor([token])), step, graphs, n_keys)
 
     @torch.inference_mode()
     def forward_each(self, tokens: list[int], caches: list[SequenceCache]) -> torch.Tensor:
         """One token for each of several sequences in one pass (a server's running batch): the projections
         and experts run once for all rows, attention and recurrent state per sequence. Returns logits [B, V].
 
-        Runs eagerly; a single sequence goes through forward(), where its step may replay a CUDA graph."""
+        Replayed from a CUDA graph where `replays(B)`, captured once per set of caches and key buckets (a
+        server's caches come from a reused pool, so a few captures serve many requests)."""
         if len(tokens) != len(caches) or len({id(c) for c in caches}) != len(caches):
             raise MoestreamError("forward_each takes one token for each of distinct sequences")
         if len(tokens) == 1:
             return self.forward(tokens, caches[0])
         for token, cache in zip(tokens, caches, strict=True):
             self._check([token], cache)
-        model, dev = self.model, self.device
-        rows = tuple(
-            model.static_batch(torch.tensor([c.n_past], device=dev), key_bucket(c.n_past, self.n_ctx), self.dtype)
-            for c in caches
-        )
-        positions = torch.tensor([c.n_past for c in caches], device=dev)
-        batch = Batch(-1, *model.rope(positions, self.dtype), positions, rows=rows)
-        x = model.embed(torch.tensor(tokens))
-        return self._static_pass(caches, len(tokens), lambda p: self._layers(x, batch, caches, p))
+        model = self.model
+        n_keys = tuple(key_bucket(c.n_past, self.n_ctx) for c in caches)
+        graphs = None
+        if self.timeline is NULL and self.replays(len(caches)):
+            graphs = self._batch_graphs = self._batch_graphs or StepGraphs(limit=BATCH_GRAPHS)
+
+        def step(p: ExpertPass, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            rows = tuple(model.static_batch(positions[i : i + 1], n, self.dtype) for i, n in enumerate(n_keys))
+            return self._layers(x, Batch(-1, *model.rope(positions, self.dtype), positions, rows=rows), caches, p)
+
+        key = (tuple(id(c) for c in caches), n_keys)  # the graph holds the caches: no id is reused meanwhile
+        return self._replayed(caches, model.embed(torch.tensor(tokens)), step, graphs, key, holds=caches)
+
+    def _replayed(self, caches: list[SequenceCache], x: torch.Tensor, step, graphs: StepGraphs | None, key, holds=()):
+        """A static pass of step(pass, x, positions), one token for each cache: replayed from graphs[key] if
+        captured, else run eagerly (the warm-up a capture needs) and then captured when graphs is given, holding
+        `holds` alive with the graph (not a cache's own graphs: they live only as long as the cache does)."""
+
+        def run(p: ExpertPass) -> torch.Tensor:
+            positions = [c.n_past for c in caches]
+            if graphs is not None and key in graphs:
+                return graphs.replay(x, positions, key, self.experts)
+            on_device = torch.tensor(positions, device=self.device)
+            logits = step(p, x, on_device)
+            if graphs is not None:
+                self._capture(graphs, partial(step, p), x, on_device, key, holds)
+            return logits
+
+        return self._static_pass(caches, len(caches), run)
 
     def _layers(self, x: torch.Tensor, batch: Batch, cache, p: ExpertPass) -> torch.Tensor:
         """Every layer, then the head: the body of a static pass (and of a captured step). Gathered layers'
@@ -261,20 +273,26 @@ class Engine:
             c.n_past += 1
         return logits
 
-    @property
-    def replays_steps(self) -> bool:
-        """Whether one-token steps replay CUDA graphs here (then one sequence at a time is the fast path)."""
-        return self._graphs_ok and self.device.type == "cuda" and self.experts.capturable(1, self.spec.n_expert_used)
+    def replays(self, n_seqs: int = 1) -> bool:
+        """Whether a step of one token for each of n_seqs sequences replays a CUDA graph here (else it runs
+        eagerly, and a server does better stepping its sequences one by one, each replaying its own)."""
+        return (
+            self._graphs_ok and self.device.type == "cuda" and self.experts.capturable(n_seqs, self.spec.n_expert_used)
+        )
 
-    def _capture(self, graphs: StepGraphs, step, x: torch.Tensor, positions: torch.Tensor, n_keys: int) -> None:
+    def _capture(self, graphs: StepGraphs, step, x: torch.Tensor, positions: torch.Tensor, key, holds) -> None:
         """Capture a step; if CUDA refuses, say so once and keep decoding eagerly (same kernels, same bits)."""
         try:
-            graphs.capture(step, x, positions, n_keys, self.experts)
+            graphs.capture(step, x, positions, key, self.experts, holds)
         except RuntimeError as e:
             self._graphs_ok = False
-            self._graphs.clear()
+            self._forget_graphs()
             self.experts.forget()  # events recorded in the capture never ran
             warnings.warn(f"decode steps could not be captured in a CUDA graph ({e}); running eagerly", stacklevel=3)
+
+    def _forget_graphs(self) -> None:
+        self._graphs.clear()
+        self._batch_graphs = None
 
     def logits(self, tokens: list[int]) -> torch.Tensor:
         """Logits [T, V] (float32, CPU) of a fresh sequence: the hook for reference comparisons."""
@@ -350,7 +368,7 @@ class Engine:
                 self.offload.close()
                 cap_vram(self.device, None)
         finally:
-            self._graphs.clear()
+            self._forget_graphs()
             self._cache = None
             self.offload = None
             self.model = None

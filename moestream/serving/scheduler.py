@@ -2,8 +2,9 @@
 
 A turn advances every running sequence by a step: a chunk of its prompt (at most ubatch tokens, so a long
 prompt never stalls the others for long), or one generated token. The decoding sequences' tokens go through
-the model together (`Engine.forward_each`: one pass, the experts read once for all of them), except where
-one-token steps replay CUDA graphs, which are captured per sequence: there each sequence replays its own.
+the model together (`Engine.forward_each`: one pass, the experts read once for all of them, replayed on a GPU
+from a graph captured per set of caches), except where only a one-token step can be captured: there each
+sequence replays its own.
 Each sequence has its own cache, from a pool reused across requests (with its captured steps).
 """
 
@@ -174,8 +175,11 @@ class Scheduler:
         if not stepping:
             return
         start = time.perf_counter()
-        groups = [stepping] if not self.engine.replays_steps else [[seq] for seq in stepping]
-        for group in groups:  # a GPU replays one graph per sequence; elsewhere one pass serves all of them
+        # one pass for all of them, replayed from a graph on a GPU; where a batch cannot be captured but one
+        # token can, each sequence replays its own graph instead (faster than an eager pass there)
+        alone = self.engine.replays(1) and not self.engine.replays(len(stepping))
+        groups = [[seq] for seq in stepping] if alone else [stepping]
+        for group in groups:
             try:
                 logits = self.engine.forward_each([seq.token for seq in group], [seq.cache for seq in group])
             except Exception as e:

@@ -125,3 +125,41 @@ def test_a_capture_that_fails_half_way_leaves_eager_steps_that_work(model_file, 
         assert not e._graphs_ok and got == want
     finally:
         e.close()
+
+
+@pytest.mark.parametrize(("preset", "n_cpu_moe"), [("tiny", 0), ("tiny", "all"), ("tiny-qwen35moe", 0)])
+def test_batched_steps_replay_the_eager_batch_and_each_sequence_alone(model_file, preset, n_cpu_moe):
+    """A server's running batch (forward_each), captured once for its caches: replays equal the same batch run
+    eagerly, and each row's logits those of its sequence stepped alone on the same tokens (other matmul
+    shapes, so close rather than equal)."""
+    path = model_file(preset, "Q4_K_M")
+    e = moestream.load(path, device="cuda", dtype="float32", progress=False, n_cpu_moe=n_cpu_moe)
+    prompts = [TOKENS[:5], TOKENS[10:17], TOKENS[30:33]]
+    try:
+        assert e.replays(len(prompts))
+
+        def batched():
+            caches = [e.new_cache() for _ in prompts]
+            last = [int(e.forward(p, c)[-1].argmax()) for p, c in zip(prompts, caches, strict=True)]
+            fed, out = [], []
+            for _ in range(10):
+                fed.append(last)
+                out.append(e.forward_each(last, caches))
+                last = [int(row.argmax()) for row in out[-1]]
+            return torch.stack(out), fed
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a refused capture warns and runs eagerly: not good enough here
+            graphed, fed = batched()
+        assert len(e._batch_graphs.steps) == 1, "one set of caches in one key bucket: one capture"
+        e.record(Timeline(e.device))  # recording runs every pass eagerly
+        eager, _ = batched()
+        e.record(NULL)
+        assert torch.equal(graphed, eager)
+        for i, prompt in enumerate(prompts):
+            cache = e.new_cache()
+            e.forward(prompt, cache)
+            alone = torch.cat([e.forward([step[i]], cache) for step in fed])
+            assert float((alone - graphed[:, i]).abs().max() / alone.abs().max()) < 1e-3
+    finally:
+        e.close()
