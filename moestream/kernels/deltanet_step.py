@@ -110,7 +110,7 @@ def decode_step(
     C, K = conv_weight.shape
     Hv, Dk, Dv = recurrent_state.shape
     y = torch.empty(C, dtype=torch.float32, device=qkv.device)
-    out = torch.empty_like(z)
+    out = torch.empty(z.shape, dtype=z.dtype, device=z.device)  # the layout the kernel writes
     block = 1024
     with on_device(qkv):
         _conv_kernel[(triton.cdiv(C, block),)](

@@ -11,12 +11,13 @@ batch (a token for each of several sequences) is captured the same way, once per
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Hashable
 
 import torch
 
 MIN_KEYS = 256
-BATCH_GRAPHS = 8  # captured batch steps kept: each holds its caches' memory
+BATCH_GRAPHS = 8  # captured batch steps kept, the least recently replayed dropped first
 
 
 def key_bucket(n_past: int, n_ctx: int) -> int:
@@ -33,27 +34,29 @@ Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [B, D], positi
 
 
 class _Captured:
-    def __init__(self, graph, x: torch.Tensor, positions: torch.Tensor, out: torch.Tensor, moved: int, holds):
+    def __init__(self, graph, x: torch.Tensor, positions: torch.Tensor, out: torch.Tensor, moved: int, names):
         self.graph, self.x, self.positions, self.out = graph, x, positions, out
         self.moved = moved  # expert bytes one replay reads over the link (no Python runs to count them)
-        self.holds = holds  # what the graph's kernels read and write besides its buffers (kept alive)
+        self.names = names  # ids of the caches whose memory the graph reads and writes
 
 
 class StepGraphs:
     """Captured steps that run one at a time, keyed by what fixes their kernels (a key bucket, or a batch's
-    caches and buckets); all share one memory pool. Past `limit` entries the oldest is dropped."""
+    caches and buckets); all share one memory pool. Past `limit` entries the least recently replayed goes."""
 
     def __init__(self, limit: int | None = None):
         self.pool = torch.cuda.graph_pool_handle()
         self.steps: dict[Hashable, _Captured] = {}
         self.limit = limit
+        self._watched: weakref.WeakSet = weakref.WeakSet()
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self.steps
 
-    def capture(self, step: Step, x: torch.Tensor, positions: torch.Tensor, key: Hashable, experts, holds=()) -> None:
-        """Record step's kernels under key (nothing runs): x and positions become its input buffers. holds:
-        the sequence caches the step touches, kept alive as long as the graph that writes them."""
+    def capture(self, step: Step, x: torch.Tensor, positions: torch.Tensor, key: Hashable, experts, watch=()) -> None:
+        """Record step's kernels under key (nothing runs): x and positions become its input buffers. watch:
+        the caches the step touches, named in key by id; when one is freed, the steps naming it are dropped
+        (before its id or its memory can be another's)."""
         x, positions = x.clone(), positions.clone()
         graph = torch.cuda.CUDAGraph()
         before, stream = experts.bytes_moved, torch.cuda.current_stream()
@@ -66,10 +69,15 @@ class StepGraphs:
             experts.count_moved(-moved)  # capturing ran nothing
         if self.limit is not None and len(self.steps) >= self.limit:
             del self.steps[next(iter(self.steps))]
-        self.steps[key] = _Captured(graph, x, positions, out, moved, tuple(holds))
+        self.steps[key] = _Captured(graph, x, positions, out, moved, frozenset(id(c) for c in watch))
+        for c in watch:
+            if c not in self._watched:
+                self._watched.add(c)
+                weakref.finalize(c, _drop_named, weakref.ref(self), id(c))
 
     def replay(self, x: torch.Tensor, positions: list[int], key: Hashable, experts) -> torch.Tensor:
-        s = self.steps[key]
+        s = self.steps.pop(key)
+        self.steps[key] = s  # the most recently used goes last, the first to be dropped first
         s.x.copy_(x)
         if len(positions) == 1:
             s.positions.fill_(positions[0])
@@ -78,3 +86,13 @@ class StepGraphs:
         s.graph.replay()
         experts.count_moved(s.moved)
         return s.out.clone()  # the next replay overwrites out
+
+    def drop_named(self, cache_id: int) -> None:
+        for key in [k for k, s in self.steps.items() if cache_id in s.names]:
+            del self.steps[key]
+
+
+def _drop_named(graphs: weakref.ref, cache_id: int) -> None:
+    """A watched cache was freed: its steps go with it (a weak reference, so graphs can go first)."""
+    if (g := graphs()) is not None:
+        g.drop_named(cache_id)

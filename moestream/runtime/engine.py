@@ -21,7 +21,8 @@ from moestream.offload.experts import ExpertPass, LayerExperts, OnRoute
 from moestream.offload.options import EngineOptions
 from moestream.offload.schedule import Schedule
 from moestream.profiling.timeline import NULL, Timeline
-from moestream.runtime.decode import BATCH_GRAPHS, StepGraphs, key_bucket
+from moestream.runtime import decode
+from moestream.runtime.decode import StepGraphs, key_bucket
 from moestream.runtime.kv_cache import KVCache, SequenceCache
 from moestream.runtime.sampling import Sampler, SamplingParams
 
@@ -64,6 +65,7 @@ class Engine:
         self._graphs: weakref.WeakKeyDictionary[SequenceCache, StepGraphs] = weakref.WeakKeyDictionary()
         self._batch_graphs: StepGraphs | None = None  # forward_each's, by caches and key buckets
         self._graphs_ok = True  # False once a capture failed: later steps run eagerly
+        self._batches_ok = True  # the same for batches (forward_each); a one-token step failing clears both
         self._cache: SequenceCache | None = None  # generate()'s, reused so its captured steps are too
 
     def record(self, timeline: Timeline) -> None:
@@ -206,23 +208,25 @@ class Engine:
             return self.forward(tokens, caches[0])
         for token, cache in zip(tokens, caches, strict=True):
             self._check([token], cache)
+        order = sorted(range(len(caches)), key=lambda i: id(caches[i]))  # one graph whatever order rows come in
+        tokens, caches = [tokens[i] for i in order], [caches[i] for i in order]
         model = self.model
         n_keys = tuple(key_bucket(c.n_past, self.n_ctx) for c in caches)
         graphs = None
         if self.timeline is NULL and self.replays(len(caches)):
-            graphs = self._batch_graphs = self._batch_graphs or StepGraphs(limit=BATCH_GRAPHS)
+            graphs = self._batch_graphs = self._batch_graphs or StepGraphs(limit=decode.BATCH_GRAPHS)
 
         def step(p: ExpertPass, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
             rows = tuple(model.static_batch(positions[i : i + 1], n, self.dtype) for i, n in enumerate(n_keys))
             return self._layers(x, Batch(-1, *model.rope(positions, self.dtype), positions, rows=rows), caches, p)
 
-        key = (tuple(id(c) for c in caches), n_keys)  # the graph holds the caches: no id is reused meanwhile
-        return self._replayed(caches, model.embed(torch.tensor(tokens)), step, graphs, key, holds=caches)
+        key = (tuple(id(c) for c in caches), n_keys)  # a freed cache's steps are dropped: no id names two
+        logits = self._replayed(caches, model.embed(torch.tensor(tokens)), step, graphs, key, watch=caches)
+        return logits[torch.tensor(order).argsort()]
 
-    def _replayed(self, caches: list[SequenceCache], x: torch.Tensor, step, graphs: StepGraphs | None, key, holds=()):
+    def _replayed(self, caches: list[SequenceCache], x: torch.Tensor, step, graphs: StepGraphs | None, key, watch=()):
         """A static pass of step(pass, x, positions), one token for each cache: replayed from graphs[key] if
-        captured, else run eagerly (the warm-up a capture needs) and then captured when graphs is given, holding
-        `holds` alive with the graph (not a cache's own graphs: they live only as long as the cache does)."""
+        captured, else run eagerly (the warm-up a capture needs) and then captured when graphs is given."""
 
         def run(p: ExpertPass) -> torch.Tensor:
             positions = [c.n_past for c in caches]
@@ -231,7 +235,7 @@ class Engine:
             on_device = torch.tensor(positions, device=self.device)
             logits = step(p, x, on_device)
             if graphs is not None:
-                self._capture(graphs, partial(step, p), x, on_device, key, holds)
+                self._capture(graphs, partial(step, p), x, on_device, key, watch)
             return logits
 
         return self._static_pass(caches, len(caches), run)
@@ -276,17 +280,21 @@ class Engine:
     def replays(self, n_seqs: int = 1) -> bool:
         """Whether a step of one token for each of n_seqs sequences replays a CUDA graph here (else it runs
         eagerly, and a server does better stepping its sequences one by one, each replaying its own)."""
-        return (
-            self._graphs_ok and self.device.type == "cuda" and self.experts.capturable(n_seqs, self.spec.n_expert_used)
-        )
+        ok = self._graphs_ok if n_seqs == 1 else self._batches_ok
+        return ok and self.device.type == "cuda" and self.experts.capturable(n_seqs, self.spec.n_expert_used)
 
-    def _capture(self, graphs: StepGraphs, step, x: torch.Tensor, positions: torch.Tensor, key, holds) -> None:
-        """Capture a step; if CUDA refuses, say so once and keep decoding eagerly (same kernels, same bits)."""
+    def _capture(self, graphs: StepGraphs, step, x: torch.Tensor, positions: torch.Tensor, key, watch) -> None:
+        """Capture a step; if CUDA refuses, say so once and run such steps eagerly (same kernels, same bits). A
+        batch that fails (out of memory, say) leaves one-token steps captured."""
         try:
-            graphs.capture(step, x, positions, key, self.experts, holds)
+            graphs.capture(step, x, positions, key, self.experts, watch)
         except RuntimeError as e:
-            self._graphs_ok = False
-            self._forget_graphs()
+            if graphs is self._batch_graphs:
+                self._batches_ok = False
+                self._batch_graphs = None
+            else:
+                self._graphs_ok = self._batches_ok = False
+                self._forget_graphs()
             self.experts.forget()  # events recorded in the capture never ran
             warnings.warn(f"decode steps could not be captured in a CUDA graph ({e}); running eagerly", stacklevel=3)
 

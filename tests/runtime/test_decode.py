@@ -52,7 +52,8 @@ def test_generate_reuses_its_cache_from_a_clean_state(model_file):
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qwen35moe"])
 def test_one_pass_for_several_sequences_matches_each_alone(model_file, preset):
-    """forward_each: three sequences at different positions, one token each, give their lone steps' logits."""
+    """forward_each: three sequences at different positions, one token each, give their lone steps' logits,
+    in the order the caches were given."""
     engine = moestream.load(model_file(preset, "F32"), device="cpu", progress=False, ubatch=8)
     prompts = [TOKENS[:5], TOKENS[10:30], TOKENS[40:41]]
     try:
@@ -64,8 +65,10 @@ def test_one_pass_for_several_sequences_matches_each_alone(model_file, preset):
         ref = torch.cat([engine.forward([n], c) for n, c in zip(nxt, alone, strict=True)])
         got = engine.forward_each(nxt, together)
         assert [c.n_past for c in together] == [c.n_past for c in alone]
-        again = torch.cat([engine.forward([3], c) for c in together])  # the caches went on the same way
-        ref_again = torch.cat([engine.forward([3], c) for c in alone])
+        # the caches went on the same way; rows in the other order (forward_each sorts them: one of the two
+        # orders is not its own) come back in the order given
+        again = engine.forward_each([5, 4, 3], together[::-1])
+        ref_again = torch.cat([engine.forward([t], c) for t, c in zip([5, 4, 3], alone[::-1], strict=True)])
     finally:
         engine.close()
     assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5

@@ -163,3 +163,32 @@ def test_batched_steps_replay_the_eager_batch_and_each_sequence_alone(model_file
             assert float((alone - graphed[:, i]).abs().max() / alone.abs().max()) < 1e-3
     finally:
         e.close()
+
+
+def test_batch_graphs_go_with_their_caches_and_the_least_recently_replayed_first(model_file, monkeypatch):
+    """A freed cache takes the batch steps naming it along (its id may name the next cache); past the limit the
+    step replayed longest ago is dropped, not the one in use."""
+    from moestream.runtime import decode
+
+    monkeypatch.setattr(decode, "BATCH_GRAPHS", 2)
+    e = moestream.load(model_file("tiny", "Q4_K_M"), device="cuda", progress=False)
+    try:
+        a, b, c = (e.new_cache() for _ in range(3))
+        for cache in (a, b, c):
+            e.forward(TOKENS[:4], cache)
+        e.forward_each([1, 2], [a, b])  # eager, then captured
+        e.forward_each([1, 2], [b, c])
+        e.forward_each([3, 4], [a, b])  # a replay: [a, b] is now the most recent
+        graphs = e._batch_graphs
+        assert len(graphs.steps) == 2
+        d = e.new_cache()
+        e.forward(TOKENS[:4], d)
+        e.forward_each([5, 6], [c, d])  # a third: [b, c] goes, [a, b] stays
+        assert {frozenset(s.names) for s in graphs.steps.values()} == {
+            frozenset({id(a), id(b)}),
+            frozenset({id(c), id(d)}),
+        }
+        del a
+        assert {frozenset(s.names) for s in graphs.steps.values()} == {frozenset({id(c), id(d)})}
+    finally:
+        e.close()
