@@ -91,22 +91,19 @@ def usable(qkv: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.T
 
 
 def decode_step(
-    qkv: torch.Tensor,
-    alpha: torch.Tensor,
-    beta: torch.Tensor,
-    z: torch.Tensor,
-    conv_weight: torch.Tensor,
-    dt_bias: torch.Tensor,
-    ssm_a: torch.Tensor,
-    norm: torch.Tensor,
+    projected: tuple[torch.Tensor, ...],
+    weights: tuple[torch.Tensor, ...],
     conv_state: torch.Tensor,
     recurrent_state: torch.Tensor,
     k_heads: int,
     eps: float,
 ) -> torch.Tensor:
-    """models.deltanet's token from its projections: qkv [1, C], alpha, beta [1, Hv] (before softplus /
-    sigmoid), z [1, Hv * Dv]; conv_state [K-1, C] and recurrent_state [Hv, Dk, Dv] (float32) move on in place.
-    Returns the gated, normalised output [1, Hv * Dv] in z's dtype."""
+    """models.deltanet.gated_delta_mix for one token on the GPU. projected: qkv [1, C], alpha and beta [1, Hv]
+    (before softplus / sigmoid), z [1, Hv * Dv]; weights: the conv weight [C, K], dt_bias, ssm_a, the norm's.
+    conv_state [K-1, C] and recurrent_state [Hv, Dk, Dv] (float32) move on in place. Returns the gated,
+    normalised output [1, Hv * Dv] in z's dtype."""
+    qkv, alpha, beta, z = projected
+    conv_weight, dt_bias, ssm_a, norm = weights
     C, K = conv_weight.shape
     Hv, Dk, Dv = recurrent_state.shape
     y = torch.empty(C, dtype=torch.float32, device=qkv.device)

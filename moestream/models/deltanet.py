@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -218,24 +219,33 @@ def delta_rule_chunked(
     return out.transpose(0, 1).to(out_dtype), s
 
 
+class Projected(NamedTuple):
+    """A delta-net layer's projections of its input x [T, D]."""
+
+    qkv: torch.Tensor  # [T, C]
+    alpha: torch.Tensor  # [T, Hv], before softplus
+    beta: torch.Tensor  # [T, Hv], before the sigmoid
+    z: torch.Tensor  # [T, Hv * Dv], the output gate
+
+
+class MixWeights(NamedTuple):
+    """A delta-net layer's weights besides its projections."""
+
+    conv_weight: torch.Tensor  # [C, K]
+    dt_bias: torch.Tensor  # [Hv]
+    ssm_a: torch.Tensor  # [Hv], negative
+    norm: torch.Tensor  # [Dv]
+
+
 def gated_delta_mix(
-    qkv: torch.Tensor,
-    alpha: torch.Tensor,
-    beta: torch.Tensor,
-    z: torch.Tensor,
-    conv_weight: torch.Tensor,
-    dt_bias: torch.Tensor,
-    ssm_a: torch.Tensor,
-    norm: torch.Tensor,
-    state: DeltaNetState,
-    k_heads: int,
-    eps: float,
-    rule: DeltaRule,
+    projected: Projected, weights: MixWeights, state: DeltaNetState, k_heads: int, eps: float, rule: DeltaRule
 ) -> torch.Tensor:
-    """A delta-net layer's token mix from its projections: the short convolution over qkv [T, C], unit q and
-    k, decay g = softplus(alpha + dt_bias) * ssm_a and beta = sigmoid(beta) ([T, Hv] each, as projected), the
-    delta rule (`rule`) on the state, then RMSNorm gated by silu(z [T, Hv * Dv]). The state moves on in place
-    (a captured decode step reads and writes the same memory). Returns [T, Hv * Dv] in z's dtype."""
+    """A delta-net layer's token mix from its projections: the short convolution over qkv, unit q and k, decay
+    g = softplus(alpha + dt_bias) * ssm_a and beta = sigmoid(beta), the delta rule (`rule`) on the state, then
+    RMSNorm gated by silu(z). The state moves on in place (a captured decode step reads and writes the same
+    memory). Returns [T, Hv * Dv] in z's dtype; kernels/deltanet_step.py is the same for one token on a GPU."""
+    qkv, alpha, beta, z = projected
+    conv_weight, dt_bias, ssm_a, norm = weights
     T = qkv.shape[0]
     n_heads, dk, dv = state.recurrent_state.shape
     y, conv_state = causal_conv1d(qkv.float(), conv_weight, state.conv_state)

@@ -16,7 +16,15 @@ import torch.nn.functional as F
 from moestream.errors import MoestreamError
 from moestream.kernels import deltanet_step
 from moestream.models import qwen3moe
-from moestream.models.deltanet import DeltaNetState, DeltaRule, delta_rule_recurrent, gated_delta_mix, prefill_rule
+from moestream.models.deltanet import (
+    DeltaNetState,
+    DeltaRule,
+    MixWeights,
+    Projected,
+    delta_rule_recurrent,
+    gated_delta_mix,
+    prefill_rule,
+)
 from moestream.models.layers import Batch, Cache, imrope_text_cos_sin, rms_norm
 from moestream.models.moe import ExpertSource
 from moestream.models.spec import ModelSpec, common_metadata, common_spec_fields, read_int, read_key
@@ -193,18 +201,17 @@ class Model(qwen3moe.Model):
             return torch.cat([self.delta_net(il, x[i : i + 1], b, c) for i, (b, c) in enumerate(rows)])
         eps, T = self.spec.rms_eps, x.shape[0]
         state: DeltaNetState = cache.recurrent[il]
-        qkv, alpha, beta, z = (self.linear(x, il, n) for n in ("attn_qkv", "ssm_alpha", "ssm_beta", "attn_gate"))
+        projected = Projected(*(self.linear(x, il, n) for n in ("attn_qkv", "ssm_alpha", "ssm_beta", "attn_gate")))
         b = f"blk.{il}."
-        weights = (self.w(il, "ssm_conv1d"), self.weights[b + "ssm_dt.bias"], self.weights[b + "ssm_a"])
-        weights += (self.w(il, "ssm_norm"),)
+        w = MixWeights(
+            self.w(il, "ssm_conv1d"), self.weights[b + "ssm_dt.bias"], self.weights[b + "ssm_a"], self.w(il, "ssm_norm")
+        )
         k_heads = self.spec.extra["k_heads"]
-        if deltanet_step.usable(qkv, state.conv_state, state.recurrent_state):  # a token on the GPU: 2 kernels
-            out = deltanet_step.decode_step(
-                qkv, alpha, beta, z, *weights, state.conv_state, state.recurrent_state, k_heads, eps
-            )
+        if deltanet_step.usable(projected.qkv, state.conv_state, state.recurrent_state):  # a GPU token: 2 kernels
+            out = deltanet_step.decode_step(projected, w, state.conv_state, state.recurrent_state, k_heads, eps)
         else:
             rule = delta_rule_recurrent if T == 1 else self.prefill_rule  # decode | prefill (fla or torch)
-            out = gated_delta_mix(qkv, alpha, beta, z, *weights, state, k_heads, eps, rule)
+            out = gated_delta_mix(projected, w, state, k_heads, eps, rule)
         return self.linear(out, il, "ssm_out")
 
     def moe(self, il: int, x: torch.Tensor, experts: ExpertSource) -> torch.Tensor:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moestream.kernels import deltanet_step
-from moestream.models.deltanet import DeltaNetState, delta_rule_recurrent, gated_delta_mix
+from moestream.models.deltanet import DeltaNetState, MixWeights, Projected, delta_rule_recurrent, gated_delta_mix
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -22,7 +22,9 @@ def test_decode_step_matches_the_torch_token(k_heads, v_heads, dk, dv, kernel):
         return torch.randn(*shape, generator=gen, device="cuda") * scale
 
     C = 2 * k_heads * dk + v_heads * dv
-    weights = (randn(C, kernel, scale=0.5), randn(v_heads), -torch.rand(v_heads, device="cuda") * 4, randn(dv) + 1)
+    weights = MixWeights(
+        randn(C, kernel, scale=0.5), randn(v_heads), -torch.rand(v_heads, device="cuda") * 4, randn(dv) + 1
+    )
     ref = DeltaNetState(randn(kernel - 1, C), randn(v_heads, dk, dv, scale=0.1))
     got = DeltaNetState(ref.conv_state.clone(), ref.recurrent_state.clone())
     assert deltanet_step.usable(torch.empty(1, C, device="cuda"), got.conv_state, got.recurrent_state)
@@ -30,12 +32,10 @@ def test_decode_step_matches_the_torch_token(k_heads, v_heads, dk, dv, kernel):
         qkv = randn(1, C).bfloat16()
         alpha, beta = randn(1, v_heads).bfloat16(), randn(1, v_heads, scale=2).bfloat16()
         alpha[0, 0] = 30  # softplus's linear branch
-        z = randn(1, v_heads * dv).bfloat16()
-        want = gated_delta_mix(qkv, alpha, beta, z, *weights, ref, k_heads, 1e-6, delta_rule_recurrent)
-        out = deltanet_step.decode_step(
-            qkv, alpha, beta, z, *weights, got.conv_state, got.recurrent_state, k_heads, 1e-6
-        )
-        assert out.dtype == z.dtype and out.shape == want.shape
+        projected = Projected(qkv, alpha, beta, randn(1, v_heads * dv).bfloat16())
+        want = gated_delta_mix(projected, weights, ref, k_heads, 1e-6, delta_rule_recurrent)
+        out = deltanet_step.decode_step(projected, weights, got.conv_state, got.recurrent_state, k_heads, 1e-6)
+        assert out.dtype == torch.bfloat16 and out.shape == want.shape
         assert torch.equal(got.conv_state, ref.conv_state), step
         assert float((got.recurrent_state - ref.recurrent_state).abs().max()) < 1e-5, step
         err = float((out.float() - want.float()).abs().max() / want.float().abs().max())
