@@ -48,7 +48,7 @@ class StepGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self.steps: dict[Hashable, _Captured] = {}
         self.limit = limit
-        self._watched: weakref.WeakSet = weakref.WeakSet()
+        self._watched: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> its finalizer
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self.steps
@@ -57,6 +57,9 @@ class StepGraphs:
         """Record step's kernels under key (nothing runs): x and positions become its input buffers. watch:
         the caches the step touches, named in key by id; when one is freed, the steps naming it are dropped
         (before its id or its memory can be another's)."""
+        self.steps.pop(key, None)
+        if self.limit is not None and len(self.steps) >= self.limit:  # before: the peak holds no more than limit
+            del self.steps[next(iter(self.steps))]
         x, positions = x.clone(), positions.clone()
         graph = torch.cuda.CUDAGraph()
         before, stream = experts.bytes_moved, torch.cuda.current_stream()
@@ -67,13 +70,19 @@ class StepGraphs:
             torch.cuda.set_stream(stream)  # a capture that failed can leave its side stream current
             moved = experts.bytes_moved - before
             experts.count_moved(-moved)  # capturing ran nothing
-        if self.limit is not None and len(self.steps) >= self.limit:
-            del self.steps[next(iter(self.steps))]
         self.steps[key] = _Captured(graph, x, positions, out, moved, frozenset(id(c) for c in watch))
         for c in watch:
             if c not in self._watched:
-                self._watched.add(c)
-                weakref.finalize(c, _drop_named, weakref.ref(self), id(c))
+                done = weakref.finalize(c, _drop_named, weakref.ref(self), id(c))
+                done.atexit = False  # at exit nothing replays again; a server thread may still be replaying
+                self._watched[c] = done
+
+    def close(self) -> None:
+        """Drop every step and stop watching caches (an engine forgetting its graphs)."""
+        for done in self._watched.values():
+            done.detach()
+        self._watched.clear()
+        self.steps.clear()
 
     def replay(self, x: torch.Tensor, positions: list[int], key: Hashable, experts) -> torch.Tensor:
         s = self.steps.pop(key)
@@ -88,8 +97,9 @@ class StepGraphs:
         return s.out.clone()  # the next replay overwrites out
 
     def drop_named(self, cache_id: int) -> None:
-        for key in [k for k, s in self.steps.items() if cache_id in s.names]:
-            del self.steps[key]
+        """Drop the steps that read the cache of this id (caches, and so this, belong to the engine's thread)."""
+        for key in [k for k, s in list(self.steps.items()) if cache_id in s.names]:
+            self.steps.pop(key, None)
 
 
 def _drop_named(graphs: weakref.ref, cache_id: int) -> None:

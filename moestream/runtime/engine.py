@@ -289,17 +289,24 @@ class Engine:
         try:
             graphs.capture(step, x, positions, key, self.experts, watch)
         except RuntimeError as e:
-            if graphs is self._batch_graphs:
-                self._batches_ok = False
-                self._batch_graphs = None
+            batch = graphs is self._batch_graphs
+            self._batches_ok = False
+            if batch:
+                self._forget_batches()
             else:
-                self._graphs_ok = self._batches_ok = False
+                self._graphs_ok = False
                 self._forget_graphs()
             self.experts.forget()  # events recorded in the capture never ran
-            warnings.warn(f"decode steps could not be captured in a CUDA graph ({e}); running eagerly", stacklevel=3)
+            what = "batched decode steps (one sequence's still replay)" if batch else "decode steps"
+            warnings.warn(f"{what} could not be captured in a CUDA graph ({e}); running eagerly", stacklevel=3)
 
     def _forget_graphs(self) -> None:
         self._graphs.clear()
+        self._forget_batches()
+
+    def _forget_batches(self) -> None:
+        if self._batch_graphs is not None:
+            self._batch_graphs.close()
         self._batch_graphs = None
 
     def logits(self, tokens: list[int]) -> torch.Tensor:
