@@ -9,7 +9,7 @@
 #   loadtest the server load test (issue 13) with the benchmark model, serving wheels from .whl/serve
 #   lbuild llamacpp   build llama.cpp's llama-bench (background) / wait and run tg128 at -ncmoe 0,26
 #   qwen35 routing35   the issue-5 headline table (generates the qwen3.6-35b-a3b model first), its routing
-#   decode35 tg128 of that model: resident, and -ncmoe 26 spread 12 GiB with and without prefetch and cache
+#   decode35 tg128 of that model: resident, and -ncmoe 26 spread 12 GiB: auto, gather (prefetch x cache), upload, cpu
 # At most 8 files come back from $OUT: keep appending to the ones below.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -51,7 +51,7 @@ for step in "$@"; do
                --stream serial,overlap,layer-major --trace "$OUT/trace_pp2048.json" --plot "$OUT/timeline_pp2048.png" \
                2>&1 | quiet | tee -a "$OUT/profile.txt" ;;
     decode) $MS bench -m $MODEL -ncmoe 0 -r 3 -p 0 -n 128 --no-floors 2>&1 | quiet | tee -a "$OUT/bench.txt"
-            for sb in ${SMALL_BATCH:-gather cpu}; do  # gather: without and with next-layer prefetch, one run
+            for sb in ${SMALL_BATCH:-auto gather upload cpu}; do  # auto: the defaults; gather: prefetch x cache
               pf=(); [[ $sb == gather ]] && pf=(--prefetch "${PREFETCH:-0,8}" --expert-cache "${CACHE:-0,auto}")
               $MS bench -m $MODEL -ncmoe 26 -r 3 -p 0 -n 128 --streamed-layers spread --small-batch $sb ${pf[@]+"${pf[@]}"} \
                 --vram-budget 12GiB --no-floors 2>&1 | quiet | tee -a "$OUT/bench.txt"
@@ -98,9 +98,11 @@ for step in "$@"; do
               --streamed-layers first,spread --vram-budget 12GiB 2>&1 | quiet | tee -a "$OUT/bench35.txt" ;;
     decode35) make_model $Q35 qwen3.6-35b-a3b | tee -a "$OUT/model35.txt"  # issue 10's second model
               $MS bench -m $Q35 -ncmoe 0 -r 3 -p 0 -n 128 --no-floors 2>&1 | quiet | tee -a "$OUT/bench35.txt"
-              $MS bench -m $Q35 -ncmoe 26 -r 3 -p 0 -n 128 --streamed-layers spread --small-batch gather \
-                --prefetch 0,8 --expert-cache 0,auto --vram-budget 12GiB --no-floors 2>&1 | quiet \
-                | tee -a "$OUT/bench35.txt" ;;
+              for sb in ${SMALL_BATCH:-auto gather upload cpu}; do
+                pf=(); [[ $sb == gather ]] && pf=(--prefetch "${PREFETCH:-0,8}" --expert-cache "${CACHE:-0,auto}")
+                $MS bench -m $Q35 -ncmoe 26 -r 3 -p 0 -n 128 --streamed-layers spread --small-batch $sb \
+                  ${pf[@]+"${pf[@]}"} --vram-budget 12GiB --no-floors 2>&1 | quiet | tee -a "$OUT/bench35.txt"
+              done ;;
     routing35) $MS info $Q35 --routing --tokens 2048 2>&1 | quiet | tail -45 | tee -a "$OUT/model35.txt" | tail -3 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
