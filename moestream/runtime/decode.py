@@ -17,7 +17,10 @@ from collections.abc import Callable, Hashable
 import torch
 
 MIN_KEYS = 256
-BATCH_GRAPHS = 8  # captured batch steps kept, the least recently replayed dropped first
+# Captured batch steps kept, the least recently replayed dropped first: a server's pool of 4 caches makes 11
+# sets of two or more, times the key buckets they sit in. They share one memory pool, as a cache's one-token
+# steps do (they never run at once); what each graph keeps there was not measured.
+BATCH_GRAPHS = 32
 
 
 def key_bucket(n_past: int, n_ctx: int) -> int:
