@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device-machine call: any of the steps below, in order. Wheels are carried in .whl (no network there).
 # Usage (on the GPU machine): bash scripts/gpu_session.sh STEP... with STEP one of
-#   tests    pytest -m gpu (without fla's kernels: `fla` runs those, ~100 s of autotuning; tests/serving are CPU
-#            tests and need httpx2/openai, which the GPU image lacks)
+#   tests    pytest -m gpu (without fla's kernels: `fla` runs those, ~100 s of autotuning; tests/serving/test_app.py
+#            needs httpx2/openai, which the GPU image lacks)
 #   model    generate the qwen3-30b-a3b Q4_K_M model (skipped when a warm machine still has it) + routing
 #   pp512 pp2048 long profile decode decodediag prefetch cachediag cpuexp alloc   issue-3/4/10 benches on it
 #   small    an 8-layer slice of the benchmark model ($SMALL_PRESET to slice another preset): decode_diag.py (tile settings, kernel table) + cpuexp
@@ -34,7 +34,7 @@ for step in "$@"; do
   echo "== $step $(date -u +%T)" | tee -a "$OUT/gpu.txt"
   case $step in
     tests) python3 -m pytest -m gpu -q -p no:cacheprovider tests --deselect tests/models/test_deltanet_gpu.py \
-             --ignore tests/serving 2>&1 \
+             --ignore tests/serving/test_app.py 2>&1 \
              | tee -a "$OUT/gpu_tests.txt" | tail -25 ;;
     fla) python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/models/test_deltanet_gpu.py 2>&1 \
            | tee -a "$OUT/gpu_tests.txt" | tail -25 ;;  # ~100 s: fla autotunes its kernels on first use

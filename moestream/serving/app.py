@@ -115,6 +115,16 @@ def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None, 
                 "gauge",
                 "fraction of uptime with no forward pass running (the device idle between passes)",
             ): max(0.0, 1.0 - busy / uptime) if uptime else 1.0,
+            (
+                "moestream_expert_cache_hit_ratio",
+                "gauge",
+                "streamed layers' expert picks in decode held in the GPU expert cache (0: none guessed or cached)",
+            ): s.held / s.picks if s.picks else 0.0,
+            (
+                "moestream_prefetch_hit_ratio",
+                "gauge",
+                "streamed layers' expert picks in decode that the guess a layer ahead named (0: no guesses)",
+            ): s.guessed / s.picks if s.picks else 0.0,
             ("moestream_queue_length", "gauge", "requests waiting"): scheduler.queue.qsize(),
             ("moestream_running_sequences", "gauge", "sequences being served"): len(scheduler.running),
         }

@@ -69,6 +69,9 @@ class Stats:
     decode_s: float = 0.0
     requests: int = 0
     failed: int = 0
+    picks: int = 0  # streamed layers' expert picks in decode steps that guessed ahead (--prefetch)
+    guessed: int = 0  # of those, named by the guess
+    held: int = 0  # of those, held in the expert cache
 
 
 class Scheduler:
@@ -192,6 +195,9 @@ class Scheduler:
                 except Exception as e:
                     self._fail(seq, e)
             self.stats.decode_tokens += len(group)
+        if (counted := self.engine.experts.prefetch_stats()) is not None:  # after sampling's sync: a small read
+            self.stats.picks, self.stats.guessed = counted.picks, counted.picks - counted.misses
+            self.stats.held = counted.cached
         self.stats.decode_s += time.perf_counter() - start
 
     def _fail(self, seq: _Sequence, e: Exception) -> None:

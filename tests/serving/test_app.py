@@ -150,6 +150,8 @@ def test_health_and_metrics(server):
     assert httpx.get(base + "/health").json() == {"status": "ok"}
     assert metric(server, "moestream_generated_tokens_total") > 0
     assert metric(server, "moestream_queue_length") == 0
+    # on the CPU device nothing is guessed or cached (the GPU gathers streamed experts): reported as 0
+    assert metric(server, "moestream_expert_cache_hit_ratio") == metric(server, "moestream_prefetch_hit_ratio") == 0
     uptime, idle = metric(server, "moestream_uptime_seconds"), metric(server, "moestream_idle_ratio")
     assert uptime > 0 and 0 <= idle < 1  # the tests before this one kept it busy some of the time
     time.sleep(0.5)  # no pass runs: the idle share grows
