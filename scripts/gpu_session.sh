@@ -6,7 +6,8 @@
 #   model    generate the qwen3-30b-a3b Q4_K_M model (skipped when a warm machine still has it) + routing
 #   pp512 pp2048 long profile decode decodediag prefetch cachediag cpuexp alloc   issue-3/4/10 benches on it
 #   small    an 8-layer slice of the benchmark model ($SMALL_PRESET to slice another preset): decode_diag.py (tile settings, kernel table) + cpuexp
-#   loadtest the server load test (issue 13) with the benchmark model, serving wheels from .whl/serve
+#   loadtest the server load test (issue 13) with the benchmark model (batched, then each sequence alone),
+#            serving wheels from .whl/serve
 #   lbuild llamacpp   build llama.cpp's llama-bench (background) / wait and run tg128 at -ncmoe 0,26
 #   qwen35 routing35   the issue-5 headline table (generates the qwen3.6-35b-a3b model first), its routing
 #   decode35 tg128 of that model: resident, and -ncmoe 26 spread 12 GiB: auto, gather (prefetch x cache), upload, cpu
@@ -86,7 +87,8 @@ for step in "$@"; do
               # pip download --only-binary=:all: --python-version 3.12 --implementation cp --platform
               # manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl/serve fastapi uvicorn openai
               python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/serve/*.whl || exit 1
-              python3 scripts/load_test.py $MODEL --device cuda -ncmoe 26 --max-seqs 4 2>&1 | quiet \
+              python3 scripts/load_test.py -m $MODEL --device cuda -ncmoe 26 --streamed-layers spread --vram-budget 12GiB \
+                --max-seqs 4 --baseline 2>&1 | quiet \
                 | tee -a "$OUT/bench.txt" | tail -12 ;;
     alloc) for conf in "" "expandable_segments:True"; do  # A/B of the allocator under the 12 GiB cap
              echo "PYTORCH_CUDA_ALLOC_CONF=$conf" | tee -a "$OUT/bench.txt"

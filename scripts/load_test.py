@@ -3,7 +3,7 @@
 Checks zero failed requests and that every greedy answer equals the same request served alone, and reports
 aggregate decode tokens/s against one client. Bounded: loopback only, a fixed duration.
 
-    python scripts/load_test.py MODEL [--clients 16] [--seconds 60] [--device cpu] [--max-seqs 4]
+    python scripts/load_test.py -m MODEL [--clients 16] [--seconds 60] [--max-seqs 4] [engine flags of serve]
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import time
 import openai
 
 import moestream
+from moestream.cli_args import engine_flags, engine_options
 from moestream.serving.local import LocalServer
 
 PROMPTS = [
@@ -82,31 +83,42 @@ def clients_for(url: str, n_clients: int, seconds: float, max_tokens: int, want:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("model")
+    engine_flags(ap)  # -m MODEL and the engine flags `moestream serve` takes
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--seconds", type=float, default=60)
-    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=32, help="tokens a request generates")
     ap.add_argument("--max-seqs", type=int, default=4)
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("-ncmoe", "--n-cpu-moe", default="0")
+    ap.add_argument(
+        "--baseline", action="store_true", help="then the same clients with each sequence stepped on its own"
+    )
     a = ap.parse_args()
-    engine = moestream.load(a.model, device=a.device, n_cpu_moe=a.n_cpu_moe, progress=False)
-    server = LocalServer(engine, max_seqs=a.max_seqs)
+    engine = moestream.load(a.model, **(engine_options(a) | {"progress": False}))
+    runs = []
     try:
-        alone = openai.OpenAI(base_url=server.url, api_key="x", max_retries=0, timeout=600)
-        want = {p: ask(alone, p, a.max_tokens)[0] for p in PROMPTS}  # each request served alone
-        one = clients_for(server.url, 1, a.seconds / 4, a.max_tokens, want)
-        many = clients_for(server.url, a.clients, a.seconds, a.max_tokens, want)
+        for batched in (True, False) if a.baseline else (True,):
+            server = LocalServer(engine, max_seqs=a.max_seqs, batched=batched)
+            try:
+                if not runs:
+                    alone = openai.OpenAI(base_url=server.url, api_key="x", max_retries=0, timeout=600)
+                    want = {p: ask(alone, p, a.max_tokens)[0] for p in PROMPTS}  # each request served alone
+                    runs.append(("1 client", clients_for(server.url, 1, a.seconds / 4, a.max_tokens, want)))
+                name = f"{a.clients} clients" + ("" if batched else ", each sequence stepped alone")
+                runs.append((name, clients_for(server.url, a.clients, a.seconds, a.max_tokens, want)))
+            finally:
+                server.stop()
     finally:
-        server.stop()
         engine.close()
-    for name, s in (("1 client", one), (f"{a.clients} clients", many)):
+    rate = {name: s["tokens"] / s["seconds"] for name, s in runs}
+    for name, s in runs:
         print(
             f"{name}: {s['requests']} requests in {s['seconds']:.1f} s, {s['failed']} failed, "
-            f"{s['mismatched']} not equal to the lone answer, {s['tokens'] / s['seconds']:.1f} generated tokens/s"
+            f"{s['mismatched']} not equal to the lone answer, {rate[name]:.1f} generated tokens/s"
         )
-    ratio = (many["tokens"] / many["seconds"]) / (one["tokens"] / one["seconds"])
+    names = [name for name, _ in runs]  # 1 client, batched, and with --baseline each alone
+    ratio = rate[names[1]] / rate[names[0]]
     print(f"aggregate / one client: {ratio:.2f}x (--max-seqs {a.max_seqs}, device {engine.options.device})")
+    if a.baseline:
+        print(f"batched / each alone: {rate[names[1]] / rate[names[2]]:.2f}x")
 
 
 if __name__ == "__main__":

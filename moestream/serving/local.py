@@ -15,8 +15,10 @@ from moestream.serving.scheduler import Scheduler
 class LocalServer:
     """A real uvicorn server on 127.0.0.1; `url` is its /v1 base. Stop it to drain the scheduler."""
 
-    def __init__(self, engine, api_key: str | None = None, max_seqs: int = 4, model_id: str = "tiny"):
-        self.scheduler = Scheduler(engine, max_seqs=max_seqs)
+    def __init__(
+        self, engine, api_key: str | None = None, max_seqs: int = 4, model_id: str = "tiny", batched: bool = True
+    ):
+        self.scheduler = Scheduler(engine, max_seqs=max_seqs, batched=batched)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]

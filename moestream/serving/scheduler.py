@@ -75,10 +75,11 @@ class Stats:
 
 
 class Scheduler:
-    def __init__(self, engine, max_seqs: int = 4, max_queue: int = 64):
+    def __init__(self, engine, max_seqs: int = 4, max_queue: int = 64, batched: bool = True):
+        """batched=False steps each decoding sequence on its own (the load test's baseline)."""
         if max_seqs < 1 or max_queue < 1:
             raise MoestreamError("--max-seqs and the queue must hold at least one request")
-        self.engine, self.max_seqs = engine, max_seqs
+        self.engine, self.max_seqs, self.batched = engine, max_seqs, batched
         self.queue: queue.Queue[Request] = queue.Queue(max_queue)
         self.running: list[_Sequence] = []
         self.stats = Stats()
@@ -180,7 +181,7 @@ class Scheduler:
         start = time.perf_counter()
         # one pass for all of them, replayed from a graph on a GPU; where a batch cannot be captured but one
         # token can, each sequence replays its own graph instead (faster than an eager pass there)
-        alone = self.engine.replays(1) and not self.engine.replays(len(stepping))
+        alone = not self.batched or (self.engine.replays(1) and not self.engine.replays(len(stepping)))
         groups = [[seq] for seq in stepping] if alone else [stepping]
         for group in groups:
             try:

@@ -54,3 +54,25 @@ def test_stop_ends_running_sequences_and_the_thread(model_file):
     assert drain(events)[-1].text == "the server is shutting down"
     assert drain(waiting_events)[-1].text == "the server is shutting down"
     engine.close()
+
+
+def test_sequences_stepped_together_or_alone_give_their_lone_answers(model_file):
+    """The load test's baseline (batched=False: each decoding sequence its own pass) and the batched pass
+    serve the same greedy text, each that of the request generated alone."""
+    engine = moestream.load(model_file("tiny", "F32"), device="cpu", progress=False)
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    params = SamplingParams(max_tokens=10, stop_at_eos=False)
+    want = [engine.generate(p, params).text for p in prompts]
+    try:
+        for batched in (True, False):
+            s = Scheduler(engine, max_seqs=3, batched=batched)
+            try:
+                runs = [collect(p, max_tokens=10) for p in prompts]
+                for req, _ in runs:
+                    s.submit(req)
+                got = ["".join(e.text for e in drain(events)[:-1]) for _, events in runs]
+            finally:
+                s.stop()
+            assert got == want, batched
+    finally:
+        engine.close()
