@@ -46,6 +46,16 @@ if triton is not None:
 
     @triton.jit
     def q4_k_tile(base, e, ok):
+        return _k_tile(base, e, ok, False)
+
+    @triton.jit
+    def q5_k_tile(base, e, ok):
+        return _k_tile(base, e, ok, True)
+
+    @triton.jit
+    def _k_tile(base, e, ok, FIFTH: tl.constexpr):
+        """Q4_K, or with FIFTH Q5_K: the same scales and nibbles (32 bytes later) plus a fifth bit, bit s of
+        qh[e % 32] for sub-block s."""
         d, dmin = _f16_at(base, 0, ok), _f16_at(base, 2, ok)
         s = e // 32  # sub-block of 32 with its own 6-bit scale and min
         lo = s < 4
@@ -54,24 +64,10 @@ if triton is not None:
         md = tl.load(base + 12 + s % 4, mask=ok, other=0).to(tl.int32)  # scales[8:12]
         sc = tl.where(lo, a & 63, (md & 15) | ((a >> 6) << 4))
         mn = tl.where(lo, m & 63, (md >> 4) | ((m >> 6) << 4))
-        byte = tl.load(base + 16 + (s // 2) * 32 + e % 32, mask=ok, other=0).to(tl.int32)
+        byte = tl.load(base + (48 if FIFTH else 16) + (s // 2) * 32 + e % 32, mask=ok, other=0).to(tl.int32)
         q = (byte >> ((s % 2) * 4)) & 15
-        return (d * sc.to(tl.float32)) * q.to(tl.float32) - dmin * mn.to(tl.float32)
-
-    @triton.jit
-    def q5_k_tile(base, e, ok):
-        """Q4_K's scales and nibbles (qs 32 bytes later) plus a fifth bit: bit s of qh[e % 32] for sub-block s."""
-        d, dmin = _f16_at(base, 0, ok), _f16_at(base, 2, ok)
-        s = e // 32
-        lo = s < 4
-        a = tl.load(base + 4 + s % 4, mask=ok, other=0).to(tl.int32)
-        m = tl.load(base + 8 + s % 4, mask=ok, other=0).to(tl.int32)
-        md = tl.load(base + 12 + s % 4, mask=ok, other=0).to(tl.int32)
-        sc = tl.where(lo, a & 63, (md & 15) | ((a >> 6) << 4))
-        mn = tl.where(lo, m & 63, (md >> 4) | ((m >> 6) << 4))
-        byte = tl.load(base + 48 + (s // 2) * 32 + e % 32, mask=ok, other=0).to(tl.int32)
-        high = (tl.load(base + 16 + e % 32, mask=ok, other=0).to(tl.int32) >> s) & 1
-        q = ((byte >> ((s % 2) * 4)) & 15) | (high << 4)
+        if FIFTH:
+            q |= ((tl.load(base + 16 + e % 32, mask=ok, other=0).to(tl.int32) >> s) & 1) << 4
         return (d * sc.to(tl.float32)) * q.to(tl.float32) - dmin * mn.to(tl.float32)
 
     @triton.jit

@@ -101,7 +101,7 @@ class StepGraphs:
 
     def drop_named(self, cache_id: int) -> None:
         """Drop the steps that read the cache of this id (caches, and so this, belong to the engine's thread)."""
-        for key in [k for k, s in list(self.steps.items()) if cache_id in s.names]:
+        for key in [k for k, s in self.steps.items() if cache_id in s.names]:
             self.steps.pop(key, None)
 
 
