@@ -24,6 +24,7 @@ Q = GGMLQuantizationType
 ROWS_PER_PROGRAM = 8
 WARPS = 4
 PROGRAMS_PER_SM = 2
+BLOCKS_AT_ONCE = 8  # of a row, loaded as one tile: more bytes in flight per program
 MAX_TOKENS = 4  # above this, dequantizing once and multiplying on the tensor cores is cheaper
 
 if triton is not None:
@@ -31,8 +32,8 @@ if triton is not None:
 
     from moestream.kernels.dequant import _f16_at
 
-    # Block dots: base [R, 1] points at the current block of R rows, xb at the block's slice of x, ok [R, 1]
-    # masks rows. Each returns [R, W] partial products of that block (summed by the caller at the end). They
+    # Block dots: base [R, B, 1] points at B consecutive blocks of each of R rows, xb [1, B, 1] at the blocks'
+    # slices of x, ok [R, 1, 1] masks rows. Each returns [R, B, W] partial products (summed by the caller). They
     # load the packed bytes as contiguous runs (Q4_K as 32-bit words), each scale once per row, and unpack in
     # registers. Reading Q6_K's 210-byte blocks as 16-bit words instead gained nothing (1.219 vs 1.202 ms).
 
@@ -67,15 +68,11 @@ if triton is not None:
         w3 = tl.load(wp + 3, mask=ok, other=0)
         d = (w0 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
         dmin = ((w0 >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-        lane = tl.arange(0, 32)[None, :]  # qs word: chunk lane // 8 of 32 bytes, bytes 4 * (lane % 8) + b
-        q = tl.load(wp + (12 if FIFTH else 4) + lane, mask=ok, other=0)  # [R, 32]
+        lane = tl.arange(0, 32)[None, None, :]  # qs word: chunk lane // 8 of 32 bytes, bytes 4 * (lane % 8) + b
+        q = tl.load(wp + (12 if FIFTH else 4) + lane, mask=ok, other=0)  # [R, B, 32]
         at = 64 * (lane // 8) + 4 * (lane % 8)  # element of byte 0's low nibble; high nibbles sit 32 further
         if FIFTH:  # qh word lane % 8 holds qh bytes 4 * (lane % 8) + b: the same l as the nibbles' bytes
             qh = tl.load(wp + 4 + lane % 8, mask=ok, other=0) >> (2 * (lane // 8))  # bit 0 / 1: low / high
-        s_lo = tl.zeros_like(d) * lane
-        s_hi = tl.zeros_like(d) * lane
-        x_lo = tl.zeros([1, 32], dtype=tl.float32)
-        x_hi = tl.zeros([1, 32], dtype=tl.float32)
         for b in tl.static_range(4):
             xl = tl.load(xb + at + b).to(tl.float32)
             xh = tl.load(xb + at + 32 + b).to(tl.float32)
@@ -84,10 +81,16 @@ if triton is not None:
             if FIFTH:
                 q_lo |= ((qh >> (8 * b)) & 1) << 4
                 q_hi |= ((qh >> (8 * b + 1)) & 1) << 4
-            s_lo += q_lo.to(tl.float32) * xl
-            s_hi += q_hi.to(tl.float32) * xh
-            x_lo += xl
-            x_hi += xh
+            if b == 0:
+                s_lo = q_lo.to(tl.float32) * xl
+                s_hi = q_hi.to(tl.float32) * xh
+                x_lo = xl
+                x_hi = xh
+            else:
+                s_lo += q_lo.to(tl.float32) * xl
+                s_hi += q_hi.to(tl.float32) * xh
+                x_lo += xl
+                x_hi += xh
         k = 2 * (lane // 8)  # low nibbles: sub-block 2j, high: 2j + 1
         sc0, m0 = _q4_k_scale_min(w1, w2, w3, k)
         sc1, m1 = _q4_k_scale_min(w1, w2, w3, k + 1)
@@ -96,7 +99,7 @@ if triton is not None:
     @triton.jit
     def q6_k_dot(base, xb, ok):
         d = _f16_at(base, 208, ok)
-        lane = tl.arange(0, 16)[None, :]
+        lane = tl.arange(0, 16)[None, None, :]
         acc = tl.zeros_like(d) * lane  # [R, 16]
         for h in tl.static_range(2):  # halves of 128: ql bytes 64h.., qh bytes 128+32h..
             for k in tl.static_range(4):  # quarters of 32: low/high nibble of ql[k % 2 half], 2 bits of qh
@@ -113,23 +116,25 @@ if triton is not None:
 
     @triton.jit
     def q8_0_dot(base, xb, ok):
-        lane = tl.arange(0, 32)[None, :]
+        lane = tl.arange(0, 32)[None, None, :]
         q = tl.load(base + 2 + lane, mask=ok, other=0).to(tl.int8, bitcast=True).to(tl.float32)
         return (q * _f16_at(base, 0, ok)) * tl.load(xb + lane).to(tl.float32)
 
     DOTS = {Q.Q4_K: q4_k_dot, Q.Q5_K: q5_k_dot, Q.Q6_K: q6_k_dot, Q.Q8_0: q8_0_dot}
 
     @triton.jit
-    def _row_dot(w, mat, out, n_out, row_bytes, xp, ok, N_BLOCKS: tl.constexpr, DOT: tl.constexpr, ELEMS, SIZE):
-        """[R] dot products of rows `out` of matrix `mat` of the stack w with the vector at xp.
-
-        The blocks in a loop, not unrolled: as fast on the H200 (1.41 vs 1.43 ms a step of 8 layers) and
-        compiled faster (the Q6_K matvec of 8 blocks 5.3 s instead of 14)."""
-        row = w + (mat * n_out + out[:, None].to(tl.int64)) * row_bytes
-        acc = DOT(row, xp, ok)
-        for j in range(1, N_BLOCKS):
-            acc += DOT(row + j * SIZE, xp + j * ELEMS, ok)
-        return tl.sum(acc, axis=1)
+    def _row_dot(
+        w, mat, out, n_out, row_bytes, xp, ok, N_BLOCKS: tl.constexpr, DOT: tl.constexpr, ELEMS, SIZE, B: tl.constexpr
+    ):
+        """[R] dot products of rows `out` of matrix `mat` of the stack w with the vector at xp, B blocks a row
+        at a time (B divides N_BLOCKS): one tile of loads in flight per B blocks, not per block."""
+        row = w + (mat * n_out + out[:, None, None].to(tl.int64)) * row_bytes
+        blk = tl.arange(0, B)[None, :, None]
+        ok = ok[:, :, None]
+        acc = DOT(row + blk * SIZE, xp + blk * ELEMS, ok)
+        for j in range(1, N_BLOCKS // B):
+            acc += DOT(row + (j * B + blk) * SIZE, xp + (j * B + blk) * ELEMS, ok)
+        return tl.sum(tl.sum(acc, axis=2), axis=1)
 
     @triton.jit
     def _matvec_kernel(
@@ -145,12 +150,13 @@ if triton is not None:
         SIZE: tl.constexpr,
         STACKED: tl.constexpr,
         ROWS: tl.constexpr,
+        B: tl.constexpr,
     ):
         p = tl.program_id(1).to(tl.int64)  # which row of x (a token, or a token-expert pair)
         out = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS] output rows
         ok = (out < n_out)[:, None]
         mat = tl.load(mats + p).to(tl.int64) if STACKED else 0
-        dot = _row_dot(w, mat, out, n_out, row_bytes, x + p * N_BLOCKS * ELEMS, ok, N_BLOCKS, DOT, ELEMS, SIZE)
+        dot = _row_dot(w, mat, out, n_out, row_bytes, x + p * N_BLOCKS * ELEMS, ok, N_BLOCKS, DOT, ELEMS, SIZE, B)
         tl.store(y + p * n_out + out, dot.to(y.dtype.element_ty), mask=out < n_out)
 
     @triton.jit
@@ -168,6 +174,7 @@ if triton is not None:
         ELEMS: tl.constexpr,
         SIZE: tl.constexpr,
         ROWS: tl.constexpr,
+        B: tl.constexpr,
     ):
         """h[p] = silu(gate_p x[p // K]) * (up_p x[p // K]) for token-expert pair p: one read of x, no copies."""
         p = tl.program_id(1).to(tl.int64)
@@ -175,8 +182,8 @@ if triton is not None:
         ok = (out < n_out)[:, None]
         mat = tl.load(mats + p).to(tl.int64)
         xp = x + (p // K) * N_BLOCKS * ELEMS
-        g = _row_dot(wg, mat, out, n_out, row_bytes, xp, ok, N_BLOCKS, DOT, ELEMS, SIZE)
-        u = _row_dot(wu, mat, out, n_out, row_bytes, xp, ok, N_BLOCKS, DOT, ELEMS, SIZE)
+        g = _row_dot(wg, mat, out, n_out, row_bytes, xp, ok, N_BLOCKS, DOT, ELEMS, SIZE, B)
+        u = _row_dot(wu, mat, out, n_out, row_bytes, xp, ok, N_BLOCKS, DOT, ELEMS, SIZE, B)
         tl.store(h + p * n_out + out, (g / (1 + tl.exp(-g)) * u).to(h.dtype.element_ty), mask=out < n_out)
 
 else:
@@ -228,7 +235,11 @@ def _layout(qtype: GGMLQuantizationType, n_in: int, raw: torch.Tensor) -> tuple[
     block, type_size = GGML_QUANT_SIZES[qtype]
     if qtype in (Q.Q4_K, Q.Q5_K) and raw.data_ptr() % 4:
         raise ValueError(f"{qtype.name} blocks must start 4-byte aligned for the quantized matvec (pass a copy)")
-    return n_in // block * type_size, dict(N_BLOCKS=n_in // block, DOT=DOTS[qtype], ELEMS=block, SIZE=type_size)
+    n_blocks = n_in // block
+    at_once = 1  # the largest power of two up to BLOCKS_AT_ONCE that divides the row's blocks
+    while at_once < BLOCKS_AT_ONCE and n_blocks % (2 * at_once) == 0:
+        at_once *= 2
+    return n_blocks * type_size, dict(N_BLOCKS=n_blocks, DOT=DOTS[qtype], ELEMS=block, SIZE=type_size, B=at_once)
 
 
 def _min_programs(device: torch.device) -> int:

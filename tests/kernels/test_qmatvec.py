@@ -40,8 +40,9 @@ def test_q4_k_blocks_off_word_alignment_are_refused():
 @gpu
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0])
 @pytest.mark.parametrize("where", ["device", "host"])
-def test_matvec_matches_dequantized_product(qtype, where, own_pages):
-    w = (np.random.default_rng(0).standard_normal((6, 72, 768)) * 0.05).astype(np.float32)  # 72: a partial tile
+@pytest.mark.parametrize("n_in", [768, 2048])  # K-quants: 3 blocks a row, one at a time; 8, loaded together
+def test_matvec_matches_dequantized_product(qtype, where, n_in, own_pages):
+    w = (np.random.default_rng(0).standard_normal((6, 72, n_in)) * 0.05).astype(np.float32)  # 72: a partial tile
     stored = own_pages(quantize(w, qtype))
     pinned = PinnedRanges()
     if where == "host":
@@ -51,7 +52,7 @@ def test_matvec_matches_dequantized_product(qtype, where, own_pages):
         raw = torch.from_numpy(stored).cuda()
     try:
         W = quants.dequantize(torch.from_numpy(stored), qtype, w.shape, torch.float32).cuda()
-        x = torch.randn(5, 768, device="cuda")
+        x = torch.randn(5, n_in, device="cuda")
         mats = torch.tensor([5, 0, 5, 2, 3], device="cuda")
         got = matvec(raw, qtype, 72, x, mats)
         ref = torch.einsum("pod,pd->po", W[mats], x)

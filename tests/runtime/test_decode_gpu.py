@@ -146,14 +146,16 @@ def test_batched_steps_replay_the_eager_batch_and_each_sequence_alone(model_file
                 fed.append(last)
                 out.append(e.forward_each(last, caches))
                 last = [int(row.argmax()) for row in out[-1]]
-            return torch.stack(out), fed
+            captured = len(e._batch_graphs.steps)  # before the caches go, and with them their graphs
+            return torch.stack(out), fed, captured
 
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # a refused capture warns and runs eagerly: not good enough here
-            graphed, fed = batched()
-        assert len(e._batch_graphs.steps) == 1, "one set of caches in one key bucket: one capture"
+            graphed, fed, captured = batched()
+        assert captured == 1, "one set of caches in one key bucket: one capture"
+        assert not e._batch_graphs.steps, "freed caches take their graphs along"
         e.record(Timeline(e.device))  # recording runs every pass eagerly
-        eager, _ = batched()
+        eager, _, _ = batched()
         e.record(NULL)
         assert torch.equal(graphed, eager)
         for i, prompt in enumerate(prompts):
