@@ -14,7 +14,7 @@ from collections import Counter
 
 from moestream.cli_args import at_least, engine_flags, engine_options, int_list, writable
 from moestream.cli_perf import cmd_bench, cmd_probe, cmd_profile
-from moestream.errors import MoestreamError
+from moestream.errors import MoestreamError, is_out_of_memory
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -194,7 +194,7 @@ def cmd_serve(a: argparse.Namespace) -> None:
         raise MoestreamError(f"--port {a.port}: expected 1 to 65535")
     at_least(a.max_seqs, 1, "--max-seqs")
     at_least(a.max_tokens, 1, "--max-tokens")
-    engine = load(a.model, **engine_options(a))
+    engine = load(a.model, **(engine_options(a) | {"n_seqs": a.max_seqs}))  # every sequence's KV cache budgeted
     try:
         if engine.tokenizer is None:
             raise MoestreamError(f"{a.model}: the file has no tokenizer; the server needs one to read prompts")
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"moestream: error: {e}", file=sys.stderr)
         return 2
     except (MemoryError, RuntimeError) as e:
-        if not _is_out_of_memory(e):
+        if not is_out_of_memory(e):
             raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(
@@ -290,12 +290,6 @@ def main(argv: list[str] | None = None) -> int:
         print("\nmoestream: interrupted", file=sys.stderr)  # the engine closed on the way out: memory unpinned
         return 130
     return 0
-
-
-def _is_out_of_memory(e: BaseException) -> bool:
-    """torch.OutOfMemoryError on a GPU; on the CPU the allocator raises a RuntimeError saying so."""
-    text = str(e).lower()
-    return isinstance(e, MemoryError) or "out of memory" in text or "can't allocate memory" in text
 
 
 def entry() -> None:

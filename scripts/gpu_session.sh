@@ -5,6 +5,7 @@
 #            needs httpx2/openai, which the GPU image lacks)
 #   model    generate the qwen3-30b-a3b Q4_K_M model (skipped when a warm machine still has it) + routing
 #   pp512 pp2048 long profile decode decodediag prefetch cachediag cpuexp alloc   issue-3/4/10 benches on it
+#   shapes   each quantized decode kernel of the 8-layer slice alone, per tile setting (matvec_shapes.py)
 #   small    an 8-layer slice of the benchmark model ($SMALL_PRESET to slice another preset): decode_diag.py (tile settings, kernel table) + cpuexp
 #   loadtest the server load test (issue 13) with the benchmark model (batched, then each sequence alone),
 #            serving wheels from .whl/serve
@@ -65,6 +66,8 @@ for step in "$@"; do
            done
            OMP_WAIT_POLICY=passive python3 scripts/cpu_experts.py $SMALL --layer 1 --threads 16 2>&1 \
              | tee -a "$OUT/diag.txt" ;;
+    shapes) [[ -f $SMALL ]] || $MS make-model $SMALL --preset $SMALL_PRESET --layers 8 --quant Q4_K_M 2>&1 | quiet | tail -1
+            python3 scripts/matvec_shapes.py $SMALL 2>&1 | tee -a "$OUT/diag.txt" ;;  # each decode kernel alone
     prefetch) python3 scripts/prefetch_diag.py $MODEL 2>&1 | tee -a "$OUT/diag.txt" ;;  # issue 10: side-stream gathers
     cachediag) python3 scripts/cache_diag.py $MODEL 2>&1 | tee -a "$OUT/diag.txt" ;;  # issue 10: the expert cache
     decodediag) python3 scripts/decode_diag.py $MODEL 2>&1 | tee -a "$OUT/diag.txt"

@@ -51,7 +51,7 @@ def ask(c: openai.OpenAI, prompt: str, max_tokens: int) -> tuple[str, int]:
 
 def clients_for(url: str, n_clients: int, seconds: float, max_tokens: int, want: dict[str, str]) -> dict:
     stats = {"requests": 0, "failed": 0, "mismatched": 0, "tokens": 0}
-    lock = threading.Lock()
+    lock, seen = threading.Lock(), set()
     deadline = time.monotonic() + seconds
 
     def client(k: int) -> None:
@@ -66,10 +66,14 @@ def clients_for(url: str, n_clients: int, seconds: float, max_tokens: int, want:
                     stats["requests"] += 1
                     stats["tokens"] += n
                     stats["mismatched"] += text != want[prompt]
-            except Exception as e:  # counted, and said once
+            except Exception as e:  # counted; each distinct message said once
+                said = f"{type(e).__name__}: {e}"
                 with lock:
                     stats["failed"] += 1
-                print(f"request failed: {type(e).__name__}: {e}")
+                    new = said not in seen
+                    seen.add(said)
+                if new:
+                    print(f"request failed: {said}")
 
     start = time.monotonic()
     threads = [threading.Thread(target=client, args=(k,)) for k in range(n_clients)]
@@ -92,7 +96,7 @@ def main() -> None:
         "--baseline", action="store_true", help="then the same clients with each sequence stepped on its own"
     )
     a = ap.parse_args()
-    engine = moestream.load(a.model, **(engine_options(a) | {"progress": False}))
+    engine = moestream.load(a.model, **(engine_options(a) | {"progress": False, "n_seqs": a.max_seqs}))
     runs = []
     try:
         for batched in (True, False) if a.baseline else (True,):
@@ -115,10 +119,14 @@ def main() -> None:
             f"{s['mismatched']} not equal to the lone answer, {rate[name]:.1f} generated tokens/s"
         )
     names = [name for name, _ in runs]  # 1 client, batched, and with --baseline each alone
-    ratio = rate[names[1]] / rate[names[0]]
-    print(f"aggregate / one client: {ratio:.2f}x (--max-seqs {a.max_seqs}, device {engine.options.device})")
-    if a.baseline:
-        print(f"batched / each alone: {rate[names[1]] / rate[names[2]]:.2f}x")
+    pairs = [("aggregate / one client", names[1], names[0])] + (
+        [("batched / each alone", names[1], names[2])] if a.baseline else []
+    )
+    for label, top, bottom in pairs:
+        ratio = f"{rate[top] / rate[bottom]:.2f}x" if rate[bottom] else "n/a (nothing generated)"
+        print(f"{label}: {ratio} (--max-seqs {a.max_seqs}, device {engine.options.device})")
+    if any(s["failed"] or s["mismatched"] for _, s in runs):
+        raise SystemExit("load test failed: requests failed or answers differed from the lone ones")
 
 
 if __name__ == "__main__":

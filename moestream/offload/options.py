@@ -29,6 +29,8 @@ class EngineOptions:
     dtype: str = "auto"  # auto (bfloat16 on cuda, float32 on cpu) | float32 | bfloat16 | float16
     ubatch: int = 512  # tokens per prefill micro-batch
     n_ctx: int = 4096  # context size (clipped to the model's training context; 0: that context, as llama.cpp)
+    n_seqs: int = 1  # sequences held at once, each with its own KV cache, all within --vram-budget (the
+    # server's --max-seqs)
     progress: bool = True  # progress bars for load and long prefill
     n_cpu_moe: int | str = 0  # experts of layers 0..N-1 stay in host RAM; "all" or "auto" (with vram_budget)
     streamed_layers: str = "first"  # first: layers 0..N-1, as llama.cpp; spread: N layers evenly spaced
@@ -72,6 +74,8 @@ class EngineOptions:
             raise MoestreamError(f"--dtype {self.dtype}: expected one of {', '.join(DTYPES)}")
         if self.ubatch < 1:
             raise MoestreamError(f"--ubatch {self.ubatch}: must be at least 1")
+        if self.n_seqs < 1:
+            raise MoestreamError(f"--max-seqs {self.n_seqs}: must be at least 1")
         if self.n_ctx < 0:
             raise MoestreamError(f"--ctx {self.n_ctx}: must be at least 1 (or 0 for the model's own context)")
         resolve(

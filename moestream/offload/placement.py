@@ -23,7 +23,7 @@ class Footprint:
     """Bytes the engine allocates on the GPU, besides the resident experts."""
 
     dense: int  # attention, norms, routers, output head, shared experts (dequantized)
-    kv_cache: int
+    kv_cache: int  # every sequence's (EngineOptions.n_seqs)
     workspace: int  # one layer's experts dequantized + activations of one micro-batch
     prefetch: int = 0  # decode's ring of guessed experts (offload/prefetch.py), when any layer streams
     expert_cache: int = 0  # streamed layers' experts held for decode (offload/expert_cache.py)
@@ -128,9 +128,9 @@ def plan(
         raise MoestreamError(
             f"--vram-budget {budget / 2**30:.2f} GiB is too small: even with every layer's experts in host RAM "
             f"the GPU needs {smallest.gpu_bytes(fp) / 2**30:.2f} GiB (weights {fp.dense / 2**30:.2f}, "
-            f"KV cache {fp.kv_cache / 2**30:.2f}, {n_slots} staging slots {smallest.staging_bytes / 2**30:.2f}, "
+            f"KV caches {fp.kv_cache / 2**30:.2f}, {n_slots} staging slots {smallest.staging_bytes / 2**30:.2f}, "
             f"workspace {fp.workspace / 2**30:.2f}, decode's prefetch ring {fp.prefetch / 2**30:.2f}); raise the "
-            "budget or lower --ctx / --ubatch (or --prefetch 0)"
+            "budget or lower --ctx / --ubatch / --max-seqs (or --prefetch 0)"
         )
     if not isinstance(n_cpu_moe, int) or not 0 <= n_cpu_moe <= n_layer:
         raise MoestreamError(f"--n-cpu-moe {n_cpu_moe}: must be between 0 and {n_layer} (the layer count) or auto")

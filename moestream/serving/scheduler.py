@@ -11,12 +11,13 @@ Each sequence has its own cache, from a pool reused across requests (with its ca
 from __future__ import annotations
 
 import queue
+import re
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from moestream.errors import MoestreamError
+from moestream.errors import MoestreamError, is_out_of_memory
 from moestream.formats.tokenizer import TextStream
 from moestream.runtime.sampling import Sampler, SamplingParams
 
@@ -40,7 +41,15 @@ class Request:
 
 
 def _error(e: Exception) -> Event:
-    """An error event: the first line of the exception, or its type when it says nothing."""
+    """An error event: the first line of the exception, or its type when it says nothing; out of memory with
+    what to change (torch's own message is a paragraph about its allocator)."""
+    if is_out_of_memory(e):
+        asked = re.search(r"tried to allocate [\d.]+ \w+", str(e), re.IGNORECASE)
+        return Event(
+            "error",
+            text=f"out of memory{f' ({asked[0].lower()})' if asked else ''}: this request failed; restart the "
+            "server with a larger --vram-budget, a smaller --max-seqs or --ctx, or more layers streamed",
+        )
     return Event("error", text=str(e).splitlines()[0] if str(e) else type(e).__name__)
 
 

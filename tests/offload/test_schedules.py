@@ -227,3 +227,29 @@ def test_allocator_settings_are_left_to_a_user_who_configured_them(monkeypatch):
         assert EngineOptions(device="cpu").expandable_segments is False
         monkeypatch.delenv(name)
     assert EngineOptions(device="cpu", expandable_segments=False).expandable_segments is False
+
+
+def test_every_sequence_the_server_holds_is_budgeted(model_file):
+    """--max-seqs N (n_seqs) budgets N KV caches: under one budget, four sequences stream every layer where
+    one streams none, and a budget that fits one sequence is refused for four, naming --max-seqs (the GPU load
+    test ran out of memory once its other caches came on top of an expert cache sized for one)."""
+    path = model_file("tiny-odd", "Q8_0")  # 3 layers; serial: one staging slot, so streaming them all saves two
+    opts = dict(device="cpu", progress=False, stream="serial")
+    e = moestream.load(path, n_cpu_moe=0, **opts)
+    fp, expert_bytes = e.offload.footprint, e.offload.placement.expert_bytes
+    e.close()
+    e = moestream.load(path, n_cpu_moe=0, n_seqs=4, **opts)
+    fp4 = e.offload.footprint
+    e.close()
+    assert fp4.kv_cache == 4 * fp.kv_cache
+    budget = Placement(3, expert_bytes, 1).gpu_bytes(fp4)  # four caches, every layer streamed: just fits
+    for n_seqs, streamed in ((1, 0), (4, 3)):
+        e = moestream.load(path, n_cpu_moe="auto", vram_budget=budget, n_seqs=n_seqs, **opts)
+        assert e.offload.placement.n_cpu_moe == streamed
+        e.close()
+    with pytest.raises(MoestreamError, match="--max-seqs"):
+        moestream.load(
+            path, n_cpu_moe="auto", vram_budget=Placement(0, expert_bytes, 1).gpu_bytes(fp), n_seqs=4, **opts
+        )
+    with pytest.raises(MoestreamError, match="--max-seqs 0: must be at least 1"):
+        EngineOptions(device="cpu", n_seqs=0)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import queue
 
+import torch
+
 import moestream
 from moestream.runtime.sampling import SamplingParams
-from moestream.serving.scheduler import Event, Request, Scheduler
+from moestream.serving.scheduler import Event, Request, Scheduler, _error
 
 
 def collect(tokens: list[int], max_tokens: int = 8) -> tuple[Request, queue.Queue]:
@@ -76,3 +78,15 @@ def test_sequences_stepped_together_or_alone_give_their_lone_answers(model_file)
             assert got == want, batched
     finally:
         engine.close()
+
+
+def test_out_of_memory_is_told_with_what_to_change():
+    """torch's message is a paragraph about its allocator; the client reads which flags to change."""
+    oom = torch.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 139.80 GiB of which "
+        "127.03 GiB is free. Including non-PyTorch memory, this process has 12.74 GiB memory in use."
+    )
+    text = _error(oom).text
+    assert text.startswith("out of memory (tried to allocate 20.00 mib): this request failed")
+    assert "--max-seqs" in text and "--vram-budget" in text and "GiB is free" not in text
+    assert _error(ValueError("bad\nsecond line")).text == "bad"

@@ -1,0 +1,124 @@
+"""Each quantized decode kernel of one layer (and the output head) timed alone, per tile setting: which
+shapes are far from the HBM's rate, and which setting serves each best. Side by side in one process,
+CUDA events after warm-up, on the model's stored weights (random inputs, never zeros).
+
+    python scripts/matvec_shapes.py MODEL
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+import moestream
+from moestream.kernels import qmatvec
+
+SETTINGS = {  # name: qmatvec module settings
+    "B1 r8": dict(BLOCKS_AT_ONCE=1),
+    "B2 r8": dict(BLOCKS_AT_ONCE=2),
+    "B4 r8": dict(BLOCKS_AT_ONCE=4),
+    "B8 r8": dict(BLOCKS_AT_ONCE=8),
+    "B1 r4 w2": dict(BLOCKS_AT_ONCE=1, ROWS_PER_PROGRAM=4, WARPS=2),
+    "B4 r4 w2": dict(BLOCKS_AT_ONCE=4, ROWS_PER_PROGRAM=4, WARPS=2),
+    "B8 r4 w4": dict(BLOCKS_AT_ONCE=8, ROWS_PER_PROGRAM=4, WARPS=4),
+    "B8 r2 w2": dict(BLOCKS_AT_ONCE=8, ROWS_PER_PROGRAM=2, WARPS=2),
+    "B2 r8 w8": dict(BLOCKS_AT_ONCE=2, ROWS_PER_PROGRAM=8, WARPS=8),
+}
+
+
+def time_us(run, calls: int = 50, reps: int = 10) -> float:
+    """GPU time a call: `calls` launches captured in one CUDA graph and replayed, so Python's launch cost,
+    which a graphed decode step does not pay, is not what is timed."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            run()  # compiled and warm before the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            run()
+    graph.replay()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        graph.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / (reps * calls) * 1e3
+
+
+def cases(engine) -> list[tuple[str, int, object]]:
+    """(label, bytes read, run) for layer 0's dense matvecs, the head, and the first layer's picked experts."""
+    w, dev, dtype = engine.model.weights, engine.device, engine.dtype
+    out = []
+    for name in [n for n in w._blocks if n.startswith("blk.0.") or n == "output.weight"]:
+        raw, qtype, shape = w._blocks[name]
+        if qtype not in qmatvec.DOTS:
+            continue
+        x = torch.randn(1, shape[1], device=dev, dtype=dtype)
+        out.append(
+            (
+                f"{name} {qtype.name} {shape[0]}x{shape[1]}",
+                raw.nbytes,
+                lambda raw=raw, qtype=qtype, shape=shape, x=x: qmatvec.matvec(raw, qtype, shape[0], x),
+            )
+        )
+    experts = engine.experts
+    il = min(experts.resident)
+    t, raws = experts.tensors[il], experts.resident[il]
+    K, E = engine.spec.n_expert_used, t.n_expert
+    x = torch.randn(1, engine.spec.n_embd, device=dev, dtype=dtype)
+    ids = torch.randperm(E, generator=torch.Generator().manual_seed(1))[:K].view(1, K).to(dev)
+    weights = torch.softmax(torch.randn(1, K, device=dev), -1).to(dtype)
+    qtypes = tuple(v.qtype for v in t.views)
+    n_ff = t.views[0].shape[1]
+    per = [r.nbytes // E * K for r in raws]
+    h = torch.randn(K, n_ff, device=dev, dtype=dtype)
+    out.append(
+        (
+            f"gate+up {K} experts {qtypes[0].name}",
+            per[0] + per[1],
+            lambda: qmatvec.swiglu_picked(x, weights, ids, raws, qtypes, n_ff),
+        )
+    )
+    out.append(
+        (
+            f"down {K} experts {qtypes[2].name} {engine.spec.n_embd}x{n_ff}",
+            per[2],
+            lambda: qmatvec.matvec(raws[2], qtypes[2], engine.spec.n_embd, h, ids.view(-1)),
+        )
+    )
+    return out
+
+
+def main(path: str) -> None:
+    e = moestream.load(path, device="cuda", progress=False)
+    print(f"{'kernel':<48} {'MB':>6} " + " ".join(f"{n:>9}" for n in SETTINGS))
+    for label, nbytes, run in cases(e):
+        ref = run().float()
+        row = []
+        for v in SETTINGS.values():
+            saved = {k: getattr(qmatvec, k) for k in v}
+            for k, val in v.items():
+                setattr(qmatvec, k, val)
+            got = run().float()
+            assert float((got - ref).abs().max() / ref.abs().max()) < 2e-2, label
+            row.append(time_us(run))
+            for k, val in saved.items():
+                setattr(qmatvec, k, val)
+        best = min(row)
+        print(
+            f"{label:<48} {nbytes / 1e6:6.2f} "
+            + " ".join(f"{us:9.2f}" for us in row)
+            + f"  best {nbytes / best / 1e6:.2f} TB/s",
+            flush=True,
+        )
+    print("(us a call; gate+up includes its down product and weighted sum: swiglu_picked whole)")
+    e.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
