@@ -40,7 +40,8 @@ def step_ms(engine, n: int = 72) -> float:
 VARIANTS = {  # qmatvec's tile settings
     "defaults": {},
     "one block a row at a time": dict(BLOCKS_AT_ONCE=1),
-    "4 blocks at once": dict(BLOCKS_AT_ONCE=4),
+    "8 blocks at once": dict(BLOCKS_AT_ONCE=8),
+    "gate+up 4 blocks at once": dict(GATE_UP_BLOCKS_AT_ONCE=4),
     "rows 4": dict(ROWS_PER_PROGRAM=4),
     "rows 16": dict(ROWS_PER_PROGRAM=16),
     "no grid minimum": dict(PROGRAMS_PER_SM=0),

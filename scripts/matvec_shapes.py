@@ -14,11 +14,11 @@ import torch
 import moestream
 from moestream.kernels import qmatvec
 
-SETTINGS = {  # name: qmatvec module settings
-    "B1 r8": dict(BLOCKS_AT_ONCE=1),
-    "B2 r8": dict(BLOCKS_AT_ONCE=2),
-    "B4 r8": dict(BLOCKS_AT_ONCE=4),
-    "B8 r8": dict(BLOCKS_AT_ONCE=8),
+SETTINGS = {  # name: qmatvec module settings (gate+up's blocks at once: 1 unless set)
+    "B1 r8": dict(BLOCKS_AT_ONCE=1, GATE_UP_BLOCKS_AT_ONCE=1),
+    "B2 r8": dict(BLOCKS_AT_ONCE=2, GATE_UP_BLOCKS_AT_ONCE=2),
+    "B4 r8": dict(BLOCKS_AT_ONCE=4, GATE_UP_BLOCKS_AT_ONCE=4),
+    "B8 r8": dict(BLOCKS_AT_ONCE=8, GATE_UP_BLOCKS_AT_ONCE=8),
     "B1 r4 w2": dict(BLOCKS_AT_ONCE=1, ROWS_PER_PROGRAM=4, WARPS=2),
     "B4 r4 w2": dict(BLOCKS_AT_ONCE=4, ROWS_PER_PROGRAM=4, WARPS=2),
     "B8 r4 w4": dict(BLOCKS_AT_ONCE=8, ROWS_PER_PROGRAM=4, WARPS=4),

@@ -24,7 +24,11 @@ Q = GGMLQuantizationType
 ROWS_PER_PROGRAM = 8
 WARPS = 4
 PROGRAMS_PER_SM = 2
-BLOCKS_AT_ONCE = 8  # of a row, loaded as one tile: more bytes in flight per program
+# Blocks of a row loaded as one tile. Each kernel timed alone in graphs (scripts/matvec_shapes.py, the H200,
+# qwen3-30b's layer 0, us at 1 / 4 blocks): the matvecs' sum over q, k, v, o 23.9 / 20.6 (v, Q6_K, 5.86 /
+# 3.09), the head 197 / 187; gate+up (two rows' dots a program) 31.5 at 1, 35.4 at 4
+BLOCKS_AT_ONCE = 4
+GATE_UP_BLOCKS_AT_ONCE = 1
 MAX_TOKENS = 4  # above this, dequantizing once and multiplying on the tensor cores is cheaper
 
 if triton is not None:
@@ -207,7 +211,7 @@ def matvec(
     raw holds the stored bytes of one matrix [n_out, in] (mats None) or of a stack [E, n_out, in], in which
     case mats [P] (int64, on x's device) says which matrix each row of x multiplies. raw may be a CUDA tensor
     or page-locked host memory that the GPU can address."""
-    row_bytes, consts = _layout(qtype, x.shape[-1], raw)
+    row_bytes, consts = _layout(qtype, x.shape[-1], raw, BLOCKS_AT_ONCE)
     x = x.contiguous()
     y = torch.empty((x.shape[0], n_out), dtype=x.dtype, device=x.device)
     rows, warps = _tile(ROWS_PER_PROGRAM, WARPS, n_out, x.shape[0], _min_programs(x.device))
@@ -228,7 +232,7 @@ def matvec(
     return y
 
 
-def _layout(qtype: GGMLQuantizationType, n_in: int, raw: torch.Tensor) -> tuple[int, dict]:
+def _layout(qtype: GGMLQuantizationType, n_in: int, raw: torch.Tensor, at_most: int) -> tuple[int, dict]:
     """The bytes a stored row of n_in elements takes, and the kernels' compile-time constants for it. Every
     buffer the engine hands in is its own allocation or a map of 32-byte aligned tensor data, so the Q4_K
     dot's word loads are aligned; a view that is not would read wrong words, hence the check."""
@@ -236,8 +240,8 @@ def _layout(qtype: GGMLQuantizationType, n_in: int, raw: torch.Tensor) -> tuple[
     if qtype in (Q.Q4_K, Q.Q5_K) and raw.data_ptr() % 4:
         raise ValueError(f"{qtype.name} blocks must start 4-byte aligned for the quantized matvec (pass a copy)")
     n_blocks = n_in // block
-    at_once = 1  # the largest power of two up to BLOCKS_AT_ONCE that divides the row's blocks
-    while at_once < BLOCKS_AT_ONCE and n_blocks % (2 * at_once) == 0:
+    at_once = 1  # blocks loaded together: the largest power of two up to at_most dividing the row's count
+    while at_once < at_most and n_blocks % (2 * at_once) == 0:
         at_once *= 2
     return n_blocks * type_size, dict(N_BLOCKS=n_blocks, DOT=DOTS[qtype], ELEMS=block, SIZE=type_size, B=at_once)
 
@@ -280,8 +284,8 @@ def swiglu_picked(
     x = x.contiguous()
     picks = ids.reshape(-1).contiguous()
     h = torch.empty((T * K, n_ff), dtype=x.dtype, device=x.device)
-    gate_row, gate_consts = _layout(qtypes[0], D, raws[0])  # up is stored alike (fuses)
-    _layout(qtypes[1], D, raws[1])  # only to check up's alignment
+    gate_row, gate_consts = _layout(qtypes[0], D, raws[0], GATE_UP_BLOCKS_AT_ONCE)  # up is stored alike (fuses)
+    _layout(qtypes[1], D, raws[1], 1)  # only to check up's alignment
     rows, warps = _tile(ROWS_PER_PROGRAM, WARPS, n_ff, T * K, _min_programs(x.device))
     with on_device(x):
         _gate_up_kernel[(triton.cdiv(n_ff, rows), T * K)](

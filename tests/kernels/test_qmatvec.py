@@ -29,11 +29,18 @@ def test_tiles_shrink_until_the_grid_spreads():
     assert rows == 1 or -(-n_out // rows) * n_vec >= H200
 
 
+def test_blocks_loaded_together_divide_the_row():
+    raw = torch.zeros(8, 144 * 8, dtype=torch.uint8)
+    assert [qmatvec._layout(Q.Q4_K, n, raw, 4)[1]["B"] for n in (768, 1024, 2048, 4096)] == [1, 4, 4, 4]
+    assert qmatvec._layout(Q.Q4_K, 1536, raw, 4)[1]["B"] == 2  # 6 blocks
+    assert qmatvec._layout(Q.Q6_K, 2048, raw, 1)[1]["B"] == 1
+
+
 def test_q4_k_blocks_off_word_alignment_are_refused():
     """The Q4_K dot loads 32-bit words: a view starting off a 4-byte boundary would read wrong values."""
     buf = torch.zeros(2 + 144 * 2, dtype=torch.uint8)
     with pytest.raises(ValueError, match="4-byte aligned"):
-        qmatvec._layout(Q.Q4_K, 256, buf[2:].view(2, 144))
+        qmatvec._layout(Q.Q4_K, 256, buf[2:].view(2, 144), 1)
 
 
 @pytest.mark.gpu
