@@ -3,6 +3,7 @@
 # Usage (on the GPU machine): bash scripts/gpu_session.sh STEP... with STEP one of
 #   tests    pytest -m gpu (without fla's kernels: `fla` runs those, ~100 s of autotuning; tests/serving/test_app.py
 #            needs httpx2/openai, which the GPU image lacks)
+#   quick    the matvec, fused-kernel and decode GPU tests alone (~1 min)
 #   model    generate the qwen3-30b-a3b Q4_K_M model (skipped when a warm machine still has it) + routing
 #   pp512 pp2048 long profile decode decodediag prefetch cachediag cpuexp alloc   issue-3/4/10 benches on it
 #   shapes   each quantized decode kernel of the 8-layer slice alone, per tile setting (matvec_shapes.py)
