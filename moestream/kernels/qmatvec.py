@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from moestream.kernels.dequant import on_device, triton
@@ -194,6 +195,15 @@ else:
     DOTS = {}
 
 
+def linear_each_row(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, w), each row on its own when x has a few (2 to MAX_TOKENS): cuBLAS picks its kernel, and so
+    its rounding, by the row count, and a server's batched decode step must give each sequence the bits of its
+    step alone. Larger batches (prefill) multiply at once."""
+    if 1 < x.shape[0] <= MAX_TOKENS:
+        return torch.cat([F.linear(row, w) for row in x.split(1)])
+    return F.linear(x, w)
+
+
 def usable(qtype: GGMLQuantizationType, device: torch.device, n_tokens: int) -> bool:
     """Whether matvec serves n_tokens rows on device against a weight of this type."""
     return qtype in DOTS and device.type == "cuda" and n_tokens <= MAX_TOKENS
@@ -205,16 +215,19 @@ def matvec(
     n_out: int,
     x: torch.Tensor,
     mats: torch.Tensor | None = None,
+    rows_per_token: int = 1,
 ) -> torch.Tensor:
     """y [P, n_out] = W_p x[p] for each row p of x [P, in], in x's dtype.
 
     raw holds the stored bytes of one matrix [n_out, in] (mats None) or of a stack [E, n_out, in], in which
     case mats [P] (int64, on x's device) says which matrix each row of x multiplies. raw may be a CUDA tensor
-    or page-locked host memory that the GPU can address."""
+    or page-locked host memory that the GPU can address. The tile is chosen for one token's rows_per_token
+    rows of x, not for all P: the tile orders the sums, and a token's bits must not depend on how many other
+    tokens share the launch (a server's batched decode gives each sequence the tokens of its step alone)."""
     row_bytes, consts = _layout(qtype, x.shape[-1], raw, BLOCKS_AT_ONCE)
     x = x.contiguous()
     y = torch.empty((x.shape[0], n_out), dtype=x.dtype, device=x.device)
-    rows, warps = _tile(ROWS_PER_PROGRAM, WARPS, n_out, x.shape[0], _min_programs(x.device))
+    rows, warps = _tile(ROWS_PER_PROGRAM, WARPS, n_out, rows_per_token, _min_programs(x.device))
     grid = (triton.cdiv(n_out, rows), x.shape[0])
     with on_device(x):
         _matvec_kernel[grid](
@@ -277,7 +290,8 @@ def swiglu_picked(
     """models.layers.moe_swiglu_picked in three launches: gate, up and SiLU of every token-expert pair in one,
     each pair's down product in the next, the weighted sum over each token's experts as one bmm (a step 1.07x
     faster than with one kernel looping over a token's experts, side by side on the H200). Each pair's down
-    product is rounded to x's dtype before the weighted sum, as in the torch form. x [T, D]; weights, ids
+    product is rounded to x's dtype before the weighted sum, as in the torch form; each token's sum is its own
+    bmm, so a token's bits do not depend on the others in the batch. x [T, D]; weights, ids
     [T, K]; raws the gate, up, down stacks' stored bytes (device or page-locked host memory), by ids."""
     T, K = ids.shape
     D = x.shape[-1]
@@ -286,7 +300,7 @@ def swiglu_picked(
     h = torch.empty((T * K, n_ff), dtype=x.dtype, device=x.device)
     gate_row, gate_consts = _layout(qtypes[0], D, raws[0], GATE_UP_BLOCKS_AT_ONCE)  # up is stored alike (fuses)
     _layout(qtypes[1], D, raws[1], 1)  # only to check up's alignment
-    rows, warps = _tile(ROWS_PER_PROGRAM, WARPS, n_ff, T * K, _min_programs(x.device))
+    rows, warps = _tile(ROWS_PER_PROGRAM, WARPS, n_ff, K, _min_programs(x.device))  # one token's: see matvec
     with on_device(x):
         _gate_up_kernel[(triton.cdiv(n_ff, rows), T * K)](
             raws[0],
@@ -301,8 +315,10 @@ def swiglu_picked(
             num_warps=warps,
             **gate_consts,
         )
-    down = matvec(raws[2], qtypes[2], D, h, picks)  # [T*K, D]: each pair's own programs, a wide grid
-    return torch.bmm(weights.view(T, 1, K).to(down.dtype), down.view(T, K, D)).view(T, D)
+    down = matvec(raws[2], qtypes[2], D, h, picks, K)  # [T*K, D]: each pair's own programs, a wide grid
+    w, d = weights.view(T, 1, K).to(down.dtype), down.view(T, K, D)
+    # each token's weighted sum on its own, as for one token alone (see linear_each_row)
+    return torch.cat([torch.bmm(w[t : t + 1], d[t : t + 1]) for t in range(T)]).view(T, D)
 
 
 def fuses(qtypes) -> bool:

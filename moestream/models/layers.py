@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from moestream.kernels import decode_attention, fused
+from moestream.kernels import decode_attention, fused, qmatvec
 from moestream.kernels.grouped_moe import grouped_mm
 
 
@@ -132,7 +132,7 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
 
 def route_softmax_topk(x: torch.Tensor, w_router: torch.Tensor, k: int, renorm: bool = True):
     """Softmax over all experts, top-k, chosen weights renormalised to sum 1. Returns weights [T, K], ids [T, K]."""
-    logits = F.linear(x, w_router)
+    logits = qmatvec.linear_each_row(x, w_router)  # a decode batch's rows route as each would alone
     if fused.usable(logits):  # softmax, top-k and renormalisation in one kernel
         return fused.softmax_topk(logits, k, renorm, x.dtype)
     probs = torch.softmax(logits.float(), dim=-1)  # [T, E]

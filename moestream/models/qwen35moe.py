@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from moestream.errors import MoestreamError
-from moestream.kernels import deltanet_step
+from moestream.kernels import deltanet_step, qmatvec
 from moestream.models import qwen3moe
 from moestream.models.deltanet import (
     DeltaNetState,
@@ -218,5 +218,5 @@ class Model(qwen3moe.Model):
         """Routed experts plus the shared expert scaled by sigmoid(x . ffn_gate_inp_shexp)."""
         shared = F.silu(self.linear(x, il, "ffn_gate_shexp")) * self.linear(x, il, "ffn_up_shexp")
         shared = self.linear(shared, il, "ffn_down_shexp")
-        gate = torch.sigmoid(F.linear(x, self.w(il, "ffn_gate_inp_shexp").reshape(1, -1)))  # [T, 1]
+        gate = torch.sigmoid(qmatvec.linear_each_row(x, self.w(il, "ffn_gate_inp_shexp").reshape(1, -1)))  # [T, 1]
         return super().moe(il, x, experts) + gate * shared

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 
 import torch
-import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 from tqdm import tqdm
 
@@ -52,7 +51,7 @@ class DenseWeights(Mapping[str, torch.Tensor]):
         if self.reads_directly(x, name):
             raw, qtype, shape = self._blocks[name]
             return qmatvec.matvec(raw, qtype, shape[0], x)
-        return F.linear(x, self[name])
+        return qmatvec.linear_each_row(x, self[name])
 
     def row_chunks(self, name: str, rows: int) -> Iterator[torch.Tensor]:
         """The weight [R, C] in slices of `rows` rows, each dequantized only when reached.

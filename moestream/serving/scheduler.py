@@ -106,10 +106,12 @@ class Scheduler:
         self._wake.set()
 
     def stop(self) -> None:
-        """Drain: stop taking turns, end every sequence, wait for the thread (the engine is then idle)."""
+        """Drain: stop taking turns, end every sequence, wait for the thread (the engine is then idle), and free
+        the pooled caches with their captured steps (another server on the same engine makes its own)."""
         self._stop.set()
         self._wake.set()
         self._thread.join()
+        self._caches.clear()
 
     @property
     def link_bytes(self) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+import weakref
 
 import torch
 
@@ -51,8 +52,10 @@ def test_stop_ends_running_sequences_and_the_thread(model_file):
     s.submit(long)
     s.submit(waiting)
     assert events.get(timeout=30).kind == "text"  # under way
+    cache = weakref.ref(s.running[0].cache)
     s.stop()
     assert not s._thread.is_alive() and not s.running
+    assert cache() is None, "a stopped server frees its caches (another on the same engine makes its own)"
     assert drain(events)[-1].text == "the server is shutting down"
     assert drain(waiting_events)[-1].text == "the server is shutting down"
     engine.close()
