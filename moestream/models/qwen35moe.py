@@ -97,6 +97,14 @@ def conv_channels(spec: ModelSpec) -> int:
     return 2 * e["k_heads"] * e["k_dim"] + e["v_heads"] * e["v_dim"]
 
 
+def state_bytes(spec: ModelSpec) -> int:
+    """One sequence's recurrent state (Model.new_recurrent_state): each delta-net layer's float32 conv inputs
+    and delta-rule state. Budgeted with the KV cache (30 layers of qwen3.6-35b-a3b: 63 MiB a sequence)."""
+    e = spec.extra
+    per_layer = (e["conv_kernel"] - 1) * conv_channels(spec) + e["v_heads"] * e["k_dim"] * e["v_dim"]
+    return 4 * per_layer * sum(e["recurrent_layers"])
+
+
 def tensor_shapes(spec: ModelSpec, tied_output: bool = False) -> dict[str, tuple[int, ...]]:
     """Every tensor of a file of this architecture, numpy order."""
     e, D, Dh = spec.extra, spec.n_embd, spec.head_dim

@@ -65,6 +65,11 @@ def tensor_shapes(spec: ModelSpec, tied_output: bool = False) -> dict[str, tuple
     return shapes
 
 
+def state_bytes(spec: ModelSpec) -> int:
+    """One sequence's state besides the KV cache: none (attention only)."""
+    return 0
+
+
 def moe_shapes(spec: ModelSpec, il: int) -> dict[str, tuple[int, ...]]:
     """The router and routed expert stacks of layer il (shared by the architectures built on this MoE)."""
     b, D, E, F_ = f"blk.{il}.", spec.n_embd, spec.n_expert, spec.n_ff_exp

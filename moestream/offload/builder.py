@@ -117,7 +117,7 @@ def build_offload(
     may_gather = _prefetches(opts.small_batch, device, will_lock, pick, sharded)
     fp = Footprint(
         dense=dense_bytes,
-        kv_cache=opts.n_seqs * kv_cache_bytes(spec, n_ctx, dtype),
+        kv_cache=opts.n_seqs * (kv_cache_bytes(spec, n_ctx, dtype) + arch.state_bytes(spec)),
         workspace=workspace_bytes(spec, opts.ubatch, n_ctx, dtype),
         prefetch=ring_bytes(tensors, tensors, n_guess, spec.n_expert_used) if n_guess and may_gather else 0,
     )

@@ -23,7 +23,7 @@ class Footprint:
     """Bytes the engine allocates on the GPU, besides the resident experts."""
 
     dense: int  # attention, norms, routers, output head, shared experts (dequantized)
-    kv_cache: int  # every sequence's (EngineOptions.n_seqs)
+    kv_cache: int  # every sequence's (EngineOptions.n_seqs) KV cache and recurrent state
     workspace: int  # one layer's experts dequantized + activations of one micro-batch
     prefetch: int = 0  # decode's ring of guessed experts (offload/prefetch.py), when any layer streams
     expert_cache: int = 0  # streamed layers' experts held for decode (offload/expert_cache.py)

@@ -253,3 +253,18 @@ def test_every_sequence_the_server_holds_is_budgeted(model_file):
         )
     with pytest.raises(MoestreamError, match="--max-seqs 0: must be at least 1"):
         EngineOptions(device="cpu", n_seqs=0)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen35moe"])
+def test_the_budgeted_sequence_is_the_cache_the_engine_allocates(model_file, preset):
+    """A sequence's share of the footprint is what new_cache allocates: the KV cache and, for delta-net
+    layers, the recurrent state."""
+    e = moestream.load(model_file(preset, "Q8_0"), device="cpu", progress=False, n_seqs=2)
+    try:
+        cache = e.new_cache()
+        kv = [*cache.kv.k.values(), *cache.kv.v.values()]
+        states = [t for s in cache.recurrent.values() for t in (s.conv_state, s.recurrent_state)]
+        assert bool(states) == (preset == "tiny-qwen35moe")
+        assert e.offload.footprint.kv_cache == 2 * sum(t.nbytes for t in kv + states)
+    finally:
+        e.close()
