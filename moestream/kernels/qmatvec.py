@@ -253,10 +253,16 @@ def _layout(qtype: GGMLQuantizationType, n_in: int, raw: torch.Tensor, at_most: 
     if qtype in (Q.Q4_K, Q.Q5_K) and raw.data_ptr() % 4:
         raise ValueError(f"{qtype.name} blocks must start 4-byte aligned for the quantized matvec (pass a copy)")
     n_blocks = n_in // block
-    at_once = 1  # blocks loaded together: the largest power of two up to at_most dividing the row's count
+    at_once = _at_once(n_blocks, at_most)
+    return n_blocks * type_size, dict(N_BLOCKS=n_blocks, DOT=DOTS[qtype], ELEMS=block, SIZE=type_size, B=at_once)
+
+
+def _at_once(n_blocks: int, at_most: int) -> int:
+    """Blocks of a row loaded together: the largest power of two up to at_most that divides n_blocks."""
+    at_once = 1
     while at_once < at_most and n_blocks % (2 * at_once) == 0:
         at_once *= 2
-    return n_blocks * type_size, dict(N_BLOCKS=n_blocks, DOT=DOTS[qtype], ELEMS=block, SIZE=type_size, B=at_once)
+    return at_once
 
 
 def _min_programs(device: torch.device) -> int:

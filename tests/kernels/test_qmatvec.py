@@ -30,10 +30,8 @@ def test_tiles_shrink_until_the_grid_spreads():
 
 
 def test_blocks_loaded_together_divide_the_row():
-    raw = torch.zeros(8, 144 * 8, dtype=torch.uint8)
-    assert [qmatvec._layout(Q.Q4_K, n, raw, 4)[1]["B"] for n in (768, 1024, 2048, 4096)] == [1, 4, 4, 4]
-    assert qmatvec._layout(Q.Q4_K, 1536, raw, 4)[1]["B"] == 2  # 6 blocks
-    assert qmatvec._layout(Q.Q6_K, 2048, raw, 1)[1]["B"] == 1
+    assert [qmatvec._at_once(n, 4) for n in (3, 4, 8, 16)] == [1, 4, 4, 4]  # rows of 768 ... 4096 (K-quants)
+    assert qmatvec._at_once(6, 4) == 2 and qmatvec._at_once(8, 1) == 1 and qmatvec._at_once(24, 8) == 8
 
 
 def test_q4_k_blocks_off_word_alignment_are_refused():
