@@ -8,6 +8,7 @@ where the fastest step's GPU time goes (kernel table of eager static steps, the 
 from __future__ import annotations
 
 import sys
+from functools import partial
 
 import torch
 
@@ -48,9 +49,9 @@ VARIANTS = {  # qmatvec's tile settings
 }
 
 
-def check_dots(engine) -> None:
-    """Each variant against the defaults on the model's stored weights, before anything is timed: the matvec
-    of every quantized dense weight of layer 0 and the head, and the first resident layer's picked experts."""
+def kernel_cases(engine) -> list[tuple[str, int, object]]:
+    """(label, bytes read, run) for the matvec of every quantized dense weight of layer 0 and the head, and
+    the first resident layer's picked experts: swiglu_picked whole, and its down products alone."""
     w, dev, dtype = engine.model.weights, engine.device, engine.dtype
     cases = []
     for name in [n for n in w._blocks if n.startswith("blk.0.") or n == "output.weight"]:
@@ -58,27 +59,42 @@ def check_dots(engine) -> None:
         if qtype not in qmatvec.DOTS:  # dequantized and multiplied instead: nothing to tile
             continue
         x = torch.randn(1, shape[1], device=dev, dtype=dtype)
-        cases.append(
-            (
-                f"{name} ({qtype.name})",
-                lambda raw=raw, qtype=qtype, shape=shape, x=x: qmatvec.matvec(raw, qtype, shape[0], x),
-            )
-        )
+        run = partial(qmatvec.matvec, raw, qtype, shape[0], x)
+        cases.append((f"{name} {qtype.name} {shape[0]}x{shape[1]}", raw.nbytes, run))
     experts = engine.experts
-    if experts.resident:
-        il = min(experts.resident)
-        t, raws = experts.tensors[il], experts.resident[il]
-        K, E = engine.spec.n_expert_used, t.n_expert
-        x = torch.randn(1, engine.spec.n_embd, device=dev, dtype=dtype)
-        ids = torch.randperm(E, generator=torch.Generator().manual_seed(1))[:K].view(1, K).to(dev)
-        weights = torch.softmax(torch.randn(1, K, device=dev), -1).to(dtype)
-        qtypes = tuple(v.qtype for v in t.views)
-        n_ff = t.views[0].shape[1]
-        assert qmatvec.fuses(qtypes), "gate and up stored alike, as swiglu_picked needs"
-        cases.append(
-            (f"layer {il}'s picked experts", lambda: qmatvec.swiglu_picked(x, weights, ids, raws, qtypes, n_ff))
+    if not experts.resident:
+        return cases
+    il = min(experts.resident)
+    t, raws = experts.tensors[il], experts.resident[il]
+    K, E, D = engine.spec.n_expert_used, t.n_expert, engine.spec.n_embd
+    x = torch.randn(1, D, device=dev, dtype=dtype)
+    ids = torch.randperm(E, generator=torch.Generator().manual_seed(1))[:K].view(1, K).to(dev)
+    weights = torch.softmax(torch.randn(1, K, device=dev), -1).to(dtype)
+    qtypes = tuple(v.qtype for v in t.views)
+    n_ff = t.views[0].shape[1]
+    assert qmatvec.fuses(qtypes), "gate and up stored alike, as swiglu_picked needs"
+    per = [r.nbytes // E * K for r in raws]
+    h = torch.randn(K, n_ff, device=dev, dtype=dtype)
+    cases.append(
+        (
+            f"layer {il}'s {K} experts (gate+up {qtypes[0].name}, down, sum)",
+            sum(per),
+            partial(qmatvec.swiglu_picked, x, weights, ids, raws, qtypes, n_ff),
         )
-    for label, run in cases:
+    )
+    cases.append(
+        (
+            f"layer {il}'s {K} down products {qtypes[2].name} {D}x{n_ff}",
+            per[2],
+            partial(qmatvec.matvec, raws[2], qtypes[2], D, h, ids.view(-1), K),
+        )
+    )
+    return cases
+
+
+def check_dots(engine) -> None:
+    """Each variant against the defaults on the model's stored weights, before anything is timed."""
+    for label, _, run in kernel_cases(engine):
         ref = run().float()
         for name, v in VARIANTS.items():
             saved = use(v)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 
 import torch
+from decode_diag import kernel_cases  # scripts/ is on the path when run as a script
 
 import moestream
 from moestream.kernels import qmatvec
@@ -50,54 +51,10 @@ def time_us(run, calls: int = 50, reps: int = 10) -> float:
     return a.elapsed_time(b) / (reps * calls) * 1e3
 
 
-def cases(engine) -> list[tuple[str, int, object]]:
-    """(label, bytes read, run) for layer 0's dense matvecs, the head, and the first layer's picked experts."""
-    w, dev, dtype = engine.model.weights, engine.device, engine.dtype
-    out = []
-    for name in [n for n in w._blocks if n.startswith("blk.0.") or n == "output.weight"]:
-        raw, qtype, shape = w._blocks[name]
-        if qtype not in qmatvec.DOTS:
-            continue
-        x = torch.randn(1, shape[1], device=dev, dtype=dtype)
-        out.append(
-            (
-                f"{name} {qtype.name} {shape[0]}x{shape[1]}",
-                raw.nbytes,
-                lambda raw=raw, qtype=qtype, shape=shape, x=x: qmatvec.matvec(raw, qtype, shape[0], x),
-            )
-        )
-    experts = engine.experts
-    il = min(experts.resident)
-    t, raws = experts.tensors[il], experts.resident[il]
-    K, E = engine.spec.n_expert_used, t.n_expert
-    x = torch.randn(1, engine.spec.n_embd, device=dev, dtype=dtype)
-    ids = torch.randperm(E, generator=torch.Generator().manual_seed(1))[:K].view(1, K).to(dev)
-    weights = torch.softmax(torch.randn(1, K, device=dev), -1).to(dtype)
-    qtypes = tuple(v.qtype for v in t.views)
-    n_ff = t.views[0].shape[1]
-    per = [r.nbytes // E * K for r in raws]
-    h = torch.randn(K, n_ff, device=dev, dtype=dtype)
-    out.append(
-        (
-            f"gate+up {K} experts {qtypes[0].name}",
-            per[0] + per[1],
-            lambda: qmatvec.swiglu_picked(x, weights, ids, raws, qtypes, n_ff),
-        )
-    )
-    out.append(
-        (
-            f"down {K} experts {qtypes[2].name} {engine.spec.n_embd}x{n_ff}",
-            per[2],
-            lambda: qmatvec.matvec(raws[2], qtypes[2], engine.spec.n_embd, h, ids.view(-1)),
-        )
-    )
-    return out
-
-
 def main(path: str) -> None:
     e = moestream.load(path, device="cuda", progress=False)
     print(f"{'kernel':<48} {'MB':>6} " + " ".join(f"{n:>9}" for n in SETTINGS))
-    for label, nbytes, run in cases(e):
+    for label, nbytes, run in kernel_cases(e):
         ref = run().float()
         row = []
         for v in SETTINGS.values():
@@ -116,7 +73,7 @@ def main(path: str) -> None:
             + f"  best {nbytes / best / 1e6:.2f} TB/s",
             flush=True,
         )
-    print("(us a call; gate+up includes its down product and weighted sum: swiglu_picked whole)")
+    print("(us a call; MB: bytes the kernel reads)")
     e.close()
 
 
