@@ -30,6 +30,7 @@ PROGRAMS_PER_SM = 2
 # 3.09), the head 197 / 187; gate+up (two rows' dots a program) 31.5 at 1, 35.4 at 4
 BLOCKS_AT_ONCE = 4
 GATE_UP_BLOCKS_AT_ONCE = 1
+SUM_BLOCK = 1024  # output columns a program of the weighted sum
 MAX_TOKENS = 4  # above this, dequantizing once and multiplying on the tensor cores is cheaper
 
 if triton is not None:
@@ -44,7 +45,7 @@ if triton is not None:
 
     @triton.jit
     def _q4_k_scale_min(w1, w2, w3, k):
-        """The 6-bit scale and min of sub-block k ([1, W] int32, of 8) from the block's scale words w1..w3."""
+        """The 6-bit scale and min of sub-block k ([1, 1, W] int32, of 8) from the block's scale words w1..w3."""
         sh = 8 * (k % 4)
         lo = k < 4
         sc = tl.where(lo, (w1 >> sh) & 63, ((w3 >> sh) & 15) | (((w1 >> (sh + 6)) & 3) << 4))
@@ -105,7 +106,7 @@ if triton is not None:
     def q6_k_dot(base, xb, ok):
         d = _f16_at(base, 208, ok)
         lane = tl.arange(0, 16)[None, None, :]
-        acc = tl.zeros_like(d) * lane  # [R, 16]
+        acc = tl.zeros_like(d) * lane  # [R, B, 16]
         for h in tl.static_range(2):  # halves of 128: ql bytes 64h.., qh bytes 128+32h..
             for k in tl.static_range(4):  # quarters of 32: low/high nibble of ql[k % 2 half], 2 bits of qh
                 for g in tl.static_range(2):  # 16 elements under one scale
@@ -190,6 +191,19 @@ if triton is not None:
         g = _row_dot(wg, mat, out, n_out, row_bytes, xp, ok, N_BLOCKS, DOT, ELEMS, SIZE, B)
         u = _row_dot(wu, mat, out, n_out, row_bytes, xp, ok, N_BLOCKS, DOT, ELEMS, SIZE, B)
         tl.store(h + p * n_out + out, (g / (1 + tl.exp(-g)) * u).to(h.dtype.element_ty), mask=out < n_out)
+
+    @triton.jit
+    def _weighted_sum_kernel(down, w, out, D, K: tl.constexpr, BLOCK: tl.constexpr):
+        """out[t] = sum over k in order of w[t, k] down[t K + k], in float32: one token's sum, the same bits
+        whatever else the launch holds (cuBLAS's bmm chose kernels by batch size and alignment)."""
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < D
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for k in tl.static_range(K):
+            wk = tl.load(w + t * K + k).to(tl.float32)
+            acc += wk * tl.load(down + (t * K + k) * D + cols, mask=ok, other=0).to(tl.float32)
+        tl.store(out + t * D + cols, acc.to(out.dtype.element_ty), mask=ok)
 
 else:
     DOTS = {}
@@ -294,11 +308,11 @@ def swiglu_picked(
     n_ff: int,
 ) -> torch.Tensor:
     """models.layers.moe_swiglu_picked in three launches: gate, up and SiLU of every token-expert pair in one,
-    each pair's down product in the next, the weighted sum over each token's experts as one bmm (a step 1.07x
-    faster than with one kernel looping over a token's experts, side by side on the H200). Each pair's down
-    product is rounded to x's dtype before the weighted sum, as in the torch form; each token's sum is its own
-    bmm, so a token's bits do not depend on the others in the batch. x [T, D]; weights, ids
-    [T, K]; raws the gate, up, down stacks' stored bytes (device or page-locked host memory), by ids."""
+    each pair's down product in the next (a step 1.07x faster than with one kernel looping over a token's
+    experts, side by side on the H200), then the weighted sum over each token's experts. Each pair's down
+    product is rounded to x's dtype before the sum, as in the torch form. Nothing in it depends on the other
+    tokens of the batch (see matvec). x [T, D]; weights, ids [T, K]; raws the gate, up, down stacks' stored
+    bytes (device or page-locked host memory), by ids."""
     T, K = ids.shape
     D = x.shape[-1]
     x = x.contiguous()
@@ -322,9 +336,12 @@ def swiglu_picked(
             **gate_consts,
         )
     down = matvec(raws[2], qtypes[2], D, h, picks, K)  # [T*K, D]: each pair's own programs, a wide grid
-    w, d = weights.view(T, 1, K).to(down.dtype), down.view(T, K, D)
-    # each token's weighted sum on its own, as for one token alone (see linear_each_row)
-    return torch.cat([torch.bmm(w[t : t + 1], d[t : t + 1]) for t in range(T)]).view(T, D)
+    out = torch.empty_like(x)
+    with on_device(x):
+        _weighted_sum_kernel[(T, triton.cdiv(D, SUM_BLOCK))](
+            down, weights.contiguous(), out, D, K=K, BLOCK=SUM_BLOCK, num_warps=4
+        )
+    return out
 
 
 def fuses(qtypes) -> bool:

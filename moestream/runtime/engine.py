@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from moestream.errors import MoestreamError
 from moestream.formats.tokenizer import TextStream
+from moestream.kernels import qmatvec
 from moestream.models.layers import Batch
 from moestream.offload.device import cap_vram
 from moestream.offload.experts import ExpertPass, LayerExperts, OnRoute
@@ -206,6 +207,12 @@ class Engine:
             raise MoestreamError("forward_each takes one token for each of distinct sequences")
         if len(tokens) == 1:
             return self.forward(tokens, caches[0])
+        most = qmatvec.MAX_TOKENS
+        if self.device.type == "cuda" and len(tokens) > most:
+            # passes of at most `most` rows: more would dequantize every weight and multiply on other
+            # kernels, so a row's bits would depend on the batch (and the weights be dequantized each step)
+            parts = [self.forward_each(tokens[i : i + most], caches[i : i + most]) for i in range(0, len(tokens), most)]
+            return torch.cat(parts)
         for token, cache in zip(tokens, caches, strict=True):
             self._check([token], cache)
         order = sorted(range(len(caches)), key=lambda i: id(caches[i]))  # one graph whatever order rows come in
@@ -281,7 +288,8 @@ class Engine:
         """Whether a step of one token for each of n_seqs sequences replays a CUDA graph here (else it runs
         eagerly, and a server does better stepping its sequences one by one, each replaying its own)."""
         ok = self._graphs_ok if n_seqs == 1 else self._batches_ok
-        return ok and self.device.type == "cuda" and self.experts.capturable(n_seqs, self.spec.n_expert_used)
+        rows = min(n_seqs, qmatvec.MAX_TOKENS)  # forward_each's passes
+        return ok and self.device.type == "cuda" and self.experts.capturable(rows, self.spec.n_expert_used)
 
     def _capture(self, graphs: StepGraphs, step, x: torch.Tensor, positions: torch.Tensor, key, watch) -> None:
         """Capture a step; if CUDA refuses, say so once and run such steps eagerly (same kernels, same bits). A

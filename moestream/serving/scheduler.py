@@ -14,6 +14,7 @@ import queue
 import re
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -44,11 +45,12 @@ def _error(e: Exception) -> Event:
     """An error event: the first line of the exception, or its type when it says nothing; out of memory with
     what to change (torch's own message is a paragraph about its allocator)."""
     if is_out_of_memory(e):
-        asked = re.search(r"tried to allocate [\d.]+ \w+", str(e), re.IGNORECASE)
+        asked = re.search(r"tried to allocate ([\d.]+ \w+)", str(e), re.IGNORECASE)
+        what = f" (tried to allocate {asked[1]})" if asked else ""
         return Event(
             "error",
-            text=f"out of memory{f' ({asked[0].lower()})' if asked else ''}: this request failed; restart the "
-            "server with a larger --vram-budget, a smaller --max-seqs or --ctx, or more layers streamed",
+            text=f"out of memory{what}: this request failed; restart the server with a larger --vram-budget, "
+            "a smaller --max-seqs or --ctx, or more layers streamed",
         )
     return Event("error", text=str(e).splitlines()[0] if str(e) else type(e).__name__)
 
@@ -89,6 +91,13 @@ class Scheduler:
         if max_seqs < 1 or max_queue < 1:
             raise MoestreamError("--max-seqs and the queue must hold at least one request")
         self.engine, self.max_seqs, self.batched = engine, max_seqs, batched
+        budgeted = engine.options.n_seqs
+        if engine.options.vram_budget is not None and budgeted < max_seqs:
+            warnings.warn(
+                f"--vram-budget counts {budgeted} sequence(s) but the server holds up to {max_seqs}: load the "
+                f"engine with n_seqs={max_seqs}, or the extra KV caches may not fit",
+                stacklevel=2,
+            )
         self.queue: queue.Queue[Request] = queue.Queue(max_queue)
         self.running: list[_Sequence] = []
         self.stats = Stats()

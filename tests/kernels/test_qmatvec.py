@@ -69,3 +69,36 @@ def test_matvec_matches_dequantized_product(qtype, where, n_in, own_pages):
         assert float((got16.float() - ref).abs().max() / ref.abs().max()) < 2e-2
     finally:
         pinned.unregister()
+
+
+def test_a_few_rows_multiply_as_each_would_alone():
+    w = torch.randn(7, 16)
+    for rows in (0, 1, 3, 5):  # 5: more than MAX_TOKENS, one product
+        x = torch.randn(rows, 16)
+        got = qmatvec.linear_each_row(x, w)
+        assert got.shape == (rows, 7) and torch.allclose(got, x @ w.T, atol=1e-5)
+        if 1 < rows <= qmatvec.MAX_TOKENS:
+            assert all(torch.equal(got[i : i + 1], torch.nn.functional.linear(x[i : i + 1], w)) for i in range(rows))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("K", [2, 8])
+def test_each_token_of_a_launch_gets_the_bits_it_gets_alone(K):
+    """bf16, as served: the matvec's tile and the experts' weighted sum are chosen per token (a batched decode
+    step must give each sequence the logits of its step alone)."""
+    E, D, F = 16, 512, 256
+    rng = np.random.default_rng(2)
+    stacks = [(rng.standard_normal((E, *shape)) * 0.05).astype(np.float32) for shape in ((F, D), (F, D), (D, F))]
+    raws = [torch.from_numpy(quantize(s, q)).cuda() for s, q in zip(stacks, (Q.Q4_K, Q.Q4_K, Q.Q6_K), strict=True)]
+    T = qmatvec.MAX_TOKENS
+    x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).cuda()
+    weights = torch.softmax(torch.randn(T, K, device="cuda"), -1).bfloat16()
+    qtypes = (Q.Q4_K, Q.Q4_K, Q.Q6_K)
+    together = qmatvec.swiglu_picked(x, weights, ids, raws, qtypes, F)
+    dense = matvec(raws[0][0], Q.Q4_K, F, x)
+    for t in range(T):
+        alone = qmatvec.swiglu_picked(x[t : t + 1], weights[t : t + 1], ids[t : t + 1], raws, qtypes, F)
+        assert torch.equal(together[t : t + 1], alone)
+        assert torch.equal(dense[t : t + 1], matvec(raws[0][0], Q.Q4_K, F, x[t : t + 1]))

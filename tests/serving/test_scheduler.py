@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+import warnings
 import weakref
 
 import torch
@@ -90,6 +91,22 @@ def test_out_of_memory_is_told_with_what_to_change():
         "127.03 GiB is free. Including non-PyTorch memory, this process has 12.74 GiB memory in use."
     )
     text = _error(oom).text
-    assert text.startswith("out of memory (tried to allocate 20.00 mib): this request failed")
+    assert text.startswith("out of memory (tried to allocate 20.00 MiB): this request failed")
     assert "--max-seqs" in text and "--vram-budget" in text and "GiB is free" not in text
     assert _error(ValueError("bad\nsecond line")).text == "bad"
+
+
+def test_a_server_holding_more_sequences_than_budgeted_says_so(model_file):
+    path = model_file("tiny", "F32")
+    for n_seqs, warns in ((1, True), (4, False)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # --vram-budget on the CPU device warns of its own
+            engine = moestream.load(path, device="cpu", progress=False, vram_budget="8GiB", n_seqs=n_seqs)
+        try:
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                Scheduler(engine, max_seqs=4).stop()
+            said = [str(w.message) for w in seen if "sequence(s)" in str(w.message)]
+            assert bool(said) == warns and all("n_seqs=4" in s for s in said)
+        finally:
+            engine.close()
