@@ -1,0 +1,90 @@
+"""Compile the quantized decode kernels for the H200 (sm_90) on a machine without a GPU, with the ptxas that
+ships in Triton's wheel: a compile error shows here, not in the first minutes of device time. Needs triton
+(`pip install triton==3.6.0`); prints each kernel's static SASS instruction count.
+
+    python scripts/compile_sm90.py
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+import time
+
+import triton
+from gguf import GGMLQuantizationType as Q
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from moestream.kernels import qmatvec as qm
+
+TARGET = GPUTarget("cuda", 90, 32)
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+SIZES = {Q.Q4_K: (256, 144), Q.Q5_K: (256, 176), Q.Q6_K: (256, 210), Q.Q8_0: (32, 34)}
+
+
+def build(label: str, fn, signature: dict, constexprs: dict, warps: int = 4) -> None:
+    start = time.time()
+    k = triton.compile(
+        ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=TARGET, options={"num_warps": warps}
+    )
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True).stdout
+    n = len(re.findall(r"/\*[0-9a-f]{4}\*/\s+\S", sass))
+    print(f"{label:<40} compiled in {time.time() - start:4.1f} s, {n} SASS instructions", flush=True)
+
+
+def main() -> None:
+    matvec = {"w": "*u8", "x": "*bf16", "y": "*bf16", "mats": "*i64", "n_out": "i32", "row_bytes": "i32"}
+    for qtype, n_blocks, stacked in (
+        (Q.Q4_K, 8, False),
+        (Q.Q4_K, 16, False),
+        (Q.Q5_K, 8, False),
+        (Q.Q6_K, 8, False),
+        (Q.Q6_K, 3, True),
+        (Q.Q8_0, 64, False),
+    ):
+        elems, size = SIZES[qtype]
+        consts = dict(
+            N_BLOCKS=n_blocks,
+            DOT=qm.DOTS[qtype],
+            ELEMS=elems,
+            SIZE=size,
+            STACKED=stacked,
+            ROWS=qm.ROWS_PER_PROGRAM,
+            B=qm._at_once(n_blocks, qm.BLOCKS_AT_ONCE),
+        )
+        build(f"matvec {qtype.name}, {n_blocks} blocks a row", qm._matvec_kernel, dict(matvec), consts)
+    gate_up = {
+        "wg": "*u8",
+        "wu": "*u8",
+        "x": "*bf16",
+        "h": "*bf16",
+        "mats": "*i64",
+        "n_out": "i32",
+        "row_bytes": "i32",
+        "K": "i32",
+    }
+    consts = dict(
+        N_BLOCKS=8,
+        DOT=qm.DOTS[Q.Q4_K],
+        ELEMS=256,
+        SIZE=144,
+        ROWS=qm.ROWS_PER_PROGRAM,
+        B=qm._at_once(8, qm.GATE_UP_BLOCKS_AT_ONCE),
+    )
+    build("gate+up Q4_K", qm._gate_up_kernel, gate_up, consts)
+    build(
+        "weighted sum, 8 experts",
+        qm._weighted_sum_kernel,
+        {"down": "*bf16", "w": "*bf16", "out": "*bf16", "D": "i32"},
+        dict(K=8, BLOCK=qm.SUM_BLOCK),
+    )
+
+
+if __name__ == "__main__":
+    main()
