@@ -100,6 +100,12 @@ def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None, 
             ("moestream_generated_tokens_total", "counter", "tokens generated"): s.decode_tokens,
             ("moestream_requests_total", "counter", "requests admitted"): s.requests,
             ("moestream_requests_failed_total", "counter", "requests that ended in an error"): s.failed,
+            ("moestream_batched_turns_total", "counter", "decode turns of several sequences in one pass"): (
+                s.batched_turns
+            ),
+            ("moestream_alone_turns_total", "counter", "decode turns of several sequences, each alone"): (
+                s.alone_turns
+            ),
             ("moestream_prefill_tokens_per_second", "gauge", "prompt tokens / time prefilling"): (
                 s.prompt_tokens / s.prefill_s if s.prefill_s else 0.0
             ),

@@ -16,7 +16,12 @@ class LocalServer:
     """A real uvicorn server on 127.0.0.1; `url` is its /v1 base. Stop it to drain the scheduler."""
 
     def __init__(
-        self, engine, api_key: str | None = None, max_seqs: int = 4, model_id: str = "tiny", batched: bool = True
+        self,
+        engine,
+        api_key: str | None = None,
+        max_seqs: int = 4,
+        model_id: str = "tiny",
+        batched: bool | None = None,
     ):
         self.scheduler = Scheduler(engine, max_seqs=max_seqs, batched=batched)
         with socket.socket() as s:

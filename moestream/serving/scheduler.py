@@ -3,8 +3,8 @@
 A turn advances every running sequence by a step: a chunk of its prompt (at most ubatch tokens, so a long
 prompt never stalls the others for long), or one generated token. The decoding sequences' tokens go through
 the model together (`Engine.forward_each`: one pass, the experts read once for all of them, replayed on a GPU
-from a graph captured per set of caches), except where only a one-token step can be captured: there each
-sequence replays its own.
+from a graph captured per set of caches) or each sequence alone, whichever `Mode` measured faster for that
+many; alone where only a one-token step can be captured.
 Each sequence has its own cache, from a pool reused across requests (with its captured steps).
 """
 
@@ -59,6 +59,38 @@ class QueueFull(MoestreamError):
     pass
 
 
+class Mode:
+    """Whether n decoding sequences go through one pass or each alone, by which was faster at n so far.
+
+    Which wins depends on the placement: one pass reads resident weights once for all rows, but with most
+    layers' experts over the link, a pass of several rows gathers every row's picks without the one-token
+    step's guess-ahead and expert cache. Both give the same tokens (each row is computed as it would be alone),
+    so the choice is only about speed. Each way is tried twice first (the first turns compile and capture), and
+    the slower one again every `explore` turns, in case the placement's balance moved."""
+
+    def __init__(self, explore: int = 64, keep: float = 0.7):
+        self.explore, self.keep = explore, keep
+        self.cost: dict[tuple[bool, int], float] = {}  # (alone, n) -> seconds a turn, smoothed
+        self.seen: dict[tuple[bool, int], int] = {}
+        self.turns: dict[int, int] = {}
+
+    def alone(self, n: int) -> bool:
+        tried = [self.seen.get((alone, n), 0) for alone in (False, True)]
+        if min(tried) < 2:
+            return tried[1] < tried[0]
+        self.turns[n] = self.turns.get(n, 0) + 1
+        faster = self.cost[(True, n)] < self.cost[(False, n)]
+        return not faster if self.turns[n] % self.explore == 0 else faster
+
+    def record(self, alone: bool, n: int, seconds: float) -> None:
+        key = (alone, n)
+        self.seen[key] = self.seen.get(key, 0) + 1
+        if self.seen[key] <= 1:  # the first turn of each way compiles and captures: not its speed
+            return
+        old = self.cost.get(key)
+        self.cost[key] = seconds if old is None else self.keep * old + (1 - self.keep) * seconds
+
+
 @dataclass
 class _Sequence:
     req: Request
@@ -83,11 +115,14 @@ class Stats:
     picks: int = 0  # streamed layers' expert picks in decode steps that guessed ahead (--prefetch)
     guessed: int = 0  # of those, named by the guess
     held: int = 0  # of those, held in the expert cache
+    batched_turns: int = 0  # decode turns of several sequences in one pass
+    alone_turns: int = 0  # and with each sequence alone
 
 
 class Scheduler:
-    def __init__(self, engine, max_seqs: int = 4, max_queue: int = 64, batched: bool = True):
-        """batched=False steps each decoding sequence on its own (the load test's baseline)."""
+    def __init__(self, engine, max_seqs: int = 4, max_queue: int = 64, batched: bool | None = None):
+        """batched: None chooses per turn by measured speed (Mode); True always one pass where it can be
+        captured, False each decoding sequence on its own (the load test's baseline)."""
         if max_seqs < 1 or max_queue < 1:
             raise MoestreamError("--max-seqs and the queue must hold at least one request")
         self.engine, self.max_seqs, self.batched = engine, max_seqs, batched
@@ -101,6 +136,7 @@ class Scheduler:
         self.queue: queue.Queue[Request] = queue.Queue(max_queue)
         self.running: list[_Sequence] = []
         self.stats = Stats()
+        self.mode = Mode()
         self._caches: list = []  # free caches, reused
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -201,7 +237,10 @@ class Scheduler:
         start = time.perf_counter()
         # one pass for all of them, replayed from a graph on a GPU; where a batch cannot be captured but one
         # token can, each sequence replays its own graph instead (faster than an eager pass there)
-        alone = not self.batched or (self.engine.replays(1) and not self.engine.replays(len(stepping)))
+        n = len(stepping)
+        forced = self.engine.replays(1) and not self.engine.replays(n)
+        chosen = n > 1 and not forced and self.batched is None
+        alone = forced or (self.mode.alone(n) if chosen else self.batched is False)
         groups = [[seq] for seq in stepping] if alone else [stepping]
         for group in groups:
             try:
@@ -219,7 +258,13 @@ class Scheduler:
         if (counted := self.engine.experts.prefetch_stats()) is not None:  # after sampling's sync: a small read
             self.stats.picks, self.stats.guessed = counted.picks, counted.picks - counted.misses
             self.stats.held = counted.cached
-        self.stats.decode_s += time.perf_counter() - start
+        took = time.perf_counter() - start
+        self.stats.decode_s += took
+        if n > 1:
+            self.stats.alone_turns += alone
+            self.stats.batched_turns += not alone
+        if chosen:
+            self.mode.record(alone, n, took)
 
     def _fail(self, seq: _Sequence, e: Exception) -> None:
         self.stats.failed += 1

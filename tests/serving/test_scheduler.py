@@ -10,7 +10,7 @@ import torch
 
 import moestream
 from moestream.runtime.sampling import SamplingParams
-from moestream.serving.scheduler import Event, Request, Scheduler, _error
+from moestream.serving.scheduler import Event, Mode, Request, Scheduler, _error
 
 
 def collect(tokens: list[int], max_tokens: int = 8) -> tuple[Request, queue.Queue]:
@@ -70,7 +70,7 @@ def test_sequences_stepped_together_or_alone_give_their_lone_answers(model_file)
     params = SamplingParams(max_tokens=10, stop_at_eos=False)
     want = [engine.generate(p, params).text for p in prompts]
     try:
-        for batched in (True, False):
+        for batched in (True, False, None):
             s = Scheduler(engine, max_seqs=3, batched=batched)
             try:
                 runs = [collect(p, max_tokens=10) for p in prompts]
@@ -80,8 +80,28 @@ def test_sequences_stepped_together_or_alone_give_their_lone_answers(model_file)
             finally:
                 s.stop()
             assert got == want, batched
+            turns = (s.stats.batched_turns, s.stats.alone_turns)
+            if batched is None:  # the measured choice tried both ways
+                assert min(turns) >= 2, turns
+            else:
+                assert turns[batched] == 0 < turns[not batched], turns
     finally:
         engine.close()
+
+
+def test_the_faster_way_is_kept_and_the_slower_retried_now_and_then():
+    mode = Mode(explore=4)
+    tried = []
+    for _ in range(4):  # each way twice first; the first of each is warm-up, not counted
+        alone = mode.alone(3)
+        tried.append(alone)
+        mode.record(alone, 3, 0.010 if alone else 0.004)
+    assert tried == [False, True, False, True]
+    picks = [mode.alone(3) for _ in range(8)]
+    assert picks == [False, False, False, True, False, False, False, True]  # one pass is faster; alone retried
+    for _ in range(6):  # alone became much faster: its smoothed cost follows
+        mode.record(True, 3, 0.001)
+    assert mode.alone(3) and mode.alone(2) is False  # another row count is measured on its own
 
 
 def test_out_of_memory_is_told_with_what_to_change():
