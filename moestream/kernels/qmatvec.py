@@ -30,7 +30,7 @@ PROGRAMS_PER_SM = 2
 # 3.09), the head 197 / 187; gate+up (two rows' dots a program) 31.5 at 1, 35.4 at 4
 BLOCKS_AT_ONCE = 4
 GATE_UP_BLOCKS_AT_ONCE = 1
-SUM_BLOCK = 1024  # output columns a program of the weighted sum
+SUM_BLOCK = 256  # output columns a program of the weighted sum (8 programs for a 2048-wide model)
 MAX_TOKENS = 4  # above this, dequantizing once and multiplying on the tensor cores is cheaper
 
 if triton is not None:
