@@ -67,6 +67,7 @@ class Engine:
         self._batch_graphs: StepGraphs | None = None  # forward_each's, by caches and key buckets
         self._graphs_ok = True  # False once a capture failed: later steps run eagerly
         self._batches_ok = True  # the same for batches (forward_each); a one-token step failing clears both
+        self.captures = 0  # steps captured (or tried) so far: a turn that captured is no measure of speed
         self._cache: SequenceCache | None = None  # generate()'s, reused so its captured steps are too
 
     def record(self, timeline: Timeline) -> None:
@@ -203,20 +204,22 @@ class Engine:
 
         Replayed from a CUDA graph where `replays(B)`, captured once per set of caches and key buckets (a
         server's caches come from a reused pool, so a few captures serve many requests)."""
-        if len(tokens) != len(caches) or len({id(c) for c in caches}) != len(caches):
+        if not tokens or len(tokens) != len(caches) or len({id(c) for c in caches}) != len(caches):
             raise MoestreamError("forward_each takes one token for each of distinct sequences")
-        if len(tokens) == 1:
-            return self.forward(tokens, caches[0])
-        most = qmatvec.MAX_TOKENS
-        if self.device.type == "cuda" and len(tokens) > most:
-            # passes of at most `most` rows: more would dequantize every weight and multiply on other
-            # kernels, so a row's bits would depend on the batch (and the weights be dequantized each step)
-            parts = [self.forward_each(tokens[i : i + most], caches[i : i + most]) for i in range(0, len(tokens), most)]
-            return torch.cat(parts)
         for token, cache in zip(tokens, caches, strict=True):
             self._check([token], cache)
         order = sorted(range(len(caches)), key=lambda i: id(caches[i]))  # one graph whatever order rows come in
         tokens, caches = [tokens[i] for i in order], [caches[i] for i in order]
+        most = qmatvec.MAX_TOKENS if self.device.type == "cuda" else len(tokens)
+        # on a GPU, passes of at most MAX_TOKENS rows: more would dequantize every weight and multiply on other
+        # kernels, so a row's bits would depend on the batch (and the weights be dequantized each step)
+        parts = [self._pass_each(tokens[i : i + most], caches[i : i + most]) for i in range(0, len(tokens), most)]
+        return torch.cat(parts)[torch.tensor(order).argsort()]
+
+    def _pass_each(self, tokens: list[int], caches: list[SequenceCache]) -> torch.Tensor:
+        """forward_each's pass of rows sorted by cache: one replayed graph per set of caches and key buckets."""
+        if len(tokens) == 1:
+            return self.forward(tokens, caches[0])
         model = self.model
         n_keys = tuple(key_bucket(c.n_past, self.n_ctx) for c in caches)
         graphs = None
@@ -228,8 +231,7 @@ class Engine:
             return self._layers(x, Batch(-1, *model.rope(positions, self.dtype), positions, rows=rows), caches, p)
 
         key = (tuple(id(c) for c in caches), n_keys)  # a freed cache's steps are dropped: no id names two
-        logits = self._replayed(caches, model.embed(torch.tensor(tokens)), step, graphs, key, watch=caches)
-        return logits[torch.tensor(order).argsort()]
+        return self._replayed(caches, model.embed(torch.tensor(tokens)), step, graphs, key, watch=caches)
 
     def _replayed(self, caches: list[SequenceCache], x: torch.Tensor, step, graphs: StepGraphs | None, key, watch=()):
         """A static pass of step(pass, x, positions), one token for each cache: replayed from graphs[key] if
@@ -294,6 +296,7 @@ class Engine:
     def _capture(self, graphs: StepGraphs, step, x: torch.Tensor, positions: torch.Tensor, key, watch) -> None:
         """Capture a step; if CUDA refuses, say so once and run such steps eagerly (same kernels, same bits). A
         batch that fails (out of memory, say) leaves one-token steps captured."""
+        self.captures += 1
         try:
             graphs.capture(step, x, positions, key, self.experts, watch)
         except RuntimeError as e:

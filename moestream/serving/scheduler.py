@@ -56,7 +56,7 @@ def _error(e: Exception) -> Event:
 
 
 class QueueFull(MoestreamError):
-    pass
+    """The server cannot take the request now (HTTP 503): its queue is full, or it is shutting down."""
 
 
 class Mode:
@@ -89,6 +89,12 @@ class Mode:
             return
         old = self.cost.get(key)
         self.cost[key] = seconds if old is None else self.keep * old + (1 - self.keep) * seconds
+
+    def failed(self, alone: bool, n: int) -> None:
+        """A turn this way failed (out of memory for a pass of n rows, say): the other way from now on, this
+        one retried only when exploring."""
+        self.seen[(alone, n)] = max(2, self.seen.get((alone, n), 0))
+        self.cost[(alone, n)] = float("inf")
 
 
 @dataclass
@@ -144,6 +150,8 @@ class Scheduler:
         self._thread.start()
 
     def submit(self, req: Request) -> None:
+        if self._stop.is_set():  # nothing would serve it, and the caches are gone
+            raise QueueFull("the server is shutting down")
         try:
             self.queue.put_nowait(req)
         except queue.Full:
@@ -220,13 +228,14 @@ class Scheduler:
 
     def _turn(self) -> None:
         """Every running sequence moves one step: a prompt chunk, or one token (all decoding ones in one pass)."""
-        stepping = []
+        stepping, prefilled = [], False
         for seq in list(self.running):
             if seq.req.cancelled.is_set():
                 self._release(seq)
                 continue
             try:
                 if seq.pending:
+                    prefilled = True  # its chunk's GPU work may still be queued when decoding starts
                     self._prefill(seq)
                 elif self._take_token(seq):
                     stepping.append(seq)
@@ -242,6 +251,7 @@ class Scheduler:
         chosen = n > 1 and not forced and self.batched is None
         alone = forced or (self.mode.alone(n) if chosen else self.batched is False)
         groups = [[seq] for seq in stepping] if alone else [stepping]
+        failed, captures = self.stats.failed, self.engine.captures
         for group in groups:
             try:
                 logits = self.engine.forward_each([seq.token for seq in group], [seq.cache for seq in group])
@@ -263,7 +273,11 @@ class Scheduler:
         if n > 1:
             self.stats.alone_turns += alone
             self.stats.batched_turns += not alone
-        if chosen:
+        # a measure of this way's speed only if nothing failed (a pass dying early looks fast), nothing was
+        # captured (a capture costs many turns) and no prompt chunk ran first
+        if chosen and self.stats.failed != failed:
+            self.mode.failed(alone, n)
+        elif chosen and self.engine.captures == captures and not prefilled:
             self.mode.record(alone, n, took)
 
     def _fail(self, seq: _Sequence, e: Exception) -> None:

@@ -6,11 +6,12 @@ import queue
 import warnings
 import weakref
 
+import pytest
 import torch
 
 import moestream
 from moestream.runtime.sampling import SamplingParams
-from moestream.serving.scheduler import Event, Mode, Request, Scheduler, _error
+from moestream.serving.scheduler import Event, Mode, QueueFull, Request, Scheduler, _error
 
 
 def collect(tokens: list[int], max_tokens: int = 8) -> tuple[Request, queue.Queue]:
@@ -57,6 +58,8 @@ def test_stop_ends_running_sequences_and_the_thread(model_file):
     s.stop()
     assert not s._thread.is_alive() and not s.running
     assert cache() is None, "a stopped server frees its caches (another on the same engine makes its own)"
+    with pytest.raises(QueueFull, match="shutting down"):
+        s.submit(collect([5], max_tokens=1)[0])
     assert drain(events)[-1].text == "the server is shutting down"
     assert drain(waiting_events)[-1].text == "the server is shutting down"
     engine.close()
@@ -130,3 +133,32 @@ def test_a_server_holding_more_sequences_than_budgeted_says_so(model_file):
             assert bool(said) == warns and all("n_seqs=4" in s for s in said)
         finally:
             engine.close()
+
+
+def test_a_way_that_fails_is_left_for_the_other(model_file, monkeypatch):
+    """A pass of several rows that runs out of memory fails its requests once; after that the measured choice
+    steps each sequence alone (a failing pass ends fast, and must not look fast)."""
+    engine = moestream.load(model_file("tiny", "F32"), device="cpu", progress=False)
+    each = type(engine).forward_each
+
+    def no_room_for_several(self, tokens, caches):
+        if len(tokens) > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (test)")
+        return each(self, tokens, caches)
+
+    monkeypatch.setattr(type(engine), "forward_each", no_room_for_several)
+    s = Scheduler(engine, max_seqs=3)
+    try:
+        for _ in range(6):  # rounds of three requests decoding together (two or three at a time)
+            runs = [collect(p, max_tokens=8) for p in ([5, 6], [7, 8, 9], [10])]
+            for req, _ in runs:
+                s.submit(req)
+            if all(drain(events)[-1].kind == "done" for _, events in runs):
+                break
+        else:
+            raise AssertionError("every round had failures: the failing way was chosen again")
+        assert 0 < s.stats.failed <= 5, "one failed pass of three rows, and at most one of two"
+        assert s.stats.alone_turns > 0
+    finally:
+        s.stop()
+        engine.close()
