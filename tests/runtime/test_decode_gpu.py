@@ -127,41 +127,47 @@ def test_a_capture_that_fails_half_way_leaves_eager_steps_that_work(model_file, 
         e.close()
 
 
+def _step_together(e, prompts: list, n_steps: int):
+    """Each prompt prefilled in its own cache, then n_steps greedy tokens for all of them through forward_each.
+    Returns the logits [n_steps, B, V], the tokens fed at each step, and the caches (their graphs live on)."""
+    caches = [e.new_cache() for _ in prompts]
+    last = [int(e.forward(p, c)[-1].argmax()) for p, c in zip(prompts, caches, strict=True)]
+    fed, out = [], []
+    for _ in range(n_steps):
+        fed.append(last)
+        out.append(e.forward_each(last, caches))
+        last = [int(row.argmax()) for row in out[-1]]
+    return torch.stack(out), fed, caches
+
+
+def _stepped_alone(e, prompt: list, fed: list, i: int) -> torch.Tensor:
+    """Row i's tokens of fed, after its prompt, stepped alone in a fresh cache: logits [n_steps, V]."""
+    cache = e.new_cache()
+    e.forward(prompt, cache)
+    return torch.cat([e.forward([step[i]], cache) for step in fed])
+
+
 @pytest.mark.parametrize(("preset", "n_cpu_moe"), [("tiny", 0), ("tiny", "all"), ("tiny-qwen35moe", 0)])
 def test_batched_steps_replay_the_eager_batch_and_each_sequence_alone(model_file, preset, n_cpu_moe):
     """A server's running batch (forward_each), captured once for its caches: replays equal the same batch run
-    eagerly, and each row's logits those of its sequence stepped alone on the same tokens (other matmul
-    shapes, so close rather than equal)."""
+    eagerly, and each row's logits those of its sequence stepped alone on the same tokens."""
     path = model_file(preset, "Q4_K_M")
     e = moestream.load(path, device="cuda", dtype="float32", progress=False, n_cpu_moe=n_cpu_moe)
     prompts = [TOKENS[:5], TOKENS[10:17], TOKENS[30:33]]
     try:
         assert e.replays(len(prompts))
-
-        def batched():
-            caches = [e.new_cache() for _ in prompts]
-            last = [int(e.forward(p, c)[-1].argmax()) for p, c in zip(prompts, caches, strict=True)]
-            fed, out = [], []
-            for _ in range(10):
-                fed.append(last)
-                out.append(e.forward_each(last, caches))
-                last = [int(row.argmax()) for row in out[-1]]
-            captured = len(e._batch_graphs.steps)  # before the caches go, and with them their graphs
-            return torch.stack(out), fed, captured
-
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # a refused capture warns and runs eagerly: not good enough here
-            graphed, fed, captured = batched()
-        assert captured == 1, "one set of caches in one key bucket: one capture"
+            graphed, fed, caches = _step_together(e, prompts, 10)
+        assert len(e._batch_graphs.steps) == 1, "one set of caches in one key bucket: one capture"
+        del caches
         assert not e._batch_graphs.steps, "freed caches take their graphs along"
         e.record(Timeline(e.device))  # recording runs every pass eagerly
-        eager, _, _ = batched()
+        eager, _, _ = _step_together(e, prompts, 10)
         e.record(NULL)
         assert torch.equal(graphed, eager)
         for i, prompt in enumerate(prompts):
-            cache = e.new_cache()
-            e.forward(prompt, cache)
-            alone = torch.cat([e.forward([step[i]], cache) for step in fed])
+            alone = _stepped_alone(e, prompt, fed, i)
             assert float((alone - graphed[:, i]).abs().max() / alone.abs().max()) < 1e-3
     finally:
         e.close()
@@ -176,18 +182,9 @@ def test_a_batched_step_gives_each_row_the_bits_of_its_step_alone(model_file, pr
     e = moestream.load(model_file(preset, "Q4_K_M"), device="cuda", progress=False, n_cpu_moe=n_cpu_moe)
     prompts = [TOKENS[:5], TOKENS[10:17], TOKENS[30:33], TOKENS[40:49], TOKENS[50:52], TOKENS[60:66]]  # 4 + 2
     try:
-        caches = [e.new_cache() for _ in prompts]
-        last = [int(e.forward(p, c)[-1].argmax()) for p, c in zip(prompts, caches, strict=True)]
-        fed, out = [], []
-        for _ in range(6):
-            fed.append(last)
-            out.append(e.forward_each(last, caches))
-            last = [int(row.argmax()) for row in out[-1]]
+        together, fed, _ = _step_together(e, prompts, 6)
         for i, prompt in enumerate(prompts):
-            cache = e.new_cache()
-            e.forward(prompt, cache)
-            alone = torch.cat([e.forward([step[i]], cache) for step in fed])
-            assert torch.equal(alone, torch.stack([o[i] for o in out])), f"row {i}"
+            assert torch.equal(_stepped_alone(e, prompt, fed, i), together[:, i]), f"row {i}"
     finally:
         e.close()
 
