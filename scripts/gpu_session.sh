@@ -94,8 +94,8 @@ for step in "$@"; do
               # manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl/serve fastapi uvicorn openai
               python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/serve/*.whl || exit 1
               python3 scripts/load_test.py -m $MODEL --device cuda -ncmoe 26 --streamed-layers spread --vram-budget 12GiB \
-                --max-seqs 4 --baseline 2>&1 | quiet \
-                | tee -a "$OUT/bench.txt" | tail -12 ;;
+                --max-seqs 4 --baseline --seconds "${LOAD_SECONDS:-60}" 2>&1 | quiet \
+                | tee -a "$OUT/bench.txt" | tail -16 ;;  # ~4.5 min at 60 s: three runs, each after a warm-up
     alloc) for conf in "" "expandable_segments:True"; do  # A/B of the allocator under the 12 GiB cap
              echo "PYTORCH_CUDA_ALLOC_CONF=$conf" | tee -a "$OUT/bench.txt"
              PYTORCH_CUDA_ALLOC_CONF=$conf $B -p 2048 -ub 2048 --stream overlap --streamed-layers spread \
