@@ -97,12 +97,18 @@ def conv_channels(spec: ModelSpec) -> int:
     return 2 * e["k_heads"] * e["k_dim"] + e["v_heads"] * e["v_dim"]
 
 
-def state_bytes(spec: ModelSpec) -> int:
-    """One sequence's recurrent state (Model.new_recurrent_state): each delta-net layer's float32 conv inputs
-    and delta-rule state. Budgeted with the KV cache (30 layers of qwen3.6-35b-a3b: 63 MiB a sequence)."""
+def recurrent_state(spec: ModelSpec, device: torch.device | str) -> dict[int, DeltaNetState]:
+    """A fresh sequence's state of each delta-net layer."""
     e = spec.extra
-    per_layer = (e["conv_kernel"] - 1) * conv_channels(spec) + e["v_heads"] * e["k_dim"] * e["v_dim"]
-    return 4 * per_layer * sum(e["recurrent_layers"])
+    shape = (conv_channels(spec), e["conv_kernel"], e["v_heads"], e["k_dim"], e["v_dim"])
+    return {il: DeltaNetState.zeros(*shape, device=device) for il in range(spec.n_layer) if e["recurrent_layers"][il]}
+
+
+def state_bytes(spec: ModelSpec) -> int:
+    """One sequence's recurrent state, budgeted with its KV cache (qwen3.6-35b-a3b's 30 delta-net layers: 63
+    MiB): the tensors recurrent_state makes, laid out on the meta device (no memory)."""
+    states = recurrent_state(spec, "meta").values()
+    return sum(t.nbytes for s in states for t in (s.conv_state, s.recurrent_state))
 
 
 def tensor_shapes(spec: ModelSpec, tied_output: bool = False) -> dict[str, tuple[int, ...]]:
@@ -167,19 +173,7 @@ class Model(qwen3moe.Model):
         return self.spec.extra["recurrent_layers"]
 
     def new_recurrent_state(self, device: torch.device) -> dict[int, DeltaNetState]:
-        e = self.spec.extra
-        return {
-            il: DeltaNetState.zeros(
-                conv_channels(self.spec),
-                e["conv_kernel"],
-                e["v_heads"],
-                e["k_dim"],
-                e["v_dim"],
-                device=device,
-            )
-            for il in range(self.spec.n_layer)
-            if self.is_recurrent[il]
-        }
+        return recurrent_state(self.spec, device)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.spec
