@@ -251,11 +251,12 @@ class Scheduler:
         chosen = n > 1 and not forced and self.batched is None
         alone = forced or (self.mode.alone(n) if chosen else self.batched is False)
         groups = [[seq] for seq in stepping] if alone else [stepping]
-        failed, captures = self.stats.failed, self.engine.captures
+        broke, captures = False, self.engine.captures
         for group in groups:
             try:
                 logits = self.engine.forward_each([seq.token for seq in group], [seq.cache for seq in group])
             except Exception as e:
+                broke = True  # the pass itself, not one request's sampling
                 for seq in group:
                     self._fail(seq, e)
                 continue
@@ -273,9 +274,9 @@ class Scheduler:
         if n > 1:
             self.stats.alone_turns += alone
             self.stats.batched_turns += not alone
-        # a measure of this way's speed only if nothing failed (a pass dying early looks fast), nothing was
+        # a measure of this way's speed only if no pass failed (one dying early looks fast), nothing was
         # captured (a capture costs many turns) and no prompt chunk ran first
-        if chosen and self.stats.failed != failed:
+        if chosen and broke:
             self.mode.failed(alone, n)
         elif chosen and self.engine.captures == captures and not prefilled:
             self.mode.record(alone, n, took)
