@@ -63,6 +63,8 @@ class StepGraphs:
         self.steps.pop(key, None)
         if self.limit is not None and len(self.steps) >= self.limit:  # before: the peak holds no more than limit
             del self.steps[next(iter(self.steps))]
+        if not self.steps:  # a pool whose graphs all died is not taken again (torch's allocator asserts on it
+            self.pool = torch.cuda.graph_pool_handle()  # until its memory is released): seen in the load test
         x, positions = x.clone(), positions.clone()
         graph = torch.cuda.CUDAGraph()
         before, stream = experts.bytes_moved, torch.cuda.current_stream()

@@ -162,6 +162,10 @@ def test_batched_steps_replay_the_eager_batch_and_each_sequence_alone(model_file
         assert len(e._batch_graphs.steps) == 1, "one set of caches in one key bucket: one capture"
         del caches
         assert not e._batch_graphs.steps, "freed caches take their graphs along"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # new caches capture again (a server's next run after a stop)
+            again, _, _ = _step_together(e, prompts, 10)
+        assert torch.equal(again, graphed) and e.replays(len(prompts))
         e.record(Timeline(e.device))  # recording runs every pass eagerly
         eager, _, _ = _step_together(e, prompts, 10)
         e.record(NULL)
