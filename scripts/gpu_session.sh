@@ -6,6 +6,7 @@
 #   quick    the matvec, fused-kernel and decode GPU tests alone (~1 min)
 #   model    generate the qwen3-30b-a3b Q4_K_M model (skipped when a warm machine still has it) + routing
 #   pp512 pp2048 long profile decode decodediag prefetch cachediag cpuexp alloc   issue-3/4/10 benches on it
+#   trees    tg128 resident on the slice for each worktree in $TREES, then this tree (side by side, 3 rounds)
 #   shapes   each quantized decode kernel of the 8-layer slice alone, per tile setting (matvec_shapes.py)
 #   small    an 8-layer slice of the benchmark model ($SMALL_PRESET to slice another preset): decode_diag.py (tile settings, kernel table) + cpuexp
 #   loadtest the server load test (issue 13) with the benchmark model (batched, then each sequence alone),
@@ -69,6 +70,15 @@ for step in "$@"; do
            done
            OMP_WAIT_POLICY=passive python3 scripts/cpu_experts.py $SMALL --layer 1 --threads 16 2>&1 \
              | tee -a "$OUT/diag.txt" ;;
+    trees) # side by side with other trees (git worktrees inside this one, carried): tg128 resident on the 8-layer
+           # slice, each tree of $TREES and then this one, $ROUNDS rounds (3)
+           [[ -f $SMALL ]] || $MS make-model $SMALL --preset $SMALL_PRESET --layers 8 --quant Q4_K_M 2>&1 | quiet | tail -1
+           for round in $(seq ${ROUNDS:-3}); do
+             for tree in ${TREES:-} .; do
+               (cd "$tree" && PYTHONPATH=/tmp/site:$PWD $MS bench -m $SMALL -ncmoe 0 -r 3 -p 0 -n 128 --no-floors 2>&1 \
+                 | grep "| *tg128" | sed "s|^|$tree round $round |" | tee -a "$OUT/bench.txt")
+             done
+           done ;;
     shapes) [[ -f $SMALL ]] || $MS make-model $SMALL --preset $SMALL_PRESET --layers 8 --quant Q4_K_M 2>&1 | quiet | tail -1
             python3 scripts/matvec_shapes.py $SMALL 2>&1 | tee -a "$OUT/diag.txt" ;;  # each decode kernel alone
     prefetch) python3 scripts/prefetch_diag.py $MODEL 2>&1 | tee -a "$OUT/diag.txt" ;;  # issue 10: side-stream gathers
