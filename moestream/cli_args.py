@@ -84,7 +84,8 @@ def engine_flags(p: argparse.ArgumentParser, lists: bool = False) -> None:
         choices=[m.value for m in SmallBatch],
         help="below --stream-min-batch: upload only the chosen experts, gather them with a kernel reading "
         "page-locked host memory (no host sync; needs page-locking, so not with --stream serial), or compute "
-        "them on the CPU; auto (default): gather where a GPU can read the page-locked experts, else upload",
+        "them on the CPU; auto (default): on a GPU, whichever a few decode steps timed at load found fastest; "
+        "on the CPU device, upload",
     )
 
     p.add_argument(

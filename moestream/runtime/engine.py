@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 import warnings
 import weakref
@@ -22,7 +23,7 @@ from moestream.offload.experts import ExpertPass, LayerExperts, OnRoute
 from moestream.offload.options import EngineOptions
 from moestream.offload.schedule import Schedule
 from moestream.profiling.timeline import NULL, Timeline
-from moestream.runtime import decode
+from moestream.runtime import decode, small_batch
 from moestream.runtime.decode import StepGraphs, key_bucket
 from moestream.runtime.kv_cache import KVCache, SequenceCache
 from moestream.runtime.sampling import Sampler, SamplingParams
@@ -69,6 +70,7 @@ class Engine:
         self._batches_ok = True  # the same for batches (forward_each); a one-token step failing clears both
         self.captures = 0  # steps captured (or tried) so far: a turn that captured is no measure of speed
         self._cache: SequenceCache | None = None  # generate()'s, reused so its captured steps are too
+        self.measured: small_batch.Measured | None = None  # what --small-batch auto timed at the last placement
 
     def record(self, timeline: Timeline) -> None:
         """Send copy and compute spans of the following passes to timeline (NULL turns recording off)."""
@@ -87,21 +89,41 @@ class Engine:
         if "deltanet" in changes:  # the model chose its delta rule when it was built
             raise MoestreamError("the delta-net rule is chosen at load: load the model again with deltanet=...")
         options = dataclasses.replace(self.options, **changes)
-        self._forget_graphs()  # captured steps read the old expert buffers; free their memory before the new ones
-        self.offload.close()  # first: the new placement may page-lock the same ranges
-        self.offload = None  # and let its device memory go before the new one is made
         failed = None
         try:
-            self.offload = self._make_offload(options)
+            self._rebuild(options)
         except BaseException as e:
             failed = e.with_traceback(None)  # the traceback would keep the half-built placement's memory alive
         if failed is not None:
-            self.offload = self._make_offload(self.options)
+            self._rebuild(self.options)
         else:
             self.options = options
         self.record(self.timeline)
         if failed is not None:
             raise failed
+        self.settle_small_batch()
+
+    def _rebuild(self, options: EngineOptions) -> None:
+        """A new placement for options, the old one's memory and page locks released first."""
+        self._forget_graphs()  # captured steps read the old expert buffers; free their memory before the new ones
+        if self.offload is not None:
+            self.offload.close()  # first: the new placement may page-lock the same ranges
+        self.offload = None  # and let its device memory go before the new one is made
+        self.offload = self._make_offload(options)
+
+    def settle_small_batch(self) -> None:
+        """--small-batch auto on a GPU with streamed layers: time each way a few decode steps and keep the
+        fastest (runtime/small_batch.py) in a fresh placement (clean byte counts and expert cache, and the
+        buffers that way needs). `measured` says what was timed (None: nothing)."""
+        self.measured = None
+        if self._make_offload is None or not small_batch.needed(self):
+            return
+        measured = small_batch.measure(self)
+        self._rebuild(dataclasses.replace(self.options, small_batch=measured.chosen))  # self.options stay auto
+        self.record(self.timeline)
+        self.measured = measured
+        if self.options.progress:
+            print(measured.describe(), file=sys.stderr)
 
     @property
     def device(self) -> torch.device:

@@ -101,13 +101,19 @@ def load(
         try:
             embedding = HostEmbedding(f.tensor("token_embd.weight"), device, dtype)
             model = arch.Model(spec, weights, embedding)
-            return Engine(model, tokenizer, opts, source=f, offload=offload, make_offload=make_offload)
+            engine = Engine(model, tokenizer, opts, source=f, offload=offload, make_offload=make_offload)
         except BaseException:
             offload.close()
             raise
     except BaseException:
         f.close()
         raise
+    try:
+        engine.settle_small_batch()
+    except BaseException:
+        engine.close()  # its placement and the file with it
+        raise
+    return engine
 
 
 def load_tokenizer(f: GGUFFile):

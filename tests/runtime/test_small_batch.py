@@ -1,0 +1,89 @@
+"""--small-batch auto, measured at load: the way timed fastest on this device is kept, whichever it is, and the
+tokens are those of the all-resident run. CPU devices with injected delays stand in for a GPU with a slow link
+or slow kernels (on the CPU device the rule stands unless small_batch.ON_CPU_DEVICE)."""
+
+from __future__ import annotations
+
+import pytest
+
+import moestream
+from moestream.offload.device import CpuDevice
+from moestream.offload.schedule import SmallBatch
+from moestream.runtime import small_batch
+from moestream.runtime.sampling import SamplingParams
+
+PROMPT = [(5 * t) % 900 + 3 for t in range(6)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, stop_at_eos=False)
+
+
+@pytest.fixture(autouse=True)
+def measured_on_the_cpu_device(monkeypatch):
+    monkeypatch.setattr(small_batch, "ON_CPU_DEVICE", True)
+
+
+def _greedy(engine) -> list[int]:
+    return engine.generate(PROMPT, GREEDY).tokens
+
+
+@pytest.mark.parametrize(
+    ("delays", "not_chosen"),
+    [
+        (dict(copy_delay_s=0.05), {SmallBatch.UPLOAD}),  # a slow link: every picked expert's copy waits
+        (dict(compute_delay_s=0.05), {SmallBatch.UPLOAD, SmallBatch.GATHER}),  # slow device kernels
+    ],
+    ids=["slow-link", "slow-device"],
+)
+def test_auto_keeps_the_way_it_timed_fastest_and_gives_resident_tokens(model_file, delays, not_chosen):
+    path = model_file("tiny", "Q4_K_M")
+    resident = moestream.load(path, device="cpu", progress=False)
+    want = _greedy(resident)
+    assert resident.measured is None  # nothing streams: nothing to choose
+    resident.close()
+    device = CpuDevice(**delays)
+    engine = moestream.load(path, device="cpu", n_cpu_moe="all", device_impl=device, progress=False)
+    try:
+        m = engine.measured
+        assert set(m.seconds) == {SmallBatch.GATHER, SmallBatch.UPLOAD, SmallBatch.CPU}
+        assert m.chosen == min(m.seconds, key=m.seconds.__getitem__) and m.chosen not in not_chosen
+        assert engine.experts.small_batch is m.chosen and engine.options.small_batch is SmallBatch.AUTO
+        assert _greedy(engine) == want
+    finally:
+        engine.close()
+        device.close()
+
+
+def test_a_forced_way_is_not_measured(model_file):
+    engine = moestream.load(model_file("tiny", "Q4_K_M"), device="cpu", n_cpu_moe="all", small_batch="upload")
+    try:
+        assert engine.measured is None and engine.experts.small_batch is SmallBatch.UPLOAD
+    finally:
+        engine.close()
+
+
+def test_a_way_that_needs_other_buffers_gets_its_own_placement(model_file):
+    """Across two devices auto gathers by rule, with a ring of guesses; slow device kernels make the CPU's way
+    faster, and the placement is rebuilt without the ring (its memory would be idle)."""
+    devs = [CpuDevice(compute_delay_s=0.05) for _ in range(2)]
+    engine = moestream.load(
+        model_file("tiny", "Q4_K_M"), device_impl=devs, devices="cpu,cpu", n_cpu_moe="all", progress=False
+    )
+    try:
+        assert set(engine.measured.seconds) == {SmallBatch.GATHER, SmallBatch.CPU}  # no upload across devices
+        assert engine.measured.chosen is SmallBatch.CPU
+        assert engine.experts.small_batch is SmallBatch.CPU and engine.experts.prefetcher is None
+        engine.reconfigure(slots=3)  # a new placement is measured again
+        assert engine.measured is not None and engine.experts.small_batch is engine.measured.chosen
+        assert engine.experts.streamer.bytes_uploaded == 0  # the measuring steps' counts are gone with them
+    finally:
+        engine.close()
+        for d in devs:
+            d.close()
+
+
+def test_the_cpu_device_keeps_the_rule_unless_asked(model_file, monkeypatch):
+    monkeypatch.setattr(small_batch, "ON_CPU_DEVICE", False)
+    engine = moestream.load(model_file("tiny", "Q4_K_M"), device="cpu", n_cpu_moe="all", progress=False)
+    try:
+        assert engine.measured is None and engine.experts.small_batch is SmallBatch.UPLOAD
+    finally:
+        engine.close()
