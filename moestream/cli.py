@@ -7,6 +7,7 @@ import contextlib
 import importlib
 import os
 import signal
+import socket
 import sys
 import threading
 import warnings
@@ -194,20 +195,41 @@ def cmd_serve(a: argparse.Namespace) -> None:
         raise MoestreamError(f"--port {a.port}: expected 1 to 65535")
     at_least(a.max_seqs, 1, "--max-seqs")
     at_least(a.max_tokens, 1, "--max-tokens")
-    engine = load(a.model, **(engine_options(a) | {"n_seqs": a.max_seqs}))  # every sequence's KV cache budgeted
-    try:
-        if engine.tokenizer is None:
-            raise MoestreamError(f"{a.model}: the file has no tokenizer; the server needs one to read prompts")
-        scheduler = Scheduler(engine, max_seqs=a.max_seqs)
+    if a.api_key is not None and not a.api_key.strip():
+        raise MoestreamError("--api-key is empty: give a key, or leave the flag out to serve without one")
+    with contextlib.closing(_listening_socket(a.host, a.port)) as sock:  # before the load: a port in use is said
+        engine = load(a.model, **(engine_options(a) | {"n_seqs": a.max_seqs}))  # every sequence's KV budgeted
         try:
-            name = engine.source.path.name
-            app = create_app(scheduler, name, api_key=a.api_key, max_tokens=a.max_tokens)
-            print(f"moestream: serving {name} on http://{a.host}:{a.port}/v1 (Ctrl-C stops)", file=sys.stderr)
-            uvicorn.run(app, host=a.host, port=a.port, log_level="warning")  # returns on Ctrl-C, after draining
+            if engine.tokenizer is None:
+                raise MoestreamError(f"{a.model}: the file has no tokenizer; the server needs one to read prompts")
+            scheduler = Scheduler(engine, max_seqs=a.max_seqs)
+            try:
+                name = engine.source.path.name
+                app = create_app(scheduler, name, api_key=a.api_key, max_tokens=a.max_tokens)
+                print(f"moestream: serving {name} on http://{a.host}:{a.port}/v1 (Ctrl-C stops)", file=sys.stderr)
+                uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])  # Ctrl-C: drains
+            finally:
+                scheduler.stop()
         finally:
-            scheduler.stop()
-    finally:
-        engine.close()  # host memory unpinned
+            engine.close()  # host memory unpinned
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound here and handed to uvicorn, so no other process takes the port meanwhile."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise MoestreamError(
+            f"--host {host}: {e.strerror}; give an address of this machine, such as 127.0.0.1"
+        ) from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise MoestreamError(f"--host {host} --port {port}: {e.strerror}; use another --port (or --host)") from None
+    return sock
 
 
 def cmd_make_model(a: argparse.Namespace) -> None:
@@ -285,6 +307,10 @@ def main(argv: list[str] | None = None) -> int:
             "(--n-cpu-moe, or --n-cpu-moe auto --vram-budget SIZE), or use fewer --slots",
             file=sys.stderr,
         )
+        return 2
+    except OSError as e:  # a file or socket the system refused: say which and why, in one line
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"moestream: error: {where}{e.strerror or e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("\nmoestream: interrupted", file=sys.stderr)  # the engine closed on the way out: memory unpinned

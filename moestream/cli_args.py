@@ -253,6 +253,14 @@ def writable(path: str | None, flag: str) -> None:
         raise MoestreamError(f"{flag} {path}: is a directory; give a file name")
     if not p.parent.is_dir():
         raise MoestreamError(f"{flag} {path}: the folder {p.parent} does not exist")
+    try:  # open it as the run will, without touching what is there
+        if p.exists():
+            open(p, "ab").close()
+        else:
+            open(p, "xb").close()
+            p.unlink()
+    except OSError as e:
+        raise MoestreamError(f"{flag} {path}: cannot be written ({e.strerror or e}); give another path") from None
 
 
 def at_least(value: int, least: int, flag: str) -> None:

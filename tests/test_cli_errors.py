@@ -107,6 +107,10 @@ def test_prompt_longer_than_context(model_file, capsys):
         (["--device", "tpu"], "--device"),
         (["--expert-cache", "-2"], "--expert-cache"),
         (["--prefetch", "-1"], "--prefetch"),
+        (["--threads", "100000"], "--threads"),  # a thread that cannot start crashed the process
+        (["--devices", "cuda:x"], "--devices"),
+        (["--devices", "cpu,cpu", "-ts", "nan,1", "-ncmoe", "all"], "--tensor-split"),
+        (["--devices", "cpu,cpu", "-ts", "1e308,1e308", "-ncmoe", "all"], "--tensor-split"),
     ],
 )
 def test_flags_out_of_range(model_file, capsys, flags, word):
@@ -129,3 +133,31 @@ def test_a_prompt_too_long_is_refused_before_any_weight_moves(model_file, capsys
     monkeypatch.setattr(loader, "DenseWeights", no_upload)
     code, line = run_cli(capsys, "run", "-m", model_file("tiny", "F32"), "-p", "word " * 200, "-c", "32")
     assert_one_clear_line(code, line, "context", "--ctx")
+
+
+def test_make_model_leaves_an_existing_file_whole_when_it_fails(model_file, tmp_path, capsys):
+    """A bad flag found half-way (numpy refused the seed) used to leave a 29 KB stub in place of the model."""
+    p = tmp_path / "keep.gguf"
+    p.write_bytes(open(model_file("tiny", "Q8_0"), "rb").read())
+    before = p.read_bytes()
+    assert_one_clear_line(*run_cli(capsys, "make-model", str(p), "--preset", "tiny", "--seed", "-1"), "--seed")
+    assert p.read_bytes() == before and [f.name for f in tmp_path.iterdir()] == ["keep.gguf"]
+
+
+def test_an_output_the_system_refuses_is_said_before_the_run(model_file, capsys):
+    code, line = run_cli(
+        capsys, "profile", "-m", model_file("tiny", "F32"), "--device", "cpu", "-p", "8", "--trace", "/proc/version"
+    )
+    assert_one_clear_line(code, line, "--trace /proc/version", "cannot be written")
+
+
+def test_serve_says_a_port_in_use_before_loading_the_model(tmp_path, capsys):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        missing = str(tmp_path / "not-loaded.gguf")  # reaching the load would say no such file instead
+        assert_one_clear_line(*run_cli(capsys, "serve", "-m", missing, "--port", port), "--port " + port, "in use")
+    assert_one_clear_line(*run_cli(capsys, "serve", "-m", missing, "--api-key", ""), "--api-key is empty")

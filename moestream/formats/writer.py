@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,8 +61,21 @@ def write_gguf(
     produce: Callable[[TensorPlan], np.ndarray],
     progress: bool = True,
 ) -> None:
-    """Write metadata and tensor infos, then each tensor's bytes as produce(plan) returns them (uint8)."""
-    w = gguf.GGUFWriter(os.fspath(path), arch)
+    """Write metadata and tensor infos, then each tensor's bytes as produce(plan) returns them (uint8). The file
+    appears at path only when whole: it is written beside it under another name, so a failure or Ctrl-C half-way
+    leaves a file already there as it was."""
+    path = os.fspath(path)
+    part = f"{path}.{os.getpid()}.part"
+    try:
+        _write(part, arch, metadata, plans, produce, progress)
+        os.replace(part, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(part)
+
+
+def _write(path: str, arch: str, metadata: dict[str, Any], plans: list[TensorPlan], produce, progress: bool) -> None:
+    w = gguf.GGUFWriter(path, arch)
     for key, value in metadata.items():
         if key != "general.architecture":
             _add_value(w, key, value)

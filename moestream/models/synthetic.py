@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import zlib
 from collections import deque
 from typing import Any
@@ -120,6 +121,8 @@ def make_model(
     """Write a generated model of the preset to `out`, one tensor at a time."""
     if quant not in QUANTS:
         raise MoestreamError(f"--quant {quant}: choose from {', '.join(QUANTS)}")
+    if seed < 0:
+        raise MoestreamError(f"--seed {seed}: give a seed of 0 or more")
     arch = architecture(preset.spec.arch)
     meta = preset_metadata(preset, quant)
     spec = arch.read_spec(meta, preset.spec.n_vocab)  # the spec a reader of the file will see
@@ -129,7 +132,8 @@ def make_model(
     tasks = {p.name: _chunks(p, preset.spec.n_layer, seed) for p in plans}
     workers = min(os.cpu_count() or 1, 32)
     # big files: worker processes generate and quantize chunks (numpy holds the GIL too often for threads)
-    pool = mp.get_context("fork").Pool(workers) if workers > 1 and max(map(len, tasks.values())) > 1 else None
+    many = workers > 1 and max(map(len, tasks.values())) > 1
+    pool = mp.get_context("fork").Pool(workers, initializer=_leave_interrupts) if many else None
     queued = iter([t for p in plans for t in tasks[p.name]])  # every chunk, in file order
     pending: deque = deque()  # chunks the workers are making, oldest first
 
@@ -145,8 +149,16 @@ def make_model(
             parts.append(pending.popleft().get())
         return np.concatenate(parts).reshape(p.byte_shape)
 
+    done = False
     try:
         write_gguf(out, preset.spec.arch, meta, plans, produce, progress)
+        done = True
     finally:
         if pool is not None:
-            pool.close()
+            pool.close() if done else pool.terminate()  # Ctrl-C or an error: the chunks in flight are not needed
+            pool.join()
+
+
+def _leave_interrupts() -> None:
+    """A worker ignores Ctrl-C: the writing process stops them (else each prints its own traceback)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)

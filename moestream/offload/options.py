@@ -8,6 +8,7 @@ honours $CC and $XDG_CACHE_HOME as any C build does.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import warnings
@@ -20,6 +21,7 @@ from moestream.models.deltanet import DELTANET_ENV, deltanet_mode
 from moestream.offload.placement import parse_size
 from moestream.offload.schedule import Schedule, SmallBatch
 
+MAX_THREADS_PER_CORE = 4  # --threads above this many a core only slows (and past ~30000 threads cannot start)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -103,8 +105,11 @@ class EngineOptions:
         if self.expandable_segments is None:
             resolve("expandable_segments", not {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"} & os.environ.keys())
         resolve("deltanet", deltanet_mode(os.environ.get(DELTANET_ENV) if self.deltanet is None else self.deltanet))
-        if self.threads is not None and self.threads < 1:
-            raise MoestreamError(f"--threads {self.threads}: must be at least 1")
+        if self.threads is not None and not 1 <= self.threads <= MAX_THREADS_PER_CORE * (os.cpu_count() or 1):
+            raise MoestreamError(
+                f"--threads {self.threads}: give 1 to {MAX_THREADS_PER_CORE * (os.cpu_count() or 1)} "
+                f"({os.cpu_count()} cores here)"
+            )
         if self.stream_min_batch < 1:
             raise MoestreamError(f"--stream-min-batch {self.stream_min_batch}: must be at least 1")
         if isinstance(self.n_cpu_moe, str) and self.n_cpu_moe not in ("auto", "all"):
@@ -129,7 +134,7 @@ class EngineOptions:
         names = tuple(d.strip() for d in self.devices.split(",")) if isinstance(self.devices, str) else self.devices
         names = tuple(re.sub(r"^cuda(\d+)$", r"cuda:\1", d.lower()) for d in names)  # llama.cpp says CUDA0
         shown = ",".join(names)
-        if not names or any(d != "cpu" and not d.startswith("cuda:") for d in names):
+        if not names or any(d != "cpu" and not re.fullmatch(r"cuda:\d+", d) for d in names):
             raise MoestreamError(f"--devices {shown}: expected a comma list of cuda:N (or cpu, to simulate)")
         cpus = names.count("cpu")  # cpu,cpu simulates two devices; GPUs must differ and not mix with cpu
         if cpus != len(names) and (cpus or len(set(names)) < len(names)):
@@ -146,9 +151,9 @@ class EngineOptions:
         except ValueError:
             raise MoestreamError(f"--tensor-split {self.tensor_split}: expected comma-separated weights") from None
         split = split or (1.0,) * len(names)
-        if len(split) != len(names) or any(w < 0 for w in split) or sum(split) <= 0:
+        if len(split) != len(names) or not all(0 <= w < math.inf for w in split) or not 0 < sum(split) < math.inf:
             raise MoestreamError(
-                f"--tensor-split {','.join(map(str, split))}: expected {len(names)} non-negative weights, "
+                f"--tensor-split {','.join(map(str, split))}: expected {len(names)} finite non-negative weights, "
                 "not all 0 (one a device of --devices)"
             )
         if len(names) > 1 and self.small_batch == "upload":

@@ -49,13 +49,14 @@ class Sampler:
         logits = logits.float().cpu()  # sync: one token per step must reach the host anyway
         if p.temperature == 0:
             return int(torch.argmax(logits))
-        logits = logits / p.temperature
+        logits = (logits - logits.max()) / p.temperature  # from the top down: a tiny temperature gives -inf, not inf
         if p.top_k:
             kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
         if p.top_p < 1:
             sorted_probs, idx = torch.sort(probs, descending=True)
-            keep = sorted_probs.cumsum(0) - sorted_probs < p.top_p  # always keeps the most likely token
+            keep = sorted_probs.cumsum(0) - sorted_probs < p.top_p
+            keep[0] = True  # the most likely token, even for a top_p below float32's smallest number
             probs = torch.zeros_like(probs).scatter_(0, idx[keep], sorted_probs[keep])
         return int(torch.multinomial(probs, 1, generator=self.generator))
