@@ -10,6 +10,7 @@ from moestream.errors import MoestreamError
 
 def cmd_bench(a: argparse.Namespace) -> None:
     from moestream import cli_report
+    from moestream.offload.options import EngineOptions
     from moestream.runtime.bench import Sweep, run_bench
     from moestream.runtime.loader import load
 
@@ -21,27 +22,29 @@ def cmd_bench(a: argparse.Namespace) -> None:
     if max(a.n_prompt) == 0 and max(a.n_gen) == 0:
         raise MoestreamError("-p 0 -n 0: nothing to measure; give a prompt length (-p) or a decode length (-n)")
     fmt = "json" if a.json else a.output
-    streams = a.stream or ["overlap"]
     opts = engine_options(a) | {"progress": fmt == "md"}
-    opts.setdefault("n_ctx", max(a.n_prompt) + max(a.n_gen) + 1)
-    engine = load(a.model, **opts)
+    longest = max(a.n_prompt) + max(a.n_gen)
+    opts.setdefault("n_ctx", longest + 1)
+    sweep = Sweep(
+        prompts=a.n_prompt,
+        gens=a.n_gen,
+        ubatches=a.ubatch if a.batch_size is None else [min(u, a.batch_size) for u in a.ubatch],
+        n_cpu_moes=["all" if a.cpu_moe else n for n in a.n_cpu_moe],
+        streams=a.stream or ["overlap"],
+        slots=a.slots,
+        picks=a.streamed_layers,
+        prefetches=a.prefetch or [None],
+        caches=a.expert_cache or ["auto"],
+        repeats=a.repetitions,
+        floors=not a.no_floors,
+    )
+    for placed in sweep.placements():  # every row's values now: a bad one would fail after the rows before it
+        EngineOptions(**(opts | placed))
+    engine = load(a.model, before_weights=lambda _, n_ctx: _fits(longest, n_ctx), **opts)
     info = cli_report.run_info(engine, a.batch_size or max(max(a.n_prompt), max(a.ubatch)))
     if fmt == "md":
         print(cli_report.md_header())
     try:
-        sweep = Sweep(
-            prompts=a.n_prompt,
-            gens=a.n_gen,
-            ubatches=a.ubatch if a.batch_size is None else [min(u, a.batch_size) for u in a.ubatch],
-            n_cpu_moes=["all" if a.cpu_moe else n for n in a.n_cpu_moe],
-            streams=streams,
-            slots=a.slots,
-            picks=a.streamed_layers,
-            prefetches=a.prefetch or [None],
-            caches=a.expert_cache or ["auto"],
-            repeats=a.repetitions,
-            floors=not a.no_floors,
-        )
         rows, link = run_bench(
             engine,
             sweep,
@@ -88,9 +91,18 @@ def cmd_bench(a: argparse.Namespace) -> None:
             )
 
 
+def _fits(tokens: int, n_ctx: int) -> None:
+    """-p plus -n against the positions the model gives, before any weight moves."""
+    if tokens + 1 > n_ctx:
+        raise MoestreamError(
+            f"-p and -n ask for {tokens} positions but the model has {n_ctx} (with --ctx); give at most {n_ctx - 1}"
+        )
+
+
 def cmd_profile(a: argparse.Namespace) -> None:
     import json
 
+    from moestream.offload.options import EngineOptions
     from moestream.profiling.session import profile_pass
     from moestream.runtime.bench import random_prompt
     from moestream.runtime.loader import load
@@ -101,7 +113,9 @@ def cmd_profile(a: argparse.Namespace) -> None:
         writable(path, flag)
     opts = engine_options(a)
     opts.setdefault("n_ctx", a.n_prompt + 1)
-    engine = load(a.model, **opts)
+    for stream in a.stream or []:
+        EngineOptions(**(opts | {"stream": stream}))  # each schedule's name now, not after the ones before it ran
+    engine = load(a.model, before_weights=lambda _, n_ctx: _fits(a.n_prompt, n_ctx), **opts)
     results = []
     try:
         tokens = random_prompt(a.n_prompt, engine.spec.n_vocab)

@@ -161,3 +161,19 @@ def test_serve_says_a_port_in_use_before_loading_the_model(tmp_path, capsys):
         missing = str(tmp_path / "not-loaded.gguf")  # reaching the load would say no such file instead
         assert_one_clear_line(*run_cli(capsys, "serve", "-m", missing, "--port", port), "--port " + port, "in use")
     assert_one_clear_line(*run_cli(capsys, "serve", "-m", missing, "--api-key", ""), "--api-key is empty")
+
+
+@pytest.mark.parametrize(
+    "flags,words",
+    [
+        (["bench", "-p", "8", "--stream", "serial,bogus", "-o", "json"], ["--stream bogus"]),  # rows lost before
+        (["bench", "-p", "8", "-ub", "4,0"], ["--ubatch 0"]),
+        (["bench", "-p", "10000000000"], ["positions", "4095"]),  # was a 80 GB prompt, then "out of memory"
+        (["profile", "-p", "8", "--stream", "serial,bogus"], ["--stream bogus"]),
+    ],
+)
+def test_bench_and_profile_check_every_row_before_the_first_runs(model_file, capsys, flags, words):
+    code = main([*flags[:1], "-m", model_file("tiny", "F32"), "--device", "cpu", "-r", "1", *flags[1:]])
+    out, err = capsys.readouterr()
+    assert_one_clear_line(code, err.strip().splitlines()[-1], *words)
+    assert "tiny" not in out and "pp8" not in out  # not one row measured

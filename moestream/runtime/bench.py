@@ -142,6 +142,12 @@ class Sweep:
     repeats: int = 3
     floors: bool = True  # also time each test with every expert resident (the compute floor)
 
+    def placements(self) -> list[dict]:
+        """Each row's engine options, in order (what run_bench reconfigures to; the CLI checks them first)."""
+        keys = ("ubatch", "n_cpu_moe", "streamed_layers", "stream", "slots", "prefetch", "expert_cache")
+        lists = (self.ubatches, self.n_cpu_moes, self.picks, self.streams, self.slots, self.prefetches, self.caches)
+        return [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*lists)]
+
 
 def run_bench(engine, sweep: Sweep, progress=None) -> tuple[list[BenchRow], float]:
     """Every combination of the lists; returns the rows and the pinned link rate (bytes/s) measured first."""
@@ -155,18 +161,9 @@ def run_bench(engine, sweep: Sweep, progress=None) -> tuple[list[BenchRow], floa
     compute_floor: dict[tuple[str, int], float] = {}
     w = sweep
     tests = [(f"pp{p}", p) for p in w.prompts if p > 0] + [(f"tg{n}", n) for n in w.gens if n > 0]
-    combos = itertools.product(w.ubatches, w.n_cpu_moes, w.picks, w.streams, w.slots, w.prefetches, w.caches)
-    for ub, ncmoe, pick, stream, k, pf, held in combos:
-        engine.reconfigure(
-            ubatch=ub,
-            n_cpu_moe=ncmoe,
-            streamed_layers=pick,
-            stream=stream,
-            slots=k,
-            prefetch=pf,
-            expert_cache=held,
-            progress=False,
-        )
+    for placed in w.placements():
+        engine.reconfigure(**placed, progress=False)
+        ub, stream, k, pick = (placed[key] for key in ("ubatch", "stream", "slots", "streamed_layers"))
         for test, n in tests:
             tokens = random_prompt(n, engine.spec.n_vocab)
             m = _measure(engine, test, tokens, w.repeats)
