@@ -18,8 +18,15 @@ from moestream.cli_perf import cmd_bench, cmd_probe, cmd_profile
 from moestream.errors import MoestreamError, is_out_of_memory
 
 
+class _Parser(argparse.ArgumentParser):
+    """Flag errors in one line, as every other bad input (not argparse's usage block first)."""
+
+    def error(self, message: str):
+        self.exit(2, f"moestream: error: {message} (`{self.prog} --help` lists the flags)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moestream", description=__doc__)
+    parser = _Parser(prog="moestream", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add = sub.add_parser
     sub.add_parser = lambda *a, **k: _add(*a, formatter_class=argparse.ArgumentDefaultsHelpFormatter, **k)

@@ -177,3 +177,18 @@ def test_bench_and_profile_check_every_row_before_the_first_runs(model_file, cap
     out, err = capsys.readouterr()
     assert_one_clear_line(code, err.strip().splitlines()[-1], *words)
     assert "tiny" not in out and "pp8" not in out  # not one row measured
+
+
+@pytest.mark.parametrize(
+    "argv", [["run", "-m", "m.gguf", "-ncmoe", "1.5"], ["run", "-m", "m.gguf", "--small-batch", "some"], ["bench"]]
+)
+def test_a_flag_argparse_refuses_is_one_line_too(capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("moestream: error:") and "--help" in err[0]
+
+
+def test_make_model_layers_past_what_a_file_may_hold(tmp_path, capsys):
+    code, line = run_cli(capsys, "make-model", str(tmp_path / "o.gguf"), "--preset", "tiny", "--layers", "100000")
+    assert_one_clear_line(code, line, "--layers 100000", "4096")

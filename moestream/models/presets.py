@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from moestream.errors import MoestreamError
-from moestream.models.spec import ModelSpec
+from moestream.models.spec import MAX_LAYERS, ModelSpec
 
 
 @dataclass(frozen=True)
@@ -141,7 +141,7 @@ def get_preset(name: str, n_layer: int | None = None) -> Preset:
         raise MoestreamError(f"unknown preset {name!r} (choose from: {', '.join(PRESETS)})")
     p = PRESETS[name]
     if n_layer is not None:
-        if n_layer < 1:
-            raise MoestreamError(f"--layers {n_layer}: must be at least 1")
+        if not 1 <= n_layer <= MAX_LAYERS:
+            raise MoestreamError(f"--layers {n_layer}: give 1 to {MAX_LAYERS}")
         p = replace(p, spec=replace(p.spec, n_layer=n_layer))
     return p

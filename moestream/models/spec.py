@@ -7,6 +7,8 @@ from typing import Any
 
 from moestream.errors import MoestreamError
 
+MAX_LAYERS = 4096  # a block_count past this is a damaged file (what make-model --layers may ask, too)
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -103,7 +105,7 @@ def common_spec_fields(meta: dict[str, Any], arch: str, n_vocab: int) -> dict[st
     n_embd = read_int(meta, p + "embedding_length")
     return dict(
         arch=arch,
-        n_layer=read_int(meta, p + "block_count", hi=4096),
+        n_layer=read_int(meta, p + "block_count", hi=MAX_LAYERS),
         n_embd=n_embd,
         n_head=n_head,
         n_head_kv=read_int(meta, p + "attention.head_count_kv", n_head),
