@@ -153,7 +153,7 @@ class EngineOptions:
         split = split or (1.0,) * len(names)
         if len(split) != len(names) or not all(0 <= w < math.inf for w in split) or not 0 < sum(split) < math.inf:
             raise MoestreamError(
-                f"--tensor-split {','.join(map(str, split))}: expected {len(names)} finite non-negative weights, "
+                f"--tensor-split {','.join(map(str, split))}: expected {len(names)} non-negative weights, finite and "
                 "not all 0 (one a device of --devices)"
             )
         if len(names) > 1 and self.small_batch == "upload":
