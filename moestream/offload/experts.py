@@ -204,8 +204,12 @@ class LayerExperts:
     def _gathers(self, device: torch.device) -> bool:
         """Whether small batches gather their experts with a kernel reading host memory (or index it, on the
         CPU device)."""
-        readable = self.host_readable and (device.type == "cpu" or self.pick.kernel_ok)
-        return self.small_batch is SmallBatch.GATHER and readable
+        return self.small_batch is SmallBatch.GATHER and self.can_gather(device)
+
+    def can_gather(self, device: torch.device) -> bool:
+        """Whether a kernel on device can read the streamed experts where they lie (page-locked, or the CPU
+        device's RAM), whichever way small batches are set to take."""
+        return self.host_readable and (device.type == "cpu" or self.pick.kernel_ok)
 
     def forget(self) -> None:
         """A graph capture failed: the streamer's and the prefetcher's events recorded in it never ran."""

@@ -39,7 +39,7 @@ class Measured:
 def ways(experts) -> list[SmallBatch]:
     """The ways this placement's streamed layers can serve a small batch."""
     out = []
-    if experts.host_readable and (experts.dev.device.type == "cpu" or experts.pick.kernel_ok):
+    if experts.can_gather(experts.dev.device):
         out.append(SmallBatch.GATHER)
     if isinstance(experts.streamer, Streamer):  # across --devices no device holds a layer to upload into
         out.append(SmallBatch.UPLOAD)
