@@ -26,6 +26,7 @@ Q35=/tmp/qwen3.6-35b-a3b-Q4_K_M.gguf
 SMALL_PRESET=${SMALL_PRESET:-qwen3-30b-a3b}  # small: which preset to slice
 SMALL=/tmp/$SMALL_PRESET-8layers-Q4_K_M.gguf
 quiet() { grep --line-buffered -v -e '%|' -e $'\r'; }  # drop progress bars
+make_small() { [[ -f $SMALL ]] || $MS make-model $SMALL --preset $SMALL_PRESET --layers 8 --quant Q4_K_M 2>&1 | quiet | tail -1; }
 make_model() {  # make_model PATH PRESET
   [[ -f $1 ]] && { echo "reusing $1"; return; }
   /usr/bin/time -f "make-model: %e s, max RSS %M KB" $MS make-model "$1" --preset "$2" --quant Q4_K_M 2>&1 | quiet | tail -3
@@ -63,7 +64,7 @@ for step in "$@"; do
                 --vram-budget 12GiB --no-floors 2>&1 | quiet | tee -a "$OUT/bench.txt"
             done ;;
     small) # an 8-layer slice of the benchmark preset (~20 s to write): per-layer decode A/B, kernel table, CPU matvec
-           [[ -f $SMALL ]] || $MS make-model $SMALL --preset $SMALL_PRESET --layers 8 --quant Q4_K_M 2>&1 | quiet | tail -1
+           make_small
            python3 scripts/decode_diag.py $SMALL 2>&1 | tee -a "$OUT/diag.txt"
            for n in ${CPU_THREADS:-16 8 4 2 1}; do  # does the C kernel scale? (16 cores gave what 2 did)
              python3 scripts/cpu_experts.py $SMALL --layer 1 --threads $n 2>&1 | tee -a "$OUT/diag.txt"
@@ -72,14 +73,14 @@ for step in "$@"; do
              | tee -a "$OUT/diag.txt" ;;
     trees) # side by side with other trees (git worktrees inside this one, carried): tg128 resident on the 8-layer
            # slice, each tree of $TREES and then this one, $ROUNDS rounds (3)
-           [[ -f $SMALL ]] || $MS make-model $SMALL --preset $SMALL_PRESET --layers 8 --quant Q4_K_M 2>&1 | quiet | tail -1
+           make_small
            for round in $(seq ${ROUNDS:-3}); do
              for tree in ${TREES:-} .; do
                (cd "$tree" && PYTHONPATH=/tmp/site:$PWD $MS bench -m $SMALL -ncmoe 0 -r 3 -p 0 -n 128 --no-floors 2>&1 \
                  | grep "| *tg128" | sed "s|^|$tree round $round |" | tee -a "$OUT/bench.txt")
              done
            done ;;
-    shapes) [[ -f $SMALL ]] || $MS make-model $SMALL --preset $SMALL_PRESET --layers 8 --quant Q4_K_M 2>&1 | quiet | tail -1
+    shapes) make_small
             python3 scripts/matvec_shapes.py $SMALL 2>&1 | tee -a "$OUT/diag.txt" ;;  # each decode kernel alone
     prefetch) python3 scripts/prefetch_diag.py $MODEL 2>&1 | tee -a "$OUT/diag.txt" ;;  # issue 10: side-stream gathers
     cachediag) python3 scripts/cache_diag.py $MODEL 2>&1 | tee -a "$OUT/diag.txt" ;;  # issue 10: the expert cache
