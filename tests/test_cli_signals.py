@@ -92,3 +92,30 @@ def test_interrupts_held_until_the_block_ends():
             reached = True
     assert reached
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the previous handler is back
+
+
+def test_serve_answers_on_the_socket_it_bound_and_stops_on_ctrl_c(model_file):
+    """`moestream serve` binds its socket before the load and hands it to uvicorn: /health answers there, and
+    Ctrl-C drains and exits 130 with one line, as run does."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:  # a free port (released before the server binds it)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = spawn("serve", "-m", model_file("tiny", "Q4_K_M"), "--device", "cpu", "--port", str(port))
+    try:
+        deadline, health = time.time() + 90, None
+        while health is None and time.time() < deadline and p.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    health = r.read()
+            except OSError:
+                time.sleep(0.3)
+        assert health is not None and b"ok" in health, p.stderr.read1().decode() if p.poll() is not None else ""
+    finally:
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    text = err.decode()
+    assert p.returncode == 130 and "Traceback" not in text, text
+    assert text.strip().splitlines()[-1] == "moestream: interrupted"
