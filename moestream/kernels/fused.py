@@ -1,5 +1,5 @@
 """Fused small-op kernels for the per-token work of a layer: RMSNorm (with the rotary embedding of q and k
-folded in) and the router's softmax + top-k + renormalisation.
+folded in, and for a decode step the KV cache write too) and the router's softmax + top-k + renormalisation.
 
 A decode step replays a CUDA graph of every layer; there each torch elementwise op is its own kernel of a few
 microseconds, and one token's RMSNorm alone was seven of them. Per layer that came to ~85 kernels, which is
@@ -18,13 +18,12 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _rms_norm_kernel(
-        x, w, y, cos, sin, n_heads, eps, D: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr, ROPE: tl.constexpr
-    ):
-        row = tl.program_id(0).to(tl.int64)  # one row of D (a token, or a token's head)
+    def _norm_row(x, w, y, cos, sin, eps, D: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr, ROPE: tl.constexpr):
+        """RMSNorm of the D values at x (rounded as torch rounds: normed, then times w), then NEOX RoPE by the
+        HALF values at cos, sin when ROPE; stored at y."""
         offs = tl.arange(0, BLOCK)
         ok = offs < D
-        xf = tl.load(x + row * D + offs, mask=ok, other=0).to(tl.float32)
+        xf = tl.load(x + offs, mask=ok, other=0).to(tl.float32)
         r = tl.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
         wf = tl.load(w + offs, mask=ok, other=0).to(tl.float32)
         v = (wf * (xf * r).to(y.dtype.element_ty).to(tl.float32)).to(y.dtype.element_ty).to(tl.float32)
@@ -32,14 +31,61 @@ if triton is not None:
             first = offs < HALF
             turns = offs < 2 * HALF
             mate = tl.where(first, offs + HALF, tl.where(turns, offs - HALF, offs))
-            xm = tl.load(x + row * D + mate, mask=ok, other=0).to(tl.float32)
+            xm = tl.load(x + mate, mask=ok, other=0).to(tl.float32)
             wm = tl.load(w + mate, mask=ok, other=0).to(tl.float32)
             vm = (wm * (xm * r).to(y.dtype.element_ty).to(tl.float32)).to(y.dtype.element_ty).to(tl.float32)
-            at = (row // n_heads) * HALF + tl.where(first, offs, offs - HALF)
+            at = tl.where(first, offs, offs - HALF)
             c = tl.where(turns, tl.load(cos + at, mask=ok & turns).to(tl.float32), 1.0)
             s = tl.where(turns, tl.load(sin + at, mask=ok & turns).to(tl.float32), 0.0)
             v = v * c + tl.where(first, -vm, vm) * s
-        tl.store(y + row * D + offs, v.to(y.dtype.element_ty), mask=ok)
+        tl.store(y + offs, v.to(y.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _rms_norm_kernel(
+        x, w, y, cos, sin, n_heads, eps, D: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr, ROPE: tl.constexpr
+    ):
+        row = tl.program_id(0).to(tl.int64)  # one row of D (a token, or a token's head)
+        t = row // n_heads
+        _norm_row(x + row * D, w, y + row * D, cos + t * HALF, sin + t * HALF, eps, D, BLOCK, HALF, ROPE)
+
+    @triton.jit
+    def _qkv_store_kernel(
+        q,
+        k,
+        v,
+        wq,
+        wk,
+        q_out,
+        k_cache,
+        v_cache,
+        cos,
+        sin,
+        positions,
+        H,
+        HKV,
+        eps,
+        D: tl.constexpr,
+        BLOCK: tl.constexpr,
+        HALF: tl.constexpr,
+    ):
+        """One program a head of token t: q heads normed and turned into q_out, k heads normed and turned into
+        the cache row at positions[t], v heads copied there."""
+        t = tl.program_id(0).to(tl.int64) // (H + 2 * HKV)
+        head = tl.program_id(0).to(tl.int64) % (H + 2 * HKV)
+        at = tl.load(positions + t).to(tl.int64)
+        if head < H:
+            i = t * H + head
+            _norm_row(q + i * D, wq, q_out + i * D, cos + t * HALF, sin + t * HALF, eps, D, BLOCK, HALF, True)
+        elif head < H + HKV:
+            i = head - H
+            dst = k_cache + (at * HKV + i) * D
+            _norm_row(k + (t * HKV + i) * D, wk, dst, cos + t * HALF, sin + t * HALF, eps, D, BLOCK, HALF, True)
+        else:
+            i = head - H - HKV
+            offs = tl.arange(0, BLOCK)
+            ok = offs < D
+            row = tl.load(v + (t * HKV + i) * D + offs, mask=ok)
+            tl.store(v_cache + (at * HKV + i) * D + offs, row, mask=ok)
 
     @triton.jit
     def _softmax_topk_kernel(
@@ -103,6 +149,47 @@ def rms_norm(
                 num_warps=4 if D <= 1024 else 8,
             )
     return y
+
+
+def qkv_store(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    norms: tuple[torch.Tensor, torch.Tensor],
+    eps: float,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    caches: tuple[torch.Tensor, torch.Tensor],
+    positions: torch.Tensor,
+) -> torch.Tensor:
+    """q, k [T, H|Hkv, Dh] each RMSNormed by norms and NEOX-turned by rope (cos, sin [T, half]); k and v
+    [T, Hkv, Dh] stored at rows positions [T] of caches (k, v [S, Hkv, Dh]). Returns q. One launch for the
+    four ops of a decode step's attention prologue, with the bits of rms_norm with RoPE and index_copy_."""
+    T, H, D = q.shape
+    Hkv = k.shape[1]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    out = torch.empty_like(q)
+    cos, sin = (t.contiguous() for t in rope)
+    if T:
+        with on_device(q):
+            _qkv_store_kernel[(T * (H + 2 * Hkv),)](
+                q,
+                k,
+                v,
+                *norms,
+                out,
+                *caches,
+                cos,
+                sin,
+                positions,
+                H,
+                Hkv,
+                eps,
+                D=D,
+                BLOCK=triton.next_power_of_2(D),
+                HALF=cos.shape[-1],
+                num_warps=4 if D <= 1024 else 8,
+            )
+    return out
 
 
 def softmax_topk(logits: torch.Tensor, k: int, renorm: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

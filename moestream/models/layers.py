@@ -95,6 +95,25 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.
     return rope_neox(rms_norm(x, weight, eps), cos, sin)
 
 
+def norm_rope_store(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    norms: tuple[torch.Tensor, torch.Tensor],
+    eps: float,
+    batch: Batch,
+    caches: tuple[torch.Tensor, torch.Tensor],
+) -> torch.Tensor:
+    """A static batch's attention prologue: q and k [T, H|Hkv, Dh] through rms_norm_rope by their norms, k and
+    v stored at the batch's device positions in caches (k, v [S, Hkv, Dh]). Returns q."""
+    if fused.usable(q) and all(t.dtype == q.dtype for t in (k, v, *norms, batch.cos, *caches)):  # one launch
+        return fused.qkv_store(q, k, v, norms, eps, (batch.cos, batch.sin), caches, batch.positions)
+    q = rms_norm_rope(q, norms[0], eps, batch.cos, batch.sin)
+    caches[0].index_copy_(0, batch.positions, rms_norm_rope(k, norms[1], eps, batch.cos, batch.sin))
+    caches[1].index_copy_(0, batch.positions, v)
+    return q
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Softmax attention of q [T, H, Dh] (the last T positions) over k, v [S, Hkv, Dh] (positions 0..S-1).
 

@@ -19,6 +19,7 @@ from moestream.models.layers import (
     Cache,
     causal_attention,
     masked_attention,
+    norm_rope_store,
     rms_norm,
     rms_norm_rope,
     rope_cos_sin,
@@ -165,13 +166,15 @@ class Model:
         s, T = self.spec, x.shape[0]
         k = self.linear(x, il, "attn_k").view(T, s.n_head_kv, s.head_dim)
         v = self.linear(x, il, "attn_v").view(T, s.n_head_kv, s.head_dim)
-        q = rms_norm_rope(q, self.w(il, "attn_q_norm"), s.rms_eps, batch.cos, batch.sin)
-        k = rms_norm_rope(k, self.w(il, "attn_k_norm"), s.rms_eps, batch.cos, batch.sin)
+        norms = self.w(il, "attn_q_norm"), self.w(il, "attn_k_norm")
         if batch.n_keys is None:
+            q = rms_norm_rope(q, norms[0], s.rms_eps, batch.cos, batch.sin)
+            k = rms_norm_rope(k, norms[1], s.rms_eps, batch.cos, batch.sin)
             k_all, v_all = cache.kv.update(il, batch.pos0, k, v)
             return causal_attention(q, k_all, v_all)  # [T, H, Dh]
-        k_all, v_all = cache.kv.write(il, batch.positions, k, v, batch.n_keys)
-        return masked_attention(q, k_all, v_all, batch.positions)
+        caches = cache.kv.k[il], cache.kv.v[il]  # a static batch writes its rows at device positions
+        q = norm_rope_store(q, k, v, norms, s.rms_eps, batch, caches)
+        return masked_attention(q, caches[0][: batch.n_keys], caches[1][: batch.n_keys], batch.positions)
 
     def moe(self, il: int, x: torch.Tensor, experts: ExpertSource) -> torch.Tensor:
         weights, ids = route_softmax_topk(x, self.w(il, "ffn_gate_inp"), self.spec.n_expert_used)

@@ -34,15 +34,6 @@ class KVCache:
         self.v[il][pos0:end] = v
         return self.k[il][:end], self.v[il][:end]
 
-    def write(
-        self, il: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_keys: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v [T, Hkv, Dh] at device positions and return the first n_keys rows (static batches: no
-        host value changes between steps; the caller masks rows past each position)."""
-        self.k[il].index_copy_(0, positions, k)
-        self.v[il].index_copy_(0, positions, v)
-        return self.k[il][:n_keys], self.v[il][:n_keys]
-
 
 class SequenceCache:
     """Everything one sequence carries between forward passes: attention KV and per-layer recurrent state."""

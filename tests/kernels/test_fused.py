@@ -39,6 +39,25 @@ def test_rms_norm_and_rope(dtype, tol, rot):
     assert float((got.float() - ref.float()).abs().max() / ref.float().abs().max()) < tol
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("T", "H", "Hkv", "Dh", "rot"), [(1, 32, 4, 128, 128), (3, 16, 2, 256, 64)])
+def test_the_attention_prologue_in_one_launch_gives_the_bits_of_its_four_ops(dtype, T, H, Hkv, Dh, rot):
+    """q and k norms with RoPE and the two KV-row writes of a decode step, in one launch: the same bits as the
+    fused norm kernel and index_copy_, and no cache row but the positions' written."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(T, h, Dh, device="cuda", generator=g).to(dtype) for h in (H, Hkv, Hkv))
+    norms = tuple(torch.randn(Dh, device="cuda", generator=g).to(dtype) for _ in range(2))
+    positions = torch.tensor([7, 0, 30][:T], device="cuda")
+    cos, sin = layers.rope_cos_sin(positions, rot, 1e6, dtype)
+    caches = tuple(torch.randn(32, Hkv, Dh, device="cuda", generator=g).to(dtype) for _ in range(2))
+    want_k, want_v = (c.clone() for c in caches)
+    want_k.index_copy_(0, positions, fused.rms_norm(k, norms[1], 1e-6, cos, sin))
+    want_v.index_copy_(0, positions, v)
+    got = fused.qkv_store(q, k, v, norms, 1e-6, (cos, sin), caches, positions)
+    assert torch.equal(got, fused.rms_norm(q, norms[0], 1e-6, cos, sin))
+    assert torch.equal(caches[0], want_k) and torch.equal(caches[1], want_v)
+
+
 @pytest.mark.parametrize("renorm", [True, False])
 @pytest.mark.parametrize("E,k", [(128, 8), (256, 8), (8, 2)])
 def test_softmax_topk_matches_torch(renorm, E, k):
