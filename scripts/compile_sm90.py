@@ -1,4 +1,4 @@
-"""Compile the quantized decode kernels for the H200 (sm_90) on a machine without a GPU, with the ptxas that
+"""Compile the decode kernels for the H200 (sm_90) on a machine without a GPU, with the ptxas that
 ships in Triton's wheel: a compile error shows here, not in the first minutes of device time. Needs triton
 (`pip install triton==3.6.0`); prints each kernel's static SASS instruction count.
 
@@ -18,6 +18,7 @@ from gguf import GGMLQuantizationType as Q
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from moestream.kernels import fused
 from moestream.kernels import qmatvec as qm
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -59,6 +60,17 @@ def main() -> None:
             B=qm._at_once(n_blocks, qm.BLOCKS_AT_ONCE),
         )
         build(f"matvec {qtype.name}, {n_blocks} blocks a row", qm._matvec_kernel, dict(matvec), consts)
+    for dtype, qtype in qm.FLOAT_QTYPES.items():  # the router's product, 2048 wide
+        consts = dict(
+            N_BLOCKS=2048 // qm.FLOAT_BLOCK,
+            DOT=qm.FLOAT_DOTS[qtype],
+            ELEMS=qm.FLOAT_BLOCK,
+            SIZE=qm.FLOAT_BLOCK * dtype.itemsize,
+            STACKED=False,
+            ROWS=1,
+            B=qm._at_once(2048 // qm.FLOAT_BLOCK, qm.FLOAT_BLOCKS_AT_ONCE),
+        )
+        build(f"matvec {qtype.name} (float weight)", qm._matvec_kernel, dict(matvec), consts, warps=1)
     gate_up = {
         "wg": "*u8",
         "wu": "*u8",
@@ -83,6 +95,14 @@ def main() -> None:
         qm._weighted_sum_kernel,
         {"down": "*bf16", "w": "*bf16", "out": "*bf16", "D": "i32"},
         dict(K=8, BLOCK=qm.SUM_BLOCK),
+    )
+
+    prologue = dict.fromkeys(("q", "k", "v", "wq", "wk", "q_out", "k_cache", "v_cache", "cos", "sin"), "*bf16")
+    build(
+        "q/k norm + RoPE + KV store, Dh 128",
+        fused._qkv_store_kernel,
+        prologue | {"positions": "*i64", "H": "i32", "HKV": "i32", "eps": "fp32"},
+        dict(D=128, BLOCK=128, HALF=64),
     )
 
 

@@ -30,6 +30,11 @@ PROGRAMS_PER_SM = 2
 # 3.09), the head 197 / 187; gate+up (two rows' dots a program) 31.5 at 1, 35.4 at 4
 BLOCKS_AT_ONCE = 4
 GATE_UP_BLOCKS_AT_ONCE = 1
+# Float weights (the router) go through the same kernel in blocks of 32 values, 16 blocks a tile: a row of 2048
+# in 4 rounds of loads. Not yet timed against cuBLAS's 4.9 us for the router (qwen3-30b, the H200)
+FLOAT_BLOCK = 32
+FLOAT_BLOCKS_AT_ONCE = 16
+FLOAT_QTYPES = {torch.float32: Q.F32, torch.float16: Q.F16, torch.bfloat16: Q.BF16}
 SUM_BLOCK = 256  # output columns a program of the weighted sum (8 programs for a 2048-wide model)
 MAX_TOKENS = 4  # above this, dequantizing once and multiplying on the tensor cores is cheaper
 
@@ -129,6 +134,28 @@ if triton is not None:
     DOTS = {Q.Q4_K: q4_k_dot, Q.Q5_K: q5_k_dot, Q.Q6_K: q6_k_dot, Q.Q8_0: q8_0_dot}
 
     @triton.jit
+    def _float_dot(base, xb, ok, TY: tl.constexpr):
+        """FLOAT_BLOCK plain values of type TY (a float weight: the router, a shared-expert gate)."""
+        lane = tl.arange(0, 32)[None, None, :]
+        return tl.load(base.to(tl.pointer_type(TY)) + lane, mask=ok, other=0).to(tl.float32) * tl.load(xb + lane).to(
+            tl.float32
+        )
+
+    @triton.jit
+    def f32_dot(base, xb, ok):
+        return _float_dot(base, xb, ok, tl.float32)
+
+    @triton.jit
+    def f16_dot(base, xb, ok):
+        return _float_dot(base, xb, ok, tl.float16)
+
+    @triton.jit
+    def bf16_dot(base, xb, ok):
+        return _float_dot(base, xb, ok, tl.bfloat16)
+
+    FLOAT_DOTS = {Q.F32: f32_dot, Q.F16: f16_dot, Q.BF16: bf16_dot}
+
+    @triton.jit
     def _row_dot(
         w, mat, out, n_out, row_bytes, xp, ok, N_BLOCKS: tl.constexpr, DOT: tl.constexpr, ELEMS, SIZE, B: tl.constexpr
     ):
@@ -206,15 +233,21 @@ if triton is not None:
         tl.store(out + t * D + cols, acc.to(out.dtype.element_ty), mask=ok)
 
 else:
-    DOTS = {}
+    DOTS, FLOAT_DOTS = {}, {}
 
 
 def linear_each_row(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """F.linear(x, w), each row on its own when x has a few (2 to MAX_TOKENS): cuBLAS picks its kernel, and so
-    its rounding, by the row count, and a server's batched decode step must give each sequence the bits of its
+    """F.linear(x, w) of a float w, each row on its own for a few rows (up to MAX_TOKENS): on a GPU through
+    matvec (one launch, tiles chosen per row), elsewhere row by row, since cuBLAS picks its kernel, and so its
+    rounding, by the row count, and a server's batched decode step must give each sequence the bits of its
     step alone. Larger batches (prefill) multiply at once."""
-    if 1 < x.shape[0] <= MAX_TOKENS:
-        return torch.cat([F.linear(row, w) for row in x.split(1)])
+    T, D = x.shape
+    if 0 < T <= MAX_TOKENS:
+        qtype = FLOAT_QTYPES.get(w.dtype)
+        if x.is_cuda and x.dtype == w.dtype and qtype in FLOAT_DOTS and D % FLOAT_BLOCK == 0 and w.is_contiguous():
+            return matvec(w.view(torch.uint8), qtype, w.shape[0], x)
+        if T > 1:
+            return torch.cat([F.linear(row, w) for row in x.split(1)])
     return F.linear(x, w)
 
 
@@ -263,12 +296,16 @@ def _layout(qtype: GGMLQuantizationType, n_in: int, raw: torch.Tensor, at_most: 
     """The bytes a stored row of n_in elements takes, and the kernels' compile-time constants for it. Every
     buffer the engine hands in is its own allocation or a map of 32-byte aligned tensor data, so the Q4_K
     dot's word loads are aligned; a view that is not would read wrong words, hence the check."""
-    block, type_size = GGML_QUANT_SIZES[qtype]
     if qtype in (Q.Q4_K, Q.Q5_K) and raw.data_ptr() % 4:
         raise ValueError(f"{qtype.name} blocks must start 4-byte aligned for the quantized matvec (pass a copy)")
+    if qtype in FLOAT_DOTS:  # a float weight, read in blocks of FLOAT_BLOCK values
+        block, type_size, at_most = FLOAT_BLOCK, FLOAT_BLOCK * GGML_QUANT_SIZES[qtype][1], FLOAT_BLOCKS_AT_ONCE
+    else:
+        block, type_size = GGML_QUANT_SIZES[qtype]
+    dot = DOTS[qtype] if qtype in DOTS else FLOAT_DOTS[qtype]
     n_blocks = n_in // block
     at_once = _at_once(n_blocks, at_most)
-    return n_blocks * type_size, dict(N_BLOCKS=n_blocks, DOT=DOTS[qtype], ELEMS=block, SIZE=type_size, B=at_once)
+    return n_blocks * type_size, dict(N_BLOCKS=n_blocks, DOT=dot, ELEMS=block, SIZE=type_size, B=at_once)
 
 
 def _at_once(n_blocks: int, at_most: int) -> int:

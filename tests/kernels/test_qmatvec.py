@@ -83,6 +83,23 @@ def test_a_few_rows_multiply_as_each_would_alone():
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2), (torch.float16, 1e-3)])
+def test_float_weights_of_a_few_rows_go_through_the_matvec_row_by_row(dtype, tol):
+    """The router's product (and other float weights') for a decode step: the matvec's float dots, each row
+    the bits it gets alone; prefill's many rows stay on F.linear."""
+    w = torch.randn(128, 2048, device="cuda").to(dtype)
+    for rows in (1, 3, qmatvec.MAX_TOKENS):
+        x = torch.randn(rows, 2048, device="cuda").to(dtype)
+        got = qmatvec.linear_each_row(x, w)
+        ref = x.float() @ w.float().T
+        assert got.dtype == dtype and float((got.float() - ref).abs().max() / ref.abs().max()) < tol
+        assert all(torch.equal(got[i : i + 1], qmatvec.linear_each_row(x[i : i + 1], w)) for i in range(rows))
+    x = torch.randn(qmatvec.MAX_TOKENS + 1, 2048, device="cuda").to(dtype)
+    assert torch.equal(qmatvec.linear_each_row(x, w), torch.nn.functional.linear(x, w))
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("K", [2, 8])
 def test_each_token_of_a_launch_gets_the_bits_it_gets_alone(K):
     """bf16, as served: the matvec's tile and the experts' weighted sum are chosen per token (a batched decode
