@@ -71,6 +71,15 @@ def main() -> None:
             B=qm._at_once(2048 // qm.FLOAT_BLOCK, qm.FLOAT_BLOCKS_AT_ONCE),
         )
         build(f"matvec {qtype.name} (float weight)", qm._matvec_kernel, dict(matvec), consts, warps=1)
+    parts = {"x": "*bf16"}
+    for i in range(4):
+        parts |= {f"w{i}": "*u8", f"y{i}": "*bf16", f"n{i}": "i32", f"rb{i}": "i32"}
+    parts |= {f"end{i}": "i32" for i in range(3)}
+    qkv = [(Q.Q4_K, 8, 256, 144), (Q.Q4_K, 8, 256, 144), (Q.Q6_K, 8, 256, 210), (Q.Q6_K, 8, 256, 210)]
+    consts = dict(D=2048, PARTS=3, ROWS=qm.ROWS_PER_PROGRAM)
+    for i, (qtype, n_blocks, elems, size) in enumerate(qkv):
+        consts |= {f"N{i}": n_blocks, f"DOT{i}": qm.DOTS[qtype], f"E{i}": elems, f"S{i}": size, f"B{i}": 4}
+    build("matvecs q+k+v (Q4_K, Q4_K, Q6_K)", qm._matvecs_kernel, parts, consts)
     gate_up = {
         "wg": "*u8",
         "wu": "*u8",

@@ -193,6 +193,75 @@ if triton is not None:
         tl.store(y + p * n_out + out, dot.to(y.dtype.element_ty), mask=out < n_out)
 
     @triton.jit
+    def _part(w, xp, y, p, block, n_out, row_bytes, N_BLOCKS, DOT, ELEMS, SIZE, ROWS: tl.constexpr, B):
+        """Rows block * ROWS.. of one matrix of matvecs' launch, for row p of x."""
+        out = block * ROWS + tl.arange(0, ROWS)
+        ok = (out < n_out)[:, None]
+        dot = _row_dot(w, 0, out, n_out, row_bytes, xp, ok, N_BLOCKS, DOT, ELEMS, SIZE, B)
+        tl.store(y + p * n_out + out, dot.to(y.dtype.element_ty), mask=out < n_out)
+
+    @triton.jit
+    def _matvecs_kernel(
+        x,
+        w0,
+        y0,
+        n0,
+        rb0,
+        w1,
+        y1,
+        n1,
+        rb1,
+        w2,
+        y2,
+        n2,
+        rb2,
+        w3,
+        y3,
+        n3,
+        rb3,
+        end0,
+        end1,
+        end2,
+        D: tl.constexpr,
+        PARTS: tl.constexpr,
+        ROWS: tl.constexpr,
+        N0: tl.constexpr,
+        DOT0: tl.constexpr,
+        E0: tl.constexpr,
+        S0: tl.constexpr,
+        B0: tl.constexpr,
+        N1: tl.constexpr,
+        DOT1: tl.constexpr,
+        E1: tl.constexpr,
+        S1: tl.constexpr,
+        B1: tl.constexpr,
+        N2: tl.constexpr,
+        DOT2: tl.constexpr,
+        E2: tl.constexpr,
+        S2: tl.constexpr,
+        B2: tl.constexpr,
+        N3: tl.constexpr,
+        DOT3: tl.constexpr,
+        E3: tl.constexpr,
+        S3: tl.constexpr,
+        B3: tl.constexpr,
+    ):
+        """Up to four matrices times the same row of x, one launch: program blocks 0..end0 belong to the first,
+        end0..end1 to the second, and so on."""
+        p = tl.program_id(1).to(tl.int64)
+        blk = tl.program_id(0)
+        xp = x + p * D
+        if blk < end0:
+            _part(w0, xp, y0, p, blk, n0, rb0, N0, DOT0, E0, S0, ROWS, B0)
+        elif blk < end1:
+            _part(w1, xp, y1, p, blk - end0, n1, rb1, N1, DOT1, E1, S1, ROWS, B1)
+        elif PARTS > 2:
+            if blk < end2:
+                _part(w2, xp, y2, p, blk - end1, n2, rb2, N2, DOT2, E2, S2, ROWS, B2)
+            elif PARTS > 3:
+                _part(w3, xp, y3, p, blk - end2, n3, rb3, N3, DOT3, E3, S3, ROWS, B3)
+
+    @triton.jit
     def _gate_up_kernel(
         wg,
         wu,
@@ -241,14 +310,24 @@ def linear_each_row(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     matvec (one launch, tiles chosen per row), elsewhere row by row, since cuBLAS picks its kernel, and so its
     rounding, by the row count, and a server's batched decode step must give each sequence the bits of its
     step alone. Larger batches (prefill) multiply at once."""
-    T, D = x.shape
-    if 0 < T <= MAX_TOKENS:
-        qtype = FLOAT_QTYPES.get(w.dtype)
-        if x.is_cuda and x.dtype == w.dtype and qtype in FLOAT_DOTS and D % FLOAT_BLOCK == 0 and w.is_contiguous():
-            return matvec(w.view(torch.uint8), qtype, w.shape[0], x)
-        if T > 1:
-            return torch.cat([F.linear(row, w) for row in x.split(1)])
+    if reads_float(x, w):
+        return matvec(w.view(torch.uint8), FLOAT_QTYPES[w.dtype], w.shape[0], x)
+    if 1 < x.shape[0] <= MAX_TOKENS:
+        return torch.cat([F.linear(row, w) for row in x.split(1)])
     return F.linear(x, w)
+
+
+def reads_float(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether matvec's float dots serve x [T, in] times the float weight w [out, in]."""
+    return (
+        0 < x.shape[0] <= MAX_TOKENS
+        and x.is_cuda
+        and x.dtype == w.dtype
+        and FLOAT_QTYPES.get(w.dtype) in FLOAT_DOTS
+        and x.shape[-1] % FLOAT_BLOCK == 0
+        and w.dim() == 2
+        and w.is_contiguous()
+    )
 
 
 def usable(qtype: GGMLQuantizationType, device: torch.device, n_tokens: int) -> bool:
@@ -290,6 +369,36 @@ def matvec(
             **consts,
         )
     return y
+
+
+def matvecs(parts: list[tuple[torch.Tensor, GGMLQuantizationType, int]], x: torch.Tensor) -> list[torch.Tensor]:
+    """[matvec(raw, qtype, n_out, x) for each part] in one launch, for 2 to 4 matrices that multiply the same
+    x [P, in] (a layer's q, k and v): one launch instead of several, and the small ones share a full grid.
+    The tile is chosen from the parts' rows together, for one row of x (see matvec)."""
+    if not 2 <= len(parts) <= 4:
+        raise ValueError(f"matvecs takes 2 to 4 matrices, not {len(parts)}")
+    x = x.contiguous()
+    rows, warps = _tile(ROWS_PER_PROGRAM, WARPS, sum(n for _, _, n in parts), 1, _min_programs(x.device))
+    args, consts, ys, ends = [], {}, [], [0]
+    for i, (raw, qtype, n_out) in enumerate(parts + parts[-1:] * (4 - len(parts))):  # unused slots: never read
+        row_bytes, c = _layout(qtype, x.shape[-1], raw, BLOCKS_AT_ONCE)
+        if i < len(parts):
+            ys.append(torch.empty((x.shape[0], n_out), dtype=x.dtype, device=x.device))
+            ends.append(ends[-1] + triton.cdiv(n_out, rows))  # the part's program blocks end here
+        args += [raw, ys[-1], n_out, row_bytes]
+        consts |= {
+            f"N{i}": c["N_BLOCKS"],
+            f"DOT{i}": c["DOT"],
+            f"E{i}": c["ELEMS"],
+            f"S{i}": c["SIZE"],
+            f"B{i}": c["B"],
+        }
+    ends += ends[-1:] * (4 - len(parts))
+    with on_device(x):
+        _matvecs_kernel[(ends[-1], x.shape[0])](
+            x, *args, *ends[1:4], D=x.shape[-1], PARTS=len(parts), ROWS=rows, num_warps=warps, **consts
+        )
+    return ys
 
 
 def _layout(qtype: GGMLQuantizationType, n_in: int, raw: torch.Tensor, at_most: int) -> tuple[int, dict]:

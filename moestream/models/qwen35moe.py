@@ -188,9 +188,9 @@ class Model(qwen3moe.Model):
     def attention(self, il: int, x: torch.Tensor, batch: Batch, cache: Cache) -> torch.Tensor:
         """Full attention whose output is gated per channel by sigmoid(gate), the gate projected beside q."""
         s, T = self.spec, x.shape[0]
-        q_gate = self.linear(x, il, "attn_q").view(T, s.n_head, 2, s.head_dim)  # per head [q_h | gate_h]
-        q, gate = q_gate.unbind(2)  # [T, H, Dh] each
-        out = self.attend(il, q, x, batch, cache) * torch.sigmoid(gate)
+        q_gate, k, v = self.project(il, x, ("attn_q", "attn_k", "attn_v"))
+        q, gate = q_gate.view(T, s.n_head, 2, s.head_dim).unbind(2)  # per head [q_h | gate_h]: [T, H, Dh] each
+        out = self.attend(il, q, k, v, batch, cache) * torch.sigmoid(gate)
         return self.linear(out.reshape(T, -1), il, "attn_output")
 
     def delta_net(self, il: int, x: torch.Tensor, batch: Batch, cache: Cache) -> torch.Tensor:
@@ -203,7 +203,7 @@ class Model(qwen3moe.Model):
             return torch.cat([self.delta_net(il, x[i : i + 1], b, c) for i, (b, c) in enumerate(rows)])
         eps, T = self.spec.rms_eps, x.shape[0]
         state: DeltaNetState = cache.recurrent[il]
-        projected = Projected(*(self.linear(x, il, n) for n in ("attn_qkv", "ssm_alpha", "ssm_beta", "attn_gate")))
+        projected = Projected(*self.project(il, x, ("attn_qkv", "ssm_alpha", "ssm_beta", "attn_gate")))
         b = f"blk.{il}."
         w = MixWeights(
             self.w(il, "ssm_conv1d"), self.weights[b + "ssm_dt.bias"], self.weights[b + "ssm_a"], self.w(il, "ssm_norm")

@@ -154,18 +154,23 @@ class Model:
 
     def attention(self, il: int, x: torch.Tensor, batch: Batch, cache: Cache) -> torch.Tensor:
         s, T = self.spec, x.shape[0]
-        q = self.linear(x, il, "attn_q").view(T, s.n_head, s.head_dim)
-        out = self.attend(il, q, x, batch, cache)  # [T, H, Dh]
+        q, k, v = self.project(il, x, ("attn_q", "attn_k", "attn_v"))
+        out = self.attend(il, q.view(T, s.n_head, s.head_dim), k, v, batch, cache)  # [T, H, Dh]
         return self.linear(out.reshape(T, -1), il, "attn_output")
 
-    def attend(self, il: int, q: torch.Tensor, x: torch.Tensor, batch: Batch, cache: Cache) -> torch.Tensor:
-        """Heads q [T, H, Dh] attend to keys and values projected from x (q/k norm, RoPE, KV cache)."""
+    def project(self, il: int, x: torch.Tensor, names: tuple[str, ...]) -> list[torch.Tensor]:
+        """x times several of layer il's weights; for a decode step one launch for all of them."""
+        return self.weights.linears(x, [f"blk.{il}.{name}.weight" for name in names])
+
+    def attend(
+        self, il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch, cache: Cache
+    ) -> torch.Tensor:
+        """Heads q [T, H, Dh] attend to keys and values k, v [T, Hkv * Dh] (q/k norm, RoPE, KV cache)."""
         if batch.rows:  # tokens of different sequences: each attends within its own cache
-            rows = zip(batch.rows, cache, strict=True)
-            return torch.cat([self.attend(il, q[i : i + 1], x[i : i + 1], b, c) for i, (b, c) in enumerate(rows)])
-        s, T = self.spec, x.shape[0]
-        k = self.linear(x, il, "attn_k").view(T, s.n_head_kv, s.head_dim)
-        v = self.linear(x, il, "attn_v").view(T, s.n_head_kv, s.head_dim)
+            rows = enumerate(zip(batch.rows, cache, strict=True))
+            return torch.cat([self.attend(il, q[i : i + 1], k[i : i + 1], v[i : i + 1], b, c) for i, (b, c) in rows])
+        s, T = self.spec, q.shape[0]
+        k, v = k.view(T, s.n_head_kv, s.head_dim), v.view(T, s.n_head_kv, s.head_dim)
         norms = self.w(il, "attn_q_norm"), self.w(il, "attn_k_norm")
         if batch.n_keys is None:
             q = rms_norm_rope(q, norms[0], s.rms_eps, batch.cos, batch.sin)

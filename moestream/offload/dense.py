@@ -53,6 +53,24 @@ class DenseWeights(Mapping[str, torch.Tensor]):
             return qmatvec.matvec(raw, qtype, shape[0], x)
         return qmatvec.linear_each_row(x, self[name])
 
+    def linears(self, x: torch.Tensor, names: list[str]) -> list[torch.Tensor]:
+        """[linear(x, name) for name in names]; for a few tokens on a GPU, one launch for all (q, k, v)."""
+        parts = [self._matvec_part(x, name) for name in names]
+        if 2 <= len(names) <= 4 and all(parts):
+            return qmatvec.matvecs(parts, x)
+        return [self.linear(x, name) for name in names]
+
+    def _matvec_part(self, x: torch.Tensor, name: str) -> tuple[torch.Tensor, Q, int] | None:
+        """What qmatvec.matvecs needs of weight `name` for x, if the matvec reads it (stored blocks, or a float
+        weight in x's dtype)."""
+        if self.reads_directly(x, name):
+            raw, qtype, shape = self._blocks[name]
+            return raw, qtype, shape[0]
+        w = self._floats.get(name)
+        if w is not None and qmatvec.reads_float(x, w):
+            return w.view(torch.uint8), qmatvec.FLOAT_QTYPES[w.dtype], w.shape[0]
+        return None
+
     def row_chunks(self, name: str, rows: int) -> Iterator[torch.Tensor]:
         """The weight [R, C] in slices of `rows` rows, each dequantized only when reached.
 

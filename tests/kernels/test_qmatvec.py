@@ -100,6 +100,33 @@ def test_float_weights_of_a_few_rows_go_through_the_matvec_row_by_row(dtype, tol
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize(
+    "types", [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q4_K, Q.BF16), (Q.Q8_0, Q.Q4_K, Q.BF16, Q.Q6_K)], ids=["qkv", "2", "4"]
+)
+def test_matrices_of_one_x_in_one_launch_match_each_alone(types):
+    """A layer's q, k, v (qwen3.6's delta-net: four projections, two of them float) in one matvecs launch: each
+    within float rounding of its own matvec, each row of x the bits it gets alone."""
+    rng = np.random.default_rng(4)
+    D, parts = 2048, []
+    for qtype, n_out in zip(types, (4096, 512, 512, 32), strict=False):
+        w = (rng.standard_normal((n_out, D)) * 0.05).astype(np.float32)
+        if qtype == Q.BF16:
+            parts.append((torch.from_numpy(w).cuda().bfloat16().view(torch.uint8), qtype, n_out))
+        else:
+            parts.append((torch.from_numpy(quantize(w, qtype)).cuda(), qtype, n_out))
+    x = torch.randn(qmatvec.MAX_TOKENS, D, device="cuda", dtype=torch.bfloat16)
+    together = qmatvec.matvecs(parts, x)
+    for (raw, qtype, n_out), y in zip(parts, together, strict=True):
+        alone = matvec(raw, qtype, n_out, x)
+        assert y.shape == (x.shape[0], n_out)
+        assert float((y.float() - alone.float()).abs().max() / alone.float().abs().max()) < 1e-2, qtype.name
+    for i in range(x.shape[0]):
+        row = qmatvec.matvecs(parts, x[i : i + 1])
+        assert all(torch.equal(a[i : i + 1], b) for a, b in zip(together, row, strict=True)), f"row {i}"
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("K", [2, 8])
 def test_each_token_of_a_launch_gets_the_bits_it_gets_alone(K):
     """bf16, as served: the matvec's tile and the experts' weighted sum are chosen per token (a batched decode
