@@ -114,6 +114,14 @@ def main() -> None:
         dict(D=128, BLOCK=128, HALF=64),
     )
 
+    build(
+        "residual add + RMSNorm, D 2048",
+        fused._add_rms_norm_kernel,
+        dict.fromkeys(("x", "r", "w", "h", "y"), "*bf16") | {"eps": "fp32"},
+        dict(D=2048, BLOCK=2048),
+        warps=8,
+    )
+
 
 if __name__ == "__main__":
     main()

@@ -49,6 +49,19 @@ if triton is not None:
         _norm_row(x + row * D, w, y + row * D, cos + t * HALF, sin + t * HALF, eps, D, BLOCK, HALF, ROPE)
 
     @triton.jit
+    def _add_rms_norm_kernel(x, r, w, h, y, eps, D: tl.constexpr, BLOCK: tl.constexpr):
+        """h = x + r (rounded as torch's add), y = RMSNorm(h): a layer's residual add and the norm after it."""
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        ok = offs < D
+        total = tl.load(x + row * D + offs, mask=ok).to(tl.float32) + tl.load(r + row * D + offs, mask=ok).to(
+            tl.float32
+        )
+        tl.store(h + row * D + offs, total.to(h.dtype.element_ty), mask=ok)
+        tl.debug_barrier()  # the row's sum is read back below by other threads of the program
+        _norm_row(h + row * D, w, y + row * D, h, h, eps, D, BLOCK, 1, False)
+
+    @triton.jit
     def _qkv_store_kernel(
         q,
         k,
@@ -149,6 +162,21 @@ def rms_norm(
                 num_warps=4 if D <= 1024 else 8,
             )
     return y
+
+
+def add_rms_norm(
+    x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + r, RMSNorm of it) for rows x, r [T, D] in one launch."""
+    x, r = x.contiguous(), r.contiguous()
+    h, y = torch.empty_like(x), torch.empty_like(x)
+    D = x.shape[-1]
+    if x.numel():
+        with on_device(x):
+            _add_rms_norm_kernel[(x.numel() // D,)](
+                x, r, weight, h, y, eps, D=D, BLOCK=triton.next_power_of_2(D), num_warps=4 if D <= 1024 else 8
+            )
+    return h, y
 
 
 def qkv_store(

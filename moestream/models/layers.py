@@ -57,6 +57,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def add_rms_norm(
+    x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, rms_norm(h)) for h = x + r: a layer's residual add and the norm in front of its MoE block."""
+    if fused.usable(x) and x.dtype == r.dtype == weight.dtype:  # one kernel for both
+        return fused.add_rms_norm(x, r, weight, eps)
+    h = x + r
+    return h, rms_norm(h, weight, eps)
+
+
 def rope_cos_sin(positions: torch.Tensor, rot_dim: int, base: float, dtype: torch.dtype):
     """cos, sin [T, rot_dim/2] for NEOX-style rotation of the first rot_dim channels."""
     inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, device=positions.device, dtype=torch.float32) / rot_dim))

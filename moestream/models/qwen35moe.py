@@ -25,7 +25,7 @@ from moestream.models.deltanet import (
     gated_delta_mix,
     prefill_rule,
 )
-from moestream.models.layers import Batch, Cache, imrope_text_cos_sin, rms_norm
+from moestream.models.layers import Batch, Cache, add_rms_norm, imrope_text_cos_sin, rms_norm
 from moestream.models.moe import ExpertSource
 from moestream.models.spec import ModelSpec, common_metadata, common_spec_fields, read_int, read_key
 
@@ -182,8 +182,9 @@ class Model(qwen3moe.Model):
     def layer(self, il: int, x: torch.Tensor, batch: Batch, cache: Cache, experts: ExpertSource) -> torch.Tensor:
         eps = self.spec.rms_eps
         mix = self.delta_net if self.is_recurrent[il] else self.attention
-        h = x + mix(il, rms_norm(x, self.w(il, "attn_norm"), eps), batch, cache)
-        return h + self.moe(il, rms_norm(h, self.w(il, self.MOE_NORM), eps), experts)
+        mixed = mix(il, rms_norm(x, self.w(il, "attn_norm"), eps), batch, cache)
+        h, normed = add_rms_norm(x, mixed, self.w(il, self.MOE_NORM), eps)
+        return h + self.moe(il, normed, experts)
 
     def attention(self, il: int, x: torch.Tensor, batch: Batch, cache: Cache) -> torch.Tensor:
         """Full attention whose output is gated per channel by sigmoid(gate), the gate projected beside q."""

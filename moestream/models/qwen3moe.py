@@ -17,6 +17,7 @@ from moestream.models.layers import (
     HEAD_ROWS,
     Batch,
     Cache,
+    add_rms_norm,
     causal_attention,
     masked_attention,
     norm_rope_store,
@@ -143,8 +144,9 @@ class Model:
     def layer(self, il: int, x: torch.Tensor, batch: Batch, cache: Cache, experts: ExpertSource) -> torch.Tensor:
         """experts: the pass's source of routed experts (the engine's, like the cache)."""
         eps = self.spec.rms_eps
-        h = x + self.attention(il, rms_norm(x, self.w(il, "attn_norm"), eps), batch, cache)
-        return h + self.moe(il, rms_norm(h, self.w(il, self.MOE_NORM), eps), experts)
+        mixed = self.attention(il, rms_norm(x, self.w(il, "attn_norm"), eps), batch, cache)
+        h, normed = add_rms_norm(x, mixed, self.w(il, self.MOE_NORM), eps)
+        return h + self.moe(il, normed, experts)
 
     def guess_experts(self, il: int, x: torch.Tensor, n: int) -> torch.Tensor:
         """The n experts layer il's router would rank first for x, the residual stream before an earlier layer:

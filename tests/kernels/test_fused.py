@@ -40,6 +40,16 @@ def test_rms_norm_and_rope(dtype, tol, rot):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D", [2048, 96])
+def test_the_residual_add_and_the_norm_after_it_in_one_launch_give_the_bits_of_both(dtype, D):
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x, r = (torch.randn(3, D, device="cuda", generator=g).to(dtype) for _ in range(2))
+    w = torch.randn(D, device="cuda", generator=g).to(dtype)
+    h, normed = layers.add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(h, x + r) and torch.equal(normed, fused.rms_norm(x + r, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("T", "H", "Hkv", "Dh", "rot"), [(1, 32, 4, 128, 128), (3, 16, 2, 256, 64)])
 def test_the_attention_prologue_in_one_launch_gives_the_bits_of_its_four_ops(dtype, T, H, Hkv, Dh, rot):
     """q and k norms with RoPE and the two KV-row writes of a decode step, in one launch: the same bits as the
