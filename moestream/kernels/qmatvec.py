@@ -326,6 +326,7 @@ def reads_float(x: torch.Tensor, w: torch.Tensor) -> bool:
         and FLOAT_QTYPES.get(w.dtype) in FLOAT_DOTS
         and x.shape[-1] % FLOAT_BLOCK == 0
         and w.dim() == 2
+        and w.shape[1] == x.shape[-1]
         and w.is_contiguous()
     )
 
@@ -412,6 +413,8 @@ def _layout(qtype: GGMLQuantizationType, n_in: int, raw: torch.Tensor, at_most: 
     else:
         block, type_size = GGML_QUANT_SIZES[qtype]
     dot = DOTS[qtype] if qtype in DOTS else FLOAT_DOTS[qtype]
+    if n_in % block:
+        raise ValueError(f"{qtype.name} rows of {n_in} values are not whole blocks of {block}")
     n_blocks = n_in // block
     at_once = _at_once(n_blocks, at_most)
     return n_blocks * type_size, dict(N_BLOCKS=n_blocks, DOT=dot, ELEMS=block, SIZE=type_size, B=at_once)
