@@ -105,6 +105,7 @@ def load(
         except BaseException:
             offload.close()
             raise
+        del offload  # the engine's alone now: settling may replace it, and a reference here would keep its memory
     except BaseException:
         f.close()
         raise

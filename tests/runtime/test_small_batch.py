@@ -4,6 +4,8 @@ or slow kernels (on the CPU device the rule stands unless small_batch.ON_CPU_DEV
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 
 import moestream
@@ -85,5 +87,28 @@ def test_the_cpu_device_keeps_the_rule_unless_asked(model_file, monkeypatch):
     engine = moestream.load(model_file("tiny", "Q4_K_M"), device="cpu", n_cpu_moe="all", progress=False)
     try:
         assert engine.measured is None and engine.experts.small_batch is SmallBatch.UPLOAD
+    finally:
+        engine.close()
+
+
+def test_the_measured_placement_is_freed_before_the_chosen_one_is_built(model_file, monkeypatch):
+    """On a GPU the chosen way's placement is built inside the same --vram-budget: the one auto measured on
+    must be gone by then (a reference the loader kept made it run out of memory on the H200)."""
+    from moestream.runtime import loader
+
+    built, alive_at_rebuild = [], []
+    build = loader.build_offload
+
+    def spy(*args, **kwargs):
+        alive_at_rebuild.extend(ref() is not None for ref in built)
+        offload = build(*args, **kwargs)
+        built.append(weakref.ref(offload))
+        return offload
+
+    monkeypatch.setattr(loader, "build_offload", spy)
+    engine = moestream.load(model_file("tiny", "Q4_K_M"), device="cpu", n_cpu_moe="all", progress=False)
+    try:
+        assert engine.measured is not None and len(built) == 2
+        assert alive_at_rebuild == [False]
     finally:
         engine.close()
