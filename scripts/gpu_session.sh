@@ -60,8 +60,10 @@ for step in "$@"; do
     decode) $MS bench -m $MODEL -ncmoe 0 -r 3 -p 0 -n 128 --no-floors 2>&1 | quiet | tee -a "$OUT/bench.txt"
             for sb in ${SMALL_BATCH:-auto gather upload cpu}; do  # auto: the defaults; gather: prefetch x cache
               pf=(); [[ $sb == gather ]] && pf=(--prefetch "${PREFETCH:-0,8}" --expert-cache "${CACHE:-0,auto}")
+              t0=$SECONDS
               $MS bench -m $MODEL -ncmoe 26 -r 3 -p 0 -n 128 --streamed-layers spread --small-batch $sb ${pf[@]+"${pf[@]}"} \
                 --vram-budget 12GiB --no-floors 2>&1 | quiet | tee -a "$OUT/bench.txt"
+              echo "small-batch $sb: $((SECONDS - t0)) s in all (load included)" | tee -a "$OUT/bench.txt"
             done ;;
     small) # an 8-layer slice of the benchmark preset (~20 s to write): per-layer decode A/B, kernel table, CPU matvec
            make_small
