@@ -119,9 +119,10 @@ class Engine:
         if self._make_offload is None or not small_batch.needed(self):
             return
         measured = small_batch.measure(self)
+        start = time.perf_counter()
         self._rebuild(dataclasses.replace(self.options, small_batch=measured.chosen))  # self.options stay auto
         self.record(self.timeline)
-        self.measured = measured
+        self.measured = dataclasses.replace(measured, rebuilding=time.perf_counter() - start)
         if self.options.progress:
             print(measured.describe(), file=sys.stderr)
 

@@ -26,14 +26,20 @@ STEPS = 4  # timed steps a way (their median counts)
 
 @dataclass(frozen=True)
 class Measured:
-    """What auto chose, and a decode step's seconds under each way it tried."""
+    """What auto chose, a decode step's seconds under each way it tried, and what choosing cost at load:
+    the measuring (compiles and captures included) and the rebuild of the placement for the chosen way."""
 
     chosen: SmallBatch
     seconds: dict[SmallBatch, float]
+    measuring: float = 0.0
+    rebuilding: float = 0.0
 
     def describe(self) -> str:
         tried = ", ".join(f"{way} {s * 1e3:.1f}" for way, s in self.seconds.items())
-        return f"small batches: {self.chosen} (auto, measured ms a decode step: {tried})"
+        return (
+            f"small batches: {self.chosen} (auto, measured ms a decode step: {tried}; "
+            f"{self.measuring:.1f} s measuring, {self.rebuilding:.1f} s rebuilding the placement)"
+        )
 
 
 def ways(experts) -> list[SmallBatch]:
@@ -64,12 +70,12 @@ def needed(engine) -> bool:
 def measure(engine) -> Measured:
     """Time decode steps from an empty sequence under each way (greedy tokens, not zeros). The steps leave
     their traces in the placement (byte counts, the expert cache's picks): the caller builds a fresh one."""
-    experts = engine.experts
+    experts, start = engine.experts, time.perf_counter()
     seconds = {}
     for way in ways(experts):
         experts.small_batch = way
         seconds[way] = _step_seconds(engine)
-    return Measured(min(seconds, key=seconds.__getitem__), seconds)
+    return Measured(min(seconds, key=seconds.__getitem__), seconds, time.perf_counter() - start)
 
 
 def _step_seconds(engine) -> float:

@@ -48,6 +48,8 @@ def test_auto_keeps_the_way_it_timed_fastest_and_gives_resident_tokens(model_fil
         assert set(m.seconds) == {SmallBatch.GATHER, SmallBatch.UPLOAD, SmallBatch.CPU}
         assert m.chosen == min(m.seconds, key=m.seconds.__getitem__) and m.chosen not in not_chosen
         assert engine.experts.small_batch is m.chosen and engine.options.small_batch is SmallBatch.AUTO
+        assert m.measuring > sum(m.seconds.values()) and m.rebuilding > 0  # what choosing cost the load
+        assert f"{m.measuring:.1f} s measuring" in m.describe()
         assert _greedy(engine) == want
     finally:
         engine.close()
