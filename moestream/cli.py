@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import importlib
 import os
+import re
 import signal
 import socket
 import sys
@@ -20,6 +21,13 @@ from moestream.errors import MoestreamError, is_out_of_memory
 
 class _Parser(argparse.ArgumentParser):
     """Flag errors in one line, as every other bad input (not argparse's usage block first)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # A word of a dash and a digit is a value (--vram-budget -1G, --temp -1e-3), not an unknown flag, so the
+        # flag's own check names its range. argparse takes only -5 and -.5 so ("expected one argument" for the
+        # rest); no flag here starts with a digit. Subcommands are made of this class too.
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
 
     def error(self, message: str):
         self.exit(2, f"moestream: error: {message} (`{self.prog} --help` lists the flags)\n")

@@ -111,6 +111,8 @@ def test_prompt_longer_than_context(model_file, capsys):
         (["--devices", "cuda:x"], "--devices"),
         (["--devices", "cpu,cpu", "-ts", "nan,1", "-ncmoe", "all"], "--tensor-split"),
         (["--devices", "cpu,cpu", "-ts", "1e308,1e308", "-ncmoe", "all"], "--tensor-split"),
+        (["--vram-budget", "-1G"], "positive"),  # a value after a space was "expected one argument"
+        (["--temp", "-1e-3"], "--temp"),
     ],
 )
 def test_flags_out_of_range(model_file, capsys, flags, word):
