@@ -111,6 +111,7 @@ def test_prompt_longer_than_context(model_file, capsys):
         (["--devices", "cuda:x"], "--devices"),
         (["--devices", "cpu,cpu", "-ts", "nan,1", "-ncmoe", "all"], "--tensor-split"),
         (["--devices", "cpu,cpu", "-ts", "1e308,1e308", "-ncmoe", "all"], "--tensor-split"),
+        (["--device", "cudax"], "--device cudax"),  # was reported as --device cuda
         (["--vram-budget", "-1G"], "positive"),  # a value after a space was "expected one argument"
         (["--temp", "-1e-3"], "--temp"),
     ],

@@ -66,10 +66,10 @@ class EngineOptions:
             raise MoestreamError("--tensor-split splits experts over --devices: give --devices too")
         if self.device == "auto":
             resolve("device", "cuda" if torch.cuda.is_available() else "cpu")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise MoestreamError("--device cuda: no CUDA GPU is visible to torch; use --device cpu")
-        if self.device != "cpu" and not self.device.startswith("cuda"):
+        if self.device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", self.device):
             raise MoestreamError(f"--device {self.device}: expected cpu, cuda or cuda:N")
+        if self.device != "cpu" and not torch.cuda.is_available():
+            raise MoestreamError(f"--device {self.device}: no CUDA GPU is visible to torch; use --device cpu")
         if self.dtype == "auto":
             resolve("dtype", "float32" if self.device == "cpu" else "bfloat16")
         if self.dtype not in DTYPES:
