@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="architecture, shapes, quant mix and expert bytes of a model file")
     info.add_argument("model")
     info.add_argument("--routing", action="store_true", help="also print per-layer expert load on a random prompt")
-    info.add_argument("--tokens", type=int, default=2048, help="prompt length for --routing")
+    info.add_argument("--tokens", type=int, default=None, help="prompt length for --routing (default 2048)")
     info.add_argument("--device", default="auto")
 
     bench = sub.add_parser("bench", help="prefill/decode tokens/s per placement and schedule, against the floors")
@@ -162,8 +162,16 @@ def cmd_info(a: argparse.Namespace) -> None:
     from moestream.formats.gguf import GGUFFile
     from moestream.runtime.loader import describe, expert_bytes_per_layer
 
+    tokens = 2048 if a.tokens is None else a.tokens
+    at_least(tokens, 1, "--tokens")
+    if a.tokens is not None and not a.routing:
+        raise MoestreamError(f"--tokens {a.tokens} is the prompt length of --routing: give --routing too")
     with GGUFFile(a.model) as f:
         _, s = describe(f)
+        if a.routing and tokens > s.n_ctx_train:
+            raise MoestreamError(
+                f"--tokens {tokens}: the model was trained for {s.n_ctx_train} positions; give at most {s.n_ctx_train}"
+            )
         print(f"file          {f.path} ({_size(f.path.stat().st_size)})")
         print(f"architecture  {s.arch}   name: {f.metadata.get('general.name', '?')}")
         print(f"layers        {s.n_layer}   hidden {s.n_embd}   vocab {s.n_vocab}   context {s.n_ctx_train}")
@@ -181,16 +189,15 @@ def cmd_info(a: argparse.Namespace) -> None:
         )
         print(f"other bytes   {_size(sum(t.nbytes for t in f.tensors.values()) - sum(per_layer))}")
     if a.routing:
-        at_least(a.tokens, 1, "--tokens")
         from moestream.profiling.routing import routing_load
         from moestream.runtime.loader import load
 
-        engine = load(a.model, device=a.device, n_ctx=a.tokens)
+        engine = load(a.model, device=a.device, n_ctx=tokens)
         try:
-            counter = routing_load(engine, a.tokens)
+            counter = routing_load(engine, tokens)
         finally:
             engine.close()
-        print(f"routing on {a.tokens} random tokens: per layer min / mean / max load, max/mean, idle experts")
+        print(f"routing on {tokens} random tokens: per layer min / mean / max load, max/mean, idle experts")
         for il, (row, ratio) in enumerate(zip(counter.counts, counter.imbalance(), strict=True)):
             idle = int((row == 0).sum())
             print(

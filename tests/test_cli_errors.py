@@ -195,3 +195,18 @@ def test_a_flag_argparse_refuses_is_one_line_too(capsys, argv):
 def test_make_model_layers_past_what_a_file_may_hold(tmp_path, capsys):
     code, line = run_cli(capsys, "make-model", str(tmp_path / "o.gguf"), "--preset", "tiny", "--layers", "100000")
     assert_one_clear_line(code, line, "--layers 100000", "4096")
+
+
+@pytest.mark.parametrize(
+    "flags,words",
+    [
+        (["--routing", "--tokens", "99999999"], ["--tokens 99999999", "at most 4096"]),  # said: raise --ctx
+        (["--routing", "--tokens", "0"], ["--tokens 0", "at least 1"]),
+        (["--tokens", "-5"], ["--tokens -5", "at least 1"]),  # passed silently
+        (["--tokens", "16"], ["--tokens", "--routing"]),  # ignored without --routing
+    ],
+)
+def test_info_tokens(model_file, capsys, flags, words):
+    code, line = run_cli(capsys, "info", model_file("tiny", "F32"), "--device", "cpu", *flags)
+    assert_one_clear_line(code, line, *words)
+    assert "--ctx" not in line  # a flag info does not have
