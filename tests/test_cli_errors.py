@@ -14,11 +14,11 @@ from moestream.formats.gguf import GGUFFile
 from moestream.formats.writer import TensorPlan, write_gguf
 
 
-def rewrite(src: str, dst, meta_changes=None, drop=(), retype=None, reshape=None) -> str:
-    """Copy a GGUF file, changing metadata, dropping tensors, giving one tensor another type (random bytes) or
-    storing one under another shape of the same size (reshape=(name, shape))."""
+def rewrite(src: str, dst, meta_changes=None, drop=(), retype=None, reshape=None, drop_keys=()) -> str:
+    """Copy a GGUF file, changing metadata, dropping metadata keys or tensors, giving one tensor another type
+    (random bytes) or storing one under another shape of the same size (reshape=(name, shape))."""
     with GGUFFile(src) as f:
-        meta = dict(f.metadata) | (meta_changes or {})
+        meta = {k: v for k, v in f.metadata.items() if k not in drop_keys} | (meta_changes or {})
         plans, data = [], {}
         for name, t in f.tensors.items():
             if name in drop:
@@ -210,3 +210,32 @@ def test_info_tokens(model_file, capsys, flags, words):
     code, line = run_cli(capsys, "info", model_file("tiny", "F32"), "--device", "cpu", *flags)
     assert_one_clear_line(code, line, *words)
     assert "--ctx" not in line  # a flag info does not have
+
+
+@pytest.mark.parametrize(
+    "changes,drop_keys,words",
+    [
+        ({}, ["tokenizer.chat_template"], ["tokenizer.chat_template", "without --chat"]),
+        ({"tokenizer.chat_template": "{{ raise_exception('no user role') }}"}, [], ["no user role", "without --chat"]),
+    ],
+)
+def test_chat_template_errors_name_a_fix(model_file, tmp_path, capsys, changes, drop_keys, words):
+    p = rewrite(model_file("tiny", "F32"), tmp_path / "x.gguf", changes, drop_keys=drop_keys)
+    assert_one_clear_line(*run_cli(capsys, "run", "-m", p, "-p", "hi", "--chat", "--device", "cpu"), *words)
+
+
+def test_more_experts_used_than_exist(model_file, tmp_path, capsys):
+    p = rewrite(model_file("tiny", "F32"), tmp_path / "x.gguf", {"qwen3moe.expert_used_count": 100})
+    words = ["inconsistent", "qwen3moe.expert_used_count = 100", "qwen3moe.expert_count = 8", "convert"]
+    assert_one_clear_line(*run_cli(capsys, "info", p), *words)
+
+
+@pytest.mark.parametrize(
+    "changes,drop_keys,words",
+    [
+        ({"tokenizer.ggml.model": "llama"}, [], ["'llama'", "'gpt2'", "convert"]),
+    ],
+)
+def test_tokenizer_kinds(model_file, tmp_path, capsys, changes, drop_keys, words):
+    p = rewrite(model_file("tiny", "F32"), tmp_path / "x.gguf", changes, drop_keys=drop_keys)
+    assert_one_clear_line(*run_cli(capsys, "run", "-m", p, "-p", "hi", "-n", "1", "--device", "cpu"), *words)

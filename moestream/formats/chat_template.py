@@ -17,6 +17,7 @@ from typing import Any
 from moestream.errors import MoestreamError
 
 MEMORY = 1 << 30
+BROKEN = "the model's template is broken, run without --chat"
 CPU_SECONDS = 2
 WALL_SECONDS = 10
 
@@ -41,7 +42,7 @@ def render(source: str, variables: dict[str, Any]) -> str:
     except ValueError:
         reply = {
             "error": f"rendering was stopped (exit {done.returncode}: past {MEMORY >> 30} GiB of memory or "
-            f"{CPU_SECONDS} s of CPU); the model's template is broken, run without --chat"
+            f"{CPU_SECONDS} s of CPU); {BROKEN}"
         }
     if "error" in reply:
         raise MoestreamError(f"chat template: {reply['error']}")
@@ -83,15 +84,18 @@ def _child() -> None:
         try:
             template = _environment().from_string(request["source"])
         except jinja2.TemplateError as e:
-            reply = {"error": f"does not compile: {str(e)[:160]}"}
+            reply = {"error": f"does not compile: {str(e)[:160]}; {BROKEN}"}
         else:
             reply = {"text": template.render(**request["variables"])}
     except MemoryError:
-        reply = {"error": f"ran out of its {MEMORY >> 30} GiB of memory; the model's template is broken"}
+        reply = {"error": f"ran out of its {MEMORY >> 30} GiB of memory; {BROKEN}"}
     except RecursionError:
-        reply = {"error": "recursion too deep"}
+        reply = {"error": f"recursion too deep; {BROKEN}"}
     except Exception as e:  # template errors, and whatever the template's own code raises
-        reply = {"error": f"{type(e).__name__}: {str(e)[:160]}"}
+        reply = {
+            "error": f"{type(e).__name__}: {str(e)[:160]} (the model's template refused these messages); write "
+            "the prompt in the model's own format and run without --chat"
+        }
     sys.stdout.write(json.dumps(reply))
 
 

@@ -112,7 +112,10 @@ class Tokenizer:
         """Build from the `tokenizer.*` keys of a GGUF file's metadata."""
         model = meta.get("tokenizer.ggml.model")
         if model != "gpt2":
-            raise MoestreamError(f"tokenizer.ggml.model is {model!r}; moestream supports only 'gpt2' (byte-level BPE)")
+            raise MoestreamError(
+                f"tokenizer.ggml.model is {model!r}; moestream reads only 'gpt2' (byte-level BPE) tokenizers, which "
+                "Qwen3 and Qwen3.5 files carry: convert the model again with llama.cpp's convert_hf_to_gguf.py"
+            )
         pre = meta.get("tokenizer.ggml.pre")
         if pre not in _SPLIT_REGEX:
             raise MoestreamError(
@@ -216,7 +219,10 @@ class Tokenizer:
         `variables` reach the template as they do through transformers (e.g. Qwen3's `enable_thinking`).
         """
         if not self.chat_template:
-            raise MoestreamError("the model file has no chat template (tokenizer.chat_template)")
+            raise MoestreamError(
+                "the model file has no chat template (tokenizer.chat_template); write the prompt in the model's own "
+                "format and run without --chat (the server: /v1/completions)"
+            )
         special = {
             f"{name}_token": "" if i is None else self.tokens[i]
             for name, i in (("bos", self.bos_id), ("eos", self.eos_id))

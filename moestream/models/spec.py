@@ -47,7 +47,9 @@ class ModelSpec:
             raise MoestreamError(f"model metadata: {self.n_head} heads do not divide into {self.n_head_kv} KV heads")
         if self.n_expert_used > self.n_expert:
             raise MoestreamError(
-                f"model metadata: {self.n_expert_used} experts used per token but only {self.n_expert} exist"
+                f"model metadata is inconsistent: {self.arch}.expert_used_count = {self.n_expert_used} but "
+                f"{self.arch}.expert_count = {self.n_expert} (a token cannot use more experts than exist); convert "
+                "the model again (or generate it again, for a make-model file)"
             )
         if not 0 <= self.n_rot <= self.head_dim or self.rot_dim % 2:
             raise MoestreamError(
