@@ -239,3 +239,10 @@ def test_more_experts_used_than_exist(model_file, tmp_path, capsys):
 def test_tokenizer_kinds(model_file, tmp_path, capsys, changes, drop_keys, words):
     p = rewrite(model_file("tiny", "F32"), tmp_path / "x.gguf", changes, drop_keys=drop_keys)
     assert_one_clear_line(*run_cli(capsys, "run", "-m", p, "-p", "hi", "-n", "1", "--device", "cpu"), *words)
+
+
+@pytest.mark.parametrize("argv", [["run", "-m", "", "-p", "hi"], ["info", ""]])
+def test_empty_model_path(capsys, argv):
+    code, line = run_cli(capsys, *argv)
+    assert_one_clear_line(code, line, "empty")
+    assert "directory" not in line  # '' read as '.'

@@ -37,6 +37,8 @@ class GGUFFile:
     """A memory-mapped GGUF file. Close it (or use it as a context manager) when done."""
 
     def __init__(self, path: str | os.PathLike[str]):
+        if not os.fspath(path):  # Path("") is ".", a directory
+            raise MoestreamError("the model path is empty; pass the path of a .gguf model file")
         self.path = Path(path)
         if not self.path.is_file():
             if self.path.is_dir():
