@@ -234,6 +234,7 @@ def test_more_experts_used_than_exist(model_file, tmp_path, capsys):
     "changes,drop_keys,words",
     [
         ({"tokenizer.ggml.model": "llama"}, [], ["'llama'", "'gpt2'", "convert"]),
+        ({}, ["tokenizer.ggml.merges"], ["tokenizer.ggml.merges", "convert"]),  # was read as single bytes
     ],
 )
 def test_tokenizer_kinds(model_file, tmp_path, capsys, changes, drop_keys, words):

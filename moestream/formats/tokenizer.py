@@ -131,6 +131,11 @@ class Tokenizer:
         for key, i in ids.items():
             if i is not None and (isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(tokens)):
                 raise MoestreamError(f"tokenizer.ggml.{key}_token_id {i!r:.40} is not one of the {len(tokens)} tokens")
+        if "tokenizer.ggml.merges" not in meta:  # llama.cpp refuses it too ("cannot find tokenizer merges")
+            raise MoestreamError(
+                "the tokenizer is byte-level BPE (tokenizer.ggml.model 'gpt2') but the file has no merges "
+                "(tokenizer.ggml.merges), so text would split into single bytes; convert the model again"
+            )
         merge_texts = _list_of(meta, "tokenizer.ggml.merges", str, [])
         bad = next((k for k, m in enumerate(merge_texts) if m.count(" ") != 1 or " " in (m[0], m[-1])), None)
         if bad is not None:
