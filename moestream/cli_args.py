@@ -210,6 +210,12 @@ def _str_list(text: str) -> list[str]:
 def engine_options(a: argparse.Namespace) -> dict:
     """The options every command shares; list-valued flags (bench) give their first value here."""
     first = (lambda v: v[0]) if isinstance(a.ubatch, list) else (lambda v: v)
+    given = a.n_cpu_moe if isinstance(a.n_cpu_moe, list) else [a.n_cpu_moe]
+    if a.cpu_moe and given != [0] and set(given) != {"all"}:  # 0 is the default: not told apart from unset
+        raise MoestreamError(
+            f"--cpu-moe and --n-cpu-moe {','.join(map(str, given))} disagree: --cpu-moe keeps every layer's experts "
+            "in host RAM (as -ncmoe all); use one of them"
+        )
     ncmoe = "all" if a.cpu_moe else first(a.n_cpu_moe)
     stream = first(a.stream) if a.stream is not None else None
     opts = dict(

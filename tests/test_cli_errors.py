@@ -247,3 +247,10 @@ def test_empty_model_path(capsys, argv):
     code, line = run_cli(capsys, *argv)
     assert_one_clear_line(code, line, "empty")
     assert "directory" not in line  # '' read as '.'
+
+
+@pytest.mark.parametrize("command", ["run", "bench"])
+def test_cpu_moe_with_n_cpu_moe(model_file, capsys, command):
+    extra = ["-p", "hi"] if command == "run" else ["-p", "8", "-r", "1"]
+    argv = [command, "-m", model_file("tiny", "F32"), *extra, "--device", "cpu", "--cpu-moe", "-ncmoe", "1"]
+    assert_one_clear_line(*run_cli(capsys, *argv), "--cpu-moe", "--n-cpu-moe 1", "one of them")
