@@ -254,3 +254,15 @@ def test_cpu_moe_with_n_cpu_moe(model_file, capsys, command):
     extra = ["-p", "hi"] if command == "run" else ["-p", "8", "-r", "1"]
     argv = [command, "-m", model_file("tiny", "F32"), *extra, "--device", "cpu", "--cpu-moe", "-ncmoe", "1"]
     assert_one_clear_line(*run_cli(capsys, *argv), "--cpu-moe", "--n-cpu-moe 1", "one of them")
+
+
+@pytest.mark.parametrize("flag", ["--expert-cache", "--prefetch"])
+def test_more_experts_than_a_layer_has_is_refused_before_the_weights_load(model_file, capsys, monkeypatch, flag):
+    import moestream.runtime.loader as loader
+
+    def no_upload(*args, **kwargs):
+        raise AssertionError("weights were uploaded before the expert count was checked")
+
+    monkeypatch.setattr(loader, "DenseWeights", no_upload)
+    code, line = run_cli(capsys, "run", "-m", model_file("tiny", "F32"), "-p", "hi", "--device", "cpu", flag, "999")
+    assert_one_clear_line(code, line, f"{flag} 999", "8 experts")

@@ -92,6 +92,14 @@ class Offload:
         return "\n".join(lines)
 
 
+def check_expert_counts(opts: EngineOptions, spec) -> None:
+    """--prefetch and --expert-cache count experts of a layer: at most the model's (the loader asks before any
+    weight moves; each placement built asks again, for options changed since)."""
+    for flag, n in (("--prefetch", opts.prefetch), ("--expert-cache", opts.expert_cache)):
+        if isinstance(n, int) and n > spec.n_expert:
+            raise MoestreamError(f"{flag} {n}: the model has {spec.n_expert} experts a layer; give at most that")
+
+
 def build_offload(
     f: GGUFFile,
     arch,
@@ -108,9 +116,8 @@ def build_offload(
         il: ExpertTensors(tuple(f.tensor(n) for n in arch.expert_tensor_names(il))) for il in range(spec.n_layer)
     }
     n_ctx = opts.context(spec.n_ctx_train)
+    check_expert_counts(opts, spec)
     n_guess = spec.n_expert_used if opts.prefetch is None else opts.prefetch
-    if n_guess > spec.n_expert:
-        raise MoestreamError(f"--prefetch {n_guess}: the model has {spec.n_expert} experts a layer; give at most that")
     # the ring of guesses is budgeted where small batches will gather, judged before page-locking is tried
     will_lock = device.type == "cpu" or (opts.host_memory == "pinned" and opts.stream.page_locks)
     sharded = opts.devices is not None and len(opts.devices) > 1

@@ -15,7 +15,7 @@ from moestream.formats.gguf import GGUFFile
 from moestream.kernels.gather import RowGather
 from moestream.models.registry import architecture
 from moestream.models.spec import ModelSpec
-from moestream.offload.builder import build_offload
+from moestream.offload.builder import build_offload, check_expert_counts
 from moestream.offload.dense import DenseWeights
 from moestream.offload.device import cap_vram
 from moestream.offload.embedding import HostEmbedding
@@ -79,6 +79,7 @@ def load(
     try:
         arch, spec = describe(f)
         spec = dataclasses.replace(spec, extra=spec.extra | {"deltanet": opts.deltanet})  # for delta-net layers
+        check_expert_counts(opts, spec)
         tokenizer = load_tokenizer(f)
         if before_weights is not None:
             before_weights(tokenizer, opts.context(spec.n_ctx_train))

@@ -221,13 +221,15 @@ def test_the_expert_cache_is_sized_by_the_budget_and_refused_past_it(model_file)
         assert cached_experts("auto", p, fp, budget, sizes, 8) == 5
         assert cached_experts("auto", p, fp, budget, sizes, 4) == 4  # all a layer has
         assert cached_experts(4, p, fp, budget, sizes, 8) == 4
-        assert cached_experts(99, p, fp, p.gpu_bytes(fp) + 8 * per, sizes, 8) == 8  # all fit: no error
+        assert cached_experts(8, p, fp, p.gpu_bytes(fp) + 8 * per, sizes, 8) == 8  # all fit: no error
         with pytest.raises(MoestreamError, match="--expert-cache 7 needs .* room for 5 experts a streamed layer"):
             cached_experts(7, p, fp, p.gpu_bytes(fp) + 5 * per, sizes, 8)
         assert cached_experts("auto", Placement(0, [8000], n_slots=1), fp, budget, sizes, 8) == 0
     finally:
         e.close()
-    held = moestream.load(path, expert_cache=99, **GATHERED)  # more than the layer has: all of them
+    with pytest.raises(MoestreamError, match="--expert-cache 99: the model has 8 experts a layer"):
+        moestream.load(path, expert_cache=99, **GATHERED)  # more than a layer has (it was all of them)
+    held = moestream.load(path, expert_cache=8, **GATHERED)
     try:
         assert held.experts.cached_width == held.spec.n_expert
         assert held.offload.footprint.expert_cache == held.experts.prefetcher.cache.nbytes > 0
