@@ -162,9 +162,14 @@ def cmd_probe(a: argparse.Namespace) -> None:
 
     at_least(a.ubatch, 1, "-ub")
     at_least(a.n_prompt, 1, "-p")
+    if a.model is None and a.n_cpu_moe:
+        raise MoestreamError(
+            f"-ncmoe {a.n_cpu_moe} streams layers of a model: give -m MODEL too (without -m, probe measures the "
+            "link and the expert GEMM rate only)"
+        )
     device = EngineOptions(device=a.device).torch_device  # the same checks as every other command
     spec, streamed, registered = None, 0, None
-    if a.model:
+    if a.model is not None:  # -m '': the file's own error
         from moestream.formats.gguf import GGUFFile
         from moestream.runtime.loader import describe, expert_bytes_per_layer
 

@@ -242,7 +242,7 @@ def test_tokenizer_kinds(model_file, tmp_path, capsys, changes, drop_keys, words
     assert_one_clear_line(*run_cli(capsys, "run", "-m", p, "-p", "hi", "-n", "1", "--device", "cpu"), *words)
 
 
-@pytest.mark.parametrize("argv", [["run", "-m", "", "-p", "hi"], ["info", ""]])
+@pytest.mark.parametrize("argv", [["run", "-m", "", "-p", "hi"], ["info", ""], ["probe", "-m", ""]])
 def test_empty_model_path(capsys, argv):
     code, line = run_cli(capsys, *argv)
     assert_one_clear_line(code, line, "empty")
@@ -266,3 +266,7 @@ def test_more_experts_than_a_layer_has_is_refused_before_the_weights_load(model_
     monkeypatch.setattr(loader, "DenseWeights", no_upload)
     code, line = run_cli(capsys, "run", "-m", model_file("tiny", "F32"), "-p", "hi", "--device", "cpu", flag, "999")
     assert_one_clear_line(code, line, f"{flag} 999", "8 experts")
+
+
+def test_probe_n_cpu_moe_needs_a_model(capsys):
+    assert_one_clear_line(*run_cli(capsys, "probe", "--device", "cpu", "-ncmoe", "5"), "-ncmoe", "-m")
