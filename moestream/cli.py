@@ -113,7 +113,7 @@ def cmd_run(a: argparse.Namespace) -> None:
 
     prompt: list[int] = []  # encoded once, before the weights load
 
-    def prompt_fits(tokenizer, n_ctx: int) -> None:
+    def prompt_fits(tokenizer, n_ctx: int, _spec) -> None:
         if tokenizer is None:
             raise MoestreamError(f"{a.model}: the file has no tokenizer, so it cannot read a text prompt")
         prompt.extend(tokenizer.encode_prompt(a.prompt, a.chat))

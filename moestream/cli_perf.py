@@ -10,6 +10,7 @@ from moestream.errors import MoestreamError
 
 def cmd_bench(a: argparse.Namespace) -> None:
     from moestream import cli_report
+    from moestream.offload.builder import check_expert_counts
     from moestream.offload.options import EngineOptions
     from moestream.runtime.bench import Sweep, run_bench
     from moestream.runtime.loader import load
@@ -38,9 +39,16 @@ def cmd_bench(a: argparse.Namespace) -> None:
         repeats=a.repetitions,
         floors=not a.no_floors,
     )
-    for placed in sweep.placements():  # every row's values now: a bad one would fail after the rows before it
-        EngineOptions(**(opts | placed))
-    engine = load(a.model, before_weights=lambda _, n_ctx: _fits(longest, n_ctx), **opts)
+    # every row's values now, and against the model's shapes before its weights load: a bad row would fail
+    # only after the rows before it had run
+    rows = [EngineOptions(**(opts | placed)) for placed in sweep.placements()]
+
+    def fits(_, n_ctx: int, spec) -> None:
+        _fits(longest, n_ctx)
+        for row in rows:
+            check_expert_counts(row, spec)
+
+    engine = load(a.model, before_weights=fits, **opts)
     info = cli_report.run_info(engine, a.batch_size or max(max(a.n_prompt), max(a.ubatch)))
     if fmt == "md":
         print(cli_report.md_header())
@@ -115,7 +123,7 @@ def cmd_profile(a: argparse.Namespace) -> None:
     opts.setdefault("n_ctx", a.n_prompt + 1)
     for stream in a.stream or []:
         EngineOptions(**(opts | {"stream": stream}))  # each schedule's name now, not after the ones before it ran
-    engine = load(a.model, before_weights=lambda _, n_ctx: _fits(a.n_prompt, n_ctx), **opts)
+    engine = load(a.model, before_weights=lambda _, n_ctx, spec: _fits(a.n_prompt, n_ctx), **opts)
     results = []
     try:
         tokens = random_prompt(a.n_prompt, engine.spec.n_vocab)

@@ -266,6 +266,9 @@ def test_more_experts_than_a_layer_has_is_refused_before_the_weights_load(model_
     monkeypatch.setattr(loader, "DenseWeights", no_upload)
     code, line = run_cli(capsys, "run", "-m", model_file("tiny", "F32"), "-p", "hi", "--device", "cpu", flag, "999")
     assert_one_clear_line(code, line, f"{flag} 999", "8 experts")
+    # bench: a later row's count too, before the first row (or the weights) can run
+    bench = ["bench", "-m", model_file("tiny", "F32"), "--device", "cpu", "-ncmoe", "all", "-p", "8", "-n", "0"]
+    assert_one_clear_line(*run_cli(capsys, *bench, flag, "2,999"), f"{flag} 999", "8 experts")
 
 
 def test_probe_n_cpu_moe_needs_a_model(capsys):

@@ -63,14 +63,14 @@ def _squeezed(shape) -> tuple[int, ...]:
 def load(
     path: str | os.PathLike[str],
     device_impl=None,
-    before_weights: Callable[[Any, int], None] | None = None,
+    before_weights: Callable[[Any, int, Any], None] | None = None,
     **options: Any,
 ) -> Engine:
     """Open a GGUF MoE model and return an Engine ready to generate.
 
     device_impl replaces the copy/compute device (tests pass a CpuDevice with injected delays).
-    before_weights(tokenizer, n_ctx) runs once the metadata is read and before any weight moves, so a caller
-    can refuse a prompt that cannot fit without waiting for the upload.
+    before_weights(tokenizer, n_ctx, spec) runs once the metadata is read and before any weight moves, so a
+    caller can refuse a prompt that cannot fit, or options for this model's shapes, without waiting for the upload.
     """
     opts = EngineOptions(**options)
     if opts.threads is not None:
@@ -82,7 +82,7 @@ def load(
         check_expert_counts(opts, spec)
         tokenizer = load_tokenizer(f)
         if before_weights is not None:
-            before_weights(tokenizer, opts.context(spec.n_ctx_train))
+            before_weights(tokenizer, opts.context(spec.n_ctx_train), spec)
         device, dtype = opts.torch_device, opts.torch_dtype
         host = {n for il in range(spec.n_layer) for n in arch.expert_tensor_names(il)} | {"token_embd.weight"}
         dense = {name: t for name, t in f.tensors.items() if name not in host}
