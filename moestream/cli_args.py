@@ -254,6 +254,8 @@ def writable(path: str | None, flag: str) -> None:
     """Fail before a long run, not after it, when an output path cannot be written."""
     if path is None:
         return
+    if not path.strip():  # Path('') is '.', which would read as "is a directory"
+        raise MoestreamError(f"{flag}: the path is empty; give a file name")
     p = Path(path)
     if p.is_dir():
         raise MoestreamError(f"{flag} {path}: is a directory; give a file name")

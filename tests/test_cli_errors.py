@@ -154,6 +154,13 @@ def test_an_output_the_system_refuses_is_said_before_the_run(model_file, capsys)
     assert_one_clear_line(code, line, "--trace /proc/version", "cannot be written")
 
 
+@pytest.mark.parametrize("argv", [["profile", "-p", "8", "--trace", ""], ["make-model", "", "--preset", "tiny"]])
+def test_an_empty_output_path_is_said_as_such(model_file, capsys, argv):
+    if argv[0] == "profile":
+        argv = [*argv, "-m", model_file("tiny", "F32"), "--device", "cpu"]
+    assert_one_clear_line(*run_cli(capsys, *argv), "the path is empty")  # said ": is a directory"
+
+
 def test_serve_says_a_port_in_use_before_loading_the_model(tmp_path, capsys):
     import socket
 
