@@ -11,7 +11,8 @@
 #   small    an 8-layer slice of the benchmark model ($SMALL_PRESET to slice another preset): decode_diag.py (tile settings, kernel table) + cpuexp
 #   loadtest the server load test (issue 13) with the benchmark model (batched, then each sequence alone),
 #            serving wheels from .whl/serve
-#   lbuild llamacpp   build llama.cpp's llama-bench (background) / wait and run tg128 at -ncmoe 0,26
+#   lbuild llamacpp   build llama.cpp's llama-bench (background) / wait and run tg128 at -ncmoe 0,26 on each
+#            benchmark model generated so far (qwen3-30b, and qwen3.6-35b after decode35 or qwen35)
 #   qwen35 routing35   the issue-5 headline table (generates the qwen3.6-35b-a3b model first), its routing
 #   decode35 tg128 of that model: resident, and -ncmoe 26 spread 12 GiB: auto, gather (prefetch x cache), upload, cpu
 # At most 8 files come back from $OUT: keep appending to the ones below.
@@ -99,8 +100,10 @@ for step in "$@"; do
               && nice cmake --build build --target llama-bench -j 16 >>/tmp/lcpp.log 2>&1; echo "build rc $?" >>/tmp/lcpp.log
             ) & LBUILD=$! ;;
     llamacpp) [[ -n ${LBUILD:-} ]] && wait $LBUILD; tail -3 /tmp/lcpp.log | tee -a "$OUT/gpu.txt"
-              /tmp/lcpp/build/bin/llama-bench -m $MODEL -ngl 99 -fa 1 -p 0 -n 128 -r 3 -ncmoe 0,26 2>&1 \
-                | grep -v '^ggml\|^load' | tee -a "$OUT/bench.txt" ;;
+              for m in $MODEL $Q35; do  # each benchmark model this machine has generated (decode35 makes Q35)
+                [[ -f $m ]] && /tmp/lcpp/build/bin/llama-bench -m $m -ngl 99 -fa 1 -p 0 -n 128 -r 3 -ncmoe 0,26 2>&1 \
+                  | grep -v '^ggml\|^load' | tee -a "$OUT/bench.txt"
+              done ;;
     loadtest) # issue 13 on the GPU: the server under 16 streaming clients for 60 s with the benchmark model. The
               # image lacks the serving packages: carry their wheels in .whl/serve, fetched here with
               # pip download --only-binary=:all: --python-version 3.12 --implementation cp --platform
