@@ -124,7 +124,7 @@ class Engine:
         self.record(self.timeline)
         self.measured = dataclasses.replace(measured, rebuilding=time.perf_counter() - start)
         if self.options.progress:
-            print(measured.describe(), file=sys.stderr)
+            print(self.measured.describe(), file=sys.stderr)
 
     @property
     def device(self) -> torch.device:

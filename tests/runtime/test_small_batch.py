@@ -114,3 +114,27 @@ def test_the_measured_placement_is_freed_before_the_chosen_one_is_built(model_fi
         assert alive_at_rebuild == [False]
     finally:
         engine.close()
+
+
+def test_the_printed_choice_counts_the_rebuild(model_file, monkeypatch, capsys):
+    """The line a load prints is engine.measured's, the rebuild's seconds in it (it once printed the copy
+    made before the rebuild was timed: always 0.0 s)."""
+    import time
+
+    from moestream.runtime import loader
+
+    built, build = [], loader.build_offload
+
+    def slow_second(*args, **kwargs):
+        built.append(True)
+        if len(built) == 2:
+            time.sleep(0.3)
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(loader, "build_offload", slow_second)
+    engine = moestream.load(model_file("tiny", "Q4_K_M"), device="cpu", n_cpu_moe="all", progress=True)
+    try:
+        assert engine.measured.rebuilding >= 0.3
+        assert engine.measured.describe() in capsys.readouterr().err
+    finally:
+        engine.close()
