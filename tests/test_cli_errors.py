@@ -222,8 +222,12 @@ def test_info_tokens(model_file, capsys, flags, words):
 @pytest.mark.parametrize(
     "changes,drop_keys,words",
     [
-        ({}, ["tokenizer.chat_template"], ["tokenizer.chat_template", "without --chat"]),
-        ({"tokenizer.chat_template": "{{ raise_exception('no user role') }}"}, [], ["no user role", "without --chat"]),
+        ({}, ["tokenizer.chat_template"], ["tokenizer.chat_template", "without --chat", "/v1/completions"]),
+        (
+            {"tokenizer.chat_template": "{{ raise_exception('no user role') }}"},
+            [],
+            ["no user role", "without --chat", "/v1/completions"],  # the server's clients read it too
+        ),
     ],
 )
 def test_chat_template_errors_name_a_fix(model_file, tmp_path, capsys, changes, drop_keys, words):

@@ -17,7 +17,9 @@ from typing import Any
 from moestream.errors import MoestreamError
 
 MEMORY = 1 << 30
-BROKEN = "the model's template is broken, run without --chat"
+# the fix every template failure names, on the command line and in the server alike
+WITHOUT_CHAT = "write the prompt in the model's own format and run without --chat (the server: /v1/completions)"
+BROKEN = f"the model's template is broken; {WITHOUT_CHAT}"
 CPU_SECONDS = 2
 WALL_SECONDS = 10
 
@@ -36,7 +38,7 @@ def render(source: str, variables: dict[str, Any]) -> str:
             timeout=WALL_SECONDS,
         )
     except subprocess.TimeoutExpired:
-        raise MoestreamError(f"chat template: rendering took more than {WALL_SECONDS} s; run without --chat") from None
+        raise MoestreamError(f"chat template: rendering took more than {WALL_SECONDS} s; {WITHOUT_CHAT}") from None
     try:
         reply = json.loads(done.stdout)
     except ValueError:
@@ -93,8 +95,7 @@ def _child() -> None:
         reply = {"error": f"recursion too deep; {BROKEN}"}
     except Exception as e:  # template errors, and whatever the template's own code raises
         reply = {
-            "error": f"{type(e).__name__}: {str(e)[:160]} (the model's template refused these messages); write "
-            "the prompt in the model's own format and run without --chat"
+            "error": f"{type(e).__name__}: {str(e)[:160]} (the model's template refused these messages); {WITHOUT_CHAT}"
         }
     sys.stdout.write(json.dumps(reply))
 

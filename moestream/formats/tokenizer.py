@@ -17,6 +17,7 @@ from typing import Any
 import tokenizers
 
 from moestream.errors import MoestreamError
+from moestream.formats.chat_template import WITHOUT_CHAT
 from moestream.formats.chat_template import render as render_template
 
 # tokenizer.ggml.token_type codes (llama.cpp llama_token_type)
@@ -224,10 +225,7 @@ class Tokenizer:
         `variables` reach the template as they do through transformers (e.g. Qwen3's `enable_thinking`).
         """
         if not self.chat_template:
-            raise MoestreamError(
-                "the model file has no chat template (tokenizer.chat_template); write the prompt in the model's own "
-                "format and run without --chat (the server: /v1/completions)"
-            )
+            raise MoestreamError(f"the model file has no chat template (tokenizer.chat_template); {WITHOUT_CHAT}")
         special = {
             f"{name}_token": "" if i is None else self.tokens[i]
             for name, i in (("bos", self.bos_id), ("eos", self.eos_id))
