@@ -138,6 +138,22 @@ def test_a_prompt_too_long_is_refused_before_any_weight_moves(model_file, capsys
     assert_one_clear_line(code, line, "context", "--ctx")
 
 
+def test_n_cpu_moe_auto_without_a_budget_is_refused_before_anything_runs(model_file, capsys, monkeypatch):
+    """It was refused by the placement, after the dense weights had loaded (and in bench after the rows before)."""
+    import moestream.runtime.loader as loader
+
+    def no_upload(*args, **kwargs):
+        raise AssertionError("weights were uploaded before -ncmoe auto was checked")
+
+    monkeypatch.setattr(loader, "DenseWeights", no_upload)
+    m = model_file("tiny", "F32")
+    for argv in (
+        ["run", "-m", m, "-p", "hi", "-ncmoe", "auto"],
+        ["bench", "-m", m, "-p", "8", "-n", "0", "-ncmoe", "1,auto"],
+    ):
+        assert_one_clear_line(*run_cli(capsys, *argv, "--device", "cpu"), "--n-cpu-moe auto", "--vram-budget")
+
+
 def test_make_model_leaves_an_existing_file_whole_when_it_fails(model_file, tmp_path, capsys):
     """A bad flag found half-way (numpy refused the seed) used to leave a 29 KB stub in place of the model."""
     p = tmp_path / "keep.gguf"

@@ -120,6 +120,8 @@ class EngineOptions:
 
         if isinstance(self.n_cpu_moe, int) and self.n_cpu_moe < 0:
             raise MoestreamError(f"--n-cpu-moe {self.n_cpu_moe}: must be 0 or more (a layer count), all or auto")
+        if self.n_cpu_moe == "auto" and self.vram_budget is None:  # now, not after the dense weights (or a bench row)
+            raise MoestreamError("--n-cpu-moe auto needs --vram-budget SIZE to know what fits")
         if self.vram_budget is not None:
             parse_size(self.vram_budget)  # a bad size is an error now, not after loading the model
             if self.device == "cpu":

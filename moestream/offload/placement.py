@@ -117,9 +117,7 @@ def plan(
     clear error when the asked one cannot fit."""
     n_layer = len(expert_bytes)
     n_slots = schedule.staging_slots(slots)  # the options checked --slots
-    if n_cpu_moe == "auto":
-        if budget is None:
-            raise MoestreamError("--n-cpu-moe auto needs --vram-budget SIZE to know what fits")
+    if n_cpu_moe == "auto":  # with a budget: EngineOptions refuses auto without one
         for n in range(n_layer + 1):
             p = Placement(n, expert_bytes, n_slots, spread)
             if p.gpu_bytes(fp) <= budget:
