@@ -14,7 +14,7 @@ import threading
 import warnings
 from collections import Counter
 
-from moestream.cli_args import at_least, engine_flags, engine_options, int_list, writable
+from moestream.cli_args import LISTS, at_least, engine_flags, engine_options, int_list, writable
 from moestream.cli_perf import cmd_bench, cmd_probe, cmd_profile
 from moestream.errors import MoestreamError, is_out_of_memory
 
@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--device", default="auto")
 
     bench = sub.add_parser("bench", help="prefill/decode tokens/s per placement and schedule, against the floors")
-    engine_flags(bench, lists=True)
+    engine_flags(bench, lists=LISTS)
     bench.add_argument("-p", "--n-prompt", type=int_list, default=[512], help="prompt lengths, e.g. 512,2048")
     bench.add_argument("-n", "--n-gen", type=int_list, default=[0], help="decode lengths (0: prefill only)")
     bench.add_argument("-r", "--repetitions", type=int, default=3)
@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="the same as -o json")
 
     prof = sub.add_parser("profile", help="timeline of one prefill pass per schedule: idle %%, link GB/s, overlap")
-    engine_flags(prof, lists=True)
+    engine_flags(prof, lists=("stream",))
     prof.add_argument("-p", "--n-prompt", type=int, default=2048, help="prompt length")
     prof.add_argument("-r", "--repetitions", type=int, default=3, help="passes timed with recording on and off")
     prof.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace JSON here")

@@ -9,10 +9,20 @@ from pathlib import Path
 from moestream.errors import MoestreamError
 from moestream.offload.schedule import SmallBatch
 
+LISTS = ("ubatch", "n_cpu_moe", "streamed_layers", "stream", "slots", "prefetch", "expert_cache")  # bench's
 
-def engine_flags(p: argparse.ArgumentParser, lists: bool = False) -> None:
-    """Flags shared by run, bench and profile; with lists=True the numeric ones take comma lists."""
-    num = int_list if lists else int
+
+def engine_flags(p: argparse.ArgumentParser, lists: tuple[str, ...] = ()) -> None:
+    """Flags shared by run, bench and profile; those named in lists (of LISTS) take comma lists."""
+
+    def typed(dest: str, one, many, default):
+        return (
+            dict(type=many, default=[default] if default is not None else None)
+            if dest in lists
+            else dict(type=one, default=default)
+        )
+
+    more = "; bench: a comma list compares them" if lists == LISTS else ""
     p.add_argument("-m", "--model", required=True, help="path of a GGUF model file")
     p.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (default: cuda if present)")
     p.add_argument(
@@ -29,30 +39,27 @@ def engine_flags(p: argparse.ArgumentParser, lists: bool = False) -> None:
         help="weights of the experts each of --devices gets, as llama.cpp: 3,1 (or 3/1); default even",
     )
     p.add_argument("--dtype", default="auto", help="float32, bfloat16 or float16 (default: bf16 on GPU, f32 on CPU)")
-    p.add_argument("-ub", "--ubatch", type=num, default=[512] if lists else 512, help="prefill micro-batch size")
+    p.add_argument("-ub", "--ubatch", **typed("ubatch", int, int_list, 512), help="prefill micro-batch size")
     p.add_argument("-c", "--ctx", "--ctx-size", type=int, default=None, help="context size in tokens (default 4096)")
     p.add_argument(
         "-ncmoe",
         "--n-cpu-moe",
-        type=_ncmoe_list if lists else _ncmoe,
-        default=[0] if lists else 0,
+        **typed("n_cpu_moe", _ncmoe, _ncmoe_list, 0),
         help="keep the experts of the first N layers in host RAM and stream them; all or auto",
     )
     p.add_argument("--cpu-moe", action="store_true", help="keep every layer's experts in host RAM")
     p.add_argument(
         "--streamed-layers",
-        type=_str_list if lists else str,
-        default=["first"] if lists else "first",
+        **typed("streamed_layers", str, _str_list, "first"),
         help="which N layers stream: first (0..N-1, as llama.cpp) or spread (evenly spaced)",
     )
     p.add_argument("--vram-budget", default=None, help="cap on GPU memory, e.g. 12GiB (with -ncmoe auto: fit)")
     p.add_argument(
         "--stream",
-        type=_str_list if lists else str,
-        default=None,
+        **typed("stream", str, _str_list, None),
         help="serial, pinned, overlap or layer-major (default: $MOESTREAM_STREAM or overlap)",
     )
-    p.add_argument("--slots", type=num, default=[3] if lists else 3, help="staging slots in the ring (>= 2)")
+    p.add_argument("--slots", **typed("slots", int, int_list, 3), help="staging slots in the ring (>= 2)")
     p.add_argument(
         "--stream-min-batch",
         type=int,
@@ -61,22 +68,19 @@ def engine_flags(p: argparse.ArgumentParser, lists: bool = False) -> None:
     )
     p.add_argument(
         "--prefetch",
-        type=num,
-        default=None,
+        **typed("prefetch", int, int_list, None),
         metavar="N",
         help="decode with --small-batch gather: fetch the N experts each gathered layer's router ranks first "
         "for the layer before's input while that layer runs, beside compute (0: off; default: as many as the "
-        "router picks). A wrong guess costs link bytes, never a different answer"
-        + ("; bench: a comma list compares them" if lists else ""),
+        "router picks). A wrong guess costs link bytes, never a different answer" + more,
     )
     p.add_argument(
         "--expert-cache",
-        type=_cache_list if lists else _cache,
-        default=None,
+        **typed("expert_cache", _cache, _cache_list, None),
         metavar="N|auto",
         help="decode with --prefetch: keep the N most-picked experts of each streamed layer on the GPU, read there "
         "instead of over the link (0: off; default auto: as many as --vram-budget leaves, none without a budget)"
-        + ("; bench: a comma list compares them" if lists else ""),
+        + more,
     )
     p.add_argument(
         "--small-batch",
@@ -209,7 +213,10 @@ def _str_list(text: str) -> list[str]:
 
 def engine_options(a: argparse.Namespace) -> dict:
     """The options every command shares; list-valued flags (bench) give their first value here."""
-    first = (lambda v: v[0]) if isinstance(a.ubatch, list) else (lambda v: v)
+
+    def first(v):
+        return v[0] if isinstance(v, list) else v
+
     given = a.n_cpu_moe if isinstance(a.n_cpu_moe, list) else [a.n_cpu_moe]
     if a.cpu_moe and given != [0] and set(given) != {"all"}:  # 0 is the default: not told apart from unset
         raise MoestreamError(

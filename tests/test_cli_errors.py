@@ -154,6 +154,16 @@ def test_n_cpu_moe_auto_without_a_budget_is_refused_before_anything_runs(model_f
         assert_one_clear_line(*run_cli(capsys, *argv, "--device", "cpu"), "--n-cpu-moe auto", "--vram-budget")
 
 
+@pytest.mark.parametrize(("flags", "word"), [(["-ub", "4,8"], "4,8"), (["--expert-cache", "2,999"], "2,999")])
+def test_profile_takes_one_value_of_each_flag_but_stream(model_file, capsys, flags, word):
+    """profile read every engine flag as bench's comma list and ran with the first value, silently."""
+    argv = ["profile", "-m", model_file("tiny", "F32"), "--device", "cpu", "-p", "8", "-r", "1", *flags]
+    with pytest.raises(SystemExit) as e:  # argparse's own refusal now: one line
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("moestream: error:") and word in err[0]
+
+
 def test_make_model_leaves_an_existing_file_whole_when_it_fails(model_file, tmp_path, capsys):
     """A bad flag found half-way (numpy refused the seed) used to leave a 29 KB stub in place of the model."""
     p = tmp_path / "keep.gguf"
