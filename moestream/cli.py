@@ -14,7 +14,7 @@ import threading
 import warnings
 from collections import Counter
 
-from moestream.cli_args import LISTS, at_least, engine_flags, engine_options, int_list, writable
+from moestream.cli_args import LISTS, OWN_DEFAULT, at_least, engine_flags, engine_options, int_list, writable
 from moestream.cli_perf import cmd_bench, cmd_probe, cmd_profile
 from moestream.errors import MoestreamError, is_out_of_memory
 
@@ -52,7 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="architecture, shapes, quant mix and expert bytes of a model file")
     info.add_argument("model")
     info.add_argument("--routing", action="store_true", help="also print per-layer expert load on a random prompt")
-    info.add_argument("--tokens", type=int, default=None, help="prompt length for --routing (default 2048)")
+    info.add_argument(
+        "--tokens", type=int, default=None, help="prompt length for --routing (default 2048)" + OWN_DEFAULT
+    )
     info.add_argument("--device", default="auto")
 
     bench = sub.add_parser("bench", help="prefill/decode tokens/s per placement and schedule, against the floors")

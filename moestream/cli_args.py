@@ -9,6 +9,9 @@ from pathlib import Path
 from moestream.errors import MoestreamError
 from moestream.offload.schedule import SmallBatch
 
+# The help names the default itself (the flag's own default is None: "not given"). Formatting this renders
+# nothing, and its presence keeps argparse's "(default: None)" from being appended.
+OWN_DEFAULT = "%(default).0s"
 LISTS = ("ubatch", "n_cpu_moe", "streamed_layers", "stream", "slots", "prefetch", "expert_cache")  # bench's
 
 
@@ -40,7 +43,9 @@ def engine_flags(p: argparse.ArgumentParser, lists: tuple[str, ...] = ()) -> Non
     )
     p.add_argument("--dtype", default="auto", help="float32, bfloat16 or float16 (default: bf16 on GPU, f32 on CPU)")
     p.add_argument("-ub", "--ubatch", **typed("ubatch", int, int_list, 512), help="prefill micro-batch size")
-    p.add_argument("-c", "--ctx", "--ctx-size", type=int, default=None, help="context size in tokens (default 4096)")
+    p.add_argument(
+        "-c", "--ctx", "--ctx-size", type=int, default=None, help="context size in tokens (default 4096)" + OWN_DEFAULT
+    )
     p.add_argument(
         "-ncmoe",
         "--n-cpu-moe",

@@ -310,3 +310,14 @@ def test_more_experts_than_a_layer_has_is_refused_before_the_weights_load(model_
 
 def test_probe_n_cpu_moe_needs_a_model(capsys):
     assert_one_clear_line(*run_cli(capsys, "probe", "--device", "cpu", "-ncmoe", "5"), "-ncmoe", "-m")
+
+
+@pytest.mark.parametrize("command", ["info", "run", "bench"])
+def test_help_names_each_default_once(capsys, command):
+    """--tokens and --ctx default to None (not given) and name their real default in the help: argparse used to
+    append "(default: None)" after it."""
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    own = "(default 2048)" if command == "info" else "(default 4096)"
+    assert own in text and f"{own} (default: None)" not in text
