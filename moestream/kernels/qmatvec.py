@@ -311,10 +311,15 @@ def linear_each_row(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     rounding, by the row count, and a server's batched decode step must give each sequence the bits of its
     step alone. Larger batches (prefill) multiply at once."""
     if reads_float(x, w):
-        return matvec(w.view(torch.uint8), FLOAT_QTYPES[w.dtype], w.shape[0], x)
+        return matvec(*float_part(w), x)
     if 1 < x.shape[0] <= MAX_TOKENS:
         return torch.cat([F.linear(row, w) for row in x.split(1)])
     return F.linear(x, w)
+
+
+def float_part(w: torch.Tensor) -> tuple[torch.Tensor, GGMLQuantizationType, int]:
+    """A float weight [out, in] as matvec's (raw bytes, type, rows): its rows read as FLOAT_BLOCK-value blocks."""
+    return w.view(torch.uint8), FLOAT_QTYPES[w.dtype], w.shape[0]
 
 
 def reads_float(x: torch.Tensor, w: torch.Tensor) -> bool:

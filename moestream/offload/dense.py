@@ -68,7 +68,7 @@ class DenseWeights(Mapping[str, torch.Tensor]):
             return raw, qtype, shape[0]
         w = self._floats.get(name)
         if w is not None and qmatvec.reads_float(x, w):
-            return w.view(torch.uint8), qmatvec.FLOAT_QTYPES[w.dtype], w.shape[0]
+            return qmatvec.float_part(w)
         return None
 
     def row_chunks(self, name: str, rows: int) -> Iterator[torch.Tensor]:
