@@ -70,6 +70,8 @@ class EngineOptions:
             raise MoestreamError(f"--device {self.device}: expected cpu, cuda or cuda:N")
         if self.device != "cpu" and not torch.cuda.is_available():
             raise MoestreamError(f"--device {self.device}: no CUDA GPU is visible to torch; use --device cpu")
+        if self.device.startswith("cuda:"):
+            _visible("--device", self.device, [self.device])
         if self.dtype == "auto":
             resolve("dtype", "float32" if self.device == "cpu" else "bfloat16")
         if self.dtype not in DTYPES:
@@ -142,9 +144,7 @@ class EngineOptions:
         if cpus != len(names) and (cpus or len(set(names)) < len(names)):
             raise MoestreamError(f"--devices {shown}: give distinct GPUs (cuda:0,cuda:1), or only cpu")
         if names[0] != "cpu":
-            count = torch.cuda.device_count()
-            if any(int(d.split(":")[1]) >= count for d in names):
-                raise MoestreamError(f"--devices {shown}: torch sees {count} GPU(s)")
+            _visible("--devices", shown, names)
         if self.device not in ("auto", names[0]):
             raise MoestreamError(f"--device {self.device} and --devices {shown}: the first of --devices computes")
         split = self.tensor_split
@@ -178,3 +178,11 @@ class EngineOptions:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+
+def _visible(flag: str, shown: str, names: list[str] | tuple[str, ...]) -> None:
+    """Each cuda:N of names is a GPU torch sees, said before a larger index reaches torch."""
+    count = torch.cuda.device_count()
+    if any(int(d.split(":")[1]) >= count for d in names):
+        which = f", cuda:0 to cuda:{count - 1}" if count else ""
+        raise MoestreamError(f"{flag} {shown}: torch sees {count} GPU(s){which}")

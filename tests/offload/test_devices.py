@@ -105,3 +105,20 @@ def test_small_batch_upload_is_refused_with_several_devices():
     """Before any weight moves: the options say so."""
     with pytest.raises(MoestreamError, match="--small-batch upload with several --devices"):
         EngineOptions(devices="cpu,cpu", small_batch="upload")
+
+
+def test_a_gpu_index_torch_does_not_see_is_refused_by_name():
+    """--devices checks each index against the GPUs torch sees (none here: every index)."""
+    n = torch.cuda.device_count()
+    with pytest.raises(MoestreamError, match=f"--devices cuda:{n},cuda:{n + 1}: torch sees {n} GPU"):
+        EngineOptions(devices=f"cuda:{n},cuda:{n + 1}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_device_index_past_the_gpus_is_refused_by_name():
+    """--device cuda:N was checked by its name only; now by the same count as --devices."""
+    n = torch.cuda.device_count()
+    with pytest.raises(MoestreamError, match=f"--device cuda:{n}: torch sees {n} GPU"):
+        EngineOptions(device=f"cuda:{n}")
+    assert EngineOptions(device=f"cuda:{n - 1}").device == f"cuda:{n - 1}"
