@@ -162,12 +162,17 @@ def _size(n: float) -> str:
 
 def cmd_info(a: argparse.Namespace) -> None:
     from moestream.formats.gguf import GGUFFile
+    from moestream.offload.options import EngineOptions
     from moestream.runtime.loader import describe, expert_bytes_per_layer
 
     tokens = 2048 if a.tokens is None else a.tokens
     at_least(tokens, 1, "--tokens")
     if a.tokens is not None and not a.routing:
         raise MoestreamError(f"--tokens {a.tokens} is the prompt length of --routing: give --routing too")
+    if a.device != "auto":
+        if not a.routing:
+            raise MoestreamError(f"--device {a.device} runs --routing's prompt: give --routing too")
+        EngineOptions(device=a.device)  # a bad name now, not after the report
     with GGUFFile(a.model) as f:
         _, s = describe(f)
         if a.routing and tokens > s.n_ctx_train:

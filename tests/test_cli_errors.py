@@ -237,12 +237,17 @@ def test_make_model_layers_past_what_a_file_may_hold(tmp_path, capsys):
         (["--routing", "--tokens", "0"], ["--tokens 0", "at least 1"]),
         (["--tokens", "-5"], ["--tokens -5", "at least 1"]),  # passed silently
         (["--tokens", "16"], ["--tokens", "--routing"]),  # ignored without --routing
+        (["--device", "cpu"], ["--device cpu", "--routing"]),  # ignored without --routing
+        (["--routing", "--device", "cudax"], ["--device cudax", "cuda:N"]),  # said after the whole report
     ],
 )
 def test_info_tokens(model_file, capsys, flags, words):
-    code, line = run_cli(capsys, "info", model_file("tiny", "F32"), "--device", "cpu", *flags)
+    code = main(["info", model_file("tiny", "F32"), "--device", "cpu", *flags])
+    out, err = capsys.readouterr()
+    line = err.strip().splitlines()[-1] if err.strip() else ""
     assert_one_clear_line(code, line, *words)
     assert "--ctx" not in line  # a flag info does not have
+    assert out == ""  # refused before the report, not after it
 
 
 @pytest.mark.parametrize(
