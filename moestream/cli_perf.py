@@ -170,6 +170,7 @@ def cmd_probe(a: argparse.Namespace) -> None:
 
     at_least(a.ubatch, 1, "-ub")
     at_least(a.n_prompt, 1, "-p")
+    at_least(a.n_cpu_moe, 0, "-ncmoe")  # the range first: -ncmoe -1 is wrong with or without -m
     if a.model is None and a.n_cpu_moe:
         raise MoestreamError(
             f"-ncmoe {a.n_cpu_moe} streams layers of a model: give -m MODEL too (without -m, probe measures the "

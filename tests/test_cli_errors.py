@@ -315,6 +315,8 @@ def test_more_experts_than_a_layer_has_is_refused_before_the_weights_load(model_
 
 def test_probe_n_cpu_moe_needs_a_model(capsys):
     assert_one_clear_line(*run_cli(capsys, "probe", "--device", "cpu", "-ncmoe", "5"), "-ncmoe", "-m")
+    # out of range: said as such, with or without -m (it said "give -m MODEL too")
+    assert_one_clear_line(*run_cli(capsys, "probe", "--device", "cpu", "-ncmoe", "-1"), "-ncmoe -1", "at least 0")
 
 
 @pytest.mark.parametrize("command", ["info", "run", "bench"])
