@@ -155,13 +155,16 @@ def rms_norm(
                 sin if rope else x,
                 x.shape[-2] if rope else 1,
                 eps,
-                D=D,
-                BLOCK=triton.next_power_of_2(D),
                 HALF=cos.shape[-1] if rope else 1,
                 ROPE=rope,
-                num_warps=4 if D <= 1024 else 8,
+                **_row_tile(D),
             )
     return y
+
+
+def _row_tile(D: int) -> dict:
+    """The row kernels' launch shape for rows of D values: one tile of the whole row, 8 warps past 1024."""
+    return dict(D=D, BLOCK=triton.next_power_of_2(D), num_warps=4 if D <= 1024 else 8)
 
 
 def add_rms_norm(
@@ -173,9 +176,7 @@ def add_rms_norm(
     D = x.shape[-1]
     if x.numel():
         with on_device(x):
-            _add_rms_norm_kernel[(x.numel() // D,)](
-                x, r, weight, h, y, eps, D=D, BLOCK=triton.next_power_of_2(D), num_warps=4 if D <= 1024 else 8
-            )
+            _add_rms_norm_kernel[(x.numel() // D,)](x, r, weight, h, y, eps, **_row_tile(D))
     return h, y
 
 
@@ -212,10 +213,8 @@ def qkv_store(
                 H,
                 Hkv,
                 eps,
-                D=D,
-                BLOCK=triton.next_power_of_2(D),
                 HALF=cos.shape[-1],
-                num_warps=4 if D <= 1024 else 8,
+                **_row_tile(D),
             )
     return out
 
