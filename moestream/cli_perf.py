@@ -41,11 +41,11 @@ def cmd_bench(a: argparse.Namespace) -> None:
     )
     # every row's values now, and against the model's shapes before its weights load: a bad row would fail
     # only after the rows before it had run
-    rows = [EngineOptions(**(opts | placed)) for placed in sweep.placements()]
+    row_options = [EngineOptions(**(opts | placed)) for placed in sweep.placements()]
 
     def fits(_, n_ctx: int, spec) -> None:
         _fits(longest, n_ctx)
-        for row in rows:
+        for row in row_options:
             check_expert_counts(row, spec)
 
     engine = load(a.model, before_weights=fits, **opts)
