@@ -46,7 +46,8 @@ if triton is not None:
     # Block dots: base [R, B, 1] points at B consecutive blocks of each of R rows, xb [1, B, 1] at the blocks'
     # slices of x, ok [R, 1, 1] masks rows. Each returns [R, B, W] partial products (summed by the caller). They
     # load the packed bytes as contiguous runs (Q4_K as 32-bit words), each scale once per row, and unpack in
-    # registers. Reading Q6_K's 210-byte blocks as 16-bit words instead gained nothing (1.219 vs 1.202 ms).
+    # registers. (Q6_K's 16-bit words once gained nothing, 1.219 vs 1.202 ms, in a dot that loaded each byte
+    # again for every quarter; the one below loads each once.)
 
     @triton.jit
     def _q4_k_scale_min(w1, w2, w3, k):
@@ -109,21 +110,30 @@ if triton is not None:
 
     @triton.jit
     def q6_k_dot(base, xb, ok):
+        """A Q6_K block (210 bytes, 2-byte aligned) read as 16-bit words: per half of 128 elements, lane w
+        loads ql words w and 16 + w and qh word w once, 8 elements of each (bytes 2 w and 2 w + 1, the four
+        quarters j of 32 elements); each 6-bit value times its int8 scale is one integer product, and d
+        multiplies once a block."""
         d = _f16_at(base, 208, ok)
         lane = tl.arange(0, 16)[None, None, :]
+        wp = base.to(tl.pointer_type(tl.int16))
         acc = tl.zeros_like(d) * lane  # [R, B, 16]
-        for h in tl.static_range(2):  # halves of 128: ql bytes 64h.., qh bytes 128+32h..
-            for k in tl.static_range(4):  # quarters of 32: low/high nibble of ql[k % 2 half], 2 bits of qh
-                for g in tl.static_range(2):  # 16 elements under one scale
-                    at = 32 * (k % 2) + 16 * g + lane
-                    ql = tl.load(base + 64 * h + at, mask=ok, other=0).to(tl.int32)
-                    qh = tl.load(base + 128 + 32 * h + 16 * g + lane, mask=ok, other=0).to(tl.int32)
-                    low = (ql & 15) if k < 2 else (ql >> 4)
-                    q = (low | (((qh >> (2 * k)) & 3) << 4)) - 32
-                    sc = tl.load(base + 192 + 8 * h + 2 * k + g, mask=ok, other=0).to(tl.int8, bitcast=True)
-                    xv = tl.load(xb + 128 * h + 32 * k + 16 * g + lane).to(tl.float32)
-                    acc += (d * sc.to(tl.float32)) * q.to(tl.float32) * xv
-        return acc
+        for h in tl.static_range(2):
+            ql_a = tl.load(wp + 32 * h + lane, mask=ok, other=0).to(tl.int32) & 0xFFFF
+            ql_b = tl.load(wp + 32 * h + 16 + lane, mask=ok, other=0).to(tl.int32) & 0xFFFF
+            qh = tl.load(wp + 64 + 16 * h + lane, mask=ok, other=0).to(tl.int32) & 0xFFFF
+            for j in tl.static_range(4):
+                ql = ql_a if j % 2 == 0 else ql_b
+                low = (ql & 0x0F0F) if j < 2 else ((ql >> 4) & 0x0F0F)  # both bytes' nibbles at once
+                q = low | (((qh >> (2 * j)) & 0x0303) << 4)
+                sw = tl.load(wp + 96 + 4 * h + j, mask=ok, other=0).to(tl.int32)  # scales 2 j, 2 j + 1 of half h
+                sc = tl.where(lane < 8, (sw << 24) >> 24, (sw << 16) >> 24)  # lanes 0-7: elements 0-15
+                xe = xb + 128 * h + 32 * j + 2 * lane
+                x0 = tl.load(xe).to(tl.float32)
+                x1 = tl.load(xe + 1).to(tl.float32)
+                acc += (((q & 0xFF) - 32) * sc).to(tl.float32) * x0
+                acc += (((q >> 8) - 32) * sc).to(tl.float32) * x1
+        return d * acc
 
     @triton.jit
     def q8_0_dot(base, xb, ok):
@@ -409,10 +419,11 @@ def matvecs(parts: list[tuple[torch.Tensor, GGMLQuantizationType, int]], x: torc
 
 def _layout(qtype: GGMLQuantizationType, n_in: int, raw: torch.Tensor, at_most: int) -> tuple[int, dict]:
     """The bytes a stored row of n_in elements takes, and the kernels' compile-time constants for it. Every
-    buffer the engine hands in is its own allocation or a map of 32-byte aligned tensor data, so the Q4_K
-    dot's word loads are aligned; a view that is not would read wrong words, hence the check."""
-    if qtype in (Q.Q4_K, Q.Q5_K) and raw.data_ptr() % 4:
-        raise ValueError(f"{qtype.name} blocks must start 4-byte aligned for the quantized matvec (pass a copy)")
+    buffer the engine hands in is its own allocation or a map of 32-byte aligned tensor data, so the K-quant
+    dots' word loads are aligned; a view that is not would read wrong words, hence the check."""
+    align = {Q.Q4_K: 4, Q.Q5_K: 4, Q.Q6_K: 2}.get(qtype, 1)  # the dots' word loads
+    if raw.data_ptr() % align:
+        raise ValueError(f"{qtype.name} blocks must start {align}-byte aligned for the quantized matvec (pass a copy)")
     if qtype in FLOAT_DOTS:  # a float weight, read in blocks of FLOAT_BLOCK values
         block, type_size, at_most = FLOAT_BLOCK, FLOAT_BLOCK * GGML_QUANT_SIZES[qtype][1], FLOAT_BLOCKS_AT_ONCE
     else:

@@ -34,11 +34,14 @@ def test_blocks_loaded_together_divide_the_row():
     assert qmatvec._at_once(6, 4) == 2 and qmatvec._at_once(8, 1) == 1 and qmatvec._at_once(24, 8) == 8
 
 
-def test_q4_k_blocks_off_word_alignment_are_refused():
-    """The Q4_K dot loads 32-bit words: a view starting off a 4-byte boundary would read wrong values."""
-    buf = torch.zeros(2 + 144 * 2, dtype=torch.uint8)
+def test_blocks_off_word_alignment_are_refused():
+    """The Q4_K dot loads 32-bit words, Q6_K's 16-bit words: a view starting off their boundary would read
+    wrong values."""
+    buf = torch.zeros(4 + 210 * 2, dtype=torch.uint8)
     with pytest.raises(ValueError, match="4-byte aligned"):
-        qmatvec._layout(Q.Q4_K, 256, buf[2:].view(2, 144), 1)
+        qmatvec._layout(Q.Q4_K, 256, buf[2 : 2 + 288].view(2, 144), 1)
+    with pytest.raises(ValueError, match="2-byte aligned"):
+        qmatvec._layout(Q.Q6_K, 256, buf[1 : 1 + 420].view(2, 210), 1)
 
 
 @pytest.mark.gpu
