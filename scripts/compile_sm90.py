@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType as Q
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from moestream.kernels import fused
+from moestream.kernels import decode_attention, fused
 from moestream.kernels import qmatvec as qm
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -120,6 +120,23 @@ def main() -> None:
         dict.fromkeys(("x", "r", "w", "h", "y"), "*bf16") | {"eps": "fp32"},
         dict(D=2048, BLOCK=2048),
         warps=8,
+    )
+
+    attention = dict.fromkeys(("q", "k", "v"), "*bf16") | {"positions": "*i64"}
+    attention |= dict.fromkeys(("part", "maxes", "sums"), "*fp32") | {
+        "out": "*bf16",
+        "n_keys": "i32",
+        "qk_scale": "fp32",
+    }
+    attention |= dict.fromkeys(("sqt", "sqh", "sqd", "sks", "skh", "skd", "svs", "svh", "svd"), "i32")
+    for n_chunks in (1, 16):  # a short bucket normalises in the chunk kernel; a long one is combined after
+        consts = dict(HKV=4, G=8, G_PAD=16, DH=128, CHUNK=256, N_CHUNKS=n_chunks, BLOCK_S=64, PRECISION="tf32")
+        build(f"decode attention, {n_chunks} chunk(s) of 256 keys", decode_attention._chunk_kernel, attention, consts)
+    build(
+        "decode attention combine, 16 chunks",
+        decode_attention._combine_kernel,
+        dict.fromkeys(("part", "maxes", "sums"), "*fp32") | {"out": "*bf16"},
+        dict(DH=128, N_CHUNKS=16, BLOCK_C=decode_attention.COMBINE_BLOCK),
     )
 
 

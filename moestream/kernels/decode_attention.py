@@ -1,4 +1,5 @@
-"""Decode attention in two Triton launches: split-K ("flash-decoding") chunks, then a log-sum-exp combine.
+"""Decode attention in two Triton launches: split-K ("flash-decoding") chunks, then a log-sum-exp combine; one
+launch when the keys make a single chunk (buckets under 2 * MIN_CHUNK: short sequences, such as tg128).
 
 The engine's static decode step replays a CUDA graph over a fixed KV bucket with the positions on the
 device. torch's SDPA with a boolean mask (models/layers.masked_attention, the reference) costs about eight
@@ -32,6 +33,7 @@ if triton is not None:
         part,
         maxes,
         sums,
+        out,
         n_keys,
         qk_scale,
         sqt,
@@ -54,7 +56,8 @@ if triton is not None:
     ):
         """One token, one KV head, one chunk of keys: the unnormalised output [G, DH] of its query heads,
         with the running max (log2 units) and sum of the softmax. A chunk past the token's position
-        leaves max -inf, sum 0 and output 0."""
+        leaves max -inf, sum 0 and output 0. The only chunk (N_CHUNKS 1) holds key 0 and writes the
+        normalised output itself: what the combine would compute, in the same float32 operations."""
         t = tl.program_id(0) // HKV
         kvh = tl.program_id(0) % HKV
         c = tl.program_id(1)
@@ -82,10 +85,16 @@ if triton is not None:
                 acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
                 l_i = l_i * alpha + tl.sum(p, axis=1)
                 m_i = m_new
-        row = (t * HKV * G + head) * N_CHUNKS + c
-        tl.store(part + row[:, None] * DH + d[None, :], acc, mask=real[:, None])
-        tl.store(maxes + row, m_i, mask=real)
-        tl.store(sums + row, l_i, mask=real)
+        if N_CHUNKS == 1:
+            r = t * HKV * G + head
+            tl.store(
+                out + r[:, None] * DH + d[None, :], (acc / l_i[:, None]).to(out.dtype.element_ty), mask=real[:, None]
+            )
+        else:
+            row = (t * HKV * G + head) * N_CHUNKS + c
+            tl.store(part + row[:, None] * DH + d[None, :], acc, mask=real[:, None])
+            tl.store(maxes + row, m_i, mask=real)
+            tl.store(sums + row, l_i, mask=real)
 
     @triton.jit
     def _combine_kernel(part, maxes, sums, out, DH: tl.constexpr, N_CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -138,9 +147,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
     block = min(64, 16384 // (Dh * q.element_size()))  # K and V tiles of at most 16 KiB: no register spills
     chunk = chunk_size(S, T * Hkv, block)
     n_chunks = triton.cdiv(S, chunk)
-    part = torch.empty((T * H, n_chunks, Dh), dtype=torch.float32, device=q.device)
-    stats = torch.empty((2, T * H, n_chunks), dtype=torch.float32, device=q.device)  # running max, sum
     out = torch.empty((T, H, Dh), dtype=q.dtype, device=q.device)
+    if n_chunks == 1:  # the chunk kernel normalises: no partials, no combine
+        part, stats = out, (out, out)
+    else:
+        part = torch.empty((T * H, n_chunks, Dh), dtype=torch.float32, device=q.device)
+        stats = torch.empty((2, T * H, n_chunks), dtype=torch.float32, device=q.device)  # running max, sum
     with on_device(q):
         _chunk_kernel[(T * Hkv, n_chunks)](
             q,
@@ -149,6 +161,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
             positions,
             part,
             *stats,
+            out,
             S,
             math.log2(math.e) / math.sqrt(Dh),
             *q.stride(),
@@ -163,7 +176,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
             BLOCK_S=block,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # tf32 only applies to float32 inputs
         )
-        _combine_kernel[(T * H,)](
-            part, *stats, out, DH=Dh, N_CHUNKS=n_chunks, BLOCK_C=min(COMBINE_BLOCK, triton.next_power_of_2(n_chunks))
-        )
+        if n_chunks > 1:
+            _combine_kernel[(T * H,)](
+                part,
+                *stats,
+                out,
+                DH=Dh,
+                N_CHUNKS=n_chunks,
+                BLOCK_C=min(COMBINE_BLOCK, triton.next_power_of_2(n_chunks)),
+            )
     return out

@@ -144,10 +144,10 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     """Softmax attention of q [T, H, Dh] over k, v [S, Hkv, Dh], query t seeing keys 0..positions[t].
 
     For static batches (decode steps replayed from a graph): S is fixed and the mask comes from device
-    positions. On a GPU kernels/decode_attention.py does it in two launches; elsewhere SDPA with a boolean
+    positions. On a GPU kernels/decode_attention.py does it in one or two launches; elsewhere SDPA with a boolean
     mask, the query heads sharing a KV head going in as rows of one group, so K and V are read once.
     """
-    if decode_attention.usable(q):  # two launches, masking from the positions itself
+    if decode_attention.usable(q):  # one or two launches, masking from the positions itself
         return decode_attention.attention(q, k, v, positions)
     T, H, Dh = q.shape
     S, Hkv, _ = k.shape

@@ -24,6 +24,7 @@ CASES = [  # T, H, Hkv, Dh, S, positions
     (2, 16, 4, 64, 256, [17, 255]),
     (2, 16, 2, 256, 1024, [600, 1023]),
     (1, 8, 2, 128, 64, [63]),
+    (1, 32, 4, 128, 256, [100]),  # qwen3-30b's first bucket: one chunk, which normalises itself (no combine)
 ]
 
 
