@@ -3,7 +3,7 @@
 # Usage (on the GPU machine): bash scripts/gpu_session.sh STEP... with STEP one of
 #   tests    pytest -m gpu (without fla's kernels: `fla` runs those, ~100 s of autotuning; tests/serving/test_app.py
 #            needs httpx2/openai, which the GPU image lacks)
-#   quick    the matvec, fused-kernel and decode GPU tests alone (~1 min)
+#   quick    the matvec, fused-kernel, decode-attention and decode GPU tests alone (~2 min)
 #   model    generate the qwen3-30b-a3b Q4_K_M model (skipped when a warm machine still has it) + routing
 #   pp512 pp2048 long profile decode decodediag prefetch cachediag cpuexp alloc   issue-3/4/10 benches on it
 #   trees    tg128 resident on the slice for each worktree in $TREES, then this tree (side by side, 3 rounds)
@@ -43,7 +43,7 @@ for step in "$@"; do
              --ignore tests/serving/test_app.py 2>&1 \
              | tee -a "$OUT/gpu_tests.txt" | tail -25 ;;
     quick) python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_qmatvec.py tests/kernels/test_fused.py \
-             tests/runtime/test_decode_gpu.py 2>&1 | tee -a "$OUT/gpu_tests.txt" | tail -8 ;;
+             tests/kernels/test_decode_attention.py tests/runtime/test_decode_gpu.py 2>&1 | tee -a "$OUT/gpu_tests.txt" | tail -8 ;;
     fla) python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/models/test_deltanet_gpu.py 2>&1 \
            | tee -a "$OUT/gpu_tests.txt" | tail -25 ;;  # ~100 s: fla autotunes its kernels on first use
     model) { make_model $MODEL qwen3-30b-a3b; $MS info $MODEL --routing --tokens 2048 2>&1 | quiet | tail -60; } \
