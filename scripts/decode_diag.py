@@ -14,7 +14,38 @@ import torch
 
 import moestream
 from moestream.kernels import qmatvec
+from moestream.kernels.dequant import triton
 from moestream.kernels.gather import RowGather
+
+if triton is not None:
+    import triton.language as tl
+    from gguf import GGMLQuantizationType as Q
+
+    from moestream.kernels.dequant import _f16_at
+
+    @triton.jit
+    def q6_k_dot_bytes(base, xb, ok):
+        """The Q6_K dot before 16-bit words (main up to 664d23a), for the side-by-side column: one byte a lane,
+        each ql/qh byte loaded again for every quarter, d * scale per element."""
+        d = _f16_at(base, 208, ok)
+        lane = tl.arange(0, 16)[None, None, :]
+        acc = tl.zeros_like(d) * lane
+        for h in tl.static_range(2):
+            for k in tl.static_range(4):
+                for g in tl.static_range(2):
+                    at = 32 * (k % 2) + 16 * g + lane
+                    ql = tl.load(base + 64 * h + at, mask=ok, other=0).to(tl.int32)
+                    qh = tl.load(base + 128 + 32 * h + 16 * g + lane, mask=ok, other=0).to(tl.int32)
+                    low = (ql & 15) if k < 2 else (ql >> 4)
+                    q = (low | (((qh >> (2 * k)) & 3) << 4)) - 32
+                    sc = tl.load(base + 192 + 8 * h + 2 * k + g, mask=ok, other=0).to(tl.int8, bitcast=True)
+                    xv = tl.load(xb + 128 * h + 32 * k + 16 * g + lane).to(tl.float32)
+                    acc += (d * sc.to(tl.float32)) * q.to(tl.float32) * xv
+        return acc
+
+    OLD_Q6_K = dict(DOTS=qmatvec.DOTS | {Q.Q6_K: q6_k_dot_bytes})
+else:
+    OLD_Q6_K = {}
 
 
 def _steps(n: int = 72) -> list[int]:
@@ -46,6 +77,7 @@ VARIANTS = {  # qmatvec's tile settings
     "rows 4": dict(ROWS_PER_PROGRAM=4),
     "rows 16": dict(ROWS_PER_PROGRAM=16),
     "no grid minimum": dict(PROGRAMS_PER_SM=0),
+    "Q6_K dot before 16-bit words": OLD_Q6_K,
 }
 
 

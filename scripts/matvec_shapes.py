@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 import torch
-from decode_diag import kernel_cases  # scripts/ is on the path when run as a script
+from decode_diag import OLD_Q6_K, kernel_cases  # scripts/ is on the path when run as a script
 
 import moestream
 from moestream.kernels import qmatvec
@@ -25,6 +25,8 @@ SETTINGS = {  # name: qmatvec module settings (gate+up's blocks at once: 1 unles
     "B8 r4 w4": dict(BLOCKS_AT_ONCE=8, ROWS_PER_PROGRAM=4, WARPS=4),
     "B8 r2 w2": dict(BLOCKS_AT_ONCE=8, ROWS_PER_PROGRAM=2, WARPS=2),
     "B2 r8 w8": dict(BLOCKS_AT_ONCE=2, ROWS_PER_PROGRAM=8, WARPS=8),
+    "B4 oldQ6": dict(BLOCKS_AT_ONCE=4, GATE_UP_BLOCKS_AT_ONCE=1, **OLD_Q6_K),  # the defaults, Q6_K's dot before
+    "B2 oldQ6": dict(BLOCKS_AT_ONCE=2, GATE_UP_BLOCKS_AT_ONCE=2, **OLD_Q6_K),
 }
 
 
