@@ -3,6 +3,8 @@ memory, for single matrices and expert stacks."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -15,6 +17,13 @@ from moestream.kernels.qmatvec import matvec
 from moestream.offload.host import PinnedRanges
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+# Triton's interpreter (TRITON_INTERPRET=1, triton importable) runs the kernels on CPU tensors: the tests that
+# take DEVICE run there too (float32 only checked tightly), e.g. before device time is spent
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and bool(qmatvec.DOTS)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+gpu_or_interpreter = pytest.mark.skipif(
+    not (torch.cuda.is_available() or INTERPRETED), reason="needs CUDA or Triton's interpreter"
+)
 
 
 def test_tiles_shrink_until_the_grid_spreads():
@@ -72,6 +81,41 @@ def test_matvec_matches_dequantized_product(qtype, where, n_in, own_pages):
         assert float((got16.float() - ref).abs().max() / ref.abs().max()) < 2e-2
     finally:
         pinned.unregister()
+
+
+def _q6_k_bit_patterns(rng: np.random.Generator, rows: tuple[int, ...], n_in: int) -> np.ndarray:
+    """Q6_K rows of random bytes (every ql/qh bit pattern, scales of both signs) with finite d, and blocks at
+    the extremes: every 6-bit value 63 or 0 (q = 31, -32), every scale -128, 127 or a mix of both signs."""
+    b = rng.integers(0, 256, size=(*rows, n_in // 256, 210), dtype=np.uint8)
+    flat = b.reshape(-1, 210)
+    flat[0::5, :192], flat[1::5, :192] = 0xFF, 0x00
+    flat[0::3, 192:208], flat[1::3, 192:208] = 0x80, 0x7F
+    flat[2::3, 192:208] = np.tile(np.array([0x80, 0x7F, 0x81, 0x01, 0xFF, 0x00, 0x7E, 0xC0], np.uint8), 2)
+    d = (rng.standard_normal(len(flat)) * rng.choice([0.01, 1.0], len(flat))).astype(np.float16)
+    flat[:, 208:210] = d.view(np.uint8).reshape(-1, 2)
+    return b.reshape(*rows, -1)
+
+
+@pytest.mark.gpu
+@gpu_or_interpreter
+@pytest.mark.parametrize("stacked", [False, True])
+@pytest.mark.parametrize("n_in", [256, 768, 2048])  # 1, 3 (one at a time) and 8 blocks (loaded together) a row
+def test_q6_k_dot_reads_every_bit_pattern(n_in, stacked):
+    """The Q6_K dot's 16-bit words (two elements a lane, the int8 scale pair sign-extended per lane half)
+    against the dequantized product, in float32, over all bit patterns and the extreme scales."""
+    rng = np.random.default_rng(6)
+    stored = _q6_k_bit_patterns(rng, (4, 19) if stacked else (19,), n_in)  # 19: a partial tile
+    W = quants.dequantize(torch.from_numpy(stored), Q.Q6_K, (*stored.shape[:-1], n_in), torch.float32).double()
+    raw = torch.from_numpy(stored).to(DEVICE)
+    x = torch.randn(3, n_in, generator=torch.Generator().manual_seed(n_in))
+    if stacked:
+        mats = torch.tensor([3, 0, 3])
+        got = matvec(raw, Q.Q6_K, 19, x.to(DEVICE), mats.to(DEVICE)).cpu()
+        ref = torch.einsum("pod,pd->po", W[mats], x.double())
+    else:
+        got = matvec(raw, Q.Q6_K, 19, x.to(DEVICE)).cpu()
+        ref = x.double() @ W.T
+    assert float((got.double() - ref).abs().max() / ref.abs().max()) < 1e-5
 
 
 def test_a_few_rows_multiply_as_each_would_alone():
