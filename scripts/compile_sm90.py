@@ -1,6 +1,7 @@
 """Compile the decode kernels for the H200 (sm_90) on a machine without a GPU, with the ptxas that
 ships in Triton's wheel: a compile error shows here, not in the first minutes of device time. Needs triton
-(`pip install triton==3.6.0`); prints each kernel's static SASS instruction count.
+(`pip install triton==3.6.0`); prints each kernel's static SASS instruction count
+and its int-to-float conversions.
 
     python scripts/compile_sm90.py
 """
@@ -36,7 +37,8 @@ def build(label: str, fn, signature: dict, constexprs: dict, warps: int = 4) -> 
         f.flush()
         sass = subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True).stdout
     n = len(re.findall(r"/\*[0-9a-f]{4}\*/\s+\S", sass))
-    print(f"{label:<40} compiled in {time.time() - start:4.1f} s, {n} SASS instructions", flush=True)
+    i2f = len(re.findall(r"\bI2F", sass))  # int to float: 16 a clock on an SM, an eighth of FFMA's rate
+    print(f"{label:<40} compiled in {time.time() - start:4.1f} s, {n} SASS instructions, {i2f} I2F", flush=True)
 
 
 def main() -> None:

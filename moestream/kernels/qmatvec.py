@@ -50,13 +50,20 @@ if triton is not None:
     # again for every quarter; the one below loads each once.)
 
     @triton.jit
+    def _exact_f32(v):
+        """float32 of an int32 v with |v| < 2**22, exactly and without I2F, which an SM runs at 16 a clock (an
+        eighth of FFMA's rate; the K-quant dots converted each element): the float whose bits are those of
+        1.5 * 2**23 plus v is 1.5 * 2**23 + v, and one FADD takes the offset off."""
+        return (v + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+
+    @triton.jit
     def _q4_k_scale_min(w1, w2, w3, k):
         """The 6-bit scale and min of sub-block k ([1, 1, W] int32, of 8) from the block's scale words w1..w3."""
         sh = 8 * (k % 4)
         lo = k < 4
         sc = tl.where(lo, (w1 >> sh) & 63, ((w3 >> sh) & 15) | (((w1 >> (sh + 6)) & 3) << 4))
         mn = tl.where(lo, (w2 >> sh) & 63, ((w3 >> (sh + 4)) & 15) | (((w2 >> (sh + 6)) & 3) << 4))
-        return sc.to(tl.float32), mn.to(tl.float32)
+        return _exact_f32(sc), _exact_f32(mn)
 
     @triton.jit
     def q4_k_dot(base, xb, ok):
@@ -94,13 +101,13 @@ if triton is not None:
                 q_lo |= ((qh >> (8 * b)) & 1) << 4
                 q_hi |= ((qh >> (8 * b + 1)) & 1) << 4
             if b == 0:
-                s_lo = q_lo.to(tl.float32) * xl
-                s_hi = q_hi.to(tl.float32) * xh
+                s_lo = _exact_f32(q_lo) * xl
+                s_hi = _exact_f32(q_hi) * xh
                 x_lo = xl
                 x_hi = xh
             else:
-                s_lo += q_lo.to(tl.float32) * xl
-                s_hi += q_hi.to(tl.float32) * xh
+                s_lo += _exact_f32(q_lo) * xl
+                s_hi += _exact_f32(q_hi) * xh
                 x_lo += xl
                 x_hi += xh
         k = 2 * (lane // 8)  # low nibbles: sub-block 2j, high: 2j + 1
@@ -131,8 +138,8 @@ if triton is not None:
                 xe = xb + 128 * h + 32 * j + 2 * lane
                 x0 = tl.load(xe).to(tl.float32)
                 x1 = tl.load(xe + 1).to(tl.float32)
-                acc += (((q & 0xFF) - 32) * sc).to(tl.float32) * x0
-                acc += (((q >> 8) - 32) * sc).to(tl.float32) * x1
+                acc += _exact_f32(((q & 0xFF) - 32) * sc) * x0
+                acc += _exact_f32(((q >> 8) - 32) * sc) * x1
         return d * acc
 
     @triton.jit
