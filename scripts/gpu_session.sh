@@ -6,7 +6,8 @@
 #   quick    the matvec, fused-kernel, decode-attention and decode GPU tests alone (~2 min)
 #   model    generate the qwen3-30b-a3b Q4_K_M model (skipped when a warm machine still has it) + routing
 #   pp512 pp2048 long profile decode decodediag prefetch cachediag cpuexp alloc   issue-3/4/10 benches on it
-#   trees    tg128 resident on the slice for each worktree in $TREES, then this tree (side by side, 3 rounds)
+#   trees    tg128 resident on the slice (or $TREE_MODEL) for each worktree in $TREES and this tree (side by side,
+#            $ROUNDS rounds, 3, the order turning each round)
 #   shapes   each quantized decode kernel of the 8-layer slice alone, per tile setting (matvec_shapes.py)
 #   small    an 8-layer slice of the benchmark model ($SMALL_PRESET to slice another preset): decode_diag.py (tile settings, kernel table) + cpuexp
 #   loadtest the server load test (issue 13) with the benchmark model (batched, then each sequence alone),
@@ -75,11 +76,14 @@ for step in "$@"; do
            OMP_WAIT_POLICY=passive python3 scripts/cpu_experts.py $SMALL --layer 1 --threads 16 2>&1 \
              | tee -a "$OUT/diag.txt" ;;
     trees) # side by side with other trees (git worktrees inside this one, carried): tg128 resident on the 8-layer
-           # slice, each tree of $TREES and then this one, $ROUNDS rounds (3)
-           make_small
+           # slice, each tree of $TREES and this one, $ROUNDS rounds (3), each round starting one tree later (the
+           # tree run last in every round once measured 8% under the tree before it)
+           [[ -n ${TREE_MODEL:-} ]] || make_small  # TREE_MODEL=$MODEL (after `model`): the whole model instead
+           all=(${TREES:-} .)
            for round in $(seq ${ROUNDS:-3}); do
-             for tree in ${TREES:-} .; do
-               (cd "$tree" && PYTHONPATH=/tmp/site:$PWD $MS bench -m $SMALL -ncmoe 0 -r 3 -p 0 -n 128 --no-floors 2>&1 \
+             for i in "${!all[@]}"; do
+               tree=${all[$(( (i + round - 1) % ${#all[@]} ))]}
+               (cd "$tree" && PYTHONPATH=/tmp/site:$PWD $MS bench -m ${TREE_MODEL:-$SMALL} -ncmoe 0 -r 3 -p 0 -n 128 --no-floors 2>&1 \
                  | grep "| *tg128" | sed "s|^|$tree round $round |" | tee -a "$OUT/bench.txt")
              done
            done ;;
