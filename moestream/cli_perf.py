@@ -180,13 +180,15 @@ def cmd_probe(a: argparse.Namespace) -> None:
     spec, streamed, registered = None, 0, None
     if a.model is not None:  # -m '': the file's own error
         from moestream.formats.gguf import GGUFFile
+        from moestream.offload.builder import streamed_layers
         from moestream.runtime.loader import describe, expert_bytes_per_layer
 
         with GGUFFile(a.model) as f:
             _, spec = describe(f)
-            if not 0 <= a.n_cpu_moe <= spec.n_layer:
-                raise MoestreamError(f"--n-cpu-moe {a.n_cpu_moe}: must be between 0 and {spec.n_layer} (layers)")
-            streamed = sum(expert_bytes_per_layer(f, spec)[: a.n_cpu_moe])
+            n_cpu_moe, note = streamed_layers(a.n_cpu_moe, spec.n_layer)
+            if note:
+                print(note)
+            streamed = sum(expert_bytes_per_layer(f, spec)[:n_cpu_moe])
             if device.type == "cuda":
                 registered = registered_rate(device, max(f.tensors.values(), key=lambda t: t.nbytes).data)
     size = 1 << 30 if device.type == "cuda" else 1 << 26

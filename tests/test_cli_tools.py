@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import matplotlib.image
 
@@ -86,6 +87,18 @@ def test_probe_prints_rates_and_floors(model_file, capsys):
     )
     out = capsys.readouterr().out
     assert "pinned" in out and "TFLOP/s" in out and "transfer: token-major" in out
+
+
+def test_probe_reads_n_cpu_moe_past_the_layers_as_every_layer_like_run(model_file, capsys):
+    """llama.cpp users write -ncmoe 99 for "all": run and bench stream every layer, so probe's floors do too."""
+    path = model_file("tiny", "Q4_K_M")
+    floors = {}
+    for n in ("2", "99"):  # tiny has 2 layers
+        assert main(["probe", "--device", "cpu", "-m", path, "-p", "64", "-ub", "32", "-ncmoe", n]) == 0
+        out = capsys.readouterr().out
+        floors[n] = re.search(r"\(\d+ x [\d.]+ GB\)", out).group()  # the bytes streamed, not the rates
+    assert "every layer streams, as in llama.cpp" in out
+    assert floors["99"] == floors["2"]
 
 
 def test_run_streams_text_with_experts_in_host_ram(model_file, capsys):

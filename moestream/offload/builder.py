@@ -92,6 +92,17 @@ class Offload:
         return "\n".join(lines)
 
 
+def streamed_layers(n_cpu_moe: int | str, n_layer: int) -> tuple[int | str, str]:
+    """-ncmoe as the placement reads it, and a note when not literally: llama.cpp users write -ncmoe 99 for
+    every layer, and "all" is n_layer; "auto" stays for the planner."""
+    if n_cpu_moe == "all":
+        return n_layer, ""
+    if isinstance(n_cpu_moe, int) and n_cpu_moe > n_layer:
+        note = f"--n-cpu-moe {n_cpu_moe} is more than the {n_layer} layers: every layer streams, as in llama.cpp"
+        return n_layer, note
+    return n_cpu_moe, ""
+
+
 def check_expert_counts(opts: EngineOptions, spec) -> None:
     """--prefetch and --expert-cache count experts of a layer: at most the model's (the loader asks before any
     weight moves; each placement built asks again, for options changed since)."""
@@ -128,11 +139,7 @@ def build_offload(
         workspace=workspace_bytes(spec, opts.ubatch, n_ctx, dtype),
         prefetch=ring_bytes(tensors, tensors, n_guess, spec.n_expert_used) if n_guess and may_gather else 0,
     )
-    n_cpu_moe = spec.n_layer if opts.n_cpu_moe == "all" else opts.n_cpu_moe
-    note = ""
-    if isinstance(n_cpu_moe, int) and n_cpu_moe > spec.n_layer:  # llama.cpp users write -ncmoe 99 for "all"
-        note = f"--n-cpu-moe {n_cpu_moe} is more than the {spec.n_layer} layers: every layer streams, as in llama.cpp"
-        n_cpu_moe = spec.n_layer
+    n_cpu_moe, note = streamed_layers(opts.n_cpu_moe, spec.n_layer)
     budget = parse_size(opts.vram_budget)
     placement = plan(
         [tensors[il].nbytes for il in range(spec.n_layer)],
