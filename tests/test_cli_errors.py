@@ -62,6 +62,11 @@ def test_missing_file(tmp_path, capsys):
     assert_one_clear_line(*run_cli(capsys, "info", str(tmp_path / "nope.gguf")), "no such file")
 
 
+def test_a_blank_path_is_shown_quoted(capsys):
+    """`info ' '` said ' : no such file': the path is whitespace, so it is quoted to be seen."""
+    assert_one_clear_line(*run_cli(capsys, "info", " "), "' ': no such file")
+
+
 @pytest.mark.parametrize("keep", [0.5, 0.999, 0.01])
 def test_truncated(model_file, tmp_path, capsys, keep):
     data = open(model_file("tiny", "Q8_0"), "rb").read()

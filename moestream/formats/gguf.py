@@ -47,7 +47,8 @@ class GGUFFile:
                 what = "is not a regular file (a pipe or device cannot be memory-mapped)"
             else:
                 what = "no such file"
-            raise MoestreamError(f"{self.path}: {what}; pass the path of a .gguf model file")
+            shown = str(self.path) if str(self.path).strip() == str(self.path) else repr(str(self.path))  # ' '
+            raise MoestreamError(f"{shown}: {what}; pass the path of a .gguf model file")
         with open(self.path, "rb") as f:
             magic = f.read(4)
         if magic != b"GGUF":
