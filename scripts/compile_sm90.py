@@ -29,8 +29,10 @@ SIZES = {Q.Q4_K: (256, 144), Q.Q5_K: (256, 176), Q.Q6_K: (256, 210), Q.Q8_0: (32
 
 def build(label: str, fn, signature: dict, constexprs: dict, warps: int = 4) -> None:
     start = time.time()
-    k = triton.compile(
-        ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=TARGET, options={"num_warps": warps}
+    k = triton.compile(  # with programmatic dependent launch, as the GPU runs them (dequant.PDL)
+        ASTSource(fn=fn, signature=signature, constexprs=constexprs | {"PDL": True}),
+        target=TARGET,
+        options={"num_warps": warps, "launch_pdl": True},
     )
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from moestream.kernels.dequant import on_device, triton
+from moestream.kernels.dequant import on_device, pdl, triton
 
 MIN_CHUNK = 256  # keys a chunk holds at least: fewer and the combine's traffic and launch overhead dominate
 TARGET_PROGRAMS = 256  # chunk programs to aim for on long buckets: about two per SM of an H200 (132 SMs)
@@ -23,6 +23,8 @@ COMBINE_BLOCK = 16  # chunks the combine reads at a time
 
 if triton is not None:
     import triton.language as tl
+
+    from moestream.kernels.dequant import pdl_start
 
     @triton.jit
     def _chunk_kernel(
@@ -53,11 +55,13 @@ if triton is not None:
         N_CHUNKS: tl.constexpr,
         BLOCK_S: tl.constexpr,
         PRECISION: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """One token, one KV head, one chunk of keys: the unnormalised output [G, DH] of its query heads,
         with the running max (log2 units) and sum of the softmax. A chunk past the token's position
         leaves max -inf, sum 0 and output 0. The only chunk (N_CHUNKS 1) holds key 0 and writes the
         normalised output itself: what the combine would compute, in the same float32 operations."""
+        pdl_start(PDL)
         t = tl.program_id(0) // HKV
         kvh = tl.program_id(0) % HKV
         c = tl.program_id(1)
@@ -97,8 +101,11 @@ if triton is not None:
             tl.store(sums + row, l_i, mask=real)
 
     @triton.jit
-    def _combine_kernel(part, maxes, sums, out, DH: tl.constexpr, N_CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr):
+    def _combine_kernel(
+        part, maxes, sums, out, DH: tl.constexpr, N_CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr
+    ):
         """One token and query head: its chunks' outputs weighted by their softmax mass, normalised."""
+        pdl_start(PDL)
         r = tl.program_id(0)  # t * H + h
         d = tl.arange(0, DH)
         c = tl.arange(0, BLOCK_C)
@@ -175,6 +182,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
             N_CHUNKS=n_chunks,
             BLOCK_S=block,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # tf32 only applies to float32 inputs
+            **pdl(q),
         )
         if n_chunks > 1:
             _combine_kernel[(T * H,)](
@@ -184,5 +192,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
                 DH=Dh,
                 N_CHUNKS=n_chunks,
                 BLOCK_C=min(COMBINE_BLOCK, triton.next_power_of_2(n_chunks)),
+                **pdl(q),
             )
     return out

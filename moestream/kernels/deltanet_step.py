@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import torch
 
-from moestream.kernels.dequant import on_device, triton
+from moestream.kernels.dequant import on_device, pdl, triton
 
 if triton is not None:
     import triton.language as tl
 
+    from moestream.kernels.dequant import pdl_start
+
     @triton.jit
-    def _conv_kernel(x, w, conv, y, C, K: tl.constexpr, BLOCK: tl.constexpr):
+    def _conv_kernel(x, w, conv, y, C, K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         """y[c] = silu(sum_tap w[c, tap] * (conv_state ++ x)[tap, c]); the state shifts by one input."""
+        pdl_start(PDL)
         c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = c < C
         xc = tl.load(x + c, mask=ok, other=0).to(tl.float32)
@@ -36,8 +39,9 @@ if triton is not None:
     @triton.jit
     def _rule_kernel(
         y, alpha, beta, z, dt_bias, ssm_a, norm, state, out, eps, scale, Hk,
-        Dk: tl.constexpr, Dv: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CHUNK: tl.constexpr,
+        Dk: tl.constexpr, Dv: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        pdl_start(PDL)
         h = tl.program_id(0)  # value head; it reads key head h % Hk (the file tiles value heads over key heads)
         q_at = y + (h % Hk) * Dk  # y = [q of Hk heads | k of Hk heads | v of Hv heads], after the convolution
         k_at = q_at + Hk * Dk
@@ -111,7 +115,7 @@ def decode_step(
     block = 1024
     with on_device(qkv):
         _conv_kernel[(triton.cdiv(C, block),)](
-            qkv.contiguous(), conv_weight.contiguous(), conv_state, y, C, K=K, BLOCK=block
+            qkv.contiguous(), conv_weight.contiguous(), conv_state, y, C, K=K, BLOCK=block, **pdl(y)
         )
         _rule_kernel[(Hv,)](
             y,
@@ -132,5 +136,6 @@ def decode_step(
             BV=triton.next_power_of_2(Dv),
             CHUNK=16,
             num_warps=4,
+            **pdl(y),
         )
     return out

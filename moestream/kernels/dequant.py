@@ -10,6 +10,7 @@ float32 rounding, not bit for bit; every GPU path uses the same kernel, so sched
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -25,6 +26,10 @@ except ImportError:
     triton = None
 
 BLOCKS_PER_PROGRAM = 8
+# Programmatic dependent launch for the decode kernels: each may be scheduled while the kernel before it in the
+# stream still runs, and waits on the GPU (griddepcontrol.wait) before it touches memory, so a launch's gap
+# hides behind the kernel before it. Hopper on; never where Triton interprets (inline PTX).
+PDL = True
 
 
 def on_device(t: torch.Tensor):
@@ -33,7 +38,27 @@ def on_device(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
+def pdl(t: torch.Tensor) -> dict:
+    """A decode kernel's launch options for tensors like t: its PDL constexpr and Triton's launch_pdl."""
+    on = PDL and t.is_cuda and _capability(t.device) >= (9, 0)
+    return dict(PDL=on, launch_pdl=on)
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
 if triton is not None:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    @triton.jit
+    def pdl_start(PDL: tl.constexpr):
+        """A decode kernel's first step: under PDL, wait until the grids before it have finished and their
+        writes are visible, then let the next kernel be scheduled (it waits the same way)."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
 
     @triton.jit
     def _f16_at(base, offset, ok):

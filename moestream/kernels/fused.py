@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from moestream.kernels.dequant import on_device, triton
+from moestream.kernels.dequant import on_device, pdl, triton
 
 if triton is not None:
     import triton.language as tl
+
+    from moestream.kernels.dequant import pdl_start
 
     @triton.jit
     def _norm_row(x, w, y, cos, sin, eps, D: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr, ROPE: tl.constexpr):
@@ -42,15 +44,28 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_kernel(
-        x, w, y, cos, sin, n_heads, eps, D: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr, ROPE: tl.constexpr
+        x,
+        w,
+        y,
+        cos,
+        sin,
+        n_heads,
+        eps,
+        D: tl.constexpr,
+        BLOCK: tl.constexpr,
+        HALF: tl.constexpr,
+        ROPE: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        pdl_start(PDL)
         row = tl.program_id(0).to(tl.int64)  # one row of D (a token, or a token's head)
         t = row // n_heads
         _norm_row(x + row * D, w, y + row * D, cos + t * HALF, sin + t * HALF, eps, D, BLOCK, HALF, ROPE)
 
     @triton.jit
-    def _add_rms_norm_kernel(x, r, w, h, y, eps, D: tl.constexpr, BLOCK: tl.constexpr):
+    def _add_rms_norm_kernel(x, r, w, h, y, eps, D: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         """h = x + r (rounded as torch's add), y = RMSNorm(h): a layer's residual add and the norm after it."""
+        pdl_start(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         ok = offs < D
@@ -80,9 +95,11 @@ if triton is not None:
         D: tl.constexpr,
         BLOCK: tl.constexpr,
         HALF: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """One program a head of token t: q heads normed and turned into q_out, k heads normed and turned into
         the cache row at positions[t], v heads copied there."""
+        pdl_start(PDL)
         t = tl.program_id(0).to(tl.int64) // (H + 2 * HKV)
         head = tl.program_id(0).to(tl.int64) % (H + 2 * HKV)
         at = tl.load(positions + t).to(tl.int64)
@@ -102,8 +119,17 @@ if triton is not None:
 
     @triton.jit
     def _softmax_topk_kernel(
-        logits, w_out, id_out, E, K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr
+        logits,
+        w_out,
+        id_out,
+        E,
+        K: tl.constexpr,
+        KP: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+        RENORM: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        pdl_start(PDL)
         t = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK_E)
         ok = offs < E
@@ -158,6 +184,7 @@ def rms_norm(
                 HALF=cos.shape[-1] if rope else 1,
                 ROPE=rope,
                 **_row_tile(D),
+                **pdl(x),
             )
     return y
 
@@ -176,7 +203,7 @@ def add_rms_norm(
     D = x.shape[-1]
     if x.numel():
         with on_device(x):
-            _add_rms_norm_kernel[(x.numel() // D,)](x, r, weight, h, y, eps, **_row_tile(D))
+            _add_rms_norm_kernel[(x.numel() // D,)](x, r, weight, h, y, eps, **_row_tile(D), **pdl(x))
     return h, y
 
 
@@ -215,6 +242,7 @@ def qkv_store(
                 eps,
                 HALF=cos.shape[-1],
                 **_row_tile(D),
+                **pdl(q),
             )
     return out
 
@@ -237,5 +265,6 @@ def softmax_topk(logits: torch.Tensor, k: int, renorm: bool, dtype: torch.dtype)
                 KP=triton.next_power_of_2(k),
                 BLOCK_E=triton.next_power_of_2(E),
                 RENORM=renorm,
+                **pdl(logits),
             )
     return weights, ids

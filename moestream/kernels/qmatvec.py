@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from moestream.kernels.dequant import on_device, triton
+from moestream.kernels.dequant import on_device, pdl, triton
 
 Q = GGMLQuantizationType
 
@@ -41,7 +41,7 @@ MAX_TOKENS = 4  # above this, dequantizing once and multiplying on the tensor co
 if triton is not None:
     import triton.language as tl
 
-    from moestream.kernels.dequant import _f16_at
+    from moestream.kernels.dequant import _f16_at, pdl_start
 
     # Block dots: base [R, B, 1] points at B consecutive blocks of each of R rows, xb [1, B, 1] at the blocks'
     # slices of x, ok [R, 1, 1] masks rows. Each returns [R, B, W] partial products (summed by the caller). They
@@ -214,7 +214,9 @@ if triton is not None:
         STACKED: tl.constexpr,
         ROWS: tl.constexpr,
         B: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        pdl_start(PDL)
         p = tl.program_id(1).to(tl.int64)  # which row of x (a token, or a token-expert pair)
         out = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS] output rows
         ok = (out < n_out)[:, None]
@@ -275,9 +277,11 @@ if triton is not None:
         E3: tl.constexpr,
         S3: tl.constexpr,
         B3: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """Up to four matrices times the same row of x, one launch: program blocks 0..end0 belong to the first,
         end0..end1 to the second, and so on."""
+        pdl_start(PDL)
         p = tl.program_id(1).to(tl.int64)
         blk = tl.program_id(0)
         xp = x + p * D
@@ -307,8 +311,10 @@ if triton is not None:
         SIZE: tl.constexpr,
         ROWS: tl.constexpr,
         B: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """h[p] = silu(gate_p x[p // K]) * (up_p x[p // K]) for token-expert pair p: one read of x, no copies."""
+        pdl_start(PDL)
         p = tl.program_id(1).to(tl.int64)
         out = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         ok = (out < n_out)[:, None]
@@ -319,9 +325,10 @@ if triton is not None:
         tl.store(h + p * n_out + out, (g / (1 + tl.exp(-g)) * u).to(h.dtype.element_ty), mask=out < n_out)
 
     @triton.jit
-    def _weighted_sum_kernel(down, w, out, D, K: tl.constexpr, BLOCK: tl.constexpr):
+    def _weighted_sum_kernel(down, w, out, D, K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         """out[t] = sum over k in order of w[t, k] down[t K + k], in float32: one token's sum, the same bits
         whatever else the launch holds (cuBLAS's bmm chose kernels by batch size and alignment)."""
+        pdl_start(PDL)
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < D
@@ -403,6 +410,7 @@ def matvec(
             ROWS=rows,
             num_warps=warps,
             **consts,
+            **pdl(x),
         )
     return y
 
@@ -432,7 +440,7 @@ def matvecs(parts: list[tuple[torch.Tensor, GGMLQuantizationType, int]], x: torc
     ends += ends[-1:] * (4 - len(parts))
     with on_device(x):
         _matvecs_kernel[(ends[-1], x.shape[0])](
-            x, *args, *ends[1:4], D=x.shape[-1], PARTS=len(parts), ROWS=rows, num_warps=warps, **consts
+            x, *args, *ends[1:4], D=x.shape[-1], PARTS=len(parts), ROWS=rows, num_warps=warps, **consts, **pdl(x)
         )
     return ys
 
@@ -519,12 +527,13 @@ def swiglu_picked(
             ROWS=rows,
             num_warps=warps,
             **gate_consts,
+            **pdl(x),
         )
     down = matvec(raws[2], qtypes[2], D, h, picks, K)  # [T*K, D]: each pair's own programs, a wide grid
     out = torch.empty_like(x)
     with on_device(x):
         _weighted_sum_kernel[(T, triton.cdiv(D, SUM_BLOCK))](
-            down, weights.contiguous(), out, D, K=K, BLOCK=SUM_BLOCK, num_warps=4
+            down, weights.contiguous(), out, D, K=K, BLOCK=SUM_BLOCK, num_warps=4, **pdl(x)
         )
     return out
 

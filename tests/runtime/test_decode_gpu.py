@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import moestream
+from moestream.kernels import dequant
 from moestream.profiling.timeline import NULL, Timeline
 from moestream.runtime.sampling import SamplingParams
 
@@ -43,6 +44,25 @@ def test_replayed_steps_give_the_eager_steps_bits(model_file, preset, n_cpu_moe,
     assert torch.equal(graphed, eager)
     graphed = graphed.cpu()
     assert float((graphed - ref).abs().max() / ref.abs().max()) < tolerance
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen35moe"])
+@pytest.mark.parametrize("n_cpu_moe", [0, "all"])
+def test_steps_launched_dependently_give_the_bits_of_steps_launched_in_turn(model_file, monkeypatch, preset, n_cpu_moe):
+    """Programmatic dependent launch (dequant.PDL) lets a kernel start before the one before it ends; each waits
+    on the GPU before touching memory, so replayed steps, streamed ones with their side-stream gathers
+    too, have the bits of steps whose kernels run strictly one after another."""
+    path = model_file(preset, "Q4_K_M")
+    e = moestream.load(path, device="cuda", progress=False, n_cpu_moe=n_cpu_moe)
+    try:
+        assert dequant.pdl(torch.empty(1, device="cuda"))["PDL"] == (torch.cuda.get_device_capability() >= (9, 0))
+        dependent, cache = steps(e, TOKENS[:40])
+        assert cache in e._graphs
+        monkeypatch.setattr(dequant, "PDL", False)  # a new cache: its steps are captured anew
+        in_turn, _ = steps(e, TOKENS[:40])
+    finally:
+        e.close()
+    assert torch.equal(dependent, in_turn)
 
 
 @pytest.mark.parametrize("prefetch,held", [(0, 0), (None, 0), (1, 0), (None, 3), (1, 3)])
