@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -39,8 +40,9 @@ def on_device(t: torch.Tensor):
 
 
 def pdl(t: torch.Tensor) -> dict:
-    """A decode kernel's launch options for tensors like t: its PDL constexpr and Triton's launch_pdl."""
-    on = PDL and t.is_cuda and _capability(t.device) >= (9, 0)
+    """A decode kernel's launch options for tensors like t: its PDL constexpr and Triton's launch_pdl (off
+    under TRITON_INTERPRET=1, which interprets CUDA tensors too)."""
+    on = PDL and t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1" and _capability(t.device) >= (9, 0)
     return dict(PDL=on, launch_pdl=on)
 
 
