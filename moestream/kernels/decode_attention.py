@@ -4,9 +4,9 @@ launch when the keys make a single chunk (buckets under 2 * MIN_CHUNK: short seq
 The engine's static decode step replays a CUDA graph over a fixed KV bucket with the positions on the
 device. torch's SDPA with a boolean mask (models/layers.masked_attention, the reference) costs about eight
 extra kernels a layer for that: the mask build, repeat_interleave, transposes. Here the first kernel masks
-from the positions itself and skips whole chunks past them (inside a chunk the masked blocks still run), so
-a long bucket costs about what the sequence holds, and everything sized on the host comes from shapes alone:
-no reads back, the same launches every step.
+from the positions itself and skips the chunks and the blocks of keys past them, so a bucket costs about what
+the sequence holds, and everything sized on the host comes from shapes alone: no reads back, the same
+launches every step.
 """
 
 from __future__ import annotations
@@ -76,19 +76,20 @@ if triton is not None:
         acc = tl.zeros([G_PAD, DH], tl.float32)
         if lo < hi:  # key lo is visible, so m_i is finite from the first block on and no exp2 sees -inf - -inf
             qt = tl.load(q + t * sqt + head[:, None] * sqh + d[None, :] * sqd, mask=real[:, None], other=0)
-            for j in range(0, CHUNK, BLOCK_S):  # static bounds: Triton pipelines the loads
-                key = lo + j + tl.arange(0, BLOCK_S)
-                ok = key < hi
-                kt = tl.load(k + key[:, None] * sks + kvh * skh + d[None, :] * skd, mask=ok[:, None], other=0)
-                scores = tl.dot(qt, tl.trans(kt), input_precision=PRECISION) * qk_scale
-                scores = tl.where(ok[None, :], scores, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(scores - m_new[:, None])
-                vt = tl.load(v + key[:, None] * svs + kvh * svh + d[None, :] * svd, mask=ok[:, None], other=0)
-                acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                m_i = m_new
+            for j in range(0, CHUNK, BLOCK_S):  # static bounds (no software pipelining here either way)
+                if lo + j < hi:  # a block past the token's keys would add exactly nothing
+                    key = lo + j + tl.arange(0, BLOCK_S)
+                    ok = key < hi
+                    kt = tl.load(k + key[:, None] * sks + kvh * skh + d[None, :] * skd, mask=ok[:, None], other=0)
+                    scores = tl.dot(qt, tl.trans(kt), input_precision=PRECISION) * qk_scale
+                    scores = tl.where(ok[None, :], scores, float("-inf"))
+                    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+                    alpha = tl.exp2(m_i - m_new)
+                    p = tl.exp2(scores - m_new[:, None])
+                    vt = tl.load(v + key[:, None] * svs + kvh * svh + d[None, :] * svd, mask=ok[:, None], other=0)
+                    acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
+                    l_i = l_i * alpha + tl.sum(p, axis=1)
+                    m_i = m_new
         if N_CHUNKS == 1:
             r = t * HKV * G + head
             tl.store(
