@@ -506,6 +506,8 @@ def swiglu_picked(
     launch (see moe_stored)."""
     T, K = ids.shape
     D = x.shape[-1]
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} is not like x {tuple(x.shape)} {x.dtype}")
     x = x.contiguous()
     picks = ids.reshape(-1).contiguous()
     h = torch.empty((T * K, n_ff), dtype=x.dtype, device=x.device)

@@ -65,8 +65,12 @@ def moe_stored(
     T = w.ids.shape[0]
     fused = not (w.parts or w.on_host) and all(qmatvec.usable(q, x.device, T) for q in w.qtypes)
     if fused and qmatvec.fuses(w.qtypes):  # three launches for the whole layer
-        return qmatvec.swiglu_picked(x, weights, w.ids, list(w.raws), w.qtypes, w.shapes[0][1], residual)
-    out = moe_swiglu_picked(x, weights, w.ids, *matvecs(qmatvec, w)) if fused else _unfused(x, weights, w)
+        args = x, weights, w.ids, list(w.raws), w.qtypes, w.shapes[0][1]
+        if residual is not None and residual.dtype == x.dtype:  # else torch's type promotion picks the dtype
+            return qmatvec.swiglu_picked(*args, residual)
+        out = qmatvec.swiglu_picked(*args)
+    else:
+        out = moe_swiglu_picked(x, weights, w.ids, *matvecs(qmatvec, w)) if fused else _unfused(x, weights, w)
     return out if residual is None else residual + out
 
 

@@ -218,3 +218,5 @@ def test_residual_added_in_the_sums_launch_has_the_bits_of_adding_it_after(dtype
     fused = qmatvec.swiglu_picked(x, weights, ids, raws, qtypes, F, residual)
     assert torch.equal(fused, residual + alone)
     assert not torch.equal(fused, alone)
+    with pytest.raises(ValueError, match="not like x"):  # a broadcast residual would be read past its end
+        qmatvec.swiglu_picked(x, weights, ids, raws, qtypes, F, residual[:1])
