@@ -104,10 +104,10 @@ def main() -> None:
     )
     build("gate+up Q4_K", qm._gate_up_kernel, gate_up, consts)
     build(
-        "weighted sum, 8 experts",
+        "weighted sum + residual, 8 experts",
         qm._weighted_sum_kernel,
-        {"down": "*bf16", "w": "*bf16", "out": "*bf16", "D": "i32"},
-        dict(K=8, BLOCK=qm.SUM_BLOCK),
+        {"down": "*bf16", "w": "*bf16", "res": "*bf16", "out": "*bf16", "D": "i32"},
+        dict(K=8, BLOCK=qm.SUM_BLOCK, RESIDUAL=True),
     )
 
     prologue = dict.fromkeys(("q", "k", "v", "wq", "wk", "q_out", "k_cache", "v_cache", "cos", "sin"), "*bf16")

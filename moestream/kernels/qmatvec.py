@@ -325,9 +325,12 @@ if triton is not None:
         tl.store(h + p * n_out + out, (g / (1 + tl.exp(-g)) * u).to(h.dtype.element_ty), mask=out < n_out)
 
     @triton.jit
-    def _weighted_sum_kernel(down, w, out, D, K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    def _weighted_sum_kernel(
+        down, w, res, out, D, K: tl.constexpr, BLOCK: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr
+    ):
         """out[t] = sum over k in order of w[t, k] down[t K + k], in float32: one token's sum, the same bits
-        whatever else the launch holds (cuBLAS's bmm chose kernels by batch size and alignment)."""
+        whatever else the launch holds (cuBLAS's bmm chose kernels by batch size and alignment). With
+        RESIDUAL, res[t] + that sum rounded to out's dtype, added in float32 as torch adds two bf16 tensors."""
         pdl_start(PDL)
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -336,7 +339,10 @@ if triton is not None:
         for k in tl.static_range(K):
             wk = tl.load(w + t * K + k).to(tl.float32)
             acc += wk * tl.load(down + (t * K + k) * D + cols, mask=ok, other=0).to(tl.float32)
-        tl.store(out + t * D + cols, acc.to(out.dtype.element_ty), mask=ok)
+        s = acc.to(out.dtype.element_ty)
+        if RESIDUAL:
+            s = (tl.load(res + t * D + cols, mask=ok, other=0).to(tl.float32) + s.to(tl.float32)).to(s.dtype)
+        tl.store(out + t * D + cols, s, mask=ok)
 
 else:
     DOTS, FLOAT_DOTS = {}, {}
@@ -499,15 +505,19 @@ def swiglu_picked(
     raws: list[torch.Tensor],
     qtypes: tuple[GGMLQuantizationType, GGMLQuantizationType, GGMLQuantizationType],
     n_ff: int,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """models.layers.moe_swiglu_picked in three launches: gate, up and SiLU of every token-expert pair in one,
     each pair's down product in the next (a step 1.07x faster than with one kernel looping over a token's
     experts, side by side on the H200), then the weighted sum over each token's experts. Each pair's down
     product is rounded to x's dtype before the sum, as in the torch form. Nothing in it depends on the other
     tokens of the batch (see matvec). x [T, D]; weights, ids [T, K]; raws the gate, up, down stacks' stored
-    bytes (device or page-locked host memory), by ids."""
+    bytes (device or page-locked host memory), by ids. residual [T, D], if given, is added to the sum in its
+    launch (see moe_stored)."""
     T, K = ids.shape
     D = x.shape[-1]
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} is not like x {tuple(x.shape)} {x.dtype}")
     x = x.contiguous()
     picks = ids.reshape(-1).contiguous()
     h = torch.empty((T * K, n_ff), dtype=x.dtype, device=x.device)
@@ -533,7 +543,16 @@ def swiglu_picked(
     out = torch.empty_like(x)
     with on_device(x):
         _weighted_sum_kernel[(T, triton.cdiv(D, SUM_BLOCK))](
-            down, weights.contiguous(), out, D, K=K, BLOCK=SUM_BLOCK, num_warps=4, **pdl(x)
+            down,
+            weights.contiguous(),
+            out if residual is None else residual.contiguous(),  # unread without a residual
+            out,
+            D,
+            K=K,
+            BLOCK=SUM_BLOCK,
+            RESIDUAL=residual is not None,
+            num_warps=4,
+            **pdl(x),
         )
     return out
 

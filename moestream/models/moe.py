@@ -56,8 +56,26 @@ class ExpertSource(Protocol):
     def weights(self, il: int, x: torch.Tensor, ids: torch.Tensor) -> StoredExperts: ...
 
 
-def moe_stored(x: torch.Tensor, weights: torch.Tensor, w: StoredExperts) -> torch.Tensor:
-    """Sum over each token's chosen experts of weight * down(silu(gate(x)) * up(x)); x [T, D], weights [T, K]."""
+def moe_stored(
+    x: torch.Tensor, weights: torch.Tensor, w: StoredExperts, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Sum over each token's chosen experts of weight * down(silu(gate(x)) * up(x)); x [T, D], weights [T, K].
+    With residual [T, D], residual + that sum (the layer's skip connection), in the bits of adding it after:
+    inside the sum's launch where the kernels fuse, one launch a layer fewer."""
+    T = w.ids.shape[0]
+    fused = not (w.parts or w.on_host) and all(qmatvec.usable(q, x.device, T) for q in w.qtypes)
+    if fused and qmatvec.fuses(w.qtypes):  # three launches for the whole layer
+        args = x, weights, w.ids, list(w.raws), w.qtypes, w.shapes[0][1]
+        if residual is not None and residual.dtype == x.dtype:  # else torch's type promotion picks the dtype
+            return qmatvec.swiglu_picked(*args, residual)
+        out = qmatvec.swiglu_picked(*args)
+    else:
+        out = moe_swiglu_picked(x, weights, w.ids, *matvecs(qmatvec, w)) if fused else _unfused(x, weights, w)
+    return out if residual is None else residual + out
+
+
+def _unfused(x: torch.Tensor, weights: torch.Tensor, w: StoredExperts) -> torch.Tensor:
+    """moe_stored where the quantized matvecs do not serve: split over devices, on the host, or dequantized."""
     if w.parts:
         shards = [(lo, hi, _lazy(part, None)) for lo, hi, part in w.parts]
         return moe_swiglu_sharded(x, weights, w.ids, shards)
@@ -65,10 +83,6 @@ def moe_stored(x: torch.Tensor, weights: torch.Tensor, w: StoredExperts) -> torc
         return _on_host(x, weights, w)
     ids = w.ids
     T, K = ids.shape
-    if all(qmatvec.usable(q, x.device, T) for q in w.qtypes):
-        if qmatvec.fuses(w.qtypes):  # three launches for the whole layer
-            return qmatvec.swiglu_picked(x, weights, ids, list(w.raws), w.qtypes, w.shapes[0][1])
-        return moe_swiglu_picked(x, weights, ids, *matvecs(qmatvec, w))
     if T * K < w.n_rows:  # few tokens: dequantize just the chosen experts, one per token-expert pair
         pairs = torch.arange(T * K, device=x.device).view(T, K)
         return moe_swiglu(x, weights, pairs, T * K, *_lazy(w, ids.reshape(-1)))

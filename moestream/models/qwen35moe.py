@@ -184,7 +184,7 @@ class Model(qwen3moe.Model):
         mix = self.delta_net if self.is_recurrent[il] else self.attention
         mixed = mix(il, rms_norm(x, self.w(il, "attn_norm"), eps), batch, cache)
         h, normed = add_rms_norm(x, mixed, self.w(il, self.MOE_NORM), eps)
-        return h + self.moe(il, normed, experts)
+        return self.moe(il, normed, experts, residual=h)
 
     def attention(self, il: int, x: torch.Tensor, batch: Batch, cache: Cache) -> torch.Tensor:
         """Full attention whose output is gated per channel by sigmoid(gate), the gate projected beside q."""
@@ -217,9 +217,13 @@ class Model(qwen3moe.Model):
             out = gated_delta_mix(projected, w, state, k_heads, eps, rule)
         return self.linear(out, il, "ssm_out")
 
-    def moe(self, il: int, x: torch.Tensor, experts: ExpertSource) -> torch.Tensor:
-        """Routed experts plus the shared expert scaled by sigmoid(x . ffn_gate_inp_shexp)."""
+    def moe(
+        self, il: int, x: torch.Tensor, experts: ExpertSource, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Routed experts plus the shared expert scaled by sigmoid(x . ffn_gate_inp_shexp), plus residual if
+        given (added last: the shared expert comes between the routed sum and it)."""
         shared = F.silu(self.linear(x, il, "ffn_gate_shexp")) * self.linear(x, il, "ffn_up_shexp")
         shared = self.linear(shared, il, "ffn_down_shexp")
         gate = torch.sigmoid(qmatvec.linear_each_row(x, self.w(il, "ffn_gate_inp_shexp").reshape(1, -1)))  # [T, 1]
-        return super().moe(il, x, experts) + gate * shared
+        out = super().moe(il, x, experts) + gate * shared
+        return out if residual is None else residual + out

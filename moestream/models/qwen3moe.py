@@ -146,7 +146,7 @@ class Model:
         eps = self.spec.rms_eps
         mixed = self.attention(il, rms_norm(x, self.w(il, "attn_norm"), eps), batch, cache)
         h, normed = add_rms_norm(x, mixed, self.w(il, self.MOE_NORM), eps)
-        return h + self.moe(il, normed, experts)
+        return self.moe(il, normed, experts, residual=h)
 
     def guess_experts(self, il: int, x: torch.Tensor, n: int) -> torch.Tensor:
         """The n experts layer il's router would rank first for x, the residual stream before an earlier layer:
@@ -183,6 +183,9 @@ class Model:
         q = norm_rope_store(q, k, v, norms, s.rms_eps, batch, caches)
         return masked_attention(q, caches[0][: batch.n_keys], caches[1][: batch.n_keys], batch.positions)
 
-    def moe(self, il: int, x: torch.Tensor, experts: ExpertSource) -> torch.Tensor:
+    def moe(
+        self, il: int, x: torch.Tensor, experts: ExpertSource, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The routed experts' sum, plus residual if given (in the sum's launch on a GPU)."""
         weights, ids = route_softmax_topk(x, self.w(il, "ffn_gate_inp"), self.spec.n_expert_used)
-        return moe_stored(x, weights, experts.weights(il, x, ids))
+        return moe_stored(x, weights, experts.weights(il, x, ids), residual)

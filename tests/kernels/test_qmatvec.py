@@ -195,3 +195,28 @@ def test_each_token_of_a_launch_gets_the_bits_it_gets_alone(K):
         alone = qmatvec.swiglu_picked(x[t : t + 1], weights[t : t + 1], ids[t : t + 1], raws, qtypes, F)
         assert torch.equal(together[t : t + 1], alone)
         assert torch.equal(dense[t : t + 1], matvec(raws[0][0], Q.Q4_K, F, x[t : t + 1]))
+
+
+@pytest.mark.gpu
+@gpu_or_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_residual_added_in_the_sums_launch_has_the_bits_of_adding_it_after(dtype):
+    """The layer's skip connection goes into the weighted sum's launch (one launch a layer fewer); the sum is
+    rounded to the dtype first, so the output is what residual + swiglu_picked(...) gives in torch."""
+    if INTERPRETED and dtype == torch.bfloat16:
+        pytest.skip("the interpreter's bf16 rounding is not the GPU's")
+    E, D, F, T, K = 4, 256, 256, 2, 2
+    rng = np.random.default_rng(3)
+    qtypes = (Q.Q4_K, Q.Q4_K, Q.Q6_K)
+    stacks = [(rng.standard_normal((E, *shape)) * 0.05).astype(np.float32) for shape in ((F, D), (F, D), (D, F))]
+    raws = [torch.from_numpy(quantize(s, q)).to(DEVICE) for s, q in zip(stacks, qtypes, strict=True)]
+    x = torch.randn(T, D, device=DEVICE).to(dtype)
+    residual = torch.randn(T, D, device=DEVICE).to(dtype) * 4
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).to(DEVICE)
+    weights = torch.softmax(torch.randn(T, K, device=DEVICE), -1).to(dtype)
+    alone = qmatvec.swiglu_picked(x, weights, ids, raws, qtypes, F)
+    fused = qmatvec.swiglu_picked(x, weights, ids, raws, qtypes, F, residual)
+    assert torch.equal(fused, residual + alone)
+    assert not torch.equal(fused, alone)
+    with pytest.raises(ValueError, match="not like x"):  # a broadcast residual would be read past its end
+        qmatvec.swiglu_picked(x, weights, ids, raws, qtypes, F, residual[:1])
