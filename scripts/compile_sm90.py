@@ -119,6 +119,14 @@ def main() -> None:
     )
 
     build(
+        "router softmax + top-8 of 128, one warp",
+        fused._softmax_topk_kernel,
+        {"logits": "*fp32", "w_out": "*bf16", "id_out": "*i64", "E": "i32"},
+        dict(K=8, KP=8, BLOCK_E=128, RENORM=True),
+        warps=1,
+    )
+
+    build(
         "residual add + RMSNorm, D 2048",
         fused._add_rms_norm_kernel,
         dict.fromkeys(("x", "r", "w", "h", "y"), "*bf16") | {"eps": "fp32"},

@@ -265,6 +265,7 @@ def softmax_topk(logits: torch.Tensor, k: int, renorm: bool, dtype: torch.dtype)
                 KP=triton.next_power_of_2(k),
                 BLOCK_E=triton.next_power_of_2(E),
                 RENORM=renorm,
+                num_warps=1 if E <= 256 else 4,  # one warp: the 2 k + 2 reductions are shuffles, no shared memory
                 **pdl(logits),
             )
     return weights, ids
