@@ -57,14 +57,6 @@ if triton is not None:
         return (v + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
 
     @triton.jit
-    def _one_plus_nibble(q, at: tl.constexpr):
-        """1 + n / 16, exactly, for the nibble n at bit `at` of the int32 q: n moved into the float's top four
-        mantissa bits under 1.0's exponent, one shift and one LOP3 (the exact integer is four ops: shift,
-        mask, offset, FADD). A product with a bf16 x is exact in float32; the dot takes the sum of x off."""
-        m = q << (19 - at) if at <= 19 else q >> (at - 19)
-        return ((m & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
-
-    @triton.jit
     def _q4_k_scale_min(w1, w2, w3, k):
         """The 6-bit scale and min of sub-block k ([1, 1, W] int32, of 8) from the block's scale words w1..w3."""
         sh = 8 * (k % 4)
@@ -103,26 +95,21 @@ if triton is not None:
         for b in tl.static_range(4):
             xl = tl.load(xb + at + b).to(tl.float32)
             xh = tl.load(xb + at + 32 + b).to(tl.float32)
+            q_lo = (q >> (8 * b)) & 15
+            q_hi = (q >> (8 * b + 4)) & 15
             if FIFTH:
-                v_lo = _exact_f32(((q >> (8 * b)) & 15) | (((qh >> (8 * b)) & 1) << 4))
-                v_hi = _exact_f32(((q >> (8 * b + 4)) & 15) | (((qh >> (8 * b + 1)) & 1) << 4))
-            else:  # 1 + n / 16: the sums of x come off once a sub-block, not once an element
-                v_lo = _one_plus_nibble(q, 8 * b)
-                v_hi = _one_plus_nibble(q, 8 * b + 4)
+                q_lo |= ((qh >> (8 * b)) & 1) << 4
+                q_hi |= ((qh >> (8 * b + 1)) & 1) << 4
             if b == 0:
-                s_lo = v_lo * xl
-                s_hi = v_hi * xh
+                s_lo = _exact_f32(q_lo) * xl
+                s_hi = _exact_f32(q_hi) * xh
                 x_lo = xl
                 x_hi = xh
             else:
-                s_lo += v_lo * xl
-                s_hi += v_hi * xh
+                s_lo += _exact_f32(q_lo) * xl
+                s_hi += _exact_f32(q_hi) * xh
                 x_lo += xl
                 x_hi += xh
-        if not FIFTH:
-            d *= 16.0
-            s_lo -= x_lo
-            s_hi -= x_hi
         k = 2 * (lane // 8)  # low nibbles: sub-block 2j, high: 2j + 1
         sc0, m0 = _q4_k_scale_min(w1, w2, w3, k)
         sc1, m1 = _q4_k_scale_min(w1, w2, w3, k + 1)
