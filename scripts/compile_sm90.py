@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType as Q
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from moestream.kernels import decode_attention, fused
+from moestream.kernels import decode_attention, deltanet_step, fused
 from moestream.kernels import qmatvec as qm
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -30,7 +30,7 @@ SIZES = {Q.Q4_K: (256, 144), Q.Q5_K: (256, 176), Q.Q6_K: (256, 210), Q.Q8_0: (32
 def build(label: str, fn, signature: dict, constexprs: dict, warps: int = 4) -> None:
     start = time.time()
     k = triton.compile(  # with programmatic dependent launch, as the GPU runs them (dequant.PDL)
-        ASTSource(fn=fn, signature=signature, constexprs=constexprs | {"PDL": True}),
+        ASTSource(fn=fn, signature=signature, constexprs=constexprs | {"PDL": True}, attrs=_aligned(fn, signature)),
         target=TARGET,
         options={"num_warps": warps, "launch_pdl": True},
     )
@@ -40,7 +40,17 @@ def build(label: str, fn, signature: dict, constexprs: dict, warps: int = 4) -> 
         sass = subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True).stdout
     n = len(re.findall(r"/\*[0-9a-f]{4}\*/\s+\S", sass))
     i2f = len(re.findall(r"\bI2F", sass))  # int to float: 16 a clock on an SM, an eighth of FFMA's rate
-    print(f"{label:<40} compiled in {time.time() - start:4.1f} s, {n} SASS instructions, {i2f} I2F", flush=True)
+    spills = len(re.findall(r"\b(?:LDL|STL)", sass))  # registers spilled to local memory
+    print(
+        f"{label:<40} compiled in {time.time() - start:4.1f} s, {n} SASS instructions, {i2f} I2F, {spills} spills",
+        flush=True,
+    )
+
+
+def _aligned(fn, signature: dict) -> dict:
+    """Every pointer 16-byte aligned, as Triton specializes a launch on a fresh torch tensor (without it the
+    loads compile scalar and the counts mislead)."""
+    return {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name, t in signature.items() if t[0] == "*"}
 
 
 def main() -> None:
@@ -149,6 +159,24 @@ def main() -> None:
         decode_attention._combine_kernel,
         dict.fromkeys(("part", "maxes", "sums"), "*fp32") | {"out": "*bf16"},
         dict(DH=128, N_CHUNKS=16, BLOCK_C=decode_attention.COMBINE_BLOCK),
+    )
+
+    rule = dict.fromkeys(("y", "alpha", "beta", "z", "dt_bias", "ssm_a", "norm", "state", "out"), "*fp32")
+    build(
+        "delta rule, one head's 128 x 128 state, 16 rows at a time",
+        deltanet_step._rule_kernel,
+        rule
+        | {
+            "out": "*bf16",
+            "z": "*bf16",
+            "alpha": "*bf16",
+            "beta": "*bf16",
+            "eps": "fp32",
+            "scale": "fp32",
+            "Hk": "i32",
+        },
+        dict(Dk=128, Dv=128, BK=128, BV=128, CHUNK=16),
+        warps=4,
     )
 
 
