@@ -16,6 +16,7 @@
 #            benchmark model generated so far (qwen3-30b, and qwen3.6-35b after decode35 or qwen35)
 #   qwen35 routing35   the issue-5 headline table (generates the qwen3.6-35b-a3b model first), its routing
 #   decode35 tg128 of that model: resident, and -ncmoe 26 spread 12 GiB: auto, gather (prefetch x cache), upload, cpu
+#   autopair auto against gather + prefetch 8 + cache auto (what auto picks), alternating processes ($AUTO_MODEL)
 # At most 8 files come back from $OUT: keep appending to the ones below.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -130,6 +131,16 @@ for step in "$@"; do
                 pf=(); [[ $sb == gather ]] && pf=(--prefetch "${PREFETCH:-0,8}" --expert-cache "${CACHE:-0,auto}")
                 $MS bench -m $Q35 -ncmoe 26 -r 3 -p 0 -n 128 --streamed-layers spread --small-batch $sb \
                   ${pf[@]+"${pf[@]}"} --vram-budget 12GiB --no-floors 2>&1 | quiet | tee -a "$OUT/bench35.txt"
+              done ;;
+    autopair) # auto against the forced row it picks, each its own process, alternating ($ROUNDS rounds, 2), on
+              # $AUTO_MODEL ($MODEL; $Q35 after decode35): one process each measured 0.947x on qwen3.6
+              for round in $(seq ${ROUNDS:-2}); do
+                for sb in auto gather; do
+                  pf=(); [[ $sb == gather ]] && pf=(--prefetch 8 --expert-cache auto)
+                  $MS bench -m ${AUTO_MODEL:-$MODEL} -ncmoe 26 -r 3 -p 0 -n 128 --streamed-layers spread \
+                    --small-batch $sb ${pf[@]+"${pf[@]}"} --vram-budget 12GiB --no-floors 2>&1 | quiet \
+                    | grep -e "| *tg128" -e "small batches:" | sed "s|^|$sb round $round |" | tee -a "$OUT/bench.txt"
+                done
               done ;;
     routing35) $MS info $Q35 --routing --tokens 2048 2>&1 | quiet | tail -45 | tee -a "$OUT/model35.txt" | tail -3 ;;
     *) echo "unknown step $step"; exit 2 ;;
