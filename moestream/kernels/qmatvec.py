@@ -43,6 +43,8 @@ if triton is not None:
 
     from moestream.kernels.dequant import _f16_at, pdl_start
 
+    _FLOAT_BLOCK = tl.constexpr(FLOAT_BLOCK)
+
     # Block dots: base [R, B, 1] points at B consecutive blocks of each of R rows, xb [1, B, 1] at the blocks'
     # slices of x, ok [R, 1, 1] masks rows. Each returns [R, B, W] partial products (summed by the caller). They
     # load the packed bytes as contiguous runs (Q4_K as 32-bit words), each scale once per row, and unpack in
@@ -153,7 +155,7 @@ if triton is not None:
     @triton.jit
     def _float_dot(base, xb, ok, TY: tl.constexpr):
         """FLOAT_BLOCK plain values of type TY (a float weight: the router, a shared-expert gate)."""
-        lane = tl.arange(0, 32)[None, None, :]
+        lane = tl.arange(0, _FLOAT_BLOCK)[None, None, :]
         return tl.load(base.to(tl.pointer_type(TY)) + lane, mask=ok, other=0).to(tl.float32) * tl.load(xb + lane).to(
             tl.float32
         )
@@ -205,18 +207,31 @@ if triton is not None:
     ):
         pdl_start(PDL)
         p = tl.program_id(1).to(tl.int64)  # which row of x (a token, or a token-expert pair)
-        out = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS] output rows
-        ok = (out < n_out)[:, None]
         mat = tl.load(mats + p).to(tl.int64) if STACKED else 0
-        dot = _row_dot(w, mat, out, n_out, row_bytes, x + p * N_BLOCKS * ELEMS, ok, N_BLOCKS, DOT, ELEMS, SIZE, B)
-        tl.store(y + p * n_out + out, dot.to(y.dtype.element_ty), mask=out < n_out)
+        _part(
+            w,
+            mat,
+            x + p * N_BLOCKS * ELEMS,
+            y,
+            p,
+            tl.program_id(0),
+            n_out,
+            row_bytes,
+            N_BLOCKS,
+            DOT,
+            ELEMS,
+            SIZE,
+            ROWS,
+            B,
+        )
 
     @triton.jit
-    def _part(w, xp, y, p, block, n_out, row_bytes, N_BLOCKS, DOT, ELEMS, SIZE, ROWS: tl.constexpr, B):
-        """Rows block * ROWS.. of one matrix of matvecs' launch, for row p of x."""
+    def _part(w, mat, xp, y, p, block, n_out, row_bytes, N_BLOCKS, DOT, ELEMS, SIZE, ROWS: tl.constexpr, B):
+        """Rows block * ROWS.. of matrix mat of the stack w (one matrix of matvecs' launch: mat 0), for row p
+        of x."""
         out = block * ROWS + tl.arange(0, ROWS)
         ok = (out < n_out)[:, None]
-        dot = _row_dot(w, 0, out, n_out, row_bytes, xp, ok, N_BLOCKS, DOT, ELEMS, SIZE, B)
+        dot = _row_dot(w, mat, out, n_out, row_bytes, xp, ok, N_BLOCKS, DOT, ELEMS, SIZE, B)
         tl.store(y + p * n_out + out, dot.to(y.dtype.element_ty), mask=out < n_out)
 
     @triton.jit
@@ -273,14 +288,14 @@ if triton is not None:
         blk = tl.program_id(0)
         xp = x + p * D
         if blk < end0:
-            _part(w0, xp, y0, p, blk, n0, rb0, N0, DOT0, E0, S0, ROWS, B0)
+            _part(w0, 0, xp, y0, p, blk, n0, rb0, N0, DOT0, E0, S0, ROWS, B0)
         elif blk < end1:
-            _part(w1, xp, y1, p, blk - end0, n1, rb1, N1, DOT1, E1, S1, ROWS, B1)
+            _part(w1, 0, xp, y1, p, blk - end0, n1, rb1, N1, DOT1, E1, S1, ROWS, B1)
         elif PARTS > 2:
             if blk < end2:
-                _part(w2, xp, y2, p, blk - end1, n2, rb2, N2, DOT2, E2, S2, ROWS, B2)
+                _part(w2, 0, xp, y2, p, blk - end1, n2, rb2, N2, DOT2, E2, S2, ROWS, B2)
             elif PARTS > 3:
-                _part(w3, xp, y3, p, blk - end2, n3, rb3, N3, DOT3, E3, S3, ROWS, B3)
+                _part(w3, 0, xp, y3, p, blk - end2, n3, rb3, N3, DOT3, E3, S3, ROWS, B3)
 
     @triton.jit
     def _gate_up_kernel(
