@@ -80,11 +80,12 @@ for step in "$@"; do
            # slice, each tree of $TREES and this one, $ROUNDS rounds (3), each round starting one tree later (the
            # tree run last in every round once measured 8% under the tree before it)
            [[ -n ${TREE_MODEL:-} ]] || make_small  # TREE_MODEL=$MODEL (after `model`): the whole model instead
+           reps=3; [[ -n ${TREE_MODEL:-} ]] || reps=10  # a slice's tg128 is 0.13 s: its rounds differed 5-15%
            all=(${TREES:-} .)
            for round in $(seq ${ROUNDS:-3}); do
              for i in "${!all[@]}"; do
                tree=${all[$(( (i + round - 1) % ${#all[@]} ))]}
-               (cd "$tree" && PYTHONPATH=/tmp/site:$PWD $MS bench -m ${TREE_MODEL:-$SMALL} -ncmoe 0 -r 3 -p 0 -n 128 --no-floors 2>&1 \
+               (cd "$tree" && PYTHONPATH=/tmp/site:$PWD $MS bench -m ${TREE_MODEL:-$SMALL} -ncmoe 0 -r $reps -p 0 -n 128 --no-floors 2>&1 \
                  | grep "| *tg128" | sed "s|^|$tree round $round |" | tee -a "$OUT/bench.txt")
              done
            done ;;
