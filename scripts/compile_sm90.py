@@ -72,6 +72,7 @@ def main() -> None:
             STACKED=stacked,
             ROWS=qm.ROWS_PER_PROGRAM,
             B=qm._at_once(n_blocks, qm.BLOCKS_AT_ONCE),
+            UNROLLED=qm.UNROLLED,
         )
         build(f"matvec {qtype.name}, {n_blocks} blocks a row", qm._matvec_kernel, dict(matvec), consts)
     for dtype, qtype in qm.FLOAT_QTYPES.items():  # the router's product, 2048 wide
@@ -83,6 +84,7 @@ def main() -> None:
             STACKED=False,
             ROWS=1,
             B=qm._at_once(2048 // qm.FLOAT_BLOCK, qm.FLOAT_BLOCKS_AT_ONCE),
+            UNROLLED=qm.UNROLLED,
         )
         build(f"matvec {qtype.name} (float weight)", qm._matvec_kernel, dict(matvec), consts, warps=1)
     parts = {"x": "*bf16"}
@@ -90,7 +92,7 @@ def main() -> None:
         parts |= {f"w{i}": "*u8", f"y{i}": "*bf16", f"n{i}": "i32", f"rb{i}": "i32"}
     parts |= {f"end{i}": "i32" for i in range(3)}
     qkv = [(Q.Q4_K, 8, 256, 144), (Q.Q4_K, 8, 256, 144), (Q.Q6_K, 8, 256, 210), (Q.Q6_K, 8, 256, 210)]
-    consts = dict(D=2048, PARTS=3, ROWS=qm.ROWS_PER_PROGRAM)
+    consts = dict(D=2048, PARTS=3, ROWS=qm.ROWS_PER_PROGRAM, UNROLLED=qm.UNROLLED)
     for i, (qtype, n_blocks, elems, size) in enumerate(qkv):
         consts |= {f"N{i}": n_blocks, f"DOT{i}": qm.DOTS[qtype], f"E{i}": elems, f"S{i}": size, f"B{i}": 4}
     build("matvecs q+k+v (Q4_K, Q4_K, Q6_K)", qm._matvecs_kernel, parts, consts)
@@ -111,6 +113,7 @@ def main() -> None:
         SIZE=144,
         ROWS=qm.ROWS_PER_PROGRAM,
         B=qm._at_once(8, qm.GATE_UP_BLOCKS_AT_ONCE),
+        UNROLLED=qm.UNROLLED,
     )
     build("gate+up Q4_K", qm._gate_up_kernel, gate_up, consts)
     build(
@@ -163,7 +166,7 @@ def main() -> None:
 
     rule = dict.fromkeys(("y", "alpha", "beta", "z", "dt_bias", "ssm_a", "norm", "state", "out"), "*fp32")
     build(
-        "delta rule, one head's 128 x 128 state, 16 rows at a time",
+        "delta rule, one head's 128 x 128 state in one tile",
         deltanet_step._rule_kernel,
         rule
         | {
@@ -175,8 +178,8 @@ def main() -> None:
             "scale": "fp32",
             "Hk": "i32",
         },
-        dict(Dk=128, Dv=128, BK=128, BV=128, CHUNK=16),
-        warps=4,
+        dict(Dk=128, Dv=128, BK=128, BV=128),
+        warps=deltanet_step._warps(128, 128),
     )
 
 

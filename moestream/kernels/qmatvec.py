@@ -30,6 +30,9 @@ PROGRAMS_PER_SM = 2
 # 3.09), the head 197 / 187; gate+up (two rows' dots a program) 31.5 at 1, 35.4 at 4
 BLOCKS_AT_ONCE = 4
 GATE_UP_BLOCKS_AT_ONCE = 1
+# Rows of up to this many blocks have their loop unrolled (_row_dot): a 16-block row (the o projection, 4096
+# wide) spilled registers when unrolled
+UNROLLED = 8
 # Float weights (the router) go through the same kernel in blocks of 32 values, 16 blocks a tile: a row of 2048
 # in 4 rounds of loads. Not yet timed against cuBLAS's 4.9 us for the router (qwen3-30b, the H200)
 FLOAT_BLOCK = 32
@@ -176,17 +179,23 @@ if triton is not None:
 
     @triton.jit
     def _row_dot(
-        w, mat, out, n_out, row_bytes, xp, ok, N_BLOCKS: tl.constexpr, DOT: tl.constexpr, ELEMS, SIZE, B: tl.constexpr
-    ):
+        w, w2, mat, out, n_out, row_bytes, xp, ok, N_BLOCKS: tl.constexpr, DOT: tl.constexpr, ELEMS, SIZE,
+        B: tl.constexpr, UNROLLED: tl.constexpr, PAIR: tl.constexpr,
+    ):  # fmt: skip
         """[R] dot products of rows `out` of matrix `mat` of the stack w with the vector at xp, B blocks a row
-        at a time (B divides N_BLOCKS): one tile of loads in flight per B blocks, not per block."""
-        row = w + (mat * n_out + out[:, None, None].to(tl.int64)) * row_bytes
+        at a time (B divides N_BLOCKS), and with PAIR the same rows of the stack w2 (stored alike) beside them.
+        A row of up to UNROLLED blocks is unrolled, so the loads of every turn go out before the first one's
+        products: the loop waited a round trip to memory per turn. The sums keep their order either way."""
+        at = (mat * n_out + out[:, None, None].to(tl.int64)) * row_bytes
         blk = tl.arange(0, B)[None, :, None]
         ok = ok[:, :, None]
-        acc = DOT(row + blk * SIZE, xp + blk * ELEMS, ok)
-        for j in range(1, N_BLOCKS // B):
-            acc += DOT(row + (j * B + blk) * SIZE, xp + (j * B + blk) * ELEMS, ok)
-        return tl.sum(tl.sum(acc, axis=2), axis=1)
+        a = DOT(w + at + blk * SIZE, xp + blk * ELEMS, ok)
+        b = DOT(w2 + at + blk * SIZE, xp + blk * ELEMS, ok) if PAIR else a
+        for j in tl.range(1, N_BLOCKS // B, loop_unroll_factor=N_BLOCKS // B - 1 if N_BLOCKS <= UNROLLED else 1):
+            a += DOT(w + at + (j * B + blk) * SIZE, xp + (j * B + blk) * ELEMS, ok)
+            if PAIR:
+                b += DOT(w2 + at + (j * B + blk) * SIZE, xp + (j * B + blk) * ELEMS, ok)
+        return tl.sum(tl.sum(a, axis=2), axis=1), tl.sum(tl.sum(b, axis=2), axis=1)
 
     @triton.jit
     def _matvec_kernel(
@@ -203,6 +212,7 @@ if triton is not None:
         STACKED: tl.constexpr,
         ROWS: tl.constexpr,
         B: tl.constexpr,
+        UNROLLED: tl.constexpr,
         PDL: tl.constexpr,
     ):
         pdl_start(PDL)
@@ -223,15 +233,16 @@ if triton is not None:
             SIZE,
             ROWS,
             B,
+            UNROLLED,
         )
 
     @triton.jit
-    def _part(w, mat, xp, y, p, block, n_out, row_bytes, N_BLOCKS, DOT, ELEMS, SIZE, ROWS: tl.constexpr, B):
+    def _part(w, mat, xp, y, p, block, n_out, row_bytes, N_BLOCKS, DOT, ELEMS, SIZE, ROWS: tl.constexpr, B, UNROLLED):
         """Rows block * ROWS.. of matrix mat of the stack w (one matrix of matvecs' launch: mat 0), for row p
         of x."""
         out = block * ROWS + tl.arange(0, ROWS)
         ok = (out < n_out)[:, None]
-        dot = _row_dot(w, mat, out, n_out, row_bytes, xp, ok, N_BLOCKS, DOT, ELEMS, SIZE, B)
+        dot, _ = _row_dot(w, w, mat, out, n_out, row_bytes, xp, ok, N_BLOCKS, DOT, ELEMS, SIZE, B, UNROLLED, False)
         tl.store(y + p * n_out + out, dot.to(y.dtype.element_ty), mask=out < n_out)
 
     @triton.jit
@@ -279,6 +290,7 @@ if triton is not None:
         E3: tl.constexpr,
         S3: tl.constexpr,
         B3: tl.constexpr,
+        UNROLLED: tl.constexpr,
         PDL: tl.constexpr,
     ):
         """Up to four matrices times the same row of x, one launch: program blocks 0..end0 belong to the first,
@@ -288,14 +300,14 @@ if triton is not None:
         blk = tl.program_id(0)
         xp = x + p * D
         if blk < end0:
-            _part(w0, 0, xp, y0, p, blk, n0, rb0, N0, DOT0, E0, S0, ROWS, B0)
+            _part(w0, 0, xp, y0, p, blk, n0, rb0, N0, DOT0, E0, S0, ROWS, B0, UNROLLED)
         elif blk < end1:
-            _part(w1, 0, xp, y1, p, blk - end0, n1, rb1, N1, DOT1, E1, S1, ROWS, B1)
+            _part(w1, 0, xp, y1, p, blk - end0, n1, rb1, N1, DOT1, E1, S1, ROWS, B1, UNROLLED)
         elif PARTS > 2:
             if blk < end2:
-                _part(w2, 0, xp, y2, p, blk - end1, n2, rb2, N2, DOT2, E2, S2, ROWS, B2)
+                _part(w2, 0, xp, y2, p, blk - end1, n2, rb2, N2, DOT2, E2, S2, ROWS, B2, UNROLLED)
             elif PARTS > 3:
-                _part(w3, 0, xp, y3, p, blk - end2, n3, rb3, N3, DOT3, E3, S3, ROWS, B3)
+                _part(w3, 0, xp, y3, p, blk - end2, n3, rb3, N3, DOT3, E3, S3, ROWS, B3, UNROLLED)
 
     @triton.jit
     def _gate_up_kernel(
@@ -313,6 +325,7 @@ if triton is not None:
         SIZE: tl.constexpr,
         ROWS: tl.constexpr,
         B: tl.constexpr,
+        UNROLLED: tl.constexpr,
         PDL: tl.constexpr,
     ):
         """h[p] = silu(gate_p x[p // K]) * (up_p x[p // K]) for token-expert pair p: one read of x, no copies."""
@@ -322,8 +335,7 @@ if triton is not None:
         ok = (out < n_out)[:, None]
         mat = tl.load(mats + p).to(tl.int64)
         xp = x + (p // K) * N_BLOCKS * ELEMS
-        g = _row_dot(wg, mat, out, n_out, row_bytes, xp, ok, N_BLOCKS, DOT, ELEMS, SIZE, B)
-        u = _row_dot(wu, mat, out, n_out, row_bytes, xp, ok, N_BLOCKS, DOT, ELEMS, SIZE, B)
+        g, u = _row_dot(wg, wu, mat, out, n_out, row_bytes, xp, ok, N_BLOCKS, DOT, ELEMS, SIZE, B, UNROLLED, True)
         tl.store(h + p * n_out + out, (g / (1 + tl.exp(-g)) * u).to(h.dtype.element_ty), mask=out < n_out)
 
     @triton.jit
@@ -416,6 +428,7 @@ def matvec(
             row_bytes,
             STACKED=mats is not None,
             ROWS=rows,
+            UNROLLED=UNROLLED,
             num_warps=warps,
             **consts,
             **pdl(x),
@@ -448,7 +461,7 @@ def matvecs(parts: list[tuple[torch.Tensor, GGMLQuantizationType, int]], x: torc
     ends += ends[-1:] * (4 - len(parts))
     with on_device(x):
         _matvecs_kernel[(ends[-1], x.shape[0])](
-            x, *args, *ends[1:4], D=x.shape[-1], PARTS=len(parts), ROWS=rows, num_warps=warps, **consts, **pdl(x)
+            x, *args, *ends[1:4], D=x.shape[-1], PARTS=len(parts), ROWS=rows, UNROLLED=UNROLLED, num_warps=warps, **consts, **pdl(x)
         )
     return ys
 
@@ -537,6 +550,7 @@ def swiglu_picked(
             gate_row,
             K,
             ROWS=rows,
+            UNROLLED=UNROLLED,
             num_warps=warps,
             **gate_consts,
             **pdl(x),
