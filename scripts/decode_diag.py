@@ -72,6 +72,7 @@ def step_ms(engine, n: int = 72) -> float:
 
 VARIANTS = {  # qmatvec's tile settings
     "defaults": {},
+    "rows not unrolled": dict(UNROLLED=0),
     "one block a row at a time": dict(BLOCKS_AT_ONCE=1),
     "8 blocks at once": dict(BLOCKS_AT_ONCE=8),
     "gate+up 4 blocks at once": dict(GATE_UP_BLOCKS_AT_ONCE=4),

@@ -8,6 +8,8 @@
 #   pp512 pp2048 long profile decode decodediag prefetch cachediag cpuexp alloc   issue-3/4/10 benches on it
 #   trees    tg128 resident on the slice (or $TREE_MODEL) for each worktree in $TREES and this tree (side by side,
 #            $ROUNDS rounds, 3, the order turning each round)
+#   settings tg128 resident on $TREE_MODEL ($MODEL) under each of $SETTINGS (';'-separated lists of kernel
+#            settings for with_settings.py, '-' for the defaults), each its own process, $ROUNDS rounds, order turning
 #   shapes   each quantized decode kernel of the 8-layer slice alone, per tile setting (matvec_shapes.py)
 #   small    an 8-layer slice of the benchmark model ($SMALL_PRESET to slice another preset): decode_diag.py (tile settings, kernel table) + cpuexp
 #   loadtest the server load test (issue 13) with the benchmark model (batched, then each sequence alone),
@@ -44,7 +46,7 @@ for step in "$@"; do
     tests) python3 -m pytest -m gpu -q -p no:cacheprovider tests --deselect tests/models/test_deltanet_gpu.py \
              --ignore tests/serving/test_app.py 2>&1 \
              | tee -a "$OUT/gpu_tests.txt" | tail -25 ;;
-    quick) python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_qmatvec.py tests/kernels/test_fused.py \
+    quick) python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_qmatvec.py tests/kernels/test_fused.py tests/kernels/test_deltanet_step.py \
              tests/kernels/test_decode_attention.py tests/runtime/test_decode_gpu.py 2>&1 | tee -a "$OUT/gpu_tests.txt" | tail -8 ;;
     fla) python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/models/test_deltanet_gpu.py 2>&1 \
            | tee -a "$OUT/gpu_tests.txt" | tail -25 ;;  # ~100 s: fla autotunes its kernels on first use
@@ -89,6 +91,14 @@ for step in "$@"; do
                  | grep "| *tg128" | sed "s|^|$tree round $round |" | tee -a "$OUT/bench.txt")
              done
            done ;;
+    settings) IFS=';' read -ra sets <<< "${SETTINGS:--}"
+              for round in $(seq ${ROUNDS:-2}); do
+                for i in "${!sets[@]}"; do
+                  set_=${sets[$(( (i + round - 1) % ${#sets[@]} ))]}; [[ $set_ == - ]] && set_=""
+                  python3 scripts/with_settings.py $set_ -- bench -m ${TREE_MODEL:-$MODEL} -ncmoe 0 -r 3 -p 0 -n 128 \
+                    --no-floors 2>&1 | grep "| *tg128" | sed "s|^|[${set_:-defaults}] round $round |" | tee -a "$OUT/bench.txt"
+                done
+              done ;;
     shapes) make_small
             python3 scripts/matvec_shapes.py $SMALL 2>&1 | tee -a "$OUT/diag.txt" ;;  # each decode kernel alone
     prefetch) python3 scripts/prefetch_diag.py $MODEL 2>&1 | tee -a "$OUT/diag.txt" ;;  # issue 10: side-stream gathers

@@ -461,7 +461,16 @@ def matvecs(parts: list[tuple[torch.Tensor, GGMLQuantizationType, int]], x: torc
     ends += ends[-1:] * (4 - len(parts))
     with on_device(x):
         _matvecs_kernel[(ends[-1], x.shape[0])](
-            x, *args, *ends[1:4], D=x.shape[-1], PARTS=len(parts), ROWS=rows, UNROLLED=UNROLLED, num_warps=warps, **consts, **pdl(x)
+            x,
+            *args,
+            *ends[1:4],
+            D=x.shape[-1],
+            PARTS=len(parts),
+            ROWS=rows,
+            UNROLLED=UNROLLED,
+            num_warps=warps,
+            **consts,
+            **pdl(x),
         )
     return ys
 
