@@ -27,10 +27,13 @@ CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
 SIZES = {Q.Q4_K: (256, 144), Q.Q5_K: (256, 176), Q.Q6_K: (256, 210), Q.Q8_0: (32, 34)}
 
 
-def build(label: str, fn, signature: dict, constexprs: dict, warps: int = 4) -> None:
+def build(label: str, fn, signature: dict, constexprs: dict, warps: int = 4, divisible: tuple = ()) -> None:
+    """divisible: integer arguments whose values are multiples of 16 in the model's launches, which Triton
+    specializes on (it then proves the word loads' alignment and vectorizes them)."""
     start = time.time()
+    attrs = _aligned(fn, signature) | {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
     k = triton.compile(  # with programmatic dependent launch, as the GPU runs them (dequant.PDL)
-        ASTSource(fn=fn, signature=signature, constexprs=constexprs | {"PDL": True}, attrs=_aligned(fn, signature)),
+        ASTSource(fn=fn, signature=signature, constexprs=constexprs | {"PDL": True}, attrs=attrs),
         target=TARGET,
         options={"num_warps": warps, "launch_pdl": True},
     )
@@ -74,7 +77,8 @@ def main() -> None:
             B=qm._at_once(n_blocks, qm.BLOCKS_AT_ONCE),
             UNROLLED=qm.UNROLLED,
         )
-        build(f"matvec {qtype.name}, {n_blocks} blocks a row", qm._matvec_kernel, dict(matvec), consts)
+        div = ("n_out", "row_bytes") if n_blocks * size % 16 == 0 else ("n_out",)
+        build(f"matvec {qtype.name}, {n_blocks} blocks a row", qm._matvec_kernel, dict(matvec), consts, divisible=div)
     for dtype, qtype in qm.FLOAT_QTYPES.items():  # the router's product, 2048 wide
         consts = dict(
             N_BLOCKS=2048 // qm.FLOAT_BLOCK,
@@ -86,7 +90,8 @@ def main() -> None:
             B=qm._at_once(2048 // qm.FLOAT_BLOCK, qm.FLOAT_BLOCKS_AT_ONCE),
             UNROLLED=qm.UNROLLED,
         )
-        build(f"matvec {qtype.name} (float weight)", qm._matvec_kernel, dict(matvec), consts, warps=1)
+        div = ("n_out", "row_bytes")
+        build(f"matvec {qtype.name} (float weight)", qm._matvec_kernel, dict(matvec), consts, warps=1, divisible=div)
     parts = {"x": "*bf16"}
     for i in range(4):
         parts |= {f"w{i}": "*u8", f"y{i}": "*bf16", f"n{i}": "i32", f"rb{i}": "i32"}
@@ -95,7 +100,8 @@ def main() -> None:
     consts = dict(D=2048, PARTS=3, ROWS=qm.ROWS_PER_PROGRAM, UNROLLED=qm.UNROLLED)
     for i, (qtype, n_blocks, elems, size) in enumerate(qkv):
         consts |= {f"N{i}": n_blocks, f"DOT{i}": qm.DOTS[qtype], f"E{i}": elems, f"S{i}": size, f"B{i}": 4}
-    build("matvecs q+k+v (Q4_K, Q4_K, Q6_K)", qm._matvecs_kernel, parts, consts)
+    div = tuple(f"{a}{i}" for i in range(4) for a in ("n", "rb")) + ("end0", "end1", "end2")
+    build("matvecs q+k+v (Q4_K, Q4_K, Q6_K)", qm._matvecs_kernel, parts, consts, divisible=div)
     gate_up = {
         "wg": "*u8",
         "wu": "*u8",
@@ -115,7 +121,7 @@ def main() -> None:
         B=qm._at_once(8, qm.GATE_UP_BLOCKS_AT_ONCE),
         UNROLLED=qm.UNROLLED,
     )
-    build("gate+up Q4_K", qm._gate_up_kernel, gate_up, consts)
+    build("gate+up Q4_K", qm._gate_up_kernel, gate_up, consts, divisible=("n_out", "row_bytes"))
     build(
         "weighted sum + residual, 8 experts",
         qm._weighted_sum_kernel,

@@ -63,12 +63,21 @@ if triton is not None:
 
     @triton.jit
     def _q4_k_scale_min(w1, w2, w3, k):
-        """The 6-bit scale and min of sub-block k ([1, 1, W] int32, of 8) from the block's scale words w1..w3."""
+        """The 6-bit scale and min of sub-block k (of 8) from the block's scale words w1..w3, as float32."""
         sh = 8 * (k % 4)
         lo = k < 4
         sc = tl.where(lo, (w1 >> sh) & 63, ((w3 >> sh) & 15) | (((w1 >> (sh + 6)) & 3) << 4))
         mn = tl.where(lo, (w2 >> sh) & 63, ((w3 >> (sh + 4)) & 15) | (((w2 >> (sh + 6)) & 3) << 4))
         return _exact_f32(sc), _exact_f32(mn)
+
+    @triton.jit
+    def _bits_to(v, s: tl.constexpr, p: tl.constexpr, mask: tl.constexpr):
+        """Bits s.. of v moved to bit p, masked (a shift by a constant and an AND)."""
+        if s <= p:
+            r = (v << (p - s)) & mask
+        else:
+            r = (v >> (s - p)) & mask
+        return r
 
     @triton.jit
     def q4_k_dot(base, xb, ok):
@@ -84,7 +93,15 @@ if triton is not None:
 
     @triton.jit
     def _k_dot(base, xb, ok, FIFTH: tl.constexpr):
-        """Q4_K (FIFTH False) or Q5_K: the same scales and nibble order, Q5_K's nibbles 32 bytes later."""
+        """Q4_K (FIFTH False) or Q5_K: the same scales and nibble order, Q5_K's nibbles 32 bytes later.
+
+        The dots were bound by instructions, not bytes (~11 a value). Here a value n of 4 (5) bits becomes
+        the float 1 + n / 16 (1 + n / 32) by moving its bits under the exponent of 1.0: a shift and an AND,
+        then one FMA. Summing (1 + n / 16) x gives X + (n . x) / 16, X the sum of x over the same values, so
+        d sc (n . x) - dmin m X = 16 d sc A - (16 d sc + dmin m) X. The tile is [R, B, chunk, word], so each
+        chunk's scales are unpacked once, not once per word, and X, which does not depend on the row, once
+        per word of x."""
+        base, xb, ok = base[:, :, :, None], xb[:, :, :, None], ok[:, :, :, None]
         wp = base.to(tl.pointer_type(tl.int32))
         w0 = tl.load(wp, mask=ok, other=0)
         w1 = tl.load(wp + 1, mask=ok, other=0)
@@ -92,33 +109,37 @@ if triton is not None:
         w3 = tl.load(wp + 3, mask=ok, other=0)
         d = (w0 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
         dmin = ((w0 >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-        lane = tl.arange(0, 32)[None, None, :]  # qs word: chunk lane // 8 of 32 bytes, bytes 4 * (lane % 8) + b
-        q = tl.load(wp + (12 if FIFTH else 4) + lane, mask=ok, other=0)  # [R, B, 32]
-        at = 64 * (lane // 8) + 4 * (lane % 8)  # element of byte 0's low nibble; high nibbles sit 32 further
-        if FIFTH:  # qh word lane % 8 holds qh bytes 4 * (lane % 8) + b: the same l as the nibbles' bytes
-            qh = tl.load(wp + 4 + lane % 8, mask=ok, other=0) >> (2 * (lane // 8))  # bit 0 / 1: low / high
+        j = tl.arange(0, 4)[None, None, :, None]  # chunk of 32 bytes: sub-blocks 2 j (low), 2 j + 1 (high)
+        w = tl.arange(0, 8)[None, None, None, :]  # word of the chunk: bytes 4 w + b
+        q = tl.load(wp + (12 if FIFTH else 4) + 8 * j + w, mask=ok, other=0)  # [R, B, 4, 8]
+        if FIFTH:  # qh word w holds qh bytes 4 w + b: the fifth bits of the same l as the nibbles' bytes
+            qh = tl.load(wp + 4 + w, mask=ok, other=0) >> (2 * j)  # bit 8 b / 8 b + 1: low / high
+        at = 64 * j + 4 * w  # element of byte 0's low nibble; high nibbles sit 32 further
+        one = 0x3F800000  # the bits of 1.0
         for b in tl.static_range(4):
             xl = tl.load(xb + at + b).to(tl.float32)
             xh = tl.load(xb + at + 32 + b).to(tl.float32)
-            q_lo = (q >> (8 * b)) & 15
-            q_hi = (q >> (8 * b + 4)) & 15
             if FIFTH:
-                q_lo |= ((qh >> (8 * b)) & 1) << 4
-                q_hi |= ((qh >> (8 * b + 1)) & 1) << 4
+                f_lo = _bits_to(q, 8 * b, 18, 0x3C0000) | _bits_to(qh, 8 * b, 22, 0x400000) | one
+                f_hi = _bits_to(q, 8 * b + 4, 18, 0x3C0000) | _bits_to(qh, 8 * b + 1, 22, 0x400000) | one
+            else:
+                f_lo = _bits_to(q, 8 * b, 19, 0x780000) | one
+                f_hi = _bits_to(q, 8 * b + 4, 19, 0x780000) | one
             if b == 0:
-                s_lo = _exact_f32(q_lo) * xl
-                s_hi = _exact_f32(q_hi) * xh
+                a_lo = f_lo.to(tl.float32, bitcast=True) * xl
+                a_hi = f_hi.to(tl.float32, bitcast=True) * xh
                 x_lo = xl
                 x_hi = xh
             else:
-                s_lo += _exact_f32(q_lo) * xl
-                s_hi += _exact_f32(q_hi) * xh
+                a_lo += f_lo.to(tl.float32, bitcast=True) * xl
+                a_hi += f_hi.to(tl.float32, bitcast=True) * xh
                 x_lo += xl
                 x_hi += xh
-        k = 2 * (lane // 8)  # low nibbles: sub-block 2j, high: 2j + 1
-        sc0, m0 = _q4_k_scale_min(w1, w2, w3, k)
-        sc1, m1 = _q4_k_scale_min(w1, w2, w3, k + 1)
-        return d * (sc0 * s_lo + sc1 * s_hi) - dmin * (m0 * x_lo + m1 * x_hi)
+        sc0, m0 = _q4_k_scale_min(w1, w2, w3, 2 * j)
+        sc1, m1 = _q4_k_scale_min(w1, w2, w3, 2 * j + 1)
+        unit = 32.0 if FIFTH else 16.0
+        c0, c1 = (unit * d) * sc0, (unit * d) * sc1
+        return c0 * a_lo + c1 * a_hi - (c0 + dmin * m0) * x_lo - (c1 + dmin * m1) * x_hi
 
     @triton.jit
     def q6_k_dot(base, xb, ok):
@@ -195,7 +216,14 @@ if triton is not None:
             a += DOT(w + at + (j * B + blk) * SIZE, xp + (j * B + blk) * ELEMS, ok)
             if PAIR:
                 b += DOT(w2 + at + (j * B + blk) * SIZE, xp + (j * B + blk) * ELEMS, ok)
-        return tl.sum(tl.sum(a, axis=2), axis=1), tl.sum(tl.sum(b, axis=2), axis=1)
+        return _total(a), _total(b)
+
+    @triton.jit
+    def _total(a):
+        """The sum of a dot's partial products [R, B, ...] for each of the R rows."""
+        if len(a.shape) == 4:
+            a = tl.sum(a, axis=3)
+        return tl.sum(tl.sum(a, axis=2), axis=1)
 
     @triton.jit
     def _matvec_kernel(

@@ -96,24 +96,41 @@ def _q6_k_bit_patterns(rng: np.random.Generator, rows: tuple[int, ...], n_in: in
     return b.reshape(*rows, -1)
 
 
+def _k_bit_patterns(rng: np.random.Generator, rows: tuple[int, ...], n_in: int, size: int) -> np.ndarray:
+    """Q4_K (size 144) or Q5_K (176) rows of random bytes: every nibble, fifth bit and 6-bit scale and min
+    pattern, with finite d and dmin, and blocks at the extremes (all bits set, none set)."""
+    b = rng.integers(0, 256, size=(*rows, n_in // 256, size), dtype=np.uint8)
+    flat = b.reshape(-1, size)
+    flat[0::5, 4:], flat[1::5, 4:] = 0xFF, 0x00
+    d = (rng.standard_normal((len(flat), 2)) * rng.choice([0.01, 1.0], (len(flat), 1))).astype(np.float16)
+    flat[:, :4] = d.view(np.uint8).reshape(-1, 4)
+    return b.reshape(*rows, -1)
+
+
 @pytest.mark.gpu
 @gpu_or_interpreter
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K])
 @pytest.mark.parametrize("stacked", [False, True])
 @pytest.mark.parametrize("n_in", [256, 768, 2048])  # 1, 3 (one at a time) and 8 blocks (loaded together) a row
-def test_q6_k_dot_reads_every_bit_pattern(n_in, stacked):
-    """The Q6_K dot's 16-bit words (two elements a lane, the int8 scale pair sign-extended per lane half)
-    against the dequantized product, in float32, over all bit patterns and the extreme scales."""
+def test_k_quant_dots_read_every_bit_pattern(qtype, n_in, stacked):
+    """The K-quant dots (word loads; Q4_K/Q5_K values as 1 + n / 16 or 32 floats; Q6_K's int8 scale pair
+    sign-extended per lane half) against the dequantized product, in float32, over all bit patterns and the
+    extreme scales."""
     rng = np.random.default_rng(6)
-    stored = _q6_k_bit_patterns(rng, (4, 19) if stacked else (19,), n_in)  # 19: a partial tile
-    W = quants.dequantize(torch.from_numpy(stored), Q.Q6_K, (*stored.shape[:-1], n_in), torch.float32).double()
+    shape = (4, 19) if stacked else (19,)  # 19: a partial tile
+    if qtype == Q.Q6_K:
+        stored = _q6_k_bit_patterns(rng, shape, n_in)
+    else:
+        stored = _k_bit_patterns(rng, shape, n_in, {Q.Q4_K: 144, Q.Q5_K: 176}[qtype])
+    W = quants.dequantize(torch.from_numpy(stored), qtype, (*stored.shape[:-1], n_in), torch.float32).double()
     raw = torch.from_numpy(stored).to(DEVICE)
     x = torch.randn(3, n_in, generator=torch.Generator().manual_seed(n_in))
     if stacked:
         mats = torch.tensor([3, 0, 3])
-        got = matvec(raw, Q.Q6_K, 19, x.to(DEVICE), mats.to(DEVICE)).cpu()
+        got = matvec(raw, qtype, 19, x.to(DEVICE), mats.to(DEVICE)).cpu()
         ref = torch.einsum("pod,pd->po", W[mats], x.double())
     else:
-        got = matvec(raw, Q.Q6_K, 19, x.to(DEVICE)).cpu()
+        got = matvec(raw, qtype, 19, x.to(DEVICE)).cpu()
         ref = x.double() @ W.T
     assert float((got.double() - ref).abs().max() / ref.abs().max()) < 1e-5
 
