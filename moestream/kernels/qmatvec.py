@@ -351,28 +351,32 @@ if triton is not None:
         DOT: tl.constexpr,
         ELEMS: tl.constexpr,
         SIZE: tl.constexpr,
+        STACKED: tl.constexpr,
         ROWS: tl.constexpr,
         B: tl.constexpr,
         UNROLLED: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        """h[p] = silu(gate_p x[p // K]) * (up_p x[p // K]) for token-expert pair p: one read of x, no copies."""
+        """h[p] = silu(gate_p x[p // K]) * (up_p x[p // K]) for token-expert pair p (STACKED; a dense gate
+        and up pair: p is the token, K 1): one read of x, no copies."""
         pdl_start(PDL)
         p = tl.program_id(1).to(tl.int64)
         out = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         ok = (out < n_out)[:, None]
-        mat = tl.load(mats + p).to(tl.int64)
+        mat = tl.load(mats + p).to(tl.int64) if STACKED else 0
         xp = x + (p // K) * N_BLOCKS * ELEMS
         g, u = _row_dot(wg, wu, mat, out, n_out, row_bytes, xp, ok, N_BLOCKS, DOT, ELEMS, SIZE, B, UNROLLED, True)
         tl.store(h + p * n_out + out, (g / (1 + tl.exp(-g)) * u).to(h.dtype.element_ty), mask=out < n_out)
 
     @triton.jit
     def _weighted_sum_kernel(
-        down, w, res, out, D, K: tl.constexpr, BLOCK: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr
-    ):
+        down, w, res, shared, gate, out, D,
+        K: tl.constexpr, BLOCK: tl.constexpr, RESIDUAL: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr,
+    ):  # fmt: skip
         """out[t] = sum over k in order of w[t, k] down[t K + k], in float32: one token's sum, the same bits
-        whatever else the launch holds (cuBLAS's bmm chose kernels by batch size and alignment). With
-        RESIDUAL, res[t] + that sum rounded to out's dtype, added in float32 as torch adds two bf16 tensors."""
+        whatever else the launch holds (cuBLAS's bmm chose kernels by batch size and alignment). Then, each
+        step rounded to out's dtype as torch rounds each operation on two tensors of it: with SHARED, plus
+        sigmoid(gate[t]) shared[t] (a shared expert behind its gate); with RESIDUAL, res[t] plus the whole."""
         pdl_start(PDL)
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -382,6 +386,10 @@ if triton is not None:
             wk = tl.load(w + t * K + k).to(tl.float32)
             acc += wk * tl.load(down + (t * K + k) * D + cols, mask=ok, other=0).to(tl.float32)
         s = acc.to(out.dtype.element_ty)
+        if SHARED:
+            g = tl.sigmoid(tl.load(gate + t).to(tl.float32)).to(s.dtype)
+            scaled = (g.to(tl.float32) * tl.load(shared + t * D + cols, mask=ok, other=0).to(tl.float32)).to(s.dtype)
+            s = (s.to(tl.float32) + scaled.to(tl.float32)).to(s.dtype)
         if RESIDUAL:
             s = (tl.load(res + t * D + cols, mask=ok, other=0).to(tl.float32) + s.to(tl.float32)).to(s.dtype)
         tl.store(out + t * D + cols, s, mask=ok)
@@ -550,6 +558,51 @@ def _tile(rows: int, warps: int, n_out: int, n_vectors: int, min_programs: int) 
     return rows, warps
 
 
+def swiglu(
+    x: torch.Tensor, raws: list[torch.Tensor], qtypes: tuple[GGMLQuantizationType, GGMLQuantizationType], n_ff: int
+) -> torch.Tensor:
+    """silu(gate x) * (up x) of a dense gate and up pair stored alike (a shared expert), in one launch:
+    h [T, n_ff] in x's dtype."""
+    return _gate_up(x, raws, qtypes, n_ff, None, 1)
+
+
+def _gate_up(
+    x: torch.Tensor,
+    raws: list[torch.Tensor],
+    qtypes: tuple,
+    n_ff: int,
+    picks: torch.Tensor | None,
+    K: int,
+) -> torch.Tensor:
+    """h [P, n_ff] = silu(gate x) * (up x) for each pair p: the gate and up matrices picks[p] of the stacks
+    (picks None: one matrix each), times x[p // K]."""
+    D = x.shape[-1]
+    x = x.contiguous()
+    P = x.shape[0] * K
+    h = torch.empty((P, n_ff), dtype=x.dtype, device=x.device)
+    gate_row, gate_consts = _layout(qtypes[0], D, raws[0], GATE_UP_BLOCKS_AT_ONCE)  # up is stored alike (fuses)
+    _layout(qtypes[1], D, raws[1], 1)  # only to check up's alignment
+    rows, warps = _tile(ROWS_PER_PROGRAM, WARPS, n_ff, K, _min_programs(x.device))  # one token's: see matvec
+    with on_device(x):
+        _gate_up_kernel[(triton.cdiv(n_ff, rows), P)](
+            raws[0],
+            raws[1],
+            x,
+            h,
+            x if picks is None else picks,  # unread without picks
+            n_ff,
+            gate_row,
+            K,
+            STACKED=picks is not None,
+            ROWS=rows,
+            UNROLLED=UNROLLED,
+            num_warps=warps,
+            **gate_consts,
+            **pdl(x),
+        )
+    return h
+
+
 def swiglu_picked(
     x: torch.Tensor,
     weights: torch.Tensor,
@@ -558,40 +611,22 @@ def swiglu_picked(
     qtypes: tuple[GGMLQuantizationType, GGMLQuantizationType, GGMLQuantizationType],
     n_ff: int,
     residual: torch.Tensor | None = None,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """models.layers.moe_swiglu_picked in three launches: gate, up and SiLU of every token-expert pair in one,
     each pair's down product in the next (a step 1.07x faster than with one kernel looping over a token's
     experts, side by side on the H200), then the weighted sum over each token's experts. Each pair's down
     product is rounded to x's dtype before the sum, as in the torch form. Nothing in it depends on the other
     tokens of the batch (see matvec). x [T, D]; weights, ids [T, K]; raws the gate, up, down stacks' stored
-    bytes (device or page-locked host memory), by ids. residual [T, D], if given, is added to the sum in its
-    launch (see moe_stored)."""
+    bytes (device or page-locked host memory), by ids. shared (out [T, D], gate logit [T, 1]) and residual
+    [T, D], if given, are added in the sum's launch, as moe_stored adds them (see there)."""
     T, K = ids.shape
     D = x.shape[-1]
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} is not like x {tuple(x.shape)} {x.dtype}")
-    x = x.contiguous()
+    for name, t in (("residual", residual), ("shared", shared[0] if shared else None)):
+        if t is not None and (t.shape != x.shape or t.dtype != x.dtype):
+            raise ValueError(f"{name} {tuple(t.shape)} {t.dtype} is not like x {tuple(x.shape)} {x.dtype}")
     picks = ids.reshape(-1).contiguous()
-    h = torch.empty((T * K, n_ff), dtype=x.dtype, device=x.device)
-    gate_row, gate_consts = _layout(qtypes[0], D, raws[0], GATE_UP_BLOCKS_AT_ONCE)  # up is stored alike (fuses)
-    _layout(qtypes[1], D, raws[1], 1)  # only to check up's alignment
-    rows, warps = _tile(ROWS_PER_PROGRAM, WARPS, n_ff, K, _min_programs(x.device))  # one token's: see matvec
-    with on_device(x):
-        _gate_up_kernel[(triton.cdiv(n_ff, rows), T * K)](
-            raws[0],
-            raws[1],
-            x,
-            h,
-            picks,
-            n_ff,
-            gate_row,
-            K,
-            ROWS=rows,
-            UNROLLED=UNROLLED,
-            num_warps=warps,
-            **gate_consts,
-            **pdl(x),
-        )
+    h = _gate_up(x, raws, qtypes, n_ff, picks, K)
     down = matvec(raws[2], qtypes[2], D, h, picks, K)  # [T*K, D]: each pair's own programs, a wide grid
     out = torch.empty_like(x)
     with on_device(x):
@@ -599,11 +634,14 @@ def swiglu_picked(
             down,
             weights.contiguous(),
             out if residual is None else residual.contiguous(),  # unread without a residual
+            out if shared is None else shared[0].contiguous(),  # unread without a shared expert
+            out if shared is None else shared[1].contiguous(),
             out,
             D,
             K=K,
             BLOCK=SUM_BLOCK,
             RESIDUAL=residual is not None,
+            SHARED=shared is not None,
             num_warps=4,
             **pdl(x),
         )

@@ -57,20 +57,27 @@ class ExpertSource(Protocol):
 
 
 def moe_stored(
-    x: torch.Tensor, weights: torch.Tensor, w: StoredExperts, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    w: StoredExperts,
+    residual: torch.Tensor | None = None,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Sum over each token's chosen experts of weight * down(silu(gate(x)) * up(x)); x [T, D], weights [T, K].
-    With residual [T, D], residual + that sum (the layer's skip connection), in the bits of adding it after:
-    inside the sum's launch where the kernels fuse, one launch a layer fewer."""
+    With shared (out [T, D], gate logit [T, 1]), plus sigmoid(logit) * out (a shared expert behind its gate);
+    with residual [T, D], residual + all that (the layer's skip connection). Each added as torch adds two
+    tensors of x's dtype; inside the sum's launch where the kernels fuse, launches a layer fewer."""
     T = w.ids.shape[0]
     fused = not (w.parts or w.on_host) and all(qmatvec.usable(q, x.device, T) for q in w.qtypes)
-    if fused and qmatvec.fuses(w.qtypes):  # three launches for the whole layer
-        args = x, weights, w.ids, list(w.raws), w.qtypes, w.shapes[0][1]
-        if residual is not None and residual.dtype == x.dtype:  # else torch's type promotion picks the dtype
-            return qmatvec.swiglu_picked(*args, residual)
-        out = qmatvec.swiglu_picked(*args)
+    like_x = all(t is None or t.dtype == x.dtype for t in (residual, shared[0] if shared else None))
+    if fused and qmatvec.fuses(w.qtypes) and like_x:  # three launches for the whole layer
+        return qmatvec.swiglu_picked(x, weights, w.ids, list(w.raws), w.qtypes, w.shapes[0][1], residual, shared)
+    if fused and qmatvec.fuses(w.qtypes):
+        out = qmatvec.swiglu_picked(x, weights, w.ids, list(w.raws), w.qtypes, w.shapes[0][1])
     else:
         out = moe_swiglu_picked(x, weights, w.ids, *matvecs(qmatvec, w)) if fused else _unfused(x, weights, w)
+    if shared is not None:  # else torch's type promotion picks the dtypes, as the layers would
+        out = out + torch.sigmoid(shared[1]) * shared[0]
     return out if residual is None else residual + out
 
 

@@ -25,8 +25,8 @@ from moestream.models.deltanet import (
     gated_delta_mix,
     prefill_rule,
 )
-from moestream.models.layers import Batch, Cache, add_rms_norm, imrope_text_cos_sin, rms_norm
-from moestream.models.moe import ExpertSource
+from moestream.models.layers import Batch, Cache, add_rms_norm, imrope_text_cos_sin, rms_norm, softmax_topk
+from moestream.models.moe import ExpertSource, moe_stored
 from moestream.models.spec import ModelSpec, common_metadata, common_spec_fields, read_int, read_key
 
 if TYPE_CHECKING:
@@ -221,9 +221,18 @@ class Model(qwen3moe.Model):
         self, il: int, x: torch.Tensor, experts: ExpertSource, residual: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Routed experts plus the shared expert scaled by sigmoid(x . ffn_gate_inp_shexp), plus residual if
-        given (added last: the shared expert comes between the routed sum and it)."""
-        shared = F.silu(self.linear(x, il, "ffn_gate_shexp")) * self.linear(x, il, "ffn_up_shexp")
-        shared = self.linear(shared, il, "ffn_down_shexp")
-        gate = torch.sigmoid(qmatvec.linear_each_row(x, self.w(il, "ffn_gate_inp_shexp").reshape(1, -1)))  # [T, 1]
-        out = super().moe(il, x, experts) + gate * shared
-        return out if residual is None else residual + out
+        given (added last: the shared expert comes between the routed sum and it). A decode step on a GPU
+        takes the router's and the shared gate's products in one launch, the shared gate and up in one, and
+        adds the shared expert and the residual inside the routed sum's launch."""
+        logits, gate = self.project(il, x, ("ffn_gate_inp", "ffn_gate_inp_shexp"))  # [T, E], [T, 1]
+        weights, ids = softmax_topk(logits, self.spec.n_expert_used, x.dtype)
+        shared = self.linear(self.shared_swiglu(il, x), il, "ffn_down_shexp")
+        return moe_stored(x, weights, experts.weights(il, x, ids), residual, (shared, gate))
+
+    def shared_swiglu(self, il: int, x: torch.Tensor) -> torch.Tensor:
+        """silu(x gate_shexp) * (x up_shexp): one launch from the stored blocks when the matvec serves both."""
+        names = [f"blk.{il}.ffn_{n}_shexp.weight" for n in ("gate", "up")]
+        parts = [self.weights.stored(x, name) for name in names]
+        if all(parts) and parts[0][1] == parts[1][1]:
+            return qmatvec.swiglu(x, [p[0] for p in parts], (parts[0][1], parts[1][1]), parts[0][2][0])
+        return F.silu(self.linear(x, il, "ffn_gate_shexp")) * self.linear(x, il, "ffn_up_shexp")

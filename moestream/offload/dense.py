@@ -46,6 +46,10 @@ class DenseWeights(Mapping[str, torch.Tensor]):
         """Whether linear(x, name) multiplies from the stored blocks (no dequantized copy is made)."""
         return name in self._blocks and qmatvec.usable(self._blocks[name][1], x.device, x.shape[0])
 
+    def stored(self, x: torch.Tensor, name: str) -> tuple[torch.Tensor, Q, tuple[int, ...]] | None:
+        """Weight `name`'s stored bytes, type and shape, when the matvec reads them for x (else None)."""
+        return self._blocks[name] if self.reads_directly(x, name) else None
+
     def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """x @ W.T; for a few tokens straight from the stored blocks, without a dequantized copy."""
         if self.reads_directly(x, name):

@@ -237,3 +237,38 @@ def test_residual_added_in_the_sums_launch_has_the_bits_of_adding_it_after(dtype
     assert not torch.equal(fused, alone)
     with pytest.raises(ValueError, match="not like x"):  # a broadcast residual would be read past its end
         qmatvec.swiglu_picked(x, weights, ids, raws, qtypes, F, residual[:1])
+
+
+@pytest.mark.gpu
+@gpu_or_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shared_expert_added_in_the_sums_launch_as_torch_adds_it(dtype):
+    """qwen35moe's shared expert: its gate and up in one launch (swiglu), sigmoid(gate) * its output and the
+    residual in the routed sum's launch, each step rounded as torch rounds it (in float32: equal; bf16: within
+    a rounding step, the GPU's sigmoid not being torch's)."""
+    if INTERPRETED and dtype == torch.bfloat16:
+        pytest.skip("the interpreter's bf16 rounding is not the GPU's")
+    E, D, F, T, K = 4, 256, 256, 2, 2
+    rng = np.random.default_rng(4)
+    qtypes = (Q.Q4_K, Q.Q4_K, Q.Q6_K)
+    stacks = [(rng.standard_normal((E, *shape)) * 0.05).astype(np.float32) for shape in ((F, D), (F, D), (D, F))]
+    raws = [torch.from_numpy(quantize(s, q)).to(DEVICE) for s, q in zip(stacks, qtypes, strict=True)]
+    x = torch.randn(T, D, device=DEVICE).to(dtype)
+    residual = torch.randn(T, D, device=DEVICE).to(dtype) * 4
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).to(DEVICE)
+    weights = torch.softmax(torch.randn(T, K, device=DEVICE), -1).to(dtype)
+    h = qmatvec.swiglu(x, raws[:2], qtypes[:2], F)  # the shared expert: expert 0's gate and up as dense weights
+    W = [quants.dequantize(r.cpu(), q, s.shape, torch.float64) for r, q, s in zip(raws, qtypes, stacks, strict=True)]
+    want_h = torch.nn.functional.silu(x.cpu().double() @ W[0][0].T) * (x.cpu().double() @ W[1][0].T)
+    assert float((h.cpu().double() - want_h).abs().max() / want_h.abs().max()) < (
+        1e-5 if dtype == torch.float32 else 2e-2
+    )
+    shared, gate = torch.randn(T, D, device=DEVICE).to(dtype), torch.randn(T, 1, device=DEVICE).to(dtype)
+    alone = qmatvec.swiglu_picked(x, weights, ids, raws, qtypes, F)
+    fused = qmatvec.swiglu_picked(x, weights, ids, raws, qtypes, F, residual, (shared, gate))
+    want = residual + (alone + torch.sigmoid(gate) * shared)
+    if dtype == torch.float32:
+        assert float((fused - want).abs().max() / want.abs().max()) < 1e-6
+    else:
+        assert float((fused.float() - want.float()).abs().max() / want.float().abs().max()) < 1e-2
+    assert not torch.allclose(fused, residual + alone)
