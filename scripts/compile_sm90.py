@@ -121,13 +121,16 @@ def main() -> None:
         B=qm._at_once(8, qm.GATE_UP_BLOCKS_AT_ONCE),
         UNROLLED=qm.UNROLLED,
     )
-    build("gate+up Q4_K", qm._gate_up_kernel, gate_up, consts, divisible=("n_out", "row_bytes"))
-    build(
-        "weighted sum + residual, 8 experts",
-        qm._weighted_sum_kernel,
-        {"down": "*bf16", "w": "*bf16", "res": "*bf16", "out": "*bf16", "D": "i32"},
-        dict(K=8, BLOCK=qm.SUM_BLOCK, RESIDUAL=True),
-    )
+    for stacked in (True, False):  # the routed experts' pairs; a shared expert's dense pair
+        label = "gate+up Q4_K" + ("" if stacked else ", dense")
+        build(label, qm._gate_up_kernel, gate_up, consts | {"STACKED": stacked}, divisible=("n_out", "row_bytes"))
+    for shared in (False, True):
+        build(
+            "weighted sum + residual" + (" + shared expert" if shared else "") + ", 8 experts",
+            qm._weighted_sum_kernel,
+            dict.fromkeys(("down", "w", "res", "shared", "gate", "out"), "*bf16") | {"D": "i32"},
+            dict(K=8, BLOCK=qm.SUM_BLOCK, RESIDUAL=True, SHARED=shared),
+        )
 
     prologue = dict.fromkeys(("q", "k", "v", "wq", "wk", "q_out", "k_cache", "v_cache", "cos", "sin"), "*bf16")
     build(
