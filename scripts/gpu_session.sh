@@ -10,6 +10,8 @@
 #            $ROUNDS rounds, 3, the order turning each round)
 #   settings tg128 resident on $TREE_MODEL ($MODEL) under each of $SETTINGS (';'-separated lists of kernel
 #            settings for with_settings.py, '-' for the defaults), each its own process, $ROUNDS rounds, order turning
+#   ncu      Nsight Compute on one layer's decode matvec launches of the 8-layer slice (occupancy, registers,
+#            DRAM rate, issue rate): $OUT/ncu.txt
 #   shapes   each quantized decode kernel of the 8-layer slice alone, per tile setting (matvec_shapes.py)
 #   small    an 8-layer slice of the benchmark model ($SMALL_PRESET to slice another preset): decode_diag.py (tile settings, kernel table) + cpuexp
 #   loadtest the server load test (issue 13) with the benchmark model (batched, then each sequence alone),
@@ -99,6 +101,12 @@ for step in "$@"; do
                     --no-floors 2>&1 | grep "| *tg128" | sed "s|^|[${set_:-defaults}] round $round |" | tee -a "$OUT/bench.txt"
                 done
               done ;;
+    ncu) make_small
+         NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+         $NCU --clock-control none --kernel-name-base function --kernel-name regex:"${NCU_KERNELS:-_gate_up|_matvec}" \
+           --launch-skip 10 --launch-count 5 --section SpeedOfLight --section Occupancy --section LaunchStats \
+           --section WarpStateStats --section SchedulerStats python3 scripts/ncu_decode.py $SMALL 2 > "$OUT/ncu.txt" 2>&1
+         grep -E "^  _|Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Issued Warp Per" "$OUT/ncu.txt" ;;
     shapes) make_small
             python3 scripts/matvec_shapes.py $SMALL 2>&1 | tee -a "$OUT/diag.txt" ;;  # each decode kernel alone
     prefetch) python3 scripts/prefetch_diag.py $MODEL 2>&1 | tee -a "$OUT/diag.txt" ;;  # issue 10: side-stream gathers

@@ -1,8 +1,11 @@
 """Eager one-token decode steps with nothing else on the GPU, for Nsight Compute to profile the decode kernels
 one launch at a time (the graphed step replays the same kernels):
 
-    ncu --clock-control none --kernel-name regex:'_gate_up|_matvec' --launch-skip 10 --launch-count 10 \
-        --section SpeedOfLight --section Occupancy --section WarpStateStats python scripts/ncu_decode.py MODEL
+    ncu --clock-control none --kernel-name-base function --kernel-name regex:'_gate_up|_matvec' \
+        --launch-skip 10 --launch-count 5 --section SpeedOfLight --section Occupancy \
+        python scripts/ncu_decode.py MODEL [STEPS]
+
+(`scripts/gpu_session.sh ncu` runs it on the 8-layer slice.)
 """
 
 from __future__ import annotations

@@ -27,6 +27,8 @@ def apply(settings: list[str]) -> None:
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    cut = args.index("--") if "--" in args else 0
+    if "--" not in args:
+        raise SystemExit("usage: with_settings.py [module.NAME=value ...] -- moestream arguments")
+    cut = args.index("--")
     apply(args[:cut])
     sys.exit(main(args[cut + 1 :]))

@@ -71,7 +71,7 @@ if triton is not None:
         tl.store(out + h * Dv + dv, (o * zf / (1 + tl.exp(-zf))).to(out.dtype.element_ty), mask=v_ok)
 
 
-MAX_STATE_TILE = 128 * 128  # a head's state held in one program's registers (16 warps: 32 floats a thread)
+MAX_STATE_TILE = 128 * 128  # a head's state held in one program's registers (8 warps: 64 floats a thread)
 
 
 def _tile(d: int) -> int:
@@ -80,7 +80,7 @@ def _tile(d: int) -> int:
 
 def _warps(dk: int, dv: int) -> int:
     """Warps for a program holding a head's state: about 64 of its floats a thread (128 x 128: 8 warps)."""
-    return max(4, min(16, _tile(dk) * _tile(dv) // 2048))
+    return max(4, _tile(dk) * _tile(dv) // 2048)
 
 
 def usable(qkv: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> bool:

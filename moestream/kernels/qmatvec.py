@@ -212,7 +212,9 @@ if triton is not None:
         ok = ok[:, :, None]
         a = DOT(w + at + blk * SIZE, xp + blk * ELEMS, ok)
         b = DOT(w2 + at + blk * SIZE, xp + blk * ELEMS, ok) if PAIR else a
-        for j in tl.range(1, N_BLOCKS // B, loop_unroll_factor=N_BLOCKS // B - 1 if N_BLOCKS <= UNROLLED else 1):
+        for j in tl.range(
+            1, N_BLOCKS // B, loop_unroll_factor=max(1, N_BLOCKS // B - 1) if N_BLOCKS <= UNROLLED else 1
+        ):
             a += DOT(w + at + (j * B + blk) * SIZE, xp + (j * B + blk) * ELEMS, ok)
             if PAIR:
                 b += DOT(w2 + at + (j * B + blk) * SIZE, xp + (j * B + blk) * ELEMS, ok)
@@ -564,6 +566,8 @@ def swiglu(
 ) -> torch.Tensor:
     """silu(gate x) * (up x) of a dense gate and up pair stored alike (a shared expert), in one launch:
     h [T, n_ff] in x's dtype."""
+    if raws[0].shape != raws[1].shape or qtypes[0] != qtypes[1]:
+        raise ValueError(f"gate {tuple(raws[0].shape)} {qtypes[0].name} and up {tuple(raws[1].shape)} differ")
     return _gate_up(x, raws, qtypes, n_ff, None, 1)
 
 
@@ -623,9 +627,14 @@ def swiglu_picked(
     [T, D], if given, are added in the sum's launch, as moe_stored adds them (see there)."""
     T, K = ids.shape
     D = x.shape[-1]
-    for name, t in (("residual", residual), ("shared", shared[0] if shared else None)):
-        if t is not None and (t.shape != x.shape or t.dtype != x.dtype):
-            raise ValueError(f"{name} {tuple(t.shape)} {t.dtype} is not like x {tuple(x.shape)} {x.dtype}")
+    like = (
+        ("residual", residual, x.shape),
+        ("shared", shared and shared[0], x.shape),
+        ("shared gate", shared and shared[1], (T, 1)),
+    )
+    for name, t, shape in like:  # a broadcast one would be read past its end
+        if t is not None and (t.shape != shape or t.dtype != x.dtype):
+            raise ValueError(f"{name} {tuple(t.shape)} {t.dtype} is not like x: {tuple(shape)} {x.dtype}")
     picks = ids.reshape(-1).contiguous()
     h = _gate_up(x, raws, qtypes, n_ff, picks, K)
     down = matvec(raws[2], qtypes[2], D, h, picks, K)  # [T*K, D]: each pair's own programs, a wide grid

@@ -66,7 +66,8 @@ def moe_stored(
     """Sum over each token's chosen experts of weight * down(silu(gate(x)) * up(x)); x [T, D], weights [T, K].
     With shared (out [T, D], gate logit [T, 1]), plus sigmoid(logit) * out (a shared expert behind its gate);
     with residual [T, D], residual + all that (the layer's skip connection). Each added as torch adds two
-    tensors of x's dtype; inside the sum's launch where the kernels fuse, launches a layer fewer."""
+    tensors of x's dtype; inside the sum's launch where the kernels fuse, launches a layer fewer (there, on
+    sm_90, the shared expert's product and sum round once, a bf16 FMA: a rounding step from torch's form)."""
     T = w.ids.shape[0]
     fused = not (w.parts or w.on_host) and all(qmatvec.usable(q, x.device, T) for q in w.qtypes)
     like_x = all(t is None or t.dtype == x.dtype for t in (residual, shared[0] if shared else None))
