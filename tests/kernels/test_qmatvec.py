@@ -214,6 +214,19 @@ def test_each_token_of_a_launch_gets_the_bits_it_gets_alone(K):
         assert torch.equal(dense[t : t + 1], matvec(raws[0][0], Q.Q4_K, F, x[t : t + 1]))
 
 
+def _experts_case(dtype: torch.dtype, seed: int, F: int, T: int, E: int = 4, D: int = 256, K: int = 2) -> tuple:
+    """E experts (gate, up Q4_K; down Q6_K) of width F, T tokens routed to K of them, and a residual."""
+    rng = np.random.default_rng(seed)
+    qtypes = (Q.Q4_K, Q.Q4_K, Q.Q6_K)
+    stacks = [(rng.standard_normal((E, *shape)) * 0.05).astype(np.float32) for shape in ((F, D), (F, D), (D, F))]
+    raws = [torch.from_numpy(quantize(s, q)).to(DEVICE) for s, q in zip(stacks, qtypes, strict=True)]
+    x = torch.randn(T, D, device=DEVICE).to(dtype)
+    residual = torch.randn(T, D, device=DEVICE).to(dtype) * 4
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).to(DEVICE)
+    weights = torch.softmax(torch.randn(T, K, device=DEVICE), -1).to(dtype)
+    return stacks, raws, qtypes, x, residual, ids, weights
+
+
 @pytest.mark.gpu
 @gpu_or_interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -222,15 +235,8 @@ def test_residual_added_in_the_sums_launch_has_the_bits_of_adding_it_after(dtype
     rounded to the dtype first, so the output is what residual + swiglu_picked(...) gives in torch."""
     if INTERPRETED and dtype == torch.bfloat16:
         pytest.skip("the interpreter's bf16 rounding is not the GPU's")
-    E, D, F, T, K = 4, 256, 256, 2, 2
-    rng = np.random.default_rng(3)
-    qtypes = (Q.Q4_K, Q.Q4_K, Q.Q6_K)
-    stacks = [(rng.standard_normal((E, *shape)) * 0.05).astype(np.float32) for shape in ((F, D), (F, D), (D, F))]
-    raws = [torch.from_numpy(quantize(s, q)).to(DEVICE) for s, q in zip(stacks, qtypes, strict=True)]
-    x = torch.randn(T, D, device=DEVICE).to(dtype)
-    residual = torch.randn(T, D, device=DEVICE).to(dtype) * 4
-    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).to(DEVICE)
-    weights = torch.softmax(torch.randn(T, K, device=DEVICE), -1).to(dtype)
+    F, T = 256, 2
+    stacks, raws, qtypes, x, residual, ids, weights = _experts_case(dtype, 3, F, T)
     alone = qmatvec.swiglu_picked(x, weights, ids, raws, qtypes, F)
     fused = qmatvec.swiglu_picked(x, weights, ids, raws, qtypes, F, residual)
     assert torch.equal(fused, residual + alone)
@@ -248,22 +254,15 @@ def test_shared_expert_added_in_the_sums_launch_as_torch_adds_it(dtype):
     sigmoids differ; bf16: within a rounding step, sm_90 rounding the shared product and sum once)."""
     if INTERPRETED and dtype == torch.bfloat16:
         pytest.skip("the interpreter's bf16 rounding is not the GPU's")
-    E, D, F, T, K = 4, 256, 256, 2, 2
-    rng = np.random.default_rng(4)
-    qtypes = (Q.Q4_K, Q.Q4_K, Q.Q6_K)
-    stacks = [(rng.standard_normal((E, *shape)) * 0.05).astype(np.float32) for shape in ((F, D), (F, D), (D, F))]
-    raws = [torch.from_numpy(quantize(s, q)).to(DEVICE) for s, q in zip(stacks, qtypes, strict=True)]
-    x = torch.randn(T, D, device=DEVICE).to(dtype)
-    residual = torch.randn(T, D, device=DEVICE).to(dtype) * 4
-    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).to(DEVICE)
-    weights = torch.softmax(torch.randn(T, K, device=DEVICE), -1).to(dtype)
+    F, T = 256, 2
+    stacks, raws, qtypes, x, residual, ids, weights = _experts_case(dtype, 4, F, T)
     h = qmatvec.swiglu(x, raws[:2], qtypes[:2], F)  # the shared expert: expert 0's gate and up as dense weights
     W = [quants.dequantize(r.cpu(), q, s.shape, torch.float64) for r, q, s in zip(raws, qtypes, stacks, strict=True)]
     want_h = torch.nn.functional.silu(x.cpu().double() @ W[0][0].T) * (x.cpu().double() @ W[1][0].T)
     assert float((h.cpu().double() - want_h).abs().max() / want_h.abs().max()) < (
         1e-5 if dtype == torch.float32 else 2e-2
     )
-    shared, gate = torch.randn(T, D, device=DEVICE).to(dtype), torch.randn(T, 1, device=DEVICE).to(dtype)
+    shared, gate = torch.randn_like(residual), torch.randn(T, 1, device=DEVICE).to(dtype)
     alone = qmatvec.swiglu_picked(x, weights, ids, raws, qtypes, F)
     fused = qmatvec.swiglu_picked(x, weights, ids, raws, qtypes, F, residual, (shared, gate))
     want = residual + (alone + torch.sigmoid(gate) * shared)
