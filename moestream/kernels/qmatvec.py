@@ -30,6 +30,7 @@ PROGRAMS_PER_SM = 2
 # 3.09), the head 197 / 187; gate+up (two rows' dots a program) 31.5 at 1, 35.4 at 4
 BLOCKS_AT_ONCE = 4
 GATE_UP_BLOCKS_AT_ONCE = 1
+GATE_UP_WARPS = WARPS  # unrolled, gate+up holds 168 registers a thread at 4 warps, 60 at 8 (sm_90, offline)
 # Rows of up to this many blocks have their loop unrolled (_row_dot): a 16-block row (the o projection, 4096
 # wide) spilled registers when unrolled
 UNROLLED = 8
@@ -587,7 +588,7 @@ def _gate_up(
     h = torch.empty((P, n_ff), dtype=x.dtype, device=x.device)
     gate_row, gate_consts = _layout(qtypes[0], D, raws[0], GATE_UP_BLOCKS_AT_ONCE)  # up is stored alike (fuses)
     _layout(qtypes[1], D, raws[1], 1)  # only to check up's alignment
-    rows, warps = _tile(ROWS_PER_PROGRAM, WARPS, n_ff, K, _min_programs(x.device))  # one token's: see matvec
+    rows, warps = _tile(ROWS_PER_PROGRAM, GATE_UP_WARPS, n_ff, K, _min_programs(x.device))  # a token's: see matvec
     with on_device(x):
         _gate_up_kernel[(triton.cdiv(n_ff, rows), P)](
             raws[0],
