@@ -96,12 +96,12 @@ if triton is not None:
     def _k_dot(base, xb, ok, FIFTH: tl.constexpr):
         """Q4_K (FIFTH False) or Q5_K: the same scales and nibble order, Q5_K's nibbles 32 bytes later.
 
-        The dots were bound by instructions, not bytes (~11 a value). Here a value n of 4 (5) bits becomes
-        the float 1 + n / 16 (1 + n / 32) by moving its bits under the exponent of 1.0: a shift and an AND,
-        then one FMA. Summing (1 + n / 16) x gives X + (n . x) / 16, X the sum of x over the same values, so
-        d sc (n . x) - dmin m X = 16 d sc A - (16 d sc + dmin m) X. The tile is [R, B, chunk, word], so each
-        chunk's scales are unpacked once, not once per word, and X, which does not depend on the row, once
-        per word of x."""
+        A value n of 4 (5) bits becomes the float 1 + n / 16 (1 + n / 32) by moving its bits under the
+        exponent of 1.0 (a shift, an AND and an OR), then one FMA: summing (1 + n / 16) x gives
+        X + (n . x) / 16, X the sum of x over the same values, so d sc (n . x) - dmin m X =
+        16 d sc A - (16 d sc + dmin m) X. The tile is [R, B, chunk, word], so a chunk's scales are one
+        [R, B, 4, 1] tensor and X one [1, B, 4, 8]. On the H200, with three other changes, no faster than the
+        integer-to-float form before it: these launches are bound by registers (docs/benchmarks.md)."""
         base, xb, ok = base[:, :, :, None], xb[:, :, :, None], ok[:, :, :, None]
         wp = base.to(tl.pointer_type(tl.int32))
         w0 = tl.load(wp, mask=ok, other=0)
@@ -206,8 +206,9 @@ if triton is not None:
     ):  # fmt: skip
         """[R] dot products of rows `out` of matrix `mat` of the stack w with the vector at xp, B blocks a row
         at a time (B divides N_BLOCKS), and with PAIR the same rows of the stack w2 (stored alike) beside them.
-        A row of up to UNROLLED blocks is unrolled, so the loads of every turn go out before the first one's
-        products: the loop waited a round trip to memory per turn. The sums keep their order either way."""
+        A row of up to UNROLLED blocks is unrolled, so the loads of every turn can go out before the first
+        one's products, at the price of registers (gate+up 64 -> 168 a thread on sm_90). The sums keep their
+        order either way."""
         at = (mat * n_out + out[:, None, None].to(tl.int64)) * row_bytes
         blk = tl.arange(0, B)[None, :, None]
         ok = ok[:, :, None]
