@@ -169,7 +169,9 @@ def main() -> None:
     attention |= dict.fromkeys(("sqt", "sqh", "sqd", "sks", "skh", "skd", "svs", "svh", "svd"), "i32")
     for n_chunks in (1, 16):  # a short bucket normalises in the chunk kernel; a long one is combined after
         consts = dict(HKV=4, G=8, G_PAD=16, DH=128, CHUNK=256, N_CHUNKS=n_chunks, BLOCK_S=64, PRECISION="tf32")
-        build(f"decode attention, {n_chunks} chunk(s) of 256 keys", decode_attention._chunk_kernel, attention, consts)
+        for warps in sorted({decode_attention.CHUNK_WARPS, 8}):
+            label = f"decode attention, {n_chunks} chunk(s) of 256 keys, {warps} warps"
+            build(label, decode_attention._chunk_kernel, attention, consts, warps=warps)
     build(
         "decode attention combine, 16 chunks",
         decode_attention._combine_kernel,

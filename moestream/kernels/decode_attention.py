@@ -20,6 +20,7 @@ from moestream.kernels.dequant import on_device, pdl, triton
 MIN_CHUNK = 256  # keys a chunk holds at least: fewer and the combine's traffic and launch overhead dominate
 TARGET_PROGRAMS = 256  # chunk programs to aim for on long buckets: about two per SM of an H200 (132 SMs)
 COMBINE_BLOCK = 16  # chunks the combine reads at a time
+CHUNK_WARPS = 4  # sm_90 offline (compile_sm90.py), qwen3-30b's shapes: 17-33 spills at 4 warps, none at 8 (untimed)
 
 if triton is not None:
     import triton.language as tl
@@ -183,6 +184,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
             N_CHUNKS=n_chunks,
             BLOCK_S=block,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # tf32 only applies to float32 inputs
+            num_warps=CHUNK_WARPS,
             **pdl(q),
         )
         if n_chunks > 1:
