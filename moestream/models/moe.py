@@ -70,11 +70,11 @@ def moe_stored(
     sm_90, the shared expert's product and sum round once, a bf16 FMA: a rounding step from torch's form)."""
     T = w.ids.shape[0]
     fused = not (w.parts or w.on_host) and all(qmatvec.usable(q, x.device, T) for q in w.qtypes)
-    like_x = all(t is None or t.dtype == x.dtype for t in (residual, shared[0] if shared else None))
-    if fused and qmatvec.fuses(w.qtypes) and like_x:  # three launches for the whole layer
-        return qmatvec.swiglu_picked(x, weights, w.ids, list(w.raws), w.qtypes, w.shapes[0][1], residual, shared)
-    if fused and qmatvec.fuses(w.qtypes):
-        out = qmatvec.swiglu_picked(x, weights, w.ids, list(w.raws), w.qtypes, w.shapes[0][1])
+    if fused and qmatvec.fuses(w.qtypes):  # three launches for the whole layer
+        args = x, weights, w.ids, list(w.raws), w.qtypes, w.shapes[0][1]
+        if all(t is None or t.dtype == x.dtype for t in (residual, shared and shared[0])):
+            return qmatvec.swiglu_picked(*args, residual, shared)
+        out = qmatvec.swiglu_picked(*args)
     else:
         out = moe_swiglu_picked(x, weights, w.ids, *matvecs(qmatvec, w)) if fused else _unfused(x, weights, w)
     if shared is not None:  # else torch's type promotion picks the dtypes, as the layers would
