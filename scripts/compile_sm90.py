@@ -103,7 +103,13 @@ def main() -> None:
     qkv = [(Q.Q4_K, 8, 256, 144), (Q.Q4_K, 8, 256, 144), (Q.Q6_K, 8, 256, 210), (Q.Q6_K, 8, 256, 210)]
     consts = dict(D=2048, PARTS=3, ROWS=qm.ROWS_PER_PROGRAM, UNROLLED=qm.UNROLLED)
     for i, (qtype, n_blocks, elems, size) in enumerate(qkv):
-        consts |= {f"N{i}": n_blocks, f"DOT{i}": qm.DOTS[qtype], f"E{i}": elems, f"S{i}": size, f"B{i}": 4}
+        consts |= {
+            f"N{i}": n_blocks,
+            f"DOT{i}": qm.DOTS[qtype],
+            f"E{i}": elems,
+            f"S{i}": size,
+            f"B{i}": qm._at_once(n_blocks, qm.BLOCKS_AT_ONCE),
+        }
     div = tuple(f"{a}{i}" for i in range(4) for a in ("n", "rb")) + ("end0", "end1", "end2")
     build("matvecs q+k+v (Q4_K, Q4_K, Q6_K)", qm._matvecs_kernel, parts, consts, divisible=div)
     gate_up = {

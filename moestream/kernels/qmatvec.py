@@ -25,10 +25,14 @@ Q = GGMLQuantizationType
 ROWS_PER_PROGRAM = 8
 WARPS = 4
 PROGRAMS_PER_SM = 2
-# Blocks of a row loaded as one tile. Each kernel timed alone in graphs (scripts/matvec_shapes.py, the H200,
-# qwen3-30b's layer 0, us at 1 / 4 blocks): the matvecs' sum over q, k, v, o 23.9 / 20.6 (v, Q6_K, 5.86 /
-# 3.09), the head 197 / 187; gate+up (two rows' dots a program) 31.5 at 1, 35.4 at 4
-BLOCKS_AT_ONCE = 4
+# Blocks of a row loaded as one tile. Alone in graphs (scripts/matvec_shapes.py, before the rows were unrolled)
+# 4 looked faster than 1 for q/k/v; with the rows unrolled, a tile of 4 takes the q/k/v kernel to 168 registers
+# a thread (sm_90, offline) and 1 to 56, and the whole resident step went 1.16x faster at 1 (qwen3-30b tg128 on
+# the H200, alternating processes, two rounds: 316.0 / 321.9 vs 271.1 / 277.8 tokens/s; docs/benchmarks.md).
+# The price is compile time: Triton's coalescing pass grows with the square of an unrolled kernel's size (the
+# four-part projection of a qwen3.6 DeltaNet layer: 41 s at 1 against 6 s at 4 on the dev machine), paid once
+# per machine (Triton's cache)
+BLOCKS_AT_ONCE = 1
 GATE_UP_BLOCKS_AT_ONCE = 1
 GATE_UP_WARPS = WARPS  # unrolled, gate+up holds 168 registers a thread at 4 warps, 60 at 8 (sm_90, offline)
 # Rows of up to this many blocks have their loop unrolled (_row_dot): a 16-block row (the o projection, 4096
