@@ -9,7 +9,8 @@
 #   trees    tg128 resident on the slice (or $TREE_MODEL) for each worktree in $TREES and this tree (side by side,
 #            $ROUNDS rounds, 3, the order turning each round)
 #   settings tg128 resident on $TREE_MODEL ($MODEL) under each of $SETTINGS (';'-separated lists of kernel
-#            settings for with_settings.py, '-' for the defaults), each its own process, $ROUNDS rounds, order turning
+#            settings for with_settings.py, '-' for the defaults), each its own process, $ROUNDS rounds, order turning;
+#            a process's first use of a setting compiles its kernels (one block a tile: ~40 s a fused projection)
 #   ncu      Nsight Compute on one layer's decode matvec launches of the 8-layer slice (occupancy, registers,
 #            DRAM rate, issue rate): $OUT/ncu.txt
 #   shapes   each quantized decode kernel of the 8-layer slice alone, per tile setting (matvec_shapes.py)
@@ -18,6 +19,7 @@
 #            serving wheels from .whl/serve
 #   lbuild llamacpp   build llama.cpp's llama-bench (background) / wait and run tg128 at -ncmoe 0,26 on each
 #            benchmark model generated so far (qwen3-30b, and qwen3.6-35b after decode35 or qwen35)
+#   model35  generate the qwen3.6-35b-a3b model alone
 #   qwen35 routing35   the issue-5 headline table (generates the qwen3.6-35b-a3b model first), its routing
 #   decode35 tg128 of that model: resident, and -ncmoe 26 spread 12 GiB: auto, gather (prefetch x cache), upload, cpu
 #   autopair auto against gather + prefetch 8 + cache auto (what auto picks), alternating processes ($AUTO_MODEL)
@@ -97,8 +99,11 @@ for step in "$@"; do
               for round in $(seq ${ROUNDS:-2}); do
                 for i in "${!sets[@]}"; do
                   set_=${sets[$(( (i + round - 1) % ${#sets[@]} ))]}; [[ $set_ == - ]] && set_=""
+                  t0=$SECONDS
                   python3 scripts/with_settings.py $set_ -- bench -m ${TREE_MODEL:-$MODEL} -ncmoe 0 -r 3 -p 0 -n 128 \
-                    --no-floors 2>&1 | grep "| *tg128" | sed "s|^|[${set_:-defaults}] round $round |" | tee -a "$OUT/bench.txt"
+                    --no-floors > /tmp/settings.log 2>&1
+                  { grep "| *tg128" /tmp/settings.log || tail -3 /tmp/settings.log; } \
+                    | sed "s|^|[${set_:-defaults}] round $round, $((SECONDS - t0)) s |" | tee -a "$OUT/bench.txt"
                 done
               done ;;
     ncu) make_small
@@ -161,6 +166,7 @@ for step in "$@"; do
                     | grep -e "| *tg128" -e "small batches:" | sed "s|^|$sb round $round |" | tee -a "$OUT/bench.txt"
                 done
               done ;;
+    model35) make_model $Q35 qwen3.6-35b-a3b | tee -a "$OUT/model35.txt" ;;  # for TREE_MODEL=$Q35 settings
     routing35) $MS info $Q35 --routing --tokens 2048 2>&1 | quiet | tail -45 | tee -a "$OUT/model35.txt" | tail -3 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
