@@ -44,7 +44,7 @@ def build(label: str, fn, signature: dict, constexprs: dict, warps: int = 4, div
         sass = subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True).stdout
         usage = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True).stdout
     regs = int(re.search(r"REG:(\d+)", usage).group(1))  # registers a thread: they cap the warps an SM holds
-    n = len(re.findall(r"/\*[0-9a-f]{4}\*/\s+\S", sass))
+    n = len(re.findall(r"/\*[0-9a-f]{4,}\*/\s+\S", sass))
     i2f = len(re.findall(r"\bI2F", sass))  # int to float: 16 a clock on an SM, an eighth of FFMA's rate
     spills = len(re.findall(r"\b(?:LDL|STL)", sass))  # registers spilled to local memory
     print(
