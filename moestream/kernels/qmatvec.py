@@ -76,6 +76,17 @@ if triton is not None:
         return _exact_f32(sc), _exact_f32(mn)
 
     @triton.jit
+    def _bf16_of(v, b: tl.constexpr):
+        """bfloat16 number b (little-endian) of those packed in the int64 (4) or int32 (2) v, as float32: a
+        bfloat16's bits are the top half of its float32's."""
+        half = (v >> 32).to(tl.int32) if b >= 2 else v.to(tl.int32)
+        if b % 2 == 0:
+            bits = half << 16
+        else:
+            bits = half & -65536
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
     def _bits_to(v, s: tl.constexpr, p: tl.constexpr, mask: tl.constexpr):
         """Bits s.. of v moved to bit p, masked (a shift by a constant and an AND)."""
         if s <= p:
@@ -121,9 +132,17 @@ if triton is not None:
             qh = tl.load(wp + 4 + w, mask=ok, other=0) >> (2 * j)  # bit 8 b / 8 b + 1: low / high
         at = 64 * j + 4 * w  # element of byte 0's low nibble; high nibbles sit 32 further
         one = 0x3F800000  # the bits of 1.0
+        PACKED: tl.constexpr = xb.dtype.element_ty == tl.bfloat16
+        if PACKED:  # the 4 values of x beside a word's bytes as one 8-byte load (x 16-byte aligned: see _x)
+            x4_lo = tl.load((xb + at).to(tl.pointer_type(tl.int64)))
+            x4_hi = tl.load((xb + at + 32).to(tl.pointer_type(tl.int64)))
         for b in tl.static_range(4):
-            xl = tl.load(xb + at + b).to(tl.float32)
-            xh = tl.load(xb + at + 32 + b).to(tl.float32)
+            if PACKED:
+                xl = _bf16_of(x4_lo, b)
+                xh = _bf16_of(x4_hi, b)
+            else:
+                xl = tl.load(xb + at + b).to(tl.float32)
+                xh = tl.load(xb + at + 32 + b).to(tl.float32)
             if FIFTH:
                 f_lo = _bits_to(q, 8 * b, 18, 0x3C0000) | _bits_to(qh, 8 * b, 22, 0x400000) | one
                 f_hi = _bits_to(q, 8 * b + 4, 18, 0x3C0000) | _bits_to(qh, 8 * b + 1, 22, 0x400000) | one
@@ -167,8 +186,12 @@ if triton is not None:
                 sw = tl.load(wp + 96 + 4 * h + j, mask=ok, other=0).to(tl.int32)  # scales 2 j, 2 j + 1 of half h
                 sc = tl.where(lane < 8, (sw << 24) >> 24, (sw << 16) >> 24)  # lanes 0-7: elements 0-15
                 xe = xb + 128 * h + 32 * j + 2 * lane
-                x0 = tl.load(xe).to(tl.float32)
-                x1 = tl.load(xe + 1).to(tl.float32)
+                if xb.dtype.element_ty == tl.bfloat16:  # both values as one 4-byte load (see _k_dot)
+                    x2 = tl.load(xe.to(tl.pointer_type(tl.int32)))
+                    x0, x1 = _bf16_of(x2, 0), _bf16_of(x2, 1)
+                else:
+                    x0 = tl.load(xe).to(tl.float32)
+                    x1 = tl.load(xe + 1).to(tl.float32)
                 acc += _exact_f32(((q & 0xFF) - 32) * sc) * x0
                 acc += _exact_f32(((q >> 8) - 32) * sc) * x1
         return d * acc
@@ -459,7 +482,7 @@ def matvec(
     rows of x, not for all P: the tile orders the sums, and a token's bits must not depend on how many other
     tokens share the launch (a server's batched decode gives each sequence the tokens of its step alone)."""
     row_bytes, consts = _layout(qtype, x.shape[-1], raw, BLOCKS_AT_ONCE)
-    x = x.contiguous()
+    x = _x(x)
     y = torch.empty((x.shape[0], n_out), dtype=x.dtype, device=x.device)
     rows, warps = _tile(ROWS_PER_PROGRAM, WARPS, n_out, rows_per_token, _min_programs(x.device))
     grid = (triton.cdiv(n_out, rows), x.shape[0])
@@ -487,7 +510,7 @@ def matvecs(parts: list[tuple[torch.Tensor, GGMLQuantizationType, int]], x: torc
     The tile is chosen from the parts' rows together, for one row of x (see matvec)."""
     if not 2 <= len(parts) <= 4:
         raise ValueError(f"matvecs takes 2 to 4 matrices, not {len(parts)}")
-    x = x.contiguous()
+    x = _x(x)
     rows, warps = _tile(ROWS_PER_PROGRAM, WARPS, sum(n for _, _, n in parts), 1, _min_programs(x.device))
     args, consts, ys, ends = [], {}, [], [0]
     for i, (raw, qtype, n_out) in enumerate(parts + parts[-1:] * (4 - len(parts))):  # unused slots: never read
@@ -518,6 +541,13 @@ def matvecs(parts: list[tuple[torch.Tensor, GGMLQuantizationType, int]], x: torc
             **pdl(x),
         )
     return ys
+
+
+def _x(x: torch.Tensor) -> torch.Tensor:
+    """x contiguous and 16-byte aligned: the K-quant dots load a bfloat16 x 4 or 2 values at a time, which a
+    view starting inside a word would fault on (the engine's own tensors are aligned already)."""
+    x = x.contiguous()
+    return x if x.data_ptr() % 16 == 0 else x.clone()
 
 
 def _layout(qtype: GGMLQuantizationType, n_in: int, raw: torch.Tensor, at_most: int) -> tuple[int, dict]:
@@ -588,7 +618,7 @@ def _gate_up(
     """h [P, n_ff] = silu(gate x) * (up x) for each pair p: the gate and up matrices picks[p] of the stacks
     (picks None: one matrix each), times x[p // K]."""
     D = x.shape[-1]
-    x = x.contiguous()
+    x = _x(x)
     P = x.shape[0] * K
     h = torch.empty((P, n_ff), dtype=x.dtype, device=x.device)
     gate_row, gate_consts = _layout(qtypes[0], D, raws[0], GATE_UP_BLOCKS_AT_ONCE)  # up is stored alike (fuses)

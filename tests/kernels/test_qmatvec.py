@@ -135,6 +135,43 @@ def test_k_quant_dots_read_every_bit_pattern(qtype, n_in, stacked):
     assert float((got.double() - ref).abs().max() / ref.abs().max()) < 1e-5
 
 
+@pytest.mark.gpu
+@gpu_or_interpreter
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K])
+def test_a_bfloat16_x_read_packed_gives_the_bits_of_reading_it_as_float32(qtype):
+    """The K-quant dots read a bfloat16 x 4 (Q6_K: 2) values a load and take each apart by shifts: the float32
+    sums must be those of the same values read one by one as float32, so the rounded results are equal."""
+    rng = np.random.default_rng(7)
+    stored = (
+        _q6_k_bit_patterns(rng, (4, 19), 2048)
+        if qtype == Q.Q6_K
+        else _k_bit_patterns(rng, (4, 19), 2048, {Q.Q4_K: 144, Q.Q5_K: 176}[qtype])
+    )
+    raw = torch.from_numpy(stored).to(DEVICE)
+    x = torch.randn(3, 2048, generator=torch.Generator().manual_seed(3)).bfloat16().to(DEVICE)
+    mats = torch.tensor([3, 0, 3], device=DEVICE)
+    for picks in (None, mats):
+        packed = matvec(raw, qtype, 19, x, picks)
+        assert packed.dtype == torch.bfloat16
+        assert torch.equal(packed, _as_kernel_rounds(matvec(raw, qtype, 19, x.float(), picks)))
+
+
+def _as_kernel_rounds(y: torch.Tensor) -> torch.Tensor:
+    """float32 y stored as bfloat16 the way the kernels' stores convert it: to nearest on the GPU, by cutting
+    the low 16 bits in Triton's interpreter."""
+    if INTERPRETED:
+        y = (y.view(torch.int32) & -65536).view(torch.float32)
+    return y.bfloat16()
+
+
+def test_x_off_a_16_byte_boundary_is_copied_to_one():
+    x = torch.arange(2049, dtype=torch.bfloat16)[1:]  # starts 2 bytes into an allocation
+    got = qmatvec._x(x)
+    assert got.data_ptr() % 16 == 0 and torch.equal(got, x)
+    aligned = torch.zeros(2, 2048, dtype=torch.bfloat16)
+    assert qmatvec._x(aligned).data_ptr() == aligned.data_ptr()  # no copy
+
+
 def test_a_few_rows_multiply_as_each_would_alone():
     w = torch.randn(7, 16)
     for rows in (0, 1, 3, 5):  # 5: more than MAX_TOKENS, one product
