@@ -295,10 +295,12 @@ if triton is not None:
             UNROLLED,
         )
 
-    @triton.jit
+    @triton.jit(noinline=True)
     def _part(w, mat, xp, y, p, block, n_out, row_bytes, N_BLOCKS, DOT, ELEMS, SIZE, ROWS: tl.constexpr, B, UNROLLED):
         """Rows block * ROWS.. of matrix mat of the stack w (one matrix of matvecs' launch: mat 0), for row p
-        of x."""
+        of x. Not inlined: Triton's coalescing pass grows with the square of a function's size, and a fused
+        projection's parts, each unrolled, took it 39-42 s to compile inlined, 7-13 s as calls (sm_90,
+        offline, the same loads and load widths)."""
         out = block * ROWS + tl.arange(0, ROWS)
         ok = (out < n_out)[:, None]
         dot, _ = _row_dot(w, w, mat, out, n_out, row_bytes, xp, ok, N_BLOCKS, DOT, ELEMS, SIZE, B, UNROLLED, False)
