@@ -107,6 +107,13 @@ def _k_bit_patterns(rng: np.random.Generator, rows: tuple[int, ...], n_in: int, 
     return b.reshape(*rows, -1)
 
 
+def _bit_patterns(rng: np.random.Generator, qtype: Q, rows: tuple[int, ...], n_in: int) -> np.ndarray:
+    """Rows of qtype (a K-quant) over all its bit patterns, as the two functions above make them."""
+    if qtype == Q.Q6_K:
+        return _q6_k_bit_patterns(rng, rows, n_in)
+    return _k_bit_patterns(rng, rows, n_in, {Q.Q4_K: 144, Q.Q5_K: 176}[qtype])
+
+
 @pytest.mark.gpu
 @gpu_or_interpreter
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K])
@@ -117,11 +124,7 @@ def test_k_quant_dots_read_every_bit_pattern(qtype, n_in, stacked):
     sign-extended per lane half) against the dequantized product, in float32, over all bit patterns and the
     extreme scales."""
     rng = np.random.default_rng(6)
-    shape = (4, 19) if stacked else (19,)  # 19: a partial tile
-    if qtype == Q.Q6_K:
-        stored = _q6_k_bit_patterns(rng, shape, n_in)
-    else:
-        stored = _k_bit_patterns(rng, shape, n_in, {Q.Q4_K: 144, Q.Q5_K: 176}[qtype])
+    stored = _bit_patterns(rng, qtype, (4, 19) if stacked else (19,), n_in)  # 19: a partial tile
     W = quants.dequantize(torch.from_numpy(stored), qtype, (*stored.shape[:-1], n_in), torch.float32).double()
     raw = torch.from_numpy(stored).to(DEVICE)
     x = torch.randn(3, n_in, generator=torch.Generator().manual_seed(n_in))
@@ -142,11 +145,7 @@ def test_a_bfloat16_x_read_packed_gives_the_bits_of_reading_it_as_float32(qtype)
     """The K-quant dots read a bfloat16 x 4 (Q6_K: 2) values a load and take each apart by shifts: the float32
     sums must be those of the same values read one by one as float32, so the rounded results are equal."""
     rng = np.random.default_rng(7)
-    stored = (
-        _q6_k_bit_patterns(rng, (4, 19), 2048)
-        if qtype == Q.Q6_K
-        else _k_bit_patterns(rng, (4, 19), 2048, {Q.Q4_K: 144, Q.Q5_K: 176}[qtype])
-    )
+    stored = _bit_patterns(rng, qtype, (4, 19), 2048)
     raw = torch.from_numpy(stored).to(DEVICE)
     x = torch.randn(3, 2048, generator=torch.Generator().manual_seed(3)).bfloat16().to(DEVICE)
     mats = torch.tensor([3, 0, 3], device=DEVICE)
