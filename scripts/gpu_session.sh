@@ -23,6 +23,9 @@
 #   qwen35 routing35   the issue-5 headline table (generates the qwen3.6-35b-a3b model first), its routing
 #   decode35 tg128 of that model: resident, and -ncmoe 26 spread 12 GiB: auto, gather (prefetch x cache), upload, cpu
 #   autopair auto against gather + prefetch 8 + cache auto (what auto picks), alternating processes ($AUTO_MODEL)
+#   speed    issue 31's before/after: the tree $BEFORE (a worktree inside this one, carried) and this one, alternating
+#            processes, $ROUNDS rounds (2): tg128 -ncmoe 0, then pp2048 + tg128 at -ncmoe 26 spread 12 GiB (auto), on
+#            $SPEED_MODEL ($MODEL, generated first; $Q35 with SPEED_PRESET=qwen3.6-35b-a3b)
 # At most 8 files come back from $OUT: keep appending to the ones below.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -168,6 +171,20 @@ for step in "$@"; do
               done ;;
     model35) make_model $Q35 qwen3.6-35b-a3b | tee -a "$OUT/model35.txt" ;;  # for TREE_MODEL=$Q35 settings
     routing35) $MS info $Q35 --routing --tokens 2048 2>&1 | quiet | tail -45 | tee -a "$OUT/model35.txt" | tail -3 ;;
+    speed) m=${SPEED_MODEL:-$MODEL}; make_model $m ${SPEED_PRESET:-qwen3-30b-a3b} | tee -a "$OUT/model.txt"
+           trees=(${BEFORE:-wt-before} .)
+           for round in $(seq ${ROUNDS:-2}); do
+             for i in 0 1; do
+               tree=${trees[$(( (i + round - 1) % 2 ))]}
+               for args in "-ncmoe 0 -p 0 -n 128" \
+                           "-ncmoe 26 --streamed-layers spread --vram-budget 12GiB -p 2048 -ub 2048 -n 128"; do
+                 t0=$SECONDS
+                 (cd "$tree" && PYTHONPATH=/tmp/site:$PWD $MS bench -m $m $args -r 3 --no-floors > /tmp/speed.log 2>&1)
+                 { grep -e "| *pp2048" -e "| *tg128" /tmp/speed.log || tail -3 /tmp/speed.log; } \
+                   | sed "s|^|$(basename $m) $tree round $round, $((SECONDS - t0)) s |" | tee -a "$OUT/bench.txt"
+               done
+             done
+           done ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done
