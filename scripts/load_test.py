@@ -15,7 +15,7 @@ import time
 import openai
 
 import moestream
-from moestream.cli_args import engine_flags, engine_options
+from moestream.cli.args import engine_flags, engine_options
 from moestream.serving.local import LocalServer
 
 MODES = {None: "one pass or each alone, as measured", True: "one pass", False: "each sequence alone"}

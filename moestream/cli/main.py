@@ -14,8 +14,8 @@ import threading
 import warnings
 from collections import Counter
 
-from moestream.cli_args import LISTS, OWN_DEFAULT, at_least, engine_flags, engine_options, int_list, writable
-from moestream.cli_perf import cmd_bench, cmd_probe, cmd_profile
+from moestream.cli.args import LISTS, OWN_DEFAULT, at_least, engine_flags, engine_options, int_list, writable
+from moestream.cli.perf import cmd_bench, cmd_probe, cmd_profile
 from moestream.errors import MoestreamError, is_out_of_memory
 
 
@@ -359,7 +359,3 @@ def entry() -> None:
                 pass
         os._exit(130)
     sys.exit(code)
-
-
-if __name__ == "__main__":
-    entry()

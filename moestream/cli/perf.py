@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from moestream.cli_args import at_least, engine_options, writable
+from moestream.cli.args import at_least, engine_options, writable
 from moestream.errors import MoestreamError
 
 
 def cmd_bench(a: argparse.Namespace) -> None:
-    from moestream import cli_report
+    from moestream.cli import report
     from moestream.offload.builder import check_expert_counts
     from moestream.offload.options import EngineOptions
     from moestream.runtime.bench import Sweep, run_bench
@@ -49,19 +49,19 @@ def cmd_bench(a: argparse.Namespace) -> None:
             check_expert_counts(row, spec)
 
     engine = load(a.model, before_weights=fits, **opts)
-    info = cli_report.run_info(engine, a.batch_size or max(max(a.n_prompt), max(a.ubatch)))
+    info = report.run_info(engine, a.batch_size or max(max(a.n_prompt), max(a.ubatch)))
     if fmt == "md":
-        print(cli_report.md_header())
+        print(report.md_header())
     try:
         rows, link = run_bench(
             engine,
             sweep,
-            progress=(lambda r: print(cli_report.md_row(r, info), flush=True)) if fmt == "md" else None,
+            progress=(lambda r: print(report.md_row(r, info), flush=True)) if fmt == "md" else None,
         )
     finally:
         engine.close()
     if fmt != "md":
-        print(cli_report.render(fmt, [cli_report.record(r, info, link) for r in rows]))
+        print(report.render(fmt, [report.record(r, info, link) for r in rows]))
         return
     print(f"\npinned host-to-device link: {link / 1e9:.1f} GB/s (measured now)")
     if not a.no_floors:
