@@ -262,8 +262,8 @@ def _listening_socket(host: str, port: int) -> socket.socket:
 
 
 def cmd_make_model(a: argparse.Namespace) -> None:
-    from moestream.models.presets import get_preset
-    from moestream.models.synthetic import make_model
+    from moestream.tools.presets import get_preset
+    from moestream.tools.synthetic import make_model
 
     preset = get_preset(a.preset, a.layers)
     writable(a.out, "make-model")
@@ -293,7 +293,7 @@ def _one_line_warning(message, category, filename, lineno, file=None, line=None)
 # for `profile --plot` only, is not preloaded: it would cost every profile run its import.)
 PRELOAD = {
     "serve": ("moestream.runtime.loader", "moestream.serving.app", "uvicorn"),
-    "make-model": ("moestream.models.synthetic",),
+    "make-model": ("moestream.tools.synthetic",),
 }
 
 
