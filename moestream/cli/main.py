@@ -196,8 +196,8 @@ def cmd_info(a: argparse.Namespace) -> None:
         )
         print(f"other bytes   {_size(sum(t.nbytes for t in f.tensors.values()) - sum(per_layer))}")
     if a.routing:
-        from moestream.profiling.routing import routing_load
         from moestream.runtime.loader import load
+        from moestream.tools.routing import routing_load
 
         engine = load(a.model, device=a.device, n_ctx=tokens)
         try:

@@ -12,8 +12,8 @@ def cmd_bench(a: argparse.Namespace) -> None:
     from moestream.cli import report
     from moestream.offload.builder import check_expert_counts
     from moestream.offload.options import EngineOptions
-    from moestream.runtime.bench import Sweep, run_bench
     from moestream.runtime.loader import load
+    from moestream.tools.bench import Sweep, run_bench
 
     at_least(a.repetitions, 1, "-r")
     for n in a.n_prompt:
@@ -111,9 +111,9 @@ def cmd_profile(a: argparse.Namespace) -> None:
     import json
 
     from moestream.offload.options import EngineOptions
-    from moestream.profiling.session import profile_pass
-    from moestream.runtime.bench import random_prompt
     from moestream.runtime.loader import load
+    from moestream.tools.bench import random_prompt
+    from moestream.tools.profile import profile_pass
 
     at_least(a.n_prompt, 1, "-p")
     at_least(a.repetitions, 1, "-r")
@@ -164,9 +164,8 @@ def cmd_profile(a: argparse.Namespace) -> None:
 def cmd_probe(a: argparse.Namespace) -> None:
     import torch
 
-    from moestream.offload.host import registered_rate
     from moestream.offload.options import EngineOptions
-    from moestream.profiling.probe import grouped_gemm_rate, h2d_rate
+    from moestream.tools.probe import grouped_gemm_rate, h2d_rate, registered_rate
 
     at_least(a.ubatch, 1, "-ub")
     at_least(a.n_prompt, 1, "-p")
