@@ -8,8 +8,8 @@ import sys
 import torch
 
 import moestream
-from moestream.models.presets import get_preset
-from moestream.models.synthetic import make_model
+from moestream.tools.presets import get_preset
+from moestream.tools.synthetic import make_model
 
 
 def per_layer(path: str, dtype: str) -> None:

@@ -13,10 +13,10 @@ import threading
 import time
 
 import openai
+from local_server import LocalServer
 
 import moestream
-from moestream.cli_args import engine_flags, engine_options
-from moestream.serving.local import LocalServer
+from moestream.cli.args import engine_flags, engine_options
 
 MODES = {None: "one pass or each alone, as measured", True: "one pass", False: "each sequence alone"}
 PROMPTS = [

@@ -11,7 +11,7 @@ import ast
 import importlib
 import sys
 
-from moestream.cli import main
+from moestream.cli.main import main
 
 
 def apply(settings: list[str]) -> None:

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from moestream.models.presets import get_preset
-from moestream.models.synthetic import make_model
+from moestream.tools.presets import get_preset
+from moestream.tools.synthetic import make_model
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
-"""Imports flow one way: formats -> models -> offload -> runtime -> serving -> the CLI, with kernels beside
-formats and profiling beside models. A module may import its own package and any lower layer, never a higher
-one; every `moestream.X` import counts, including those inside functions (they are how arrows sneak back up)."""
+"""Imports flow one way: formats -> ops -> models -> offload -> runtime -> tools -> serving -> the CLI, with kernels
+beside formats and profiling beside models; errors and options sit under everything. A module may import its own
+package and any lower layer, never a higher one; every `moestream.X` import counts, including those inside
+functions (they are how arrows sneak back up)."""
 
 from __future__ import annotations
 
@@ -10,33 +11,37 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "moestream"
 
 LAYERS = {
-    "errors": -1,  # moestream/errors.py: the one error type, under everything
-    "formats": 0,
-    "kernels": 0,
-    "models": 1,
-    "profiling": 1,
-    "offload": 2,
-    "runtime": 3,
-    "serving": 4,
-    "cli": 5,  # the top-level cli*.py and moestream/__init__.py (the public API)
+    "errors": 0,  # moestream/errors.py: the one error type, under everything
+    "options": 1,  # moestream/options.py: the engine options, read by every layer above
+    "formats": 2,
+    "kernels": 2,
+    "ops": 3,  # kernel-or-torch by weight type and device, under the model math
+    "models": 4,
+    "profiling": 4,
+    "offload": 5,
+    "runtime": 6,
+    "tools": 7,  # bench, profile, probe, routing report, presets, generated models: users of the runtime
+    "serving": 8,
+    "cli": 9,  # the cli package and moestream/__init__.py (the public API)
 }
 # imports within one rank that are allowed, besides a package's own modules
-BESIDE = {"kernels": {"formats"}, "profiling": {"formats", "kernels", "models"}}
+BESIDE = {"kernels": {"formats"}}
+TOP = ("__init__", "__main__")  # top-level modules of the public API and the command, at the CLI's rank
 
 
 def file_layer(rel: Path) -> str:
-    """The layer of the module at moestream/<rel>."""
+    """The layer of the module at moestream/<rel>: its subpackage, or a top-level module's own name."""
     if len(rel.parts) > 1:
         return rel.parts[0]
-    if rel.stem == "errors":
-        return "errors"
-    assert rel.stem.startswith("cli") or rel.stem == "__init__", f"{rel}: a top-level module with no layer"
-    return "cli"
+    if rel.stem in TOP:
+        return "cli"
+    assert rel.stem in LAYERS, f"{rel}: a top-level module with no layer; give it a place in LAYERS"
+    return rel.stem
 
 
 def target_layer(name: str) -> str:
-    """The layer of an imported module moestream[.<name>...]: a subpackage, errors, or else the top (the CLI
-    modules and the public API of moestream/__init__.py)."""
+    """The layer of an imported module moestream[.<name>...]: a subpackage or top-level module with a rank, or
+    else the top (a name of the public API in moestream/__init__.py)."""
     first = name.split(".")[1] if "." in name else ""
     return first if first in LAYERS else "cli"
 
@@ -63,7 +68,7 @@ def imported(tree: ast.AST, package: tuple[str, ...]) -> list[tuple[int, str]]:
 
 def violations(root: Path = PACKAGE) -> list[str]:
     found = []
-    for path in sorted([*root.glob("*.py"), *root.glob("*/*.py")]):
+    for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root)
         here = file_layer(rel)
         assert here in LAYERS, f"{rel}: package {here!r} is not in LAYERS; give it a place in the order"
@@ -80,20 +85,24 @@ def test_imports_flow_one_way() -> None:
 
 
 def test_the_check_sees_imports_inside_functions(tmp_path: Path) -> None:
-    """The walk finds a late import back up, relative ones and the public API, and lets allowed side arrows
-    through."""
-    (tmp_path / "profiling").mkdir()
-    (tmp_path / "profiling" / "probe.py").write_text(
-        "from moestream.models import layers\n\ndef f():\n    from moestream.offload.host import PinnedRanges\n"
+    """The walk finds a late import back up, relative ones and the public API, places top-level modules and
+    the cli package, and lets allowed side arrows through."""
+    (tmp_path / "tools").mkdir()
+    (tmp_path / "tools" / "probe.py").write_text(
+        "from moestream.offload.host import PinnedRanges\n\ndef f():\n    from moestream.serving import app\n"
     )
     (tmp_path / "kernels").mkdir()
     (tmp_path / "kernels" / "k.py").write_text(
         "from moestream.formats import quants\nimport moestream.models.spec\nfrom . import dequant\n"
         "from ..runtime import engine\nimport moestream\n"
     )
+    (tmp_path / "cli").mkdir()
+    (tmp_path / "cli" / "main.py").write_text("from moestream import __version__\nfrom moestream.cli import report\n")
+    (tmp_path / "options.py").write_text("from moestream.errors import MoestreamError\nfrom moestream import ops\n")
     assert violations(tmp_path) == [
         "kernels/k.py:2: kernels imports models",
         "kernels/k.py:4: kernels imports runtime",
         "kernels/k.py:5: kernels imports cli",
-        "profiling/probe.py:4: profiling imports offload",
+        "options.py:2: options imports ops",
+        "tools/probe.py:4: tools imports serving",
     ]

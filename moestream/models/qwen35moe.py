@@ -30,7 +30,7 @@ from moestream.models.moe import ExpertSource, moe_stored
 from moestream.models.spec import ModelSpec, common_metadata, common_spec_fields, read_int, read_key
 
 if TYPE_CHECKING:
-    from moestream.models.presets import Preset
+    from moestream.models.spec import Preset
 
 ARCH = "qwen35moe"
 expert_tensor_names = qwen3moe.expert_tensor_names  # the same routed expert stacks, under the same names

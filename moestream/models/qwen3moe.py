@@ -30,7 +30,7 @@ from moestream.models.moe import ExpertSource, moe_stored
 from moestream.models.spec import ModelSpec, common_metadata, common_spec_fields
 
 if TYPE_CHECKING:
-    from moestream.models.presets import Preset
+    from moestream.models.spec import Preset
 
 ARCH = "qwen3moe"
 EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")

@@ -1,4 +1,5 @@
-"""ModelSpec: the shapes and constants of a model, read from GGUF metadata and checked once."""
+"""ModelSpec: the shapes and constants of a model, read from GGUF metadata and checked once; Preset: a generated
+model's spec and what only its writer needs."""
 
 from __future__ import annotations
 
@@ -66,6 +67,19 @@ class ModelSpec:
     @property
     def rot_dim(self) -> int:
         return self.n_rot or self.head_dim
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A generated model: its spec (the one ModelSpec a reader of the file gets back, extras aside) and what
+    only the writer needs."""
+
+    name: str
+    spec: ModelSpec
+    n_ff: int = 0  # the dense FFN size the real config declares (written as metadata, unused by MoE layers)
+    tied_output: bool = False
+    gguf_keys: dict[str, Any] = field(default_factory=dict)  # architecture-specific metadata as stored, minus
+    # the `{arch}.` prefix (a reader turns them into spec.extra)
 
 
 MISSING = object()

@@ -14,9 +14,6 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from moestream.formats.gguf import torch_bytes_of
-from moestream.profiling.probe import copy_rate
-
 CUDA_HOST_REGISTER_PORTABLE, CUDA_HOST_REGISTER_MAPPED, CUDA_HOST_REGISTER_READ_ONLY = 0x01, 0x02, 0x08
 # Mapped: kernels may read the pages at their host address (kernels/gather.py); if a driver refuses that
 # for file pages, the read-only flag alone still gives page-locked DMA.
@@ -75,17 +72,6 @@ class PinnedRanges:
         for start, _ in self.ranges:
             cudart.cudaHostUnregister(ctypes.c_void_p(start).value)
         self.ranges.clear()
-
-
-def registered_rate(device: torch.device, array: np.ndarray, repeats: int = 5) -> float:
-    """Bytes per second uploading a slice of a mapped file page-locked in place (0 if page-locking is refused)."""
-    pins = PinnedRanges()
-    if not pins.register([array]):
-        return 0.0
-    try:
-        return copy_rate(torch_bytes_of(array).reshape(-1), device, repeats)
-    finally:
-        pins.unregister()
 
 
 def _clear_cuda_error() -> None:

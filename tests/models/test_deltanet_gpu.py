@@ -25,7 +25,7 @@ from reference import prompt_tokens, rel_err
 import moestream
 from moestream.models import deltanet
 from moestream.models.deltanet import DELTANET_ENV, delta_rule_chunked, delta_rule_fla, l2_normalize, prefill_rule
-from moestream.models.presets import get_preset
+from moestream.tools.presets import get_preset
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

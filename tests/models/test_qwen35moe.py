@@ -11,9 +11,9 @@ import moestream
 from moestream.formats.gguf import GGUFFile
 from moestream.models import qwen35moe
 from moestream.models.layers import imrope_text_cos_sin, rope_cos_sin
-from moestream.models.presets import get_preset
-from moestream.models.synthetic import preset_metadata
-from moestream.profiling.routing import routing_load
+from moestream.tools.presets import get_preset
+from moestream.tools.routing import routing_load
+from moestream.tools.synthetic import preset_metadata
 
 PRESET = "tiny-qwen35moe"
 

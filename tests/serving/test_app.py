@@ -8,10 +8,10 @@ import time
 import httpx2 as httpx
 import openai
 import pytest
+from local_server import LocalServer
 
 import moestream
 from moestream.runtime.sampling import SamplingParams
-from moestream.serving.local import LocalServer
 
 KEY = "test-key"
 QUESTIONS = ["The capital of France is", "Count: one two three", "Lighthouse keepers", "Bread needs flour and"]

@@ -20,8 +20,8 @@ from moestream.errors import MoestreamError
 from moestream.formats.quantize import quantize
 from moestream.formats.tokenizer import tiny_tokenizer_metadata
 from moestream.formats.writer import TensorPlan, write_gguf
-from moestream.models.presets import Preset
 from moestream.models.registry import architecture
+from moestream.models.spec import Preset
 
 Q = gguf.GGMLQuantizationType
 QUANTS = ("F32", "BF16", "Q8_0", "Q4_K_M")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from moestream.profiling.probe import timed
 from moestream.profiling.stats import Summary, summarize
 from moestream.profiling.timeline import NULL, Span, Timeline
+from moestream.tools.probe import timed
 
 
 @dataclass

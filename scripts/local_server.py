@@ -1,4 +1,4 @@
-"""Run the server in a background thread on a free loopback port (tests and the load test)."""
+"""Run the server in a background thread on a free loopback port (tests/serving/test_app.py and load_test.py)."""
 
 from __future__ import annotations
 

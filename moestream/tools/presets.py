@@ -2,24 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import replace
 
 from moestream.errors import MoestreamError
-from moestream.models.spec import MAX_LAYERS, ModelSpec
-
-
-@dataclass(frozen=True)
-class Preset:
-    """A generated model: its spec (the one ModelSpec a reader of the file gets back, extras aside) and what
-    only the writer needs."""
-
-    name: str
-    spec: ModelSpec
-    n_ff: int = 0  # the dense FFN size the real config declares (written as metadata, unused by MoE layers)
-    tied_output: bool = False
-    gguf_keys: dict[str, Any] = field(default_factory=dict)  # architecture-specific metadata as stored, minus
-    # the `{arch}.` prefix (a reader turns them into spec.extra)
+from moestream.models.spec import MAX_LAYERS, ModelSpec, Preset
 
 
 def _spec(arch: str, n_ctx: int = 4096, rope_base: float = 1_000_000.0, rms_eps: float = 1e-6, **shape) -> ModelSpec:

@@ -8,8 +8,8 @@ import torch
 
 import moestream
 from moestream.offload.device import CpuDevice
-from moestream.profiling.session import profile_pass
 from moestream.profiling.timeline import NULL, Timeline
+from moestream.tools.profile import profile_pass
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # timing and tiny tensors: no thread contention
 

@@ -56,7 +56,7 @@ def test_interrupt_mid_generation_unregisters_host_memory(model_file, monkeypatc
     register pages that are still registered, so registering them again proves it)."""
     import builtins
 
-    from moestream.cli import main
+    from moestream.cli.main import main
     from moestream.formats.gguf import GGUFFile
     from moestream.offload.host import PinnedRanges
 
@@ -82,7 +82,7 @@ def test_interrupt_mid_generation_unregisters_host_memory(model_file, monkeypatc
 
 
 def test_interrupts_held_until_the_block_ends():
-    from moestream.cli import interrupts_held
+    from moestream.cli.main import interrupts_held
 
     reached = False
     with pytest.raises(KeyboardInterrupt):

@@ -9,7 +9,7 @@ import gguf
 import numpy as np
 import pytest
 
-from moestream.cli import main
+from moestream.cli.main import main
 from moestream.formats.gguf import GGUFFile
 from moestream.formats.writer import TensorPlan, write_gguf
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import moestream
-from moestream.cli import build_parser, main
-from moestream.cli_args import REJECTED, engine_options
+from moestream.cli.args import REJECTED, engine_options
+from moestream.cli.main import build_parser, main
 
 TOKENS = list(range(5, 45))
 

@@ -14,8 +14,8 @@ import threading
 import warnings
 from collections import Counter
 
-from moestream.cli_args import LISTS, OWN_DEFAULT, at_least, engine_flags, engine_options, int_list, writable
-from moestream.cli_perf import cmd_bench, cmd_probe, cmd_profile
+from moestream.cli.args import LISTS, OWN_DEFAULT, at_least, engine_flags, engine_options, int_list, writable
+from moestream.cli.perf import cmd_bench, cmd_probe, cmd_profile
 from moestream.errors import MoestreamError, is_out_of_memory
 
 
@@ -196,8 +196,8 @@ def cmd_info(a: argparse.Namespace) -> None:
         )
         print(f"other bytes   {_size(sum(t.nbytes for t in f.tensors.values()) - sum(per_layer))}")
     if a.routing:
-        from moestream.profiling.routing import routing_load
         from moestream.runtime.loader import load
+        from moestream.tools.routing import routing_load
 
         engine = load(a.model, device=a.device, n_ctx=tokens)
         try:
@@ -262,8 +262,8 @@ def _listening_socket(host: str, port: int) -> socket.socket:
 
 
 def cmd_make_model(a: argparse.Namespace) -> None:
-    from moestream.models.presets import get_preset
-    from moestream.models.synthetic import make_model
+    from moestream.tools.presets import get_preset
+    from moestream.tools.synthetic import make_model
 
     preset = get_preset(a.preset, a.layers)
     writable(a.out, "make-model")
@@ -293,7 +293,7 @@ def _one_line_warning(message, category, filename, lineno, file=None, line=None)
 # for `profile --plot` only, is not preloaded: it would cost every profile run its import.)
 PRELOAD = {
     "serve": ("moestream.runtime.loader", "moestream.serving.app", "uvicorn"),
-    "make-model": ("moestream.models.synthetic",),
+    "make-model": ("moestream.tools.synthetic",),
 }
 
 
@@ -359,7 +359,3 @@ def entry() -> None:
                 pass
         os._exit(130)
     sys.exit(code)
-
-
-if __name__ == "__main__":
-    entry()

@@ -7,7 +7,7 @@ import re
 
 import matplotlib.image
 
-from moestream.cli import main
+from moestream.cli.main import main
 
 
 def test_bench_json_rows_and_invariants(model_file, capsys):

@@ -10,10 +10,10 @@ import time
 import gguf
 import pytest
 import torch
-from test_cli_errors import rewrite
+from test_errors import rewrite
 
 import moestream
-from moestream.cli import main
+from moestream.cli.main import main
 from moestream.formats.gguf import GGUFFile
 
 SECONDS = 10

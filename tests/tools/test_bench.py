@@ -6,7 +6,7 @@ import pytest
 
 import moestream
 from moestream.offload.device import CpuDevice
-from moestream.runtime.bench import Sweep, run_bench
+from moestream.tools.bench import Sweep, run_bench
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,11 +1,17 @@
-"""This machine's floors: host-to-device link rates and the grouped expert GEMM rate, measured here."""
+"""This machine's floors: host-to-device link rates (pinned, pageable, a mapped file page-locked in place) and
+the grouped expert GEMM rate, measured here."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
+
+from moestream.formats.gguf import torch_bytes_of
+from moestream.models.layers import moe_swiglu
+from moestream.offload.host import PinnedRanges
 
 
 def timed(fn: Callable[[], object], device: torch.device, repeats: int = 3, warmup: int = 1) -> list[float]:
@@ -43,6 +49,17 @@ def copy_rate(src: torch.Tensor, device: torch.device, repeats: int = 5, non_blo
     return src.numel() / min(timed(lambda: dst.copy_(src, non_blocking=non_blocking), device, repeats))
 
 
+def registered_rate(device: torch.device, array: np.ndarray, repeats: int = 5) -> float:
+    """Bytes per second uploading a slice of a mapped file page-locked in place (0 if page-locking is refused)."""
+    pins = PinnedRanges()
+    if not pins.register([array]):
+        return 0.0
+    try:
+        return copy_rate(torch_bytes_of(array).reshape(-1), device, repeats)
+    finally:
+        pins.unregister()
+
+
 def grouped_gemm_rate(
     n_tokens: int,
     n_embd: int,
@@ -53,8 +70,6 @@ def grouped_gemm_rate(
     dtype: torch.dtype,
 ) -> float:
     """FLOP/s of one MoE layer's grouped SwiGLU on random routing (the compute side of the floors)."""
-    from moestream.models.layers import moe_swiglu
-
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(n_tokens, n_embd, device=device, dtype=dtype, generator=g)
     gate = torch.randn(n_expert, n_ff, n_embd, device=device, dtype=dtype, generator=g) * 0.02

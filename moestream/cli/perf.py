@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import argparse
 
-from moestream.cli_args import at_least, engine_options, writable
+from moestream.cli.args import at_least, engine_options, writable
 from moestream.errors import MoestreamError
 
 
 def cmd_bench(a: argparse.Namespace) -> None:
-    from moestream import cli_report
+    from moestream.cli import report
     from moestream.offload.builder import check_expert_counts
     from moestream.offload.options import EngineOptions
-    from moestream.runtime.bench import Sweep, run_bench
     from moestream.runtime.loader import load
+    from moestream.tools.bench import Sweep, run_bench
 
     at_least(a.repetitions, 1, "-r")
     for n in a.n_prompt:
@@ -49,19 +49,19 @@ def cmd_bench(a: argparse.Namespace) -> None:
             check_expert_counts(row, spec)
 
     engine = load(a.model, before_weights=fits, **opts)
-    info = cli_report.run_info(engine, a.batch_size or max(max(a.n_prompt), max(a.ubatch)))
+    info = report.run_info(engine, a.batch_size or max(max(a.n_prompt), max(a.ubatch)))
     if fmt == "md":
-        print(cli_report.md_header())
+        print(report.md_header())
     try:
         rows, link = run_bench(
             engine,
             sweep,
-            progress=(lambda r: print(cli_report.md_row(r, info), flush=True)) if fmt == "md" else None,
+            progress=(lambda r: print(report.md_row(r, info), flush=True)) if fmt == "md" else None,
         )
     finally:
         engine.close()
     if fmt != "md":
-        print(cli_report.render(fmt, [cli_report.record(r, info, link) for r in rows]))
+        print(report.render(fmt, [report.record(r, info, link) for r in rows]))
         return
     print(f"\npinned host-to-device link: {link / 1e9:.1f} GB/s (measured now)")
     if not a.no_floors:
@@ -111,9 +111,9 @@ def cmd_profile(a: argparse.Namespace) -> None:
     import json
 
     from moestream.offload.options import EngineOptions
-    from moestream.profiling.session import profile_pass
-    from moestream.runtime.bench import random_prompt
     from moestream.runtime.loader import load
+    from moestream.tools.bench import random_prompt
+    from moestream.tools.profile import profile_pass
 
     at_least(a.n_prompt, 1, "-p")
     at_least(a.repetitions, 1, "-r")
@@ -164,9 +164,8 @@ def cmd_profile(a: argparse.Namespace) -> None:
 def cmd_probe(a: argparse.Namespace) -> None:
     import torch
 
-    from moestream.offload.host import registered_rate
     from moestream.offload.options import EngineOptions
-    from moestream.profiling.probe import grouped_gemm_rate, h2d_rate
+    from moestream.tools.probe import grouped_gemm_rate, h2d_rate, registered_rate
 
     at_least(a.ubatch, 1, "-ub")
     at_least(a.n_prompt, 1, "-p")
