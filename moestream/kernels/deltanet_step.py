@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from moestream.kernels.dequant import on_device, pdl, triton
+from moestream.kernels.launch import on_device, pdl, triton
 
 if triton is not None:
     import triton.language as tl
 
-    from moestream.kernels.dequant import pdl_start
+    from moestream.kernels.launch import pdl_start
 
     @triton.jit
     def _conv_kernel(x, w, conv, y, C, K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
