@@ -67,8 +67,8 @@ if triton is not None:
 
     @triton.jit
     def q4_k_dot(base, xb, ok):
-        """A Q4_K block (144 bytes) read as 36 int32 words: 5 loads a row instead of ~156 byte loads (the
-        graphed step 1.13x faster on the H200: 1.066 vs 1.202 ms for 8 layers). Needs 4-byte aligned blocks."""
+        """A Q4_K block (144 bytes) read as 36 int32 words: 5 loads a row instead of ~156 byte loads. Needs
+        4-byte aligned blocks."""
         return _k_dot(base, xb, ok, False)
 
     @triton.jit
@@ -85,8 +85,7 @@ if triton is not None:
         exponent of 1.0 (a shift, an AND and an OR), then one FMA: summing (1 + n / 16) x gives
         X + (n . x) / 16, X the sum of x over the same values, so d sc (n . x) - dmin m X =
         16 d sc A - (16 d sc + dmin m) X. The tile is [R, B, chunk, word], so a chunk's scales are one
-        [R, B, 4, 1] tensor and X one [1, B, 4, 8]. On the H200, with three other changes, no faster than the
-        integer-to-float form before it: these launches are bound by registers (docs/benchmarks.md)."""
+        [R, B, 4, 1] tensor and X one [1, B, 4, 8]."""
         base, xb, ok = base[:, :, :, None], xb[:, :, :, None], ok[:, :, :, None]
         wp = base.to(tl.pointer_type(tl.int32))
         w0 = tl.load(wp, mask=ok, other=0)

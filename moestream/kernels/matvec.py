@@ -33,8 +33,7 @@ if triton is not None:
         """[R] dot products of rows `out` of matrix `mat` of the stack w with the vector at xp, B blocks a row
         at a time (B divides N_BLOCKS), and with PAIR the same rows of the stack w2 (stored alike) beside them.
         A row of up to UNROLLED blocks is unrolled, so the loads of every turn can go out before the first
-        one's products, at the price of registers (gate+up 64 -> 168 a thread on sm_90). The sums keep their
-        order either way."""
+        one's products, at the price of registers. The sums keep their order either way."""
         at = (mat * n_out + out[:, None, None].to(tl.int64)) * row_bytes
         blk = tl.arange(0, B)[None, :, None]
         ok = ok[:, :, None]
@@ -97,9 +96,8 @@ if triton is not None:
     @triton.jit(noinline=True)
     def _part(w, mat, xp, y, p, block, n_out, row_bytes, N_BLOCKS, DOT, ELEMS, SIZE, ROWS: tl.constexpr, B, UNROLLED):
         """Rows block * ROWS.. of matrix mat of the stack w (one matrix of matvecs' launch: mat 0), for row p
-        of x. Not inlined: Triton's coalescing pass grows with the square of a function's size, and a fused
-        projection's parts, each unrolled, took it 39-42 s to compile inlined, 7-13 s as calls (sm_90,
-        offline, the same loads and load widths)."""
+        of x. Not inlined: Triton's coalescing pass grows with the square of a function's size, so a fused
+        projection's unrolled parts compile several times faster as calls (the same loads and load widths)."""
         out = block * ROWS + tl.arange(0, ROWS)
         ok = (out < n_out)[:, None]
         dot, _ = row_dot(w, w, mat, out, n_out, row_bytes, xp, ok, N_BLOCKS, DOT, ELEMS, SIZE, B, UNROLLED, False)
