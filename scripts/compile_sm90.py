@@ -1,8 +1,8 @@
 """Compile the decode kernels for the H200 (sm_90) on a machine without a GPU, with the ptxas that
 ships in Triton's wheel: a compile error shows here, not in the first minutes of device time. Needs triton
 (`pip install triton==3.6.0`); prints each kernel's static SASS instruction count,
-registers a thread (on the H200, ncu found the q/k/v and gate+up launches at 168 registers held to 13-17%
-occupancy) and int-to-float conversions.
+registers a thread (they cap the occupancy of the decode launches) and int-to-float conversions, for the
+current tuning (kernels/tuning.py).
 
     python scripts/compile_sm90.py
 """
@@ -20,8 +20,8 @@ from gguf import GGMLQuantizationType as Q
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from moestream.kernels import decode_attention, deltanet_step, fused
-from moestream.kernels import qmatvec as qm
+from moestream.kernels import decode_attention, deltanet_step, dots, fused, moe_matvec, tuning
+from moestream.kernels import matvec as mv
 
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -33,7 +33,7 @@ def build(label: str, fn, signature: dict, constexprs: dict, warps: int = 4, div
     specializes on (it then proves the word loads' alignment and vectorizes them)."""
     start = time.time()
     attrs = _aligned(fn, signature) | {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
-    k = triton.compile(  # with programmatic dependent launch, as the GPU runs them (dequant.PDL)
+    k = triton.compile(  # with programmatic dependent launch, as the GPU runs them (tuning's pdl)
         ASTSource(fn=fn, signature=signature, constexprs=constexprs | {"PDL": True}, attrs=attrs),
         target=TARGET,
         options={"num_warps": warps, "launch_pdl": True},
@@ -61,6 +61,7 @@ def _aligned(fn, signature: dict) -> dict:
 
 
 def main() -> None:
+    t = tuning.current()
     matvec = {"w": "*u8", "x": "*bf16", "y": "*bf16", "mats": "*i64", "n_out": "i32", "row_bytes": "i32"}
     for qtype, n_blocks, stacked in (
         (Q.Q4_K, 8, False),
@@ -73,45 +74,45 @@ def main() -> None:
         elems, size = SIZES[qtype]
         consts = dict(
             N_BLOCKS=n_blocks,
-            DOT=qm.DOTS[qtype],
+            DOT=dots.DOTS[qtype],
             ELEMS=elems,
             SIZE=size,
             STACKED=stacked,
-            ROWS=qm.ROWS_PER_PROGRAM,
-            B=qm._at_once(n_blocks, qm.BLOCKS_AT_ONCE),
-            UNROLLED=qm.UNROLLED,
+            ROWS=t.rows_per_program,
+            B=mv.blocks_at_once(n_blocks, t.blocks_at_once),
+            UNROLLED=t.unrolled,
         )
         div = ("n_out", "row_bytes") if n_blocks * size % 16 == 0 else ("n_out",)
-        build(f"matvec {qtype.name}, {n_blocks} blocks a row", qm._matvec_kernel, dict(matvec), consts, divisible=div)
-    for dtype, qtype in qm.FLOAT_QTYPES.items():  # the router's product, 2048 wide
+        build(f"matvec {qtype.name}, {n_blocks} blocks a row", mv._matvec_kernel, dict(matvec), consts, divisible=div)
+    for dtype, qtype in dots.FLOAT_QTYPES.items():  # the router's product, 2048 wide
         consts = dict(
-            N_BLOCKS=2048 // qm.FLOAT_BLOCK,
-            DOT=qm.FLOAT_DOTS[qtype],
-            ELEMS=qm.FLOAT_BLOCK,
-            SIZE=qm.FLOAT_BLOCK * dtype.itemsize,
+            N_BLOCKS=2048 // dots.FLOAT_BLOCK,
+            DOT=dots.FLOAT_DOTS[qtype],
+            ELEMS=dots.FLOAT_BLOCK,
+            SIZE=dots.FLOAT_BLOCK * dtype.itemsize,
             STACKED=False,
             ROWS=1,
-            B=qm._at_once(2048 // qm.FLOAT_BLOCK, qm.FLOAT_BLOCKS_AT_ONCE),
-            UNROLLED=qm.UNROLLED,
+            B=mv.blocks_at_once(2048 // dots.FLOAT_BLOCK, t.float_blocks_at_once),
+            UNROLLED=t.unrolled,
         )
         div = ("n_out", "row_bytes")
-        build(f"matvec {qtype.name} (float weight)", qm._matvec_kernel, dict(matvec), consts, warps=1, divisible=div)
+        build(f"matvec {qtype.name} (float weight)", mv._matvec_kernel, dict(matvec), consts, warps=1, divisible=div)
     parts = {"x": "*bf16"}
     for i in range(4):
         parts |= {f"w{i}": "*u8", f"y{i}": "*bf16", f"n{i}": "i32", f"rb{i}": "i32"}
     parts |= {f"end{i}": "i32" for i in range(3)}
     qkv = [(Q.Q4_K, 8, 256, 144), (Q.Q4_K, 8, 256, 144), (Q.Q6_K, 8, 256, 210), (Q.Q6_K, 8, 256, 210)]
-    consts = dict(D=2048, PARTS=3, ROWS=qm.ROWS_PER_PROGRAM, UNROLLED=qm.UNROLLED)
+    consts = dict(D=2048, PARTS=3, ROWS=t.rows_per_program, UNROLLED=t.unrolled)
     for i, (qtype, n_blocks, elems, size) in enumerate(qkv):
         consts |= {
             f"N{i}": n_blocks,
-            f"DOT{i}": qm.DOTS[qtype],
+            f"DOT{i}": dots.DOTS[qtype],
             f"E{i}": elems,
             f"S{i}": size,
-            f"B{i}": qm._at_once(n_blocks, qm.BLOCKS_AT_ONCE),
+            f"B{i}": mv.blocks_at_once(n_blocks, t.blocks_at_once),
         }
     div = tuple(f"{a}{i}" for i in range(4) for a in ("n", "rb")) + ("end0", "end1", "end2")
-    build("matvecs q+k+v (Q4_K, Q4_K, Q6_K)", qm._matvecs_kernel, parts, consts, divisible=div)
+    build("matvecs q+k+v (Q4_K, Q4_K, Q6_K)", mv._matvecs_kernel, parts, consts, divisible=div)
     gate_up = {
         "wg": "*u8",
         "wu": "*u8",
@@ -124,22 +125,23 @@ def main() -> None:
     }
     consts = dict(
         N_BLOCKS=8,
-        DOT=qm.DOTS[Q.Q4_K],
+        DOT=dots.DOTS[Q.Q4_K],
         ELEMS=256,
         SIZE=144,
-        ROWS=qm.ROWS_PER_PROGRAM,
-        B=qm._at_once(8, qm.GATE_UP_BLOCKS_AT_ONCE),
-        UNROLLED=qm.UNROLLED,
+        ROWS=t.rows_per_program,
+        B=mv.blocks_at_once(8, t.gate_up_blocks_at_once),
+        UNROLLED=t.unrolled,
     )
     for stacked in (True, False):  # the routed experts' pairs; a shared expert's dense pair
         label = "gate+up Q4_K" + ("" if stacked else ", dense")
-        build(label, qm._gate_up_kernel, gate_up, consts | {"STACKED": stacked}, divisible=("n_out", "row_bytes"))
+        consts |= {"STACKED": stacked}
+        build(label, moe_matvec._gate_up_kernel, gate_up, consts, divisible=("n_out", "row_bytes"))
     for shared in (False, True):
         build(
             "weighted sum + residual" + (" + shared expert" if shared else "") + ", 8 experts",
-            qm._weighted_sum_kernel,
+            moe_matvec._weighted_sum_kernel,
             dict.fromkeys(("down", "w", "res", "shared", "gate", "out"), "*bf16") | {"D": "i32"},
-            dict(K=8, BLOCK=qm.SUM_BLOCK, RESIDUAL=True, SHARED=shared),
+            dict(K=8, BLOCK=t.sum_block, RESIDUAL=True, SHARED=shared),
         )
 
     prologue = dict.fromkeys(("q", "k", "v", "wq", "wk", "q_out", "k_cache", "v_cache", "cos", "sin"), "*bf16")
@@ -175,14 +177,14 @@ def main() -> None:
     attention |= dict.fromkeys(("sqt", "sqh", "sqd", "sks", "skh", "skd", "svs", "svh", "svd"), "i32")
     for n_chunks in (1, 16):  # a short bucket normalises in the chunk kernel; a long one is combined after
         consts = dict(HKV=4, G=8, G_PAD=16, DH=128, CHUNK=256, N_CHUNKS=n_chunks, BLOCK_S=64, PRECISION="tf32")
-        for warps in sorted({decode_attention.CHUNK_WARPS, 8}):
+        for warps in sorted({t.attention_chunk_warps, 8}):
             label = f"decode attention, {n_chunks} chunk(s) of 256 keys, {warps} warps"
             build(label, decode_attention._chunk_kernel, attention, consts, warps=warps)
     build(
         "decode attention combine, 16 chunks",
         decode_attention._combine_kernel,
         dict.fromkeys(("part", "maxes", "sums"), "*fp32") | {"out": "*bf16"},
-        dict(DH=128, N_CHUNKS=16, BLOCK_C=decode_attention.COMBINE_BLOCK),
+        dict(DH=128, N_CHUNKS=16, BLOCK_C=t.attention_combine_block),
     )
 
     rule = dict.fromkeys(("y", "alpha", "beta", "z", "dt_bias", "ssm_a", "norm", "state", "out"), "*fp32")

@@ -14,39 +14,8 @@ from functools import partial
 import torch
 
 import moestream
-from moestream.kernels import qmatvec
-from moestream.kernels.dequant import triton
+from moestream.kernels import dots, matvec, moe_matvec, tuning
 from moestream.kernels.gather import RowGather
-
-if triton is not None:
-    import triton.language as tl
-    from gguf import GGMLQuantizationType as Q
-
-    from moestream.kernels.dequant import _f16_at
-
-    @triton.jit
-    def q6_k_dot_bytes(base, xb, ok):
-        """The Q6_K dot before 16-bit words (main up to 664d23a), for the side-by-side column: one byte a lane,
-        each ql/qh byte loaded again for every quarter, d * scale per element."""
-        d = _f16_at(base, 208, ok)
-        lane = tl.arange(0, 16)[None, None, :]
-        acc = tl.zeros_like(d) * lane
-        for h in tl.static_range(2):
-            for k in tl.static_range(4):
-                for g in tl.static_range(2):
-                    at = 32 * (k % 2) + 16 * g + lane
-                    ql = tl.load(base + 64 * h + at, mask=ok, other=0).to(tl.int32)
-                    qh = tl.load(base + 128 + 32 * h + 16 * g + lane, mask=ok, other=0).to(tl.int32)
-                    low = (ql & 15) if k < 2 else (ql >> 4)
-                    q = (low | (((qh >> (2 * k)) & 3) << 4)) - 32
-                    sc = tl.load(base + 192 + 8 * h + 2 * k + g, mask=ok, other=0).to(tl.int8, bitcast=True)
-                    xv = tl.load(xb + 128 * h + 32 * k + 16 * g + lane).to(tl.float32)
-                    acc += (d * sc.to(tl.float32)) * q.to(tl.float32) * xv
-        return acc
-
-    OLD_Q6_K = dict(DOTS=qmatvec.DOTS | {Q.Q6_K: q6_k_dot_bytes})
-else:
-    OLD_Q6_K = {}
 
 
 def _steps(n: int = 72) -> list[int]:
@@ -70,16 +39,15 @@ def step_ms(engine, n: int = 72) -> float:
     return a.elapsed_time(b) / n
 
 
-VARIANTS = {  # qmatvec's tile settings
+VARIANTS = {  # changes to the kernels' tuning
     "defaults": {},
-    "rows not unrolled": dict(UNROLLED=0),
-    "one block a row at a time": dict(BLOCKS_AT_ONCE=1),
-    "8 blocks at once": dict(BLOCKS_AT_ONCE=8),
-    "gate+up 4 blocks at once": dict(GATE_UP_BLOCKS_AT_ONCE=4),
-    "rows 4": dict(ROWS_PER_PROGRAM=4),
-    "rows 16": dict(ROWS_PER_PROGRAM=16),
-    "no grid minimum": dict(PROGRAMS_PER_SM=0),
-    "Q6_K dot before 16-bit words": OLD_Q6_K,
+    "rows not unrolled": dict(unrolled=0),
+    "one block a row at a time": dict(blocks_at_once=1),
+    "8 blocks at once": dict(blocks_at_once=8),
+    "gate+up 4 blocks at once": dict(gate_up_blocks_at_once=4),
+    "rows 4": dict(rows_per_program=4),
+    "rows 16": dict(rows_per_program=16),
+    "no grid minimum": dict(programs_per_sm=0),
 }
 
 
@@ -90,10 +58,10 @@ def kernel_cases(engine) -> list[tuple[str, int, object]]:
     cases = []
     for name in [n for n in w._blocks if n.startswith("blk.0.") or n == "output.weight"]:
         raw, qtype, shape = w._blocks[name]
-        if qtype not in qmatvec.DOTS:  # dequantized and multiplied instead: nothing to tile
+        if qtype not in dots.DOTS:  # dequantized and multiplied instead: nothing to tile
             continue
         x = torch.randn(1, shape[1], device=dev, dtype=dtype)
-        run = partial(qmatvec.matvec, raw, qtype, shape[0], x)
+        run = partial(matvec.matvec, raw, qtype, shape[0], x)
         cases.append((f"{name} {qtype.name} {shape[0]}x{shape[1]}", raw.nbytes, run))
     experts = engine.experts
     if not experts.resident:
@@ -106,21 +74,21 @@ def kernel_cases(engine) -> list[tuple[str, int, object]]:
     weights = torch.softmax(torch.randn(1, K, device=dev), -1).to(dtype)
     qtypes = tuple(v.qtype for v in t.views)
     n_ff = t.views[0].shape[1]
-    assert qmatvec.fuses(qtypes), "gate and up stored alike, as swiglu_picked needs"
+    assert moe_matvec.fuses(qtypes), "gate and up stored alike, as swiglu_picked needs"
     per = [r.nbytes // E * K for r in raws]
     h = torch.randn(K, n_ff, device=dev, dtype=dtype)
     cases.append(
         (
             f"layer {il}'s {K} experts (gate+up {qtypes[0].name}, down, sum)",
             sum(per),
-            partial(qmatvec.swiglu_picked, x, weights, ids, raws, qtypes, n_ff),
+            partial(moe_matvec.swiglu_picked, x, weights, ids, raws, qtypes, n_ff),
         )
     )
     cases.append(
         (
             f"layer {il}'s {K} down products {qtypes[2].name} {D}x{n_ff}",
             per[2],
-            partial(qmatvec.matvec, raws[2], qtypes[2], D, h, ids.view(-1), K),
+            partial(matvec.matvec, raws[2], qtypes[2], D, h, ids.view(-1), K),
         )
     )
     return cases
@@ -131,20 +99,11 @@ def check_dots(engine) -> None:
     for label, _, run in kernel_cases(engine):
         ref = run().float()
         for name, v in VARIANTS.items():
-            saved = use(v)
-            got = run().float()
-            use(saved)
+            with tuning.use(**v):
+                got = run().float()
             err = float((got - ref).abs().max() / ref.abs().max())
             print(f"check {label} {name}: max relative difference {err:.1e}")
             assert err < 2e-2, "a variant disagrees with the defaults"
-
-
-def use(variant: dict) -> dict:
-    """Set qmatvec's tile settings; returns the ones they replaced."""
-    saved = {k: getattr(qmatvec, k) for k in variant}
-    for k, v in variant.items():
-        setattr(qmatvec, k, v)
-    return saved
 
 
 def sweep(engine, variants: dict, rounds: int = 3) -> dict:
@@ -156,9 +115,8 @@ def sweep(engine, variants: dict, rounds: int = 3) -> dict:
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            saved = use(variants[name])
-            times[name].append(step_ms(engine))
-            use(saved)
+            with tuning.use(**variants[name]):
+                times[name].append(step_ms(engine))
     for name in names:
         ms = statistics.median(times[name])
         each = " ".join(f"{t:.3f}" for t in times[name])
@@ -222,6 +180,6 @@ if __name__ == "__main__":
     check_dots(e)
     best = sweep(e, VARIANTS)
     print(f"kernel table of the fastest: {best}")
-    use(best)
-    kernel_table(e)
+    with tuning.use(**best):
+        kernel_table(e)
     e.close()

@@ -9,7 +9,7 @@
 #   trees    tg128 resident on the slice (or $TREE_MODEL) for each worktree in $TREES and this tree (side by side,
 #            $ROUNDS rounds, 3, the order turning each round)
 #   settings tg128 resident on $TREE_MODEL ($MODEL) under each of $SETTINGS (';'-separated lists of kernel
-#            settings for with_settings.py, '-' for the defaults), each its own process, $ROUNDS rounds, order turning;
+#            tuning fields for with_settings.py, e.g. 'warps=2 unrolled=0', '-' for the defaults), each its own process, $ROUNDS rounds, order turning;
 #            a process's first use of a setting compiles its kernels (one block a tile: ~40 s a fused projection)
 #   ncu      Nsight Compute on one layer's decode matvec launches of the 8-layer slice (occupancy, registers,
 #            DRAM rate, issue rate): $OUT/ncu.txt
@@ -53,7 +53,8 @@ for step in "$@"; do
     tests) python3 -m pytest -m gpu -q -p no:cacheprovider tests --deselect tests/models/test_deltanet_gpu.py \
              --ignore tests/serving/test_app.py 2>&1 \
              | tee -a "$OUT/gpu_tests.txt" | tail -25 ;;
-    quick) python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_qmatvec.py tests/kernels/test_fused.py tests/kernels/test_deltanet_step.py \
+    quick) python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_matvec.py tests/kernels/test_dots.py \
+             tests/kernels/test_moe_matvec.py tests/kernels/test_fused.py tests/kernels/test_deltanet_step.py \
              tests/kernels/test_decode_attention.py tests/runtime/test_decode_gpu.py 2>&1 | tee -a "$OUT/gpu_tests.txt" | tail -8 ;;
     fla) python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/models/test_deltanet_gpu.py 2>&1 \
            | tee -a "$OUT/gpu_tests.txt" | tail -25 ;;  # ~100 s: fla autotunes its kernels on first use

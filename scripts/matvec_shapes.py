@@ -10,23 +10,21 @@ from __future__ import annotations
 import sys
 
 import torch
-from decode_diag import OLD_Q6_K, kernel_cases  # scripts/ is on the path when run as a script
+from decode_diag import kernel_cases  # scripts/ is on the path when run as a script
 
 import moestream
-from moestream.kernels import qmatvec
+from moestream.kernels import tuning
 
-SETTINGS = {  # name: qmatvec module settings (gate+up's blocks at once: 1 unless set)
-    "B1 r8": dict(BLOCKS_AT_ONCE=1, GATE_UP_BLOCKS_AT_ONCE=1),
-    "B2 r8": dict(BLOCKS_AT_ONCE=2, GATE_UP_BLOCKS_AT_ONCE=2),
-    "B4 r8": dict(BLOCKS_AT_ONCE=4, GATE_UP_BLOCKS_AT_ONCE=4),
-    "B8 r8": dict(BLOCKS_AT_ONCE=8, GATE_UP_BLOCKS_AT_ONCE=8),
-    "B1 r4 w2": dict(BLOCKS_AT_ONCE=1, ROWS_PER_PROGRAM=4, WARPS=2),
-    "B4 r4 w2": dict(BLOCKS_AT_ONCE=4, ROWS_PER_PROGRAM=4, WARPS=2),
-    "B8 r4 w4": dict(BLOCKS_AT_ONCE=8, ROWS_PER_PROGRAM=4, WARPS=4),
-    "B8 r2 w2": dict(BLOCKS_AT_ONCE=8, ROWS_PER_PROGRAM=2, WARPS=2),
-    "B2 r8 w8": dict(BLOCKS_AT_ONCE=2, ROWS_PER_PROGRAM=8, WARPS=8),
-    "B4 oldQ6": dict(BLOCKS_AT_ONCE=4, GATE_UP_BLOCKS_AT_ONCE=1, **OLD_Q6_K),  # the defaults, Q6_K's dot before
-    "B2 oldQ6": dict(BLOCKS_AT_ONCE=2, GATE_UP_BLOCKS_AT_ONCE=2, **OLD_Q6_K),
+SETTINGS = {  # name: changes to the kernels' tuning (gate+up's blocks at once: the default unless set)
+    "B1 r8": dict(blocks_at_once=1, gate_up_blocks_at_once=1),
+    "B2 r8": dict(blocks_at_once=2, gate_up_blocks_at_once=2),
+    "B4 r8": dict(blocks_at_once=4, gate_up_blocks_at_once=4),
+    "B8 r8": dict(blocks_at_once=8, gate_up_blocks_at_once=8),
+    "B1 r4 w2": dict(blocks_at_once=1, rows_per_program=4, warps=2),
+    "B4 r4 w2": dict(blocks_at_once=4, rows_per_program=4, warps=2),
+    "B8 r4 w4": dict(blocks_at_once=8, rows_per_program=4, warps=4),
+    "B8 r2 w2": dict(blocks_at_once=8, rows_per_program=2, warps=2),
+    "B2 r8 w8": dict(blocks_at_once=2, rows_per_program=8, warps=8),
 }
 
 
@@ -60,14 +58,10 @@ def main(path: str) -> None:
         ref = run().float()
         row = []
         for v in SETTINGS.values():
-            saved = {k: getattr(qmatvec, k) for k in v}
-            for k, val in v.items():
-                setattr(qmatvec, k, val)
-            got = run().float()
-            assert float((got - ref).abs().max() / ref.abs().max()) < 2e-2, label
-            row.append(time_us(run))
-            for k, val in saved.items():
-                setattr(qmatvec, k, val)
+            with tuning.use(**v):
+                got = run().float()
+                assert float((got - ref).abs().max() / ref.abs().max()) < 2e-2, label
+                row.append(time_us(run))
         best = min(row)
         print(
             f"{label:<48} {nbytes / 1e6:6.2f} "

@@ -1,34 +1,37 @@
-"""Run a moestream command with kernel module settings changed, so that settings can be compared as whole
-processes side by side (the in-process sweep drifts with its order; separate processes on the whole model
-agreed within 0.5%), without a worktree per setting.
+"""Run a moestream command with the kernels' tuning changed (fields of kernels/tuning.py's Tuning), so that
+settings can be compared as whole processes side by side (the in-process sweep drifts with its order; separate
+processes on the whole model agreed within 0.5%), without a worktree per setting.
 
-    python scripts/with_settings.py qmatvec.UNROLLED=0 qmatvec.WARPS=2 -- bench -m MODEL -p 0 -n 128
+    python scripts/with_settings.py unrolled=0 warps=2 -- bench -m MODEL -p 0 -n 128
 """
 
 from __future__ import annotations
 
 import ast
-import importlib
+import dataclasses
 import sys
 
 from moestream.cli.main import main
+from moestream.kernels import tuning
 
 
-def apply(settings: list[str]) -> None:
-    """Each 'module.NAME=value' (a module of moestream.kernels, a Python literal) set before anything runs."""
+def changes(settings: list[str]) -> dict:
+    """Each 'field=value' (a field of the kernels' Tuning, a Python literal) as use()'s keyword arguments."""
+    known = [f.name for f in dataclasses.fields(tuning.Tuning)]
+    out = {}
     for item in settings:
-        target, _, value = item.partition("=")
-        module, _, name = target.rpartition(".")
-        mod = importlib.import_module(f"moestream.kernels.{module}")
-        if not hasattr(mod, name):
-            raise SystemExit(f"moestream.kernels.{module} has no setting {name}")
-        setattr(mod, name, ast.literal_eval(value))
+        name, _, value = item.partition("=")
+        if name not in known:
+            raise SystemExit(f"the kernels' tuning has no field {name!r} (fields: {', '.join(known)})")
+        out[name] = ast.literal_eval(value)
+    return out
 
 
 if __name__ == "__main__":
     args = sys.argv[1:]
     if "--" not in args:
-        raise SystemExit("usage: with_settings.py [module.NAME=value ...] -- moestream arguments")
+        raise SystemExit("usage: with_settings.py [field=value ...] -- moestream arguments")
     cut = args.index("--")
-    apply(args[:cut])
-    sys.exit(main(args[cut + 1 :]))
+    with tuning.use(**changes(args[:cut])):
+        code = main(args[cut + 1 :])
+    sys.exit(code)

@@ -1,4 +1,5 @@
-"""Quantized matvec on the CPU (Q4_K, Q6_K, Q8_0), a small C file compiled on first use for this machine.
+"""Quantized matvec on the CPU, a small C file compiled on first use for this machine; the types it serves are
+those formats/quants names a C block function (`cpu_dot`) for.
 
 For the experts a small batch chose that live in host RAM: the CPU reads the stored blocks where they lie
 (the memory-mapped file) and multiplies in float32 over OpenMP threads, with no dequantized copy, instead of
@@ -24,9 +25,10 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from moestream.errors import MoestreamError
+from moestream.formats import quants
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_quant.c"
-TYPES = frozenset({GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q8_0})
+TYPES = frozenset(t.qtype for t in quants.TYPES.values() if t.cpu_dot)
 
 
 def _cache_dir() -> Path:

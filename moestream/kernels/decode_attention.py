@@ -1,5 +1,6 @@
 """Decode attention in two Triton launches: split-K ("flash-decoding") chunks, then a log-sum-exp combine; one
-launch when the keys make a single chunk (buckets under 2 * MIN_CHUNK: short sequences, such as tg128).
+launch when the keys make a single chunk (buckets under twice the tuning's attention_min_chunk: short
+sequences, such as tg128).
 
 The engine's static decode step replays a CUDA graph over a fixed KV bucket with the positions on the
 device. torch's SDPA with a boolean mask (models/layers.masked_attention, the reference) costs about eight
@@ -15,17 +16,13 @@ import math
 
 import torch
 
-from moestream.kernels.dequant import on_device, pdl, triton
-
-MIN_CHUNK = 256  # keys a chunk holds at least: fewer and the combine's traffic and launch overhead dominate
-TARGET_PROGRAMS = 256  # chunk programs to aim for on long buckets: about two per SM of an H200 (132 SMs)
-COMBINE_BLOCK = 16  # chunks the combine reads at a time
-CHUNK_WARPS = 4  # sm_90 offline (compile_sm90.py), qwen3-30b's shapes: 17-33 spills at 4 warps, none at 8 (untimed)
+from moestream.kernels import tuning
+from moestream.kernels.launch import on_device, pdl, triton
 
 if triton is not None:
     import triton.language as tl
 
-    from moestream.kernels.dequant import pdl_start
+    from moestream.kernels.launch import pdl_start
 
     @triton.jit
     def _chunk_kernel(
@@ -140,10 +137,11 @@ def usable(q: torch.Tensor) -> bool:
     )
 
 
-def chunk_size(n_keys: int, n_rows: int, block: int) -> int:
-    """Keys per chunk for n_keys keys and n_rows (token, KV head) pairs: at least MIN_CHUNK where there are
-    that many, few enough chunks for about TARGET_PROGRAMS programs in all, a multiple of block."""
-    n_chunks = max(1, min(TARGET_PROGRAMS // n_rows, n_keys // MIN_CHUNK))
+def chunk_size(n_keys: int, n_rows: int, block: int, t: tuning.Tuning) -> int:
+    """Keys per chunk for n_keys keys and n_rows (token, KV head) pairs: at least t.attention_min_chunk where
+    there are that many, few enough chunks for about t.attention_target_programs programs in all, a multiple
+    of block."""
+    n_chunks = max(1, min(t.attention_target_programs // n_rows, n_keys // t.attention_min_chunk))
     return triton.cdiv(triton.cdiv(n_keys, n_chunks), block) * block
 
 
@@ -153,8 +151,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
     T, H, Dh = q.shape
     S, Hkv, _ = k.shape
     G = H // Hkv
+    t = tuning.current()
     block = min(64, 16384 // (Dh * q.element_size()))  # K and V tiles of at most 16 KiB: no register spills
-    chunk = chunk_size(S, T * Hkv, block)
+    chunk = chunk_size(S, T * Hkv, block, t)
     n_chunks = triton.cdiv(S, chunk)
     out = torch.empty((T, H, Dh), dtype=q.dtype, device=q.device)
     if n_chunks == 1:  # the chunk kernel normalises: no partials, no combine
@@ -184,7 +183,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
             N_CHUNKS=n_chunks,
             BLOCK_S=block,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # tf32 only applies to float32 inputs
-            num_warps=CHUNK_WARPS,
+            num_warps=t.attention_chunk_warps,
             **pdl(q),
         )
         if n_chunks > 1:
@@ -194,7 +193,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
                 out,
                 DH=Dh,
                 N_CHUNKS=n_chunks,
-                BLOCK_C=min(COMBINE_BLOCK, triton.next_power_of_2(n_chunks)),
+                BLOCK_C=min(t.attention_combine_block, triton.next_power_of_2(n_chunks)),
                 **pdl(q),
             )
     return out

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from moestream.kernels.dequant import on_device, pdl, triton
+from moestream.kernels.launch import on_device, pdl, triton
 
 if triton is not None:
     import triton.language as tl
 
-    from moestream.kernels.dequant import pdl_start
+    from moestream.kernels.launch import pdl_start
 
     @triton.jit
     def _conv_kernel(x, w, conv, y, C, K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
@@ -57,7 +57,6 @@ if triton is not None:
         decay = tl.exp(softplus * tl.load(ssm_a + h).to(tl.float32))
         b = 1 / (1 + tl.exp(-tl.load(beta + h).to(tl.float32)))
         # the head's whole state [Dk, Dv] as one tile: read once, decayed and updated in registers, written once
-        # (16 rows at a time, reading it twice, took 16 us a layer on the H200 with 32 programs in all)
         at = state + h.to(tl.int64) * Dk * Dv + dk[:, None] * Dv + dv[None, :]
         ok = (dk < Dk)[:, None] & v_ok[None, :]
         s_h = tl.load(at, mask=ok, other=0) * decay

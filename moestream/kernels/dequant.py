@@ -1,69 +1,26 @@
 """Dequantize expert stacks on the GPU in one pass.
 
-The torch reference (formats/quants.py) is bit-exact with gguf but runs a dozen elementwise kernels per
-tensor (~4 ms for a Qwen3-30B-A3B Q4_K stack on an H200); these Triton kernels read each block once and
-write the output once, so a layer's experts dequantize at memory speed. Types without a kernel, and the
-CPU, use the reference. Kernels may contract multiply-add into FMA, so they agree with the reference to
-float32 rounding, not bit for bit; every GPU path uses the same kernel, so schedules still agree exactly.
+The torch reference (formats/quants) is bit-exact with gguf but runs a dozen elementwise kernels per tensor;
+these Triton kernels read each block once and write the output once, so a layer's experts dequantize at
+memory speed. Types without a tile (formats/quants names each type's), and the CPU, use the reference.
+Kernels may contract multiply-add into FMA, so they agree with the reference to float32 rounding, not bit for
+bit; every GPU path uses the same kernel, so schedules still agree exactly.
 """
 
 from __future__ import annotations
-
-import contextlib
-import functools
-import os
 
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from moestream.formats import quants
-
-Q = GGMLQuantizationType
-
-try:  # Triton ships with CUDA builds of torch; CPU-only installs take the reference path
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
-
-BLOCKS_PER_PROGRAM = 8
-# Programmatic dependent launch for the decode kernels: each may be scheduled while the kernel before it in the
-# stream still runs, and waits on the GPU (griddepcontrol.wait) before it touches memory, so a launch's gap
-# hides behind the kernel before it. Hopper on; never where Triton interprets (inline PTX).
-PDL = True
-
-
-def on_device(t: torch.Tensor):
-    """Triton launches on the current device: make it t's (say --device cuda:1); nothing for CPU tensors (the
-    interpreter)."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
-def pdl(t: torch.Tensor) -> dict:
-    """A decode kernel's launch options for tensors like t: its PDL constexpr and Triton's launch_pdl (off
-    under TRITON_INTERPRET=1, which interprets CUDA tensors too)."""
-    on = PDL and t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1" and _capability(t.device) >= (9, 0)
-    return dict(PDL=on, launch_pdl=on)
-
-
-@functools.cache
-def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
-
+from moestream.kernels import tuning
+from moestream.kernels.launch import on_device, triton
 
 if triton is not None:
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    import triton.language as tl
 
     @triton.jit
-    def pdl_start(PDL: tl.constexpr):
-        """A decode kernel's first step: under PDL, wait until the grids before it have finished and their
-        writes are visible, then let the next kernel be scheduled (it waits the same way)."""
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
-
-    @triton.jit
-    def _f16_at(base, offset, ok):
+    def f16_at(base, offset, ok):
         lo = tl.load(base + offset, mask=ok, other=0).to(tl.uint16)
         hi = tl.load(base + offset + 1, mask=ok, other=0).to(tl.uint16)
         return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
@@ -83,7 +40,7 @@ if triton is not None:
     def _k_tile(base, e, ok, FIFTH: tl.constexpr):
         """Q4_K, or with FIFTH Q5_K: the same scales and nibbles (32 bytes later) plus a fifth bit, bit s of
         qh[e % 32] for sub-block s."""
-        d, dmin = _f16_at(base, 0, ok), _f16_at(base, 2, ok)
+        d, dmin = f16_at(base, 0, ok), f16_at(base, 2, ok)
         s = e // 32  # sub-block of 32 with its own 6-bit scale and min
         lo = s < 4
         a = tl.load(base + 4 + s % 4, mask=ok, other=0).to(tl.int32)  # scales[0:4]
@@ -99,7 +56,7 @@ if triton is not None:
 
     @triton.jit
     def q6_k_tile(base, e, ok):
-        d = _f16_at(base, 208, ok)
+        d = f16_at(base, 208, ok)
         h, r = e // 128, e % 128  # two halves of 128; each packs low nibbles in ql and 2 high bits in qh
         ql = tl.load(base + h * 64 + r % 64, mask=ok, other=0).to(tl.int32)
         qh = tl.load(base + 128 + h * 32 + r % 32, mask=ok, other=0).to(tl.int32)
@@ -110,7 +67,7 @@ if triton is not None:
     @triton.jit
     def q8_0_tile(base, e, ok):
         q = tl.load(base + 2 + e, mask=ok, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-        return q * _f16_at(base, 0, ok)
+        return q * f16_at(base, 0, ok)
 
     @triton.jit
     def _dequant_kernel(
@@ -122,7 +79,7 @@ if triton is not None:
         x = TILE(src + b.to(tl.int64) * SIZE, e, ok)
         tl.store(dst + b.to(tl.int64) * ELEMS + e, x.to(dst.dtype.element_ty), mask=ok)
 
-    TILES = {Q.Q4_K: q4_k_tile, Q.Q5_K: q5_k_tile, Q.Q6_K: q6_k_tile, Q.Q8_0: q8_0_tile}
+    TILES = {t.qtype: globals()[t.tile] for t in quants.TYPES.values() if t.tile}  # by the names formats gives
 else:
     TILES = {}
 
@@ -140,7 +97,9 @@ def dequantize(
     if n_blocks * block != torch.Size(shape).numel():
         return quants.dequantize(raw, qtype, shape, dtype)  # raises the reference's clear error
     out = torch.empty(shape, dtype=dtype, device=raw.device)
-    grid = (triton.cdiv(n_blocks, BLOCKS_PER_PROGRAM),)
+    blocks = tuning.current().dequant_blocks_per_program
     with on_device(raw):
-        _dequant_kernel[grid](raw, out, n_blocks, TILE=tile, ELEMS=block, SIZE=type_size, BLOCKS=BLOCKS_PER_PROGRAM)
+        _dequant_kernel[(triton.cdiv(n_blocks, blocks),)](
+            raw, out, n_blocks, TILE=tile, ELEMS=block, SIZE=type_size, BLOCKS=blocks
+        )
     return out

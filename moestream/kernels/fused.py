@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from moestream.kernels.dequant import on_device, pdl, triton
+from moestream.kernels.launch import on_device, pdl, triton
 
 if triton is not None:
     import triton.language as tl
 
-    from moestream.kernels.dequant import pdl_start
+    from moestream.kernels.launch import pdl_start
 
     @triton.jit
     def _norm_row(x, w, y, cos, sin, eps, D: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr, ROPE: tl.constexpr):

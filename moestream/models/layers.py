@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from moestream.kernels import decode_attention, fused, qmatvec
+from moestream.kernels import decode_attention, fused, matvec
 from moestream.kernels.grouped_moe import grouped_mm
 
 
@@ -161,7 +161,7 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
 
 def route_softmax_topk(x: torch.Tensor, w_router: torch.Tensor, k: int, renorm: bool = True):
     """Softmax over all experts, top-k, chosen weights renormalised to sum 1. Returns weights [T, K], ids [T, K]."""
-    logits = qmatvec.linear_each_row(x, w_router)  # a decode batch's rows route as each would alone
+    logits = matvec.linear_each_row(x, w_router)  # a decode batch's rows route as each would alone
     return softmax_topk(logits, k, x.dtype, renorm)
 
 

@@ -3,8 +3,8 @@ expert source hands it (`StoredExperts`). Where the bytes come from (resident, a
 the page-locked map, a prefetch ring) is the offload layer's business; how to multiply them is decided here,
 from where they lie and how many tokens there are:
 
-- a token or few on a GPU: quantized matvecs straight from the blocks (`kernels/qmatvec.py`), fused where the
-  types allow;
+- a token or few on a GPU: quantized matvecs straight from the blocks (`kernels/moe_matvec.py`), fused where
+  the types allow;
 - on the host (`--small-batch cpu`): the compiled CPU matvec, or float32 dequantization without it;
 - split over several devices (`--devices`): each range of experts on its own;
 - otherwise the grouped SwiGLU over dequantized stacks, of just the picked rows when there are fewer picks
@@ -20,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-from moestream.kernels import cpu_quant, qmatvec
+from moestream.kernels import cpu_quant, matvec, moe_matvec
 from moestream.models.layers import moe_swiglu, moe_swiglu_picked, moe_swiglu_sharded
 
 Dequantize = Callable[[int, torch.Tensor | None], torch.Tensor]
@@ -69,14 +69,14 @@ def moe_stored(
     tensors of x's dtype; inside the sum's launch where the kernels fuse, launches a layer fewer (there, on
     sm_90, the shared expert's product and sum round once, a bf16 FMA: a rounding step from torch's form)."""
     T = w.ids.shape[0]
-    fused = not (w.parts or w.on_host) and all(qmatvec.usable(q, x.device, T) for q in w.qtypes)
-    if fused and qmatvec.fuses(w.qtypes):  # three launches for the whole layer
+    fused = not (w.parts or w.on_host) and all(matvec.usable(q, x.device, T) for q in w.qtypes)
+    if fused and moe_matvec.fuses(w.qtypes):  # three launches for the whole layer
         args = x, weights, w.ids, list(w.raws), w.qtypes, w.shapes[0][1]
         if all(t is None or t.dtype == x.dtype for t in (residual, shared and shared[0])):
-            return qmatvec.swiglu_picked(*args, residual, shared)
-        out = qmatvec.swiglu_picked(*args)
+            return moe_matvec.swiglu_picked(*args, residual, shared)
+        out = moe_matvec.swiglu_picked(*args)
     else:
-        out = moe_swiglu_picked(x, weights, w.ids, *matvecs(qmatvec, w)) if fused else _unfused(x, weights, w)
+        out = moe_swiglu_picked(x, weights, w.ids, *matvecs(matvec, w)) if fused else _unfused(x, weights, w)
     if shared is not None:  # else torch's type promotion picks the dtypes, as the layers would
         out = out + torch.sigmoid(shared[1]) * shared[0]
     return out if residual is None else residual + out
@@ -116,7 +116,7 @@ def _lazy(w: StoredExperts, rows: torch.Tensor | None) -> tuple:
 
 
 def matvecs(kernel, w: StoredExperts) -> list:
-    """The gate, up and down MatVecs of w's bytes by a kernel module's matvec (qmatvec, cpu_quant)."""
+    """The gate, up and down MatVecs of w's bytes by a kernel module's matvec (matvec, cpu_quant)."""
     return [
         lambda picks, rows, raw=raw, q=q, shape=shape: kernel.matvec(raw, q, shape[1], rows, picks)
         for raw, q, shape in zip(w.raws, w.qtypes, w.shapes, strict=True)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from moestream.errors import MoestreamError
-from moestream.kernels import deltanet_step, qmatvec
+from moestream.kernels import deltanet_step, moe_matvec
 from moestream.models import qwen3moe
 from moestream.models.deltanet import (
     DeltaNetState,
@@ -234,5 +234,5 @@ class Model(qwen3moe.Model):
         names = [f"blk.{il}.ffn_{n}_shexp.weight" for n in ("gate", "up")]
         parts = [self.weights.stored(x, name) for name in names]
         if all(parts) and parts[0][1] == parts[1][1]:
-            return qmatvec.swiglu(x, [p[0] for p in parts], (parts[0][1], parts[1][1]), parts[0][2][0])
+            return moe_matvec.swiglu(x, [p[0] for p in parts], (parts[0][1], parts[1][1]), parts[0][2][0])
         return F.silu(self.linear(x, il, "ffn_gate_shexp")) * self.linear(x, il, "ffn_up_shexp")

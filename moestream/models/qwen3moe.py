@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from moestream.kernels import qmatvec
+from moestream.kernels import matvec
 from moestream.models.layers import (
     HEAD_ROWS,
     Batch,
@@ -134,7 +134,7 @@ class Model:
         out = x.new_empty(x.shape[0], self.spec.n_vocab)
         start = 0
         for w in self.weights.row_chunks("output.weight", HEAD_ROWS):  # one dequantized slice alive at a time
-            out[:, start : start + w.shape[0]] = qmatvec.linear_each_row(x, w)  # a decode batch: as each alone
+            out[:, start : start + w.shape[0]] = matvec.linear_each_row(x, w)  # a decode batch: as each alone
             start += w.shape[0]
             del w
         return out

@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from moestream.formats import quants
 from moestream.formats.gguf import TensorView, torch_bytes
-from moestream.kernels import qmatvec
+from moestream.kernels import matvec
 from moestream.kernels.dequant import dequantize
 
 FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
@@ -44,7 +44,7 @@ class DenseWeights(Mapping[str, torch.Tensor]):
 
     def reads_directly(self, x: torch.Tensor, name: str) -> bool:
         """Whether linear(x, name) multiplies from the stored blocks (no dequantized copy is made)."""
-        return name in self._blocks and qmatvec.usable(self._blocks[name][1], x.device, x.shape[0])
+        return name in self._blocks and matvec.usable(self._blocks[name][1], x.device, x.shape[0])
 
     def stored(self, x: torch.Tensor, name: str) -> tuple[torch.Tensor, Q, tuple[int, ...]] | None:
         """Weight `name`'s stored bytes, type and shape, when the matvec reads them for x (else None)."""
@@ -54,25 +54,25 @@ class DenseWeights(Mapping[str, torch.Tensor]):
         """x @ W.T; for a few tokens straight from the stored blocks, without a dequantized copy."""
         if self.reads_directly(x, name):
             raw, qtype, shape = self._blocks[name]
-            return qmatvec.matvec(raw, qtype, shape[0], x)
-        return qmatvec.linear_each_row(x, self[name])
+            return matvec.matvec(raw, qtype, shape[0], x)
+        return matvec.linear_each_row(x, self[name])
 
     def linears(self, x: torch.Tensor, names: list[str]) -> list[torch.Tensor]:
         """[linear(x, name) for name in names]; for a few tokens on a GPU, one launch for all (q, k, v)."""
         parts = [self._matvec_part(x, name) for name in names]
         if 2 <= len(names) <= 4 and all(parts):
-            return qmatvec.matvecs(parts, x)
+            return matvec.matvecs(parts, x)
         return [self.linear(x, name) for name in names]
 
     def _matvec_part(self, x: torch.Tensor, name: str) -> tuple[torch.Tensor, Q, int] | None:
-        """What qmatvec.matvecs needs of weight `name` for x, if the matvec reads it (stored blocks, or a float
+        """What matvec.matvecs needs of weight `name` for x, if the matvec reads it (stored blocks, or a float
         weight in x's dtype)."""
         if self.reads_directly(x, name):
             raw, qtype, shape = self._blocks[name]
             return raw, qtype, shape[0]
         w = self._floats.get(name)
-        if w is not None and qmatvec.reads_float(x, w):
-            return qmatvec.float_part(w)
+        if w is not None and matvec.reads_float(x, w):
+            return matvec.float_part(w)
         return None
 
     def row_chunks(self, name: str, rows: int) -> Iterator[torch.Tensor]:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moestream.kernels import qmatvec
+from moestream.kernels import matvec
 from moestream.kernels.gather import RowGather
 from moestream.kernels.grouped_moe import runs_on_device
 from moestream.models.layers import expert_counts
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 def _matvec_serves(t: ExpertTensors, device: torch.device, n_tokens: int) -> bool:
     """A token or few on a GPU: the experts multiply straight from their stored blocks."""
-    return all(qmatvec.usable(v.qtype, device, n_tokens) for v in t.views)
+    return all(matvec.usable(v.qtype, device, n_tokens) for v in t.views)
 
 
 class LayerExperts:

@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from moestream.errors import MoestreamError
 from moestream.formats.tokenizer import TextStream
-from moestream.kernels import qmatvec
+from moestream.kernels import tuning
 from moestream.models.layers import Batch
 from moestream.offload.device import cap_vram
 from moestream.offload.experts import ExpertPass, LayerExperts, OnRoute
@@ -233,7 +233,7 @@ class Engine:
             self._check([token], cache)
         order = sorted(range(len(caches)), key=lambda i: id(caches[i]))  # one graph whatever order rows come in
         tokens, caches = [tokens[i] for i in order], [caches[i] for i in order]
-        most = qmatvec.MAX_TOKENS if self.device.type == "cuda" else len(tokens)
+        most = tuning.current().max_tokens if self.device.type == "cuda" else len(tokens)
         # on a GPU, passes of at most MAX_TOKENS rows: more would dequantize every weight and multiply on other
         # kernels, so a row's bits would depend on the batch (and the weights be dequantized each step)
         parts = [self._pass_each(tokens[i : i + most], caches[i : i + most]) for i in range(0, len(tokens), most)]
@@ -313,7 +313,7 @@ class Engine:
         """Whether a step of one token for each of n_seqs sequences replays a CUDA graph here (else it runs
         eagerly, and a server does better stepping its sequences one by one, each replaying its own)."""
         ok = self._graphs_ok if n_seqs == 1 else self._batches_ok
-        rows = min(n_seqs, qmatvec.MAX_TOKENS)  # forward_each's passes
+        rows = min(n_seqs, tuning.current().max_tokens)  # forward_each's passes
         return ok and self.device.type == "cuda" and self.experts.capturable(rows, self.spec.n_expert_used)
 
     def _capture(self, graphs: StepGraphs, step, x: torch.Tensor, positions: torch.Tensor, key, watch) -> None:

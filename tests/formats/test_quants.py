@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moestream.errors import MoestreamError
-from moestream.formats.quants import SUPPORTED, dequantize, row_bytes
+from moestream.formats.quants import SUPPORTED, TYPES, dequantize, get, row_bytes
 
 Q = gguf.GGMLQuantizationType
 
@@ -71,6 +71,16 @@ def test_supported_types():
     assert {t.name for t in SUPPORTED} == set(expected)
 
 
+def test_each_entry_names_its_type_and_the_kernels_it_has():
+    """One entry a type, its layout gguf's; the kernel names are resolved (and checked) in kernels/types.py."""
+    assert set(TYPES) == SUPPORTED
+    for qtype, entry in TYPES.items():
+        assert entry.qtype == qtype and (entry.block, entry.type_size) == gguf.GGML_QUANT_SIZES[qtype]
+    assert get(Q.Q4_K).dot == "q4_k_dot" and get(Q.Q4_0).tile is None
+    with pytest.raises(MoestreamError, match=r"tensor type IQ2_XXS is not supported \(supported: .*Q6_K"):
+        get(Q.IQ2_XXS)
+
+
 def test_random_blocks_have_finite_values():
     for qtype in SUPPORTED:
         raw = random_bytes(qtype, (3, 4, 768))
@@ -109,11 +119,11 @@ def test_raw_may_be_flat_or_any_shape_of_the_right_size():
 
 def test_chunked_expansion_matches_one_pass(monkeypatch):
     """Tensors bigger than one step are expanded in pieces; the pieces must line up."""
-    import moestream.formats.quants as quants
+    from moestream.formats.quants import reference as torch_reference
 
     shape = (4, 8, 1024)
     raw = torch.from_numpy(random_bytes(Q.Q6_K, shape))
-    monkeypatch.setattr(quants, "_CHUNK_ELEMENTS", {"cpu": 3 * 256})
+    monkeypatch.setattr(torch_reference, "_CHUNK_ELEMENTS", {"cpu": 3 * 256})
     got = dequantize(raw, Q.Q6_K, shape)
     assert_bit_exact(got, reference(raw.numpy(), Q.Q6_K, shape), "Q6_K in steps of 3 blocks")
 

@@ -14,7 +14,14 @@ from moestream.kernels import cpu_quant
 pytestmark = pytest.mark.skipif(not cpu_quant.available(), reason="no C compiler")
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0])
+def test_the_types_are_those_formats_names_a_c_block_function_for():
+    source = cpu_quant.SOURCE.read_text()
+    for qtype in cpu_quant.TYPES:
+        assert f"static void {quants.get(qtype).cpu_dot}(const uint8_t *b, float *out)" in source, qtype.name
+    assert cpu_quant.TYPES == {Q.Q4_K, Q.Q6_K, Q.Q8_0}
+
+
+@pytest.mark.parametrize("qtype", sorted(cpu_quant.TYPES))
 def test_matvec_matches_dequantized_product(qtype):
     w = (np.random.default_rng(0).standard_normal((6, 40, 768)) * 0.05).astype(np.float32)
     raw = torch.from_numpy(quantize(w, qtype))

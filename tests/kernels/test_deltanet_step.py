@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moestream.kernels import deltanet_step
-from moestream.kernels.dequant import triton
+from moestream.kernels.launch import triton
 from moestream.models.deltanet import DeltaNetState, MixWeights, Projected, delta_rule_recurrent, gated_delta_mix
 
 # Without a GPU, Triton's interpreter (TRITON_INTERPRET=1, triton importable) runs the kernels on CPU tensors

@@ -10,8 +10,16 @@ from gguf import GGMLQuantizationType as Q
 from moestream.formats import quants
 from moestream.formats.quantize import quantize
 from moestream.kernels.dequant import TILES, dequantize
+from moestream.kernels.launch import triton
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.skipif(triton is None, reason="needs Triton")
+def test_the_tiles_are_those_formats_names():
+    assert {q: tile.fn.__name__ for q, tile in TILES.items()} == {
+        t.qtype: t.tile for t in quants.TYPES.values() if t.tile
+    }
 
 
 @pytest.mark.gpu

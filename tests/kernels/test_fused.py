@@ -1,18 +1,13 @@
-"""The fused decode kernels against the torch ops they replace: RMSNorm (+ RoPE), the router's softmax top-k,
-and a layer's picked experts in three launches (from device memory and from page-locked host memory)."""
+"""The fused decode kernels against the torch ops they replace: RMSNorm (+ RoPE) and the router's softmax
+top-k."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType as Q
 
-from moestream.formats import quants
-from moestream.formats.quantize import quantize
-from moestream.kernels import fused, qmatvec
+from moestream.kernels import fused
 from moestream.models import layers
-from moestream.offload.host import PinnedRanges
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -86,43 +81,6 @@ def test_softmax_topk_takes_the_lowest_id_among_equals():
     w, ids = fused.softmax_topk(logits, 4, True, torch.float32)
     assert ids.tolist() == [[1, 3, 5, 2]]
     assert torch.allclose(w[0, :3], w[0, :1].expand(3)) and float(w[0, 3]) < float(w[0, 0])
-
-
-@pytest.mark.parametrize("down_type", [Q.Q4_K, Q.Q6_K])
-@pytest.mark.parametrize("where", ["device", "host"])
-def test_swiglu_picked_matches_dequantized_experts(down_type, where, own_pages):
-    E, F_, D, T, K = 6, 512, 768, 3, 4
-    rng = np.random.default_rng(0)
-    shapes = ((E, F_, D), (E, F_, D), (E, D, F_))
-    types = (Q.Q4_K, Q.Q4_K, down_type)
-    stored = [
-        own_pages(quantize((rng.standard_normal(s) * 0.05).astype(np.float32), t))
-        for s, t in zip(shapes, types, strict=True)
-    ]
-    pinned = PinnedRanges()
-    try:
-        if where == "host":
-            assert pinned.register(stored)
-            raws = [torch.from_numpy(s) for s in stored]
-        else:
-            raws = [torch.from_numpy(s).cuda() for s in stored]
-        W = [
-            quants.dequantize(torch.from_numpy(s), t, sh, torch.float32).cuda()
-            for s, t, sh in zip(stored, types, shapes, strict=True)
-        ]
-        x = torch.randn(T, D, device="cuda")
-        ids = torch.tensor([[5, 0, 2, 3], [1, 5, 3, 4], [0, 1, 2, 5]], device="cuda")
-        weights = torch.rand(T, K, device="cuda")
-        mv = [lambda picks, rows, w=w: torch.einsum("pod,pd->po", w[picks], rows) for w in W]
-        ref = layers.moe_swiglu_picked(x, weights, ids, *mv)
-        assert qmatvec.fuses(types)
-        got = qmatvec.swiglu_picked(x, weights, ids, raws, types, F_)
-        assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
-        got16 = qmatvec.swiglu_picked(x.bfloat16(), weights.bfloat16(), ids, raws, types, F_)
-        assert got16.dtype == torch.bfloat16
-        assert float((got16.float() - ref).abs().max() / ref.abs().max()) < 3e-2
-    finally:
-        pinned.unregister()
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])

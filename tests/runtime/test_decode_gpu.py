@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import moestream
-from moestream.kernels import dequant
+from moestream.kernels import launch, tuning
 from moestream.profiling.timeline import NULL, Timeline
 from moestream.runtime.sampling import SamplingParams
 
@@ -55,13 +55,13 @@ def test_steps_launched_dependently_give_the_bits_of_steps_launched_in_turn(mode
     path = model_file(preset, "Q4_K_M")
     e = moestream.load(path, device="cuda", progress=False, n_cpu_moe=n_cpu_moe)
     try:
-        assert dequant.pdl(torch.empty(1, device="cuda"))["PDL"] == (torch.cuda.get_device_capability() >= (9, 0))
+        assert launch.pdl(torch.empty(1, device="cuda"))["PDL"] == (torch.cuda.get_device_capability() >= (9, 0))
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # a refused capture warns and runs eagerly: not good enough here
             dependent, cache = steps(e, TOKENS[:40])
             assert cache in e._graphs
-            monkeypatch.setattr(dequant, "PDL", False)  # a new cache: its steps are captured anew
-            in_turn, _ = steps(e, TOKENS[:40])
+            with tuning.use(pdl=False):  # a new cache: its steps are captured anew
+                in_turn, _ = steps(e, TOKENS[:40])
     finally:
         e.close()
     assert torch.equal(dependent, in_turn)

@@ -1,0 +1,93 @@
+"""The block dots (through the matvec) over every bit pattern of their types, against the dequantized product,
+and the dot tables against the names formats/quants gives."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from kernel_devices import DEVICE, as_kernel_rounds, gpu_or_interpreter
+
+from moestream.formats import quants
+from moestream.kernels import dots
+from moestream.kernels.matvec import matvec
+
+
+@pytest.mark.skipif(dots.triton is None, reason="needs Triton")
+def test_the_tables_hold_the_dots_formats_names():
+    named = {t.qtype: t.dot for t in quants.TYPES.values() if t.dot}
+    assert {q: d.fn.__name__ for q, d in (dots.DOTS | dots.FLOAT_DOTS).items()} == named
+    assert set(dots.FLOAT_DOTS) == set(dots.FLOAT_QTYPES.values())
+
+
+def _q6_k_bit_patterns(rng: np.random.Generator, rows: tuple[int, ...], n_in: int) -> np.ndarray:
+    """Q6_K rows of random bytes (every ql/qh bit pattern, scales of both signs) with finite d, and blocks at
+    the extremes: every 6-bit value 63 or 0 (q = 31, -32), every scale -128, 127 or a mix of both signs."""
+    b = rng.integers(0, 256, size=(*rows, n_in // 256, 210), dtype=np.uint8)
+    flat = b.reshape(-1, 210)
+    flat[0::5, :192], flat[1::5, :192] = 0xFF, 0x00
+    flat[0::3, 192:208], flat[1::3, 192:208] = 0x80, 0x7F
+    flat[2::3, 192:208] = np.tile(np.array([0x80, 0x7F, 0x81, 0x01, 0xFF, 0x00, 0x7E, 0xC0], np.uint8), 2)
+    d = (rng.standard_normal(len(flat)) * rng.choice([0.01, 1.0], len(flat))).astype(np.float16)
+    flat[:, 208:210] = d.view(np.uint8).reshape(-1, 2)
+    return b.reshape(*rows, -1)
+
+
+def _k_bit_patterns(rng: np.random.Generator, rows: tuple[int, ...], n_in: int, size: int) -> np.ndarray:
+    """Q4_K (size 144) or Q5_K (176) rows of random bytes: every nibble, fifth bit and 6-bit scale and min
+    pattern, with finite d and dmin, and blocks at the extremes (all bits set, none set)."""
+    b = rng.integers(0, 256, size=(*rows, n_in // 256, size), dtype=np.uint8)
+    flat = b.reshape(-1, size)
+    flat[0::5, 4:], flat[1::5, 4:] = 0xFF, 0x00
+    d = (rng.standard_normal((len(flat), 2)) * rng.choice([0.01, 1.0], (len(flat), 1))).astype(np.float16)
+    flat[:, :4] = d.view(np.uint8).reshape(-1, 4)
+    return b.reshape(*rows, -1)
+
+
+def _bit_patterns(rng: np.random.Generator, qtype: Q, rows: tuple[int, ...], n_in: int) -> np.ndarray:
+    """Rows of qtype (a K-quant) over all its bit patterns, as the two functions above make them."""
+    if qtype == Q.Q6_K:
+        return _q6_k_bit_patterns(rng, rows, n_in)
+    return _k_bit_patterns(rng, rows, n_in, {Q.Q4_K: 144, Q.Q5_K: 176}[qtype])
+
+
+@pytest.mark.gpu
+@gpu_or_interpreter
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K])
+@pytest.mark.parametrize("stacked", [False, True])
+@pytest.mark.parametrize("n_in", [256, 768, 2048])  # 1, 3 (one at a time) and 8 blocks (loaded together) a row
+def test_k_quant_dots_read_every_bit_pattern(qtype, n_in, stacked):
+    """The K-quant dots (word loads; Q4_K/Q5_K values as 1 + n / 16 or 32 floats; Q6_K's int8 scale pair
+    sign-extended per lane half) against the dequantized product, in float32, over all bit patterns and the
+    extreme scales."""
+    rng = np.random.default_rng(6)
+    stored = _bit_patterns(rng, qtype, (4, 19) if stacked else (19,), n_in)  # 19: a partial tile
+    W = quants.dequantize(torch.from_numpy(stored), qtype, (*stored.shape[:-1], n_in), torch.float32).double()
+    raw = torch.from_numpy(stored).to(DEVICE)
+    x = torch.randn(3, n_in, generator=torch.Generator().manual_seed(n_in))
+    if stacked:
+        mats = torch.tensor([3, 0, 3])
+        got = matvec(raw, qtype, 19, x.to(DEVICE), mats.to(DEVICE)).cpu()
+        ref = torch.einsum("pod,pd->po", W[mats], x.double())
+    else:
+        got = matvec(raw, qtype, 19, x.to(DEVICE)).cpu()
+        ref = x.double() @ W.T
+    assert float((got.double() - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
+@pytest.mark.gpu
+@gpu_or_interpreter
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K])
+def test_a_bfloat16_x_read_packed_gives_the_bits_of_reading_it_as_float32(qtype):
+    """The K-quant dots read a bfloat16 x 4 (Q6_K: 2) values a load and take each apart by shifts: the float32
+    sums must be those of the same values read one by one as float32, so the rounded results are equal."""
+    rng = np.random.default_rng(7)
+    stored = _bit_patterns(rng, qtype, (4, 19), 2048)
+    raw = torch.from_numpy(stored).to(DEVICE)
+    x = torch.randn(3, 2048, generator=torch.Generator().manual_seed(3)).bfloat16().to(DEVICE)
+    mats = torch.tensor([3, 0, 3], device=DEVICE)
+    for picks in (None, mats):
+        packed = matvec(raw, qtype, 19, x, picks)
+        assert packed.dtype == torch.bfloat16
+        assert torch.equal(packed, as_kernel_rounds(matvec(raw, qtype, 19, x.float(), picks)))

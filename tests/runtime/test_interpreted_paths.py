@@ -1,0 +1,61 @@
+"""The GPU-only decode branches on a machine without a GPU: Triton's interpreter runs the quantized matvecs
+(dense projections, models/moe.py's matvec branch, the host gather before it) and the delta-net decode kernels
+(qwen35moe) on the CPU device, and each placement's greedy tokens must equal the plain CPU path's. Slow
+(minutes a placement): a check after changing those branches, before device time is spent:
+
+    TRITON_INTERPRET=1 pytest -m gpu tests/runtime/test_interpreted_paths.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moestream
+from moestream.kernels import deltanet_step, dots, matvec, tuning
+from moestream.kernels.launch import INTERPRETED, triton
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (INTERPRETED and triton is not None), reason="runs in Triton's interpreter"),
+]
+
+PROMPT = [(11 * t) % 1000 + 5 for t in range(12)]
+PLACEMENTS = {
+    "resident": {},
+    "gather": dict(n_cpu_moe="all", small_batch="gather", prefetch=0),
+    "gather+cache": dict(n_cpu_moe="all", small_batch="gather", expert_cache=3),
+    "upload": dict(n_cpu_moe="all", small_batch="upload"),
+}
+
+
+def greedy(e, n: int = 4) -> tuple[list[int], torch.Tensor]:
+    cache = e.new_cache()
+    logits = e.forward(PROMPT, cache)
+    out = []
+    for _ in range(n):
+        out.append(int(logits[-1].argmax()))
+        logits = e.forward([out[-1]], cache)
+    return out, logits
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen35moe"])
+def test_the_kernels_branches_give_the_cpu_paths_tokens(model_file, monkeypatch, preset, placement):
+    path = model_file(preset, "Q4_K_M")
+    ref = moestream.load(path, device="cpu", progress=False)
+    want, want_logits = greedy(ref)
+    ref.close()
+    # the kernels' branches taken on the CPU device too (float32: the calls, not the bf16 reads)
+    most = tuning.current().max_tokens
+    monkeypatch.setattr(matvec, "usable", lambda qtype, device, n: qtype in dots.DOTS and n <= most)
+    monkeypatch.setattr(
+        deltanet_step,
+        "usable",
+        lambda qkv, *states: qkv.shape[0] == 1 and all(t.dtype == torch.float32 for t in states),
+    )
+    e = moestream.load(path, device="cpu", progress=False, **PLACEMENTS[placement])
+    got, logits = greedy(e)
+    e.close()
+    assert got == want
+    assert float((logits - want_logits).abs().max() / want_logits.abs().max()) < 1e-4
