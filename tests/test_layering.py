@@ -13,6 +13,7 @@ LAYERS = {
     "errors": -1,  # moestream/errors.py: the one error type, under everything
     "formats": 0,
     "kernels": 0,
+    "ops": 0.5,  # between kernels and models: a model's operations, each picking a kernel or torch
     "models": 1,
     "profiling": 1,
     "offload": 2,

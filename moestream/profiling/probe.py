@@ -53,7 +53,7 @@ def grouped_gemm_rate(
     dtype: torch.dtype,
 ) -> float:
     """FLOP/s of one MoE layer's grouped SwiGLU on random routing (the compute side of the floors)."""
-    from moestream.models.layers import moe_swiglu
+    from moestream.ops.moe_swiglu import moe_swiglu
 
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(n_tokens, n_embd, device=device, dtype=dtype, generator=g)

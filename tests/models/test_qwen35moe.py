@@ -10,9 +10,9 @@ from reference import assert_matches_reference, prompt_tokens, qwen35moe_referen
 import moestream
 from moestream.formats.gguf import GGUFFile
 from moestream.models import qwen35moe
-from moestream.models.layers import imrope_text_cos_sin, rope_cos_sin
 from moestream.models.presets import get_preset
 from moestream.models.synthetic import preset_metadata
+from moestream.ops.rope import imrope_text_cos_sin, rope_cos_sin
 from moestream.profiling.routing import routing_load
 
 PRESET = "tiny-qwen35moe"
