@@ -1,4 +1,5 @@
-"""What every layer of every architecture is told about its micro-batch, and what it keeps between passes.
+"""What every layer of every architecture is told about its micro-batch, what it keeps between passes, and
+what it reads its dense weights from.
 
 Legend: T = tokens in the micro-batch, rot_dim = the channels RoPE turns.
 """
@@ -9,6 +10,19 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+
+from moestream.ops.linear import Weight
+
+
+class Weights(Protocol):
+    """A model's dense weights on the compute device (offload/dense.py's DenseWeights): `weights[name]` is the
+    tensor in the compute dtype, `stored(name)` the weight as the ops multiply it (quantized blocks stay so)."""
+
+    device: torch.device
+
+    def __getitem__(self, name: str) -> torch.Tensor: ...
+
+    def stored(self, name: str) -> Weight: ...
 
 
 class Cache(Protocol):

@@ -8,13 +8,14 @@ Hk / Hv = delta-net key / value heads, Dk / Dv = their head dims, C = conv chann
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from moestream.errors import MoestreamError
 from moestream.models import qwen3moe
-from moestream.models.layers import Batch, Cache
+from moestream.models.layers import Batch, Cache, Weights
 from moestream.models.spec import ModelSpec, common_metadata, common_spec_fields, read_int, read_key
 from moestream.ops.delta_rule import DeltaRule, prefill_rule
 from moestream.ops.deltanet import DeltaNetState, MixWeights, Projected, gated_delta_net
@@ -157,7 +158,7 @@ class Model(qwen3moe.Model):
 
     MOE_NORM = "post_attention_norm"
 
-    def __init__(self, spec: ModelSpec, weights, embedding):
+    def __init__(self, spec: ModelSpec, weights: Weights, embedding: Callable[[torch.Tensor], torch.Tensor]):
         super().__init__(spec, weights, embedding)
         # prefill's delta rule, chosen once here from spec.extra["deltanet"] (the options' $MOESTREAM_DELTANET,
         # put there by the loader): a choice this device cannot run fails at load, not at the first prompt

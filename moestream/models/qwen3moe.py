@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from moestream.models.layers import Batch, Cache
+from moestream.models.layers import Batch, Cache, Weights
 from moestream.models.spec import ModelSpec, common_metadata, common_spec_fields
 from moestream.ops.attention import causal_attention, masked_attention, norm_rope_store
 from moestream.ops.experts import ExpertSource, routed_swiglu
@@ -86,7 +86,7 @@ class Model:
     def __init__(
         self,
         spec: ModelSpec,
-        weights: dict[str, torch.Tensor],
+        weights: Weights,
         embedding: Callable[[torch.Tensor], torch.Tensor],
     ):
         self.spec = spec
