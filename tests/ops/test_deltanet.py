@@ -9,7 +9,15 @@ import torch.nn.functional as F
 from deltanet_reference import DK, DV, EPS, H, inputs, rel_err, transformers_fns
 
 from moestream.ops.delta_rule import delta_rule_recurrent
-from moestream.ops.deltanet import DeltaNetState, causal_conv1d, l2_normalize
+from moestream.ops.deltanet import (
+    DeltaNetState,
+    MixWeights,
+    Projected,
+    causal_conv1d,
+    gated_delta_mix,
+    gated_delta_net,
+    l2_normalize,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: no thread contention
 
@@ -75,3 +83,24 @@ def test_state_zeros_runs_a_layer_step() -> None:
     q, k, v, g, beta = inputs(1)
     out, st.recurrent_state = delta_rule_recurrent(q, k, v, g, beta, st.recurrent_state)
     assert out.shape == (1, H, DV) and st.recurrent_state.abs().sum() > 0
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_the_op_runs_one_token_by_the_recurrent_rule_and_more_by_the_prefill_rule(T: int) -> None:
+    """On the CPU (no decode kernel) the op is gated_delta_mix with the rule for its token count."""
+    k_heads, conv = 2, 4
+    channels = 2 * k_heads * DK + H * DV
+    g = torch.Generator().manual_seed(7)
+    projected = Projected(*(torch.randn(T, n, generator=g) for n in (channels, H, H, H * DV)))
+    weights = MixWeights(torch.randn(channels, conv, generator=g), torch.randn(H), -torch.rand(H), torch.randn(DV))
+    called = []
+
+    def prefill(*args):
+        called.append(args[0].shape[0])
+        return delta_rule_recurrent(*args)
+
+    states = [DeltaNetState.zeros(channels, conv, H, DK, DV) for _ in range(2)]
+    got = gated_delta_net(projected, weights, states[0], k_heads, EPS, prefill)
+    want = gated_delta_mix(projected, weights, states[1], k_heads, EPS, delta_rule_recurrent)
+    assert called == ([] if T == 1 else [T]) and torch.equal(got, want)
+    assert torch.equal(states[0].recurrent_state, states[1].recurrent_state) and states[0].recurrent_state.any()
