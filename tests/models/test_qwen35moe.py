@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gguf
 import pytest
-import torch
 from reference import assert_matches_reference, prompt_tokens, qwen35moe_reference, rel_err
 
 import moestream
