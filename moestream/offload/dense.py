@@ -42,8 +42,7 @@ class DenseWeights(Mapping[str, torch.Tensor]):
 
     def stored(self, name: str) -> Weight:
         """Weight `name` as the ops multiply it: a float tensor, or its stored blocks (not dequantized)."""
-        w = self._floats.get(name)
-        return w if w is not None else self._blocks[name]
+        return self._floats[name] if name in self._floats else self._blocks[name]
 
     def __contains__(self, name: object) -> bool:
         return name in self._floats or name in self._blocks  # without dequantizing anything

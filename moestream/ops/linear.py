@@ -46,7 +46,7 @@ def reads_directly(x: torch.Tensor, w: Weight) -> bool:
 def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
     """x [T, D] @ w.T in x's dtype; for a few tokens straight from the stored blocks."""
     if isinstance(w, Stored):
-        if reads_directly(x, w):
+        if qmatvec.usable(w.qtype, x.device, x.shape[0]):
             return qmatvec.matvec(w.raw, w.qtype, w.shape[0], x)
         w = w.dequantize(x.dtype)
     return qmatvec.linear_each_row(x, w)
@@ -64,7 +64,7 @@ def _matvec_part(x: torch.Tensor, w: Weight) -> tuple[torch.Tensor, GGMLQuantiza
     """What qmatvec.matvecs needs of w for x, if the matvec reads it (stored blocks, or a float weight in x's
     dtype)."""
     if isinstance(w, Stored):
-        return (w.raw, w.qtype, w.shape[0]) if reads_directly(x, w) else None
+        return (w.raw, w.qtype, w.shape[0]) if qmatvec.usable(w.qtype, x.device, x.shape[0]) else None
     return qmatvec.float_part(w) if qmatvec.reads_float(x, w) else None
 
 
