@@ -15,9 +15,9 @@ import torch
 from moestream.formats.gguf import GGUFFile
 from moestream.kernels import cpu_quant
 from moestream.kernels.gather import RowGather
-from moestream.models.layers import moe_swiglu, moe_swiglu_picked
-from moestream.models.moe import matvecs
 from moestream.offload.expert_tensors import ExpertTensors
+from moestream.ops.experts import matvecs
+from moestream.ops.moe_swiglu import moe_swiglu, moe_swiglu_picked
 from moestream.profiling.timeline import NULL
 from moestream.runtime.loader import describe
 

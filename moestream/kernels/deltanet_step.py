@@ -1,7 +1,7 @@
 """One decode token of a gated delta-net layer in two kernels: the short convolution, then per value head the
 L2 norms, the gates, the delta-rule update of the state and the gated RMSNorm of the output.
 
-The torch form of that token (models/deltanet.py) is ~60 elementwise kernels a layer, each a few microseconds
+The torch form of that token (ops/deltanet.py) is ~60 elementwise kernels a layer, each a few microseconds
 inside a CUDA graph: with 30 delta-net layers that, not memory traffic, bounded qwen35moe's decode step. The
 state is read and written in place (a captured step replays on the same memory); everything is computed in
 float32 and rounded once, so it agrees with the torch form to float32 rounding, not bit for bit (every
@@ -104,7 +104,7 @@ def decode_step(
     k_heads: int,
     eps: float,
 ) -> torch.Tensor:
-    """models.deltanet.gated_delta_mix for one token on the GPU. projected: qkv [1, C], alpha and beta [1, Hv]
+    """ops.deltanet.gated_delta_mix for one token on the GPU. projected: qkv [1, C], alpha and beta [1, Hv]
     (before softplus / sigmoid), z [1, Hv * Dv]; weights: the conv weight [C, K], dt_bias, ssm_a, the norm's.
     conv_state [K-1, C] and recurrent_state [Hv, Dk, Dv] (float32) move on in place. Returns the gated,
     normalised output [1, Hv * Dv] in z's dtype."""

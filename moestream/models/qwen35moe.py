@@ -8,26 +8,22 @@ Hk / Hv = delta-net key / value heads, Dk / Dv = their head dims, C = conv chann
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 
 from moestream.errors import MoestreamError
-from moestream.kernels import deltanet_step, moe_matvec
 from moestream.models import qwen3moe
-from moestream.models.deltanet import (
-    DeltaNetState,
-    DeltaRule,
-    MixWeights,
-    Projected,
-    delta_rule_recurrent,
-    gated_delta_mix,
-    prefill_rule,
-)
-from moestream.models.layers import Batch, Cache, add_rms_norm, imrope_text_cos_sin, rms_norm, softmax_topk
-from moestream.models.moe import ExpertSource, moe_stored
+from moestream.models.layers import Batch, Cache, Weights
 from moestream.models.spec import ModelSpec, common_metadata, common_spec_fields, read_int, read_key
+from moestream.ops.delta_rule import DeltaRule, prefill_rule
+from moestream.ops.deltanet import DeltaNetState, MixWeights, Projected, gated_delta_net
+from moestream.ops.experts import ExpertSource, routed_swiglu
+from moestream.ops.linear import linear, swiglu
+from moestream.ops.norm import add_rms_norm, rms_norm
+from moestream.ops.rope import imrope_text_cos_sin
+from moestream.ops.router import softmax_topk
 
 if TYPE_CHECKING:
     from moestream.models.spec import Preset
@@ -162,7 +158,7 @@ class Model(qwen3moe.Model):
 
     MOE_NORM = "post_attention_norm"
 
-    def __init__(self, spec: ModelSpec, weights, embedding):
+    def __init__(self, spec: ModelSpec, weights: Weights, embedding: Callable[[torch.Tensor], torch.Tensor]):
         super().__init__(spec, weights, embedding)
         # prefill's delta rule, chosen once here from spec.extra["deltanet"] (the options' $MOESTREAM_DELTANET,
         # put there by the loader): a choice this device cannot run fails at load, not at the first prompt
@@ -192,7 +188,7 @@ class Model(qwen3moe.Model):
         q_gate, k, v = self.project(il, x, ("attn_q", "attn_k", "attn_v"))
         q, gate = q_gate.view(T, s.n_head, 2, s.head_dim).unbind(2)  # per head [q_h | gate_h]: [T, H, Dh] each
         out = self.attend(il, q, k, v, batch, cache) * torch.sigmoid(gate)
-        return self.linear(out.reshape(T, -1), il, "attn_output")
+        return linear(out.reshape(T, -1), self.stored(il, "attn_output"))
 
     def delta_net(self, il: int, x: torch.Tensor, batch: Batch, cache: Cache) -> torch.Tensor:
         """Gated delta-net: short conv over qkv, the delta rule on the layer's state, gated RMSNorm, ssm_out.
@@ -202,20 +198,15 @@ class Model(qwen3moe.Model):
         if batch.rows:  # tokens of different sequences: each moves its own state
             rows = zip(batch.rows, cache, strict=True)
             return torch.cat([self.delta_net(il, x[i : i + 1], b, c) for i, (b, c) in enumerate(rows)])
-        eps, T = self.spec.rms_eps, x.shape[0]
+        eps = self.spec.rms_eps
         state: DeltaNetState = cache.recurrent[il]
         projected = Projected(*self.project(il, x, ("attn_qkv", "ssm_alpha", "ssm_beta", "attn_gate")))
         b = f"blk.{il}."
         w = MixWeights(
             self.w(il, "ssm_conv1d"), self.weights[b + "ssm_dt.bias"], self.weights[b + "ssm_a"], self.w(il, "ssm_norm")
         )
-        k_heads = self.spec.extra["k_heads"]
-        if deltanet_step.usable(projected.qkv, state.conv_state, state.recurrent_state):  # a GPU token: 2 kernels
-            out = deltanet_step.decode_step(projected, w, state.conv_state, state.recurrent_state, k_heads, eps)
-        else:
-            rule = delta_rule_recurrent if T == 1 else self.prefill_rule  # decode | prefill (fla or torch)
-            out = gated_delta_mix(projected, w, state, k_heads, eps, rule)
-        return self.linear(out, il, "ssm_out")
+        out = gated_delta_net(projected, w, state, self.spec.extra["k_heads"], eps, self.prefill_rule)
+        return linear(out, self.stored(il, "ssm_out"))
 
     def moe(
         self, il: int, x: torch.Tensor, experts: ExpertSource, residual: torch.Tensor | None = None
@@ -226,13 +217,6 @@ class Model(qwen3moe.Model):
         adds the shared expert and the residual inside the routed sum's launch."""
         logits, gate = self.project(il, x, ("ffn_gate_inp", "ffn_gate_inp_shexp"))  # [T, E], [T, 1]
         weights, ids = softmax_topk(logits, self.spec.n_expert_used, x.dtype)
-        shared = self.linear(self.shared_swiglu(il, x), il, "ffn_down_shexp")
-        return moe_stored(x, weights, experts.weights(il, x, ids), residual, (shared, gate))
-
-    def shared_swiglu(self, il: int, x: torch.Tensor) -> torch.Tensor:
-        """silu(x gate_shexp) * (x up_shexp): one launch from the stored blocks when the matvec serves both."""
-        names = [f"blk.{il}.ffn_{n}_shexp.weight" for n in ("gate", "up")]
-        parts = [self.weights.stored(x, name) for name in names]
-        if all(parts) and parts[0][1] == parts[1][1]:
-            return moe_matvec.swiglu(x, [p[0] for p in parts], (parts[0][1], parts[1][1]), parts[0][2][0])
-        return F.silu(self.linear(x, il, "ffn_gate_shexp")) * self.linear(x, il, "ffn_up_shexp")
+        h = swiglu(x, self.stored(il, "ffn_gate_shexp"), self.stored(il, "ffn_up_shexp"))  # the shared expert
+        shared = linear(h, self.stored(il, "ffn_down_shexp"))
+        return routed_swiglu(x, weights, experts.weights(il, x, ids), residual, (shared, gate))

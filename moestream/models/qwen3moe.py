@@ -12,22 +12,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from moestream.kernels import matvec
-from moestream.models.layers import (
-    HEAD_ROWS,
-    Batch,
-    Cache,
-    add_rms_norm,
-    causal_attention,
-    masked_attention,
-    norm_rope_store,
-    rms_norm,
-    rms_norm_rope,
-    rope_cos_sin,
-    route_softmax_topk,
-)
-from moestream.models.moe import ExpertSource, moe_stored
+from moestream.models.layers import Batch, Cache, Weights
 from moestream.models.spec import ModelSpec, common_metadata, common_spec_fields
+from moestream.ops.attention import causal_attention, masked_attention, norm_rope_store
+from moestream.ops.experts import ExpertSource, routed_swiglu
+from moestream.ops.linear import Weight, head_logits, linear, linears
+from moestream.ops.norm import add_rms_norm, rms_norm
+from moestream.ops.rope import rms_norm_rope, rope_cos_sin
+from moestream.ops.router import route_softmax_topk
 
 if TYPE_CHECKING:
     from moestream.models.spec import Preset
@@ -94,7 +86,7 @@ class Model:
     def __init__(
         self,
         spec: ModelSpec,
-        weights: dict[str, torch.Tensor],
+        weights: Weights,
         embedding: Callable[[torch.Tensor], torch.Tensor],
     ):
         self.spec = spec
@@ -108,9 +100,9 @@ class Model:
     def w(self, il: int, name: str) -> torch.Tensor:
         return self.weights[f"blk.{il}.{name}.weight"]
 
-    def linear(self, x: torch.Tensor, il: int, name: str) -> torch.Tensor:
-        """x times layer il's weight `name` (transposed), without dequantizing it for a few tokens."""
-        return self.weights.linear(x, f"blk.{il}.{name}.weight")
+    def stored(self, il: int, name: str) -> Weight:
+        """Layer il's weight `name` as the ops multiply it: quantized blocks stay stored (not dequantized)."""
+        return self.weights.stored(f"blk.{il}.{name}.weight")
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin tables of the given positions."""
@@ -129,15 +121,7 @@ class Model:
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         x = rms_norm(x, self.weights["output_norm.weight"], self.spec.rms_eps)
-        if self.weights.reads_directly(x, "output.weight"):  # decode: read the stored head once, no slices
-            return self.weights.linear(x, "output.weight")
-        out = x.new_empty(x.shape[0], self.spec.n_vocab)
-        start = 0
-        for w in self.weights.row_chunks("output.weight", HEAD_ROWS):  # one dequantized slice alive at a time
-            out[:, start : start + w.shape[0]] = matvec.linear_each_row(x, w)  # a decode batch: as each alone
-            start += w.shape[0]
-            del w
-        return out
+        return head_logits(x, self.weights.stored("output.weight"))  # [T, n_vocab]
 
     MOE_NORM = "ffn_norm"  # the norm in front of a layer's MoE block
 
@@ -158,11 +142,11 @@ class Model:
         s, T = self.spec, x.shape[0]
         q, k, v = self.project(il, x, ("attn_q", "attn_k", "attn_v"))
         out = self.attend(il, q.view(T, s.n_head, s.head_dim), k, v, batch, cache)  # [T, H, Dh]
-        return self.linear(out.reshape(T, -1), il, "attn_output")
+        return linear(out.reshape(T, -1), self.stored(il, "attn_output"))
 
     def project(self, il: int, x: torch.Tensor, names: tuple[str, ...]) -> list[torch.Tensor]:
         """x times several of layer il's weights; for a decode step one launch for all of them."""
-        return self.weights.linears(x, [f"blk.{il}.{name}.weight" for name in names])
+        return linears(x, [self.stored(il, name) for name in names])
 
     def attend(
         self, il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch, cache: Cache
@@ -180,7 +164,7 @@ class Model:
             k_all, v_all = cache.kv.update(il, batch.pos0, k, v)
             return causal_attention(q, k_all, v_all)  # [T, H, Dh]
         caches = cache.kv.k[il], cache.kv.v[il]  # a static batch writes its rows at device positions
-        q = norm_rope_store(q, k, v, norms, s.rms_eps, batch, caches)
+        q = norm_rope_store(q, k, v, norms, s.rms_eps, (batch.cos, batch.sin), caches, batch.positions)
         return masked_attention(q, caches[0][: batch.n_keys], caches[1][: batch.n_keys], batch.positions)
 
     def moe(
@@ -188,4 +172,4 @@ class Model:
     ) -> torch.Tensor:
         """The routed experts' sum, plus residual if given (in the sum's launch on a GPU)."""
         weights, ids = route_softmax_topk(x, self.w(il, "ffn_gate_inp"), self.spec.n_expert_used)
-        return moe_stored(x, weights, experts.weights(il, x, ids), residual)
+        return routed_swiglu(x, weights, experts.weights(il, x, ids), residual)

@@ -9,7 +9,7 @@ import torch
 from moestream.formats.gguf import TensorView, torch_bytes
 from moestream.kernels.dequant import dequantize
 from moestream.kernels.gather import RowGather
-from moestream.models.moe import Dequantize, StoredExperts
+from moestream.ops.experts import Dequantize, StoredExperts
 from moestream.profiling.timeline import NULL, Timeline
 
 

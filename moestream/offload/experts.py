@@ -2,7 +2,7 @@
 whether the bytes are already on the device (resident), arrive through the streamer (streamed), are gathered
 from the page-locked map (a small batch's picks, guessed ahead or not), or whether the few experts a small
 batch needs are cheaper to compute on the CPU straight from the map, and hands the model a `StoredExperts`
-its MoE multiplies (`models/moe.py`). The same bytes reach the same math, so resident and streamed layers give
+its MoE multiplies (`ops/experts.py`). The same bytes reach the same math, so resident and streamed layers give
 the same bits for the same micro-batch.
 """
 
@@ -16,13 +16,13 @@ import torch
 from moestream.kernels import matvec
 from moestream.kernels.gather import RowGather
 from moestream.kernels.grouped_moe import runs_on_device
-from moestream.models.layers import expert_counts
-from moestream.models.moe import StoredExperts
 from moestream.offload.device import Device
 from moestream.offload.expert_tensors import ExpertTensors
 from moestream.offload.schedule import SmallBatch
 from moestream.offload.shards import ShardedLayer, ShardedStreamer
 from moestream.offload.streamer import Streamer
+from moestream.ops.experts import StoredExperts
+from moestream.ops.moe_swiglu import expert_counts
 from moestream.profiling.timeline import NULL, Timeline
 
 OnRoute = Callable[[int, torch.Tensor, torch.Tensor], None]  # (layer, its MoE input x [T, D], ids [T, K])

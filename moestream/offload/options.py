@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from moestream.errors import MoestreamError
-from moestream.models.deltanet import DELTANET_ENV, deltanet_mode
 from moestream.offload.placement import parse_size
 from moestream.offload.schedule import Schedule, SmallBatch
+from moestream.ops.delta_rule import DELTANET_ENV, deltanet_mode
 
 MAX_THREADS_PER_CORE = 4  # --threads above this many a core only slows (and past ~30000 threads cannot start)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from moestream.errors import MoestreamError
-from moestream.models.layers import HEAD_ROWS
 from moestream.offload.schedule import Schedule
+from moestream.ops.linear import HEAD_ROWS
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@ range goes up through its own device's link into its own ring of staging slots a
 
 One PCIe link bounds prefill with streamed experts; N devices have N links. Attention, the dense weights and
 the resident layers stay on the first device; for a streamed layer the first device sends each device the rows
-routed to its range, and takes the products back (models/layers.moe_swiglu_sharded). A ShardedStreamer looks
+routed to its range, and takes the products back (ops/moe_swiglu.moe_swiglu_sharded). A ShardedStreamer looks
 like one Streamer to the expert source: the same visit plan drives every device's ring.
 """
 

@@ -10,8 +10,8 @@ import numpy as np
 import torch
 
 from moestream.formats.gguf import torch_bytes_of
-from moestream.models.layers import moe_swiglu
 from moestream.offload.host import PinnedRanges
+from moestream.ops.moe_swiglu import moe_swiglu
 
 
 def timed(fn: Callable[[], object], device: torch.device, repeats: int = 3, warmup: int = 1) -> list[float]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from moestream.models.layers import expert_counts
+from moestream.ops.moe_swiglu import expert_counts
 
 
 class RoutingCounter:

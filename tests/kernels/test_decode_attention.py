@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moestream.kernels.decode_attention import attention, triton, usable
-from moestream.models.layers import masked_attention
+from moestream.ops.attention import masked_attention
 
 CUDA = torch.cuda.is_available()
 # Without a GPU, Triton's interpreter (TRITON_INTERPRET=1, triton importable) runs the float32 cases on "cpu"

@@ -1,4 +1,4 @@
-"""The delta-net decode kernels against the torch form of the same token (models.deltanet.gated_delta_mix)."""
+"""The delta-net decode kernels against the torch form of the same token (ops.deltanet.gated_delta_mix)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import torch
 
 from moestream.kernels import deltanet_step
 from moestream.kernels.launch import triton
-from moestream.models.deltanet import DeltaNetState, MixWeights, Projected, delta_rule_recurrent, gated_delta_mix
+from moestream.ops.delta_rule import delta_rule_recurrent
+from moestream.ops.deltanet import DeltaNetState, MixWeights, Projected, gated_delta_mix
 
 # Without a GPU, Triton's interpreter (TRITON_INTERPRET=1, triton importable) runs the kernels on CPU tensors
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and triton is not None

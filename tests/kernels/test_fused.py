@@ -7,12 +7,13 @@ import pytest
 import torch
 
 from moestream.kernels import fused
-from moestream.models import layers
+from moestream.ops.norm import rms_norm
+from moestream.ops.rope import rms_norm_rope, rope_cos_sin, rope_neox
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def reference_rms_norm(x, w, eps):  # the torch path, which layers.rms_norm no longer takes on CUDA
+def reference_rms_norm(x, w, eps):  # the torch path, which ops' rms_norm does not take on CUDA
     xf = x.float()
     return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
@@ -25,11 +26,11 @@ def test_rms_norm_and_rope(dtype, tol, rot):
     w = torch.randn(128, device="cuda", generator=g).to(dtype)
     ref = reference_rms_norm(x, w, 1e-6)
     if rot is None:
-        got = layers.rms_norm(x, w, 1e-6)
+        got = rms_norm(x, w, 1e-6)
     else:
-        cos, sin = layers.rope_cos_sin(torch.tensor([0, 7, 300], device="cuda"), rot, 1e6, dtype)
-        ref = layers.rope_neox(ref, cos, sin)
-        got = layers.rms_norm_rope(x, w, 1e-6, cos, sin)
+        cos, sin = rope_cos_sin(torch.tensor([0, 7, 300], device="cuda"), rot, 1e6, dtype)
+        ref = rope_neox(ref, cos, sin)
+        got = rms_norm_rope(x, w, 1e-6, cos, sin)
     assert got.dtype == dtype and got.shape == x.shape
     assert float((got.float() - ref.float()).abs().max() / ref.float().abs().max()) < tol
 
@@ -40,7 +41,7 @@ def test_the_residual_add_and_the_norm_after_it_in_one_launch_give_the_bits_of_b
     g = torch.Generator(device="cuda").manual_seed(5)
     x, r = (torch.randn(3, D, device="cuda", generator=g).to(dtype) for _ in range(2))
     w = torch.randn(D, device="cuda", generator=g).to(dtype)
-    h, normed = fused.add_rms_norm(x, r, w, 1e-6)  # the kernel itself: layers' fallback is the reference
+    h, normed = fused.add_rms_norm(x, r, w, 1e-6)  # the kernel itself: ops' fallback is the reference
     assert torch.equal(h, x + r) and torch.equal(normed, fused.rms_norm(x + r, w, 1e-6))
 
 
@@ -53,7 +54,7 @@ def test_the_attention_prologue_in_one_launch_gives_the_bits_of_its_four_ops(dty
     q, k, v = (torch.randn(T, h, Dh, device="cuda", generator=g).to(dtype) for h in (H, Hkv, Hkv))
     norms = tuple(torch.randn(Dh, device="cuda", generator=g).to(dtype) for _ in range(2))
     positions = torch.tensor([7, 0, 30][:T], device="cuda")
-    cos, sin = layers.rope_cos_sin(positions, rot, 1e6, dtype)
+    cos, sin = rope_cos_sin(positions, rot, 1e6, dtype)
     caches = tuple(torch.randn(32, Hkv, Dh, device="cuda", generator=g).to(dtype) for _ in range(2))
     want_k, want_v = (c.clone() for c in caches)
     want_k.index_copy_(0, positions, fused.rms_norm(k, norms[1], 1e-6, cos, sin))

@@ -14,8 +14,8 @@ from moestream.formats import quants
 from moestream.formats.quantize import quantize
 from moestream.kernels import moe_matvec, tuning
 from moestream.kernels.matvec import matvec
-from moestream.models import layers
 from moestream.offload.host import PinnedRanges
+from moestream.ops.moe_swiglu import moe_swiglu_picked
 
 
 @pytest.mark.gpu
@@ -46,7 +46,7 @@ def test_swiglu_picked_matches_dequantized_experts(down_type, where, own_pages):
         ids = torch.tensor([[5, 0, 2, 3], [1, 5, 3, 4], [0, 1, 2, 5]], device="cuda")
         weights = torch.rand(T, K, device="cuda")
         mv = [lambda picks, rows, w=w: torch.einsum("pod,pd->po", w[picks], rows) for w in W]
-        ref = layers.moe_swiglu_picked(x, weights, ids, *mv)
+        ref = moe_swiglu_picked(x, weights, ids, *mv)
         assert moe_matvec.fuses(types)
         got = moe_matvec.swiglu_picked(x, weights, ids, raws, types, F_)
         assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import gguf
 import pytest
-import torch
 from reference import assert_matches_reference, prompt_tokens, qwen35moe_reference, rel_err
 
 import moestream
 from moestream.formats.gguf import GGUFFile
 from moestream.models import qwen35moe
-from moestream.models.layers import imrope_text_cos_sin, rope_cos_sin
 from moestream.tools.presets import get_preset
 from moestream.tools.routing import routing_load
 from moestream.tools.synthetic import preset_metadata
@@ -72,12 +70,3 @@ def test_recurrent_layers_key_wins_over_interval():
     p = get_preset(PRESET)
     meta = preset_metadata(p, "F32") | {"qwen35moe.attention.recurrent_layers": [False, True, False, True]}
     assert qwen35moe.read_spec(meta, p.spec.n_vocab).extra["recurrent_layers"] == (False, True, False, True)
-
-
-def test_imrope_pairs_outside_the_text_sections_stay_still():
-    """Sections (1, 1, 1, 0) cover pairs 0-2 (time, height, width); pair 3 is the 4th section: position 0."""
-    positions = torch.arange(5, 9)
-    cos, sin = imrope_text_cos_sin(positions, 8, 10_000.0, (1, 1, 1, 0), torch.float32)
-    plain_cos, plain_sin = rope_cos_sin(positions, 8, 10_000.0, torch.float32)
-    assert torch.equal(cos[:, :3], plain_cos[:, :3]) and torch.equal(sin[:, :3], plain_sin[:, :3])
-    assert bool((cos[:, 3] == 1).all() and (sin[:, 3] == 0).all())

@@ -1,5 +1,5 @@
 """The GPU-only decode branches on a machine without a GPU: Triton's interpreter runs the quantized matvecs
-(dense projections, models/moe.py's matvec branch, the host gather before it) and the delta-net decode kernels
+(dense projections, ops/experts.py's matvec branch, the host gather before it) and the delta-net decode kernels
 (qwen35moe) on the CPU device, and each placement's greedy tokens must equal the plain CPU path's. Slow
 (minutes a placement): a check after changing those branches, before device time is spent:
 

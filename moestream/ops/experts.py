@@ -1,7 +1,7 @@
-"""A layer's routed experts, computed from their stored bytes: the math a model's MoE block runs on what its
-expert source hands it (`StoredExperts`). Where the bytes come from (resident, a staging slot, gathered from
-the page-locked map, a prefetch ring) is the offload layer's business; how to multiply them is decided here,
-from where they lie and how many tokens there are:
+"""A layer's routed experts, computed from their stored bytes: what a model's MoE block runs on what its expert
+source hands it (`StoredExperts`). Where the bytes come from (resident, a staging slot, gathered from the
+page-locked map, a prefetch ring) is the offload layer's business; how to multiply them is decided here, from
+where they lie and how many tokens there are:
 
 - a token or few on a GPU: quantized matvecs straight from the blocks (`kernels/moe_matvec.py`), fused where
   the types allow;
@@ -9,6 +9,8 @@ from where they lie and how many tokens there are:
 - split over several devices (`--devices`): each range of experts on its own;
 - otherwise the grouped SwiGLU over dequantized stacks, of just the picked rows when there are fewer picks
   than rows.
+
+Legend: T = tokens, D = hidden size, K = experts used per token.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Protocol
 import torch
 
 from moestream.kernels import cpu_quant, matvec, moe_matvec
-from moestream.models.layers import moe_swiglu, moe_swiglu_picked, moe_swiglu_sharded
+from moestream.ops.moe_swiglu import moe_swiglu, moe_swiglu_picked, moe_swiglu_sharded
 
 Dequantize = Callable[[int, torch.Tensor | None], torch.Tensor]
 """(stack: 0 gate, 1 up, 2 down; rows of it or None for all) -> the dense weights on the bytes' device."""
@@ -51,12 +53,12 @@ class StoredExperts:
 
 class ExpertSource(Protocol):
     """What a MoE layer asks of the offload layer: its routed experts' stored bytes, wherever they live, as a
-    StoredExperts for moe_stored (x [T, D], ids [T, K])."""
+    StoredExperts for routed_swiglu (x [T, D], ids [T, K])."""
 
     def weights(self, il: int, x: torch.Tensor, ids: torch.Tensor) -> StoredExperts: ...
 
 
-def moe_stored(
+def routed_swiglu(
     x: torch.Tensor,
     weights: torch.Tensor,
     w: StoredExperts,
@@ -83,7 +85,7 @@ def moe_stored(
 
 
 def _unfused(x: torch.Tensor, weights: torch.Tensor, w: StoredExperts) -> torch.Tensor:
-    """moe_stored where the quantized matvecs do not serve: split over devices, on the host, or dequantized."""
+    """routed_swiglu where the quantized matvecs do not serve: split over devices, on the host, or dequantized."""
     if w.parts:
         shards = [(lo, hi, _lazy(part, None)) for lo, hi, part in w.parts]
         return moe_swiglu_sharded(x, weights, w.ids, shards)

@@ -20,11 +20,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from reference import prompt_tokens, rel_err
+from deltanet_reference import rel_err
 
 import moestream
-from moestream.models import deltanet
-from moestream.models.deltanet import DELTANET_ENV, delta_rule_chunked, delta_rule_fla, l2_normalize, prefill_rule
+from moestream.ops import delta_rule
+from moestream.ops.delta_rule import DELTANET_ENV, delta_rule_chunked, delta_rule_fla, prefill_rule
+from moestream.ops.deltanet import l2_normalize
 from moestream.tools.presets import get_preset
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -35,8 +36,8 @@ FLA_RMS_RATIO = 5e-3  # fla's own bound for chunk_gated_delta_rule's o and final
 
 @pytest.fixture(scope="module", autouse=True)
 def needs_fla():
-    if deltanet._fla_chunk_kernel() is None:
-        pytest.skip(f"flash-linear-attention is not importable ({deltanet.FLA_INSTALL})")
+    if delta_rule._fla_chunk_kernel() is None:
+        pytest.skip(f"flash-linear-attention is not importable ({delta_rule.FLA_INSTALL})")
 
 
 def rms_ratio(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -118,7 +119,7 @@ def test_fla_timing() -> None:
     q, k, v, g, beta, s0 = inputs(t)
     ms_torch = cuda_ms(lambda: delta_rule_chunked(q, k, v, g, beta, s0))
     ms_fla = cuda_ms(lambda: delta_rule_fla(q, k, v, g, beta, s0))
-    kernel = deltanet._fla_chunk_kernel()
+    kernel = delta_rule._fla_chunk_kernel()
     qb, kb, vb = (x.bfloat16()[None] for x in (q, k, v))
 
     def fla_bf16():
@@ -146,7 +147,8 @@ def test_model_logits_fla_vs_torch(model_file, monkeypatch, ubatch: int) -> None
     micro-batches of 7 (state carried between fla calls), with the fla rule and the torch rule."""
     preset = "tiny-qwen35moe"
     path = model_file(preset, "F32")
-    tokens = prompt_tokens(100, get_preset(preset).spec.n_vocab, seed=3)
+    n_vocab = get_preset(preset).spec.n_vocab
+    tokens = torch.randint(0, n_vocab, (100,), generator=torch.Generator().manual_seed(3)).tolist()
     logits = {}
     for mode in ("torch", "fla"):
         monkeypatch.setenv(DELTANET_ENV, mode)  # read once, by the options load() makes

@@ -1,62 +1,29 @@
-"""Gated delta-net primitives: chunked == recurrent, state carry, agreement with transformers, and the choice
-of prefill rule (fla's kernels themselves run in test_deltanet_gpu.py)."""
+"""The gated delta rule: chunked == recurrent, state carry, agreement with transformers, and the choice of
+prefill rule (fla's kernels themselves run in test_delta_rule_gpu.py)."""
 
 from __future__ import annotations
 
-import inspect
 import sys
 import types
 
 import pytest
 import torch
-import torch.nn.functional as F
+from deltanet_reference import DK, DV, EPS, H, initial_state, inputs, rel_err, transformers_fns
 
 import moestream
 from moestream.errors import MoestreamError
-from moestream.models import deltanet
-from moestream.models.deltanet import (
+from moestream.offload.options import EngineOptions
+from moestream.ops import delta_rule
+from moestream.ops.delta_rule import (
     DELTANET_ENV,
-    DeltaNetState,
-    causal_conv1d,
     delta_rule_chunked,
     delta_rule_fla,
     delta_rule_recurrent,
-    l2_normalize,
     prefill_rule,
 )
-from moestream.offload.options import EngineOptions
+from moestream.ops.deltanet import l2_normalize
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: no thread contention
-
-H, DK, DV = 4, 32, 16
-C, K = 24, 4
-EPS = 1e-6
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max |b|."""
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
-
-
-def inputs(t: int, dtype: torch.dtype = torch.float32, seed: int = 0, n_k_heads: int = H) -> tuple[torch.Tensor, ...]:
-    """Random delta-rule inputs shaped like the model makes them (unit q/k, g <= 0, beta in (0, 1)).
-
-    g spans weak to very strong decay (down to about -20 per token) so masked exponents are exercised.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    q = l2_normalize(torch.randn(t, n_k_heads, DK, generator=gen, dtype=dtype), EPS)
-    k = l2_normalize(torch.randn(t, n_k_heads, DK, generator=gen, dtype=dtype), EPS)
-    v = torch.randn(t, H, DV, generator=gen, dtype=dtype)
-    per_head = torch.rand(H, generator=gen, dtype=dtype)
-    g = -F.softplus(torch.randn(t, H, generator=gen, dtype=dtype) * 3) * per_head
-    g[:, 0] = -20 * torch.rand(t, generator=gen, dtype=dtype)
-    beta = torch.sigmoid(torch.randn(t, H, generator=gen, dtype=dtype))
-    return q, k, v, g, beta
-
-
-def initial_state(dtype: torch.dtype = torch.float32, seed: int = 1) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(H, DK, DV, generator=gen, dtype=dtype)
 
 
 @pytest.mark.parametrize("chunk", [16, 64])
@@ -97,18 +64,6 @@ def test_strong_decay_is_finite() -> None:
     assert rel_err(out, ref) < 1e-5, f"strong decay: out {rel_err(out, ref):.2e}"
 
 
-def transformers_fns():
-    """transformers' pure-torch functions, unwrapped from the hub/fla kernel dispatch."""
-    m = pytest.importorskip("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
-    names = (
-        "torch_chunk_gated_delta_rule",
-        "torch_recurrent_gated_delta_rule",
-        "causal_conv1d_fn",
-        "causal_conv1d_update",
-    )
-    return {name: inspect.unwrap(getattr(m, name)) for name in names}
-
-
 @pytest.mark.parametrize("t, chunk", [(1, 64), (100, 64), (257, 64), (100, 16)])
 def test_matches_transformers(t: int, chunk: int) -> None:
     """Same inputs through transformers' torch fallbacks ([B, T, H, D] layout, q/k at n_k_heads, GQA by
@@ -142,72 +97,11 @@ def test_matches_transformers(t: int, chunk: int) -> None:
     assert all(eo < 1e-5 and es < 1e-5 for eo, es in errs.values()), msg
 
 
-def conv_inputs(t: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(5)
-    return torch.randn(t, C, generator=gen, dtype=dtype), torch.randn(C, K, generator=gen, dtype=dtype)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_conv_matches_conv1d(dtype: torch.dtype) -> None:
-    x, w = conv_inputs(37, dtype)
-    y, state = causal_conv1d(x, w, torch.zeros(K - 1, C, dtype=dtype))
-    ref = F.silu(F.conv1d(x.T[None], w[:, None, :], padding=K - 1, groups=C)[0, :, : x.shape[0]].T)
-    err = rel_err(y, ref)
-    assert err < (1e-6 if dtype == torch.float32 else 1e-14), f"conv vs F.conv1d: {err:.2e}"
-    assert torch.equal(state, x[-(K - 1) :]), "new conv state must be the last K-1 inputs"
-
-
-@pytest.mark.parametrize("splits", [[1, 36], [2, 35], [20, 1, 1, 15], [1] * 37])
-def test_conv_split_equals_whole(splits: list[int]) -> None:
-    x, w = conv_inputs(37)
-    y_whole, s_whole = causal_conv1d(x, w, torch.zeros(K - 1, C))
-    state, parts = torch.zeros(K - 1, C), []
-    for piece in x.split(splits):
-        y, state = causal_conv1d(piece, w, state)
-        parts.append(y)
-    err = rel_err(torch.cat(parts), y_whole)
-    assert err < 1e-6 and torch.equal(state, s_whole), f"conv split {splits}: {err:.2e}"
-
-
-def test_conv_matches_transformers() -> None:
-    """transformers keeps K columns of [B, C, K] conv state (the oldest is never read); ours K-1 rows."""
-    ref = transformers_fns()
-    x, w = conv_inputs(37)
-    y_hf = ref["causal_conv1d_fn"](x.T[None], w, activation="silu")[0].T
-    y, state = causal_conv1d(x, w, torch.zeros(K - 1, C))
-    err_prefill = rel_err(y, y_hf)
-
-    x_next, _ = conv_inputs(3)
-    hf_state = torch.cat([torch.zeros(C, 1), state.T], dim=1)[None]  # [1, C, K]
-    y_hf_next = ref["causal_conv1d_update"](x_next.T[None], hf_state, w, activation="silu")[0].T
-    y_next, state = causal_conv1d(x_next, w, state)
-    err_decode = rel_err(y_next, y_hf_next)
-    assert err_prefill < 1e-6 and err_decode < 1e-6, f"conv vs hf: fn {err_prefill:.2e}, update {err_decode:.2e}"
-    assert torch.equal(state, hf_state[0, :, 1:].T), "conv state differs from transformers' last K-1 columns"
-
-
-def test_l2_normalize() -> None:
-    x = torch.randn(5, 3, DK, dtype=torch.bfloat16)
-    y = l2_normalize(x, EPS)
-    xf = x.float()
-    ref = xf / torch.sqrt((xf * xf).sum(-1, keepdim=True) + EPS)
-    assert y.dtype == torch.float32 and rel_err(y, ref) < 1e-6, f"l2 norm: {rel_err(y, ref):.2e}"
-
-
-def test_state_zeros_runs_a_layer_step() -> None:
-    st = DeltaNetState.zeros(C, K, H, DK, DV, conv_dtype=torch.bfloat16)
-    assert st.conv_state.shape == (K - 1, C) and st.conv_state.dtype == torch.bfloat16
-    assert st.recurrent_state.shape == (H, DK, DV) and st.recurrent_state.dtype == torch.float32
-    q, k, v, g, beta = inputs(1)
-    out, st.recurrent_state = delta_rule_recurrent(q, k, v, g, beta, st.recurrent_state)
-    assert out.shape == (1, H, DV) and st.recurrent_state.abs().sum() > 0
-
-
 @pytest.fixture
 def fake_fla(monkeypatch):
     """fake_fla(kernel): make `from fla.ops.gated_delta_rule import chunk_gated_delta_rule` give `kernel`, or
     raise ImportError for kernel=None (whether or not fla is installed here). The import cache is reset."""
-    deltanet._fla_chunk_kernel.cache_clear()
+    delta_rule._fla_chunk_kernel.cache_clear()
 
     def install(kernel):
         for name in ("fla", "fla.ops", "fla.ops.gated_delta_rule"):  # all three: transformers may import fla
@@ -216,7 +110,7 @@ def fake_fla(monkeypatch):
             sys.modules["fla.ops.gated_delta_rule"].chunk_gated_delta_rule = kernel
 
     yield install
-    deltanet._fla_chunk_kernel.cache_clear()
+    delta_rule._fla_chunk_kernel.cache_clear()
 
 
 def fla_convention(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, chunk_size=64):
@@ -292,7 +186,7 @@ def test_fla_forced(fake_fla) -> None:
         prefill_rule("fla", "cuda")
     with pytest.raises(MoestreamError, match="CUDA only"):
         prefill_rule("fla", "cpu")
-    deltanet._fla_chunk_kernel.cache_clear()
+    delta_rule._fla_chunk_kernel.cache_clear()
     fake_fla(unreachable)
     assert prefill_rule("fla", "cuda") is delta_rule_fla
     with pytest.raises(MoestreamError, match="CUDA only"):
