@@ -100,8 +100,18 @@ class Offload:
             lines.append(
                 f"staging: {len(self.experts.streamer.slots)} slots x {p.slot_bytes / 2**20:.1f} MiB; host: {how}"
             )
-            if decode := self.experts.describe():
-                lines.append(decode)
+            if (pf := self.experts.prefetcher) is not None:
+                ring = sum(buf.numel() for slot in pf.slots for buf in slot.bufs)
+                held = ""
+                if pf.cache is not None:
+                    held = (
+                        f"; {pf.cache.n} of each held on the GPU, the most picked "
+                        f"({pf.cache.nbytes / 2**30:.2f} GiB, --expert-cache)"
+                    )
+                lines.append(
+                    f"decode: {pf.n_guess} experts of each streamed layer guessed ahead and gathered beside compute "
+                    f"(--prefetch; ring {ring / 2**20:.1f} MiB){held}"
+                )
         return "\n".join(lines)
 
 
@@ -130,13 +140,13 @@ def build_offload(
     spec,
     opts: EngineOptions,
     dense_bytes: int,
-    dev: CudaDevice | CpuDevice | None = None,
+    dev: CudaDevice | CpuDevice | list | None = None,
     pick: RowGather | None = None,
     measured: Measured | None = None,
 ) -> Offload:
-    """The placement for opts, its experts put where it says and served by its decode plan. pick: the engine's
-    expert picker, kept across placements (once its kernel failed, it is not retried); measured: what
-    --small-batch auto timed, for the placement of the way it chose."""
+    """The placement for opts, its experts put where it says and served by its decode plan. dev: the compute
+    device (tests hand in simulated ones, a list for --devices); pick: the engine's expert picker, kept across
+    placements (once its kernel failed, it is not retried); measured: what --small-batch auto timed."""
     pick = pick or RowGather()
     device = opts.torch_device
     tensors = {
@@ -151,45 +161,51 @@ def build_offload(
     budget = parse_size(opts.vram_budget)
     sizes = [tensors[il].nbytes for il in range(spec.n_layer)]
     placement = plan(sizes, n_cpu_moe, opts.stream, opts.slots, budget, fp, opts.streamed_layers == "spread")
-    # allocations past the budget now fail, and the CLI says out of memory
-    cap_vram(device, budget, opts.expandable_segments)
-    given_extra: list = []  # tests hand in one simulated device per --devices entry
-    if isinstance(dev, (list, tuple)):
-        dev, *given_extra = dev
-    owns_dev = dev is None
-    dev = dev or make_device(device)
-    made_extra: list = []  # the other --devices when made here (closed with the offload)
+    cap_vram(device, budget, opts.expandable_segments)  # allocations past it now fail: the CLI says out of memory
+    given = list(dev) if isinstance(dev, (list, tuple)) else [dev] if dev is not None else []
+    first = given[0] if given else make_device(device)
+    made: list = []  # the other --devices when made here (closed with the offload)
     pinned = PinnedRanges() if device.type == "cuda" else None
     try:
         resident = {}
         for il in tqdm(placement.resident, desc="experts", unit="layer", disable=not opts.progress, leave=False):
             resident[il] = [torch_bytes(v).to(device) for v in tensors[il].views]
-        streamed = {il: HostLayer(tensors[il].host_bytes()) for il in placement.streamed}
-        bounce = False
-        if streamed and pinned is not None and opts.stream.page_locks and opts.host_memory == "pinned":
-            bounce = not pinned.register([v.data for il in placement.streamed for v in tensors[il].views])
-        streamer = None
-        if streamed and opts.devices is not None and len(opts.devices) > 1:
-            if not given_extra:
-                made_extra = [make_device(torch.device(d)) for d in opts.devices[1:]]
-            streamer = _sharded(streamed, spec, opts, [dev, *(given_extra or made_extra)], bounce)
-        elif streamed:
-            streamer = Streamer(dev, streamed, opts.stream, opts.slots, bounce)
+        devs = [first]
+        if placement.streamed and opts.devices is not None and len(opts.devices) > 1:
+            made = [] if len(given) > 1 else [make_device(torch.device(d)) for d in opts.devices[1:]]
+            devs += given[1:] or made
+        streamer, bounce = _streamer(tensors, placement, spec, opts, devs, pinned)
         readable = device.type == "cpu" or (pinned is not None and pinned.nbytes > 0)  # page-locked: kernels read it
-        decode = decode_plan(opts, spec.n_expert_used, _access(opts, pick, readable, bool(streamed)), measured)
+        decode = decode_plan(opts, spec.n_expert_used, _access(opts, pick, readable, streamer is not None), measured)
         decode.warn()
-        stored = ExpertBytes(tensors, resident, streamer, dev, opts.torch_dtype, pick)
+        stored = ExpertBytes(tensors, resident, streamer, first, opts.torch_dtype, pick)
         experts, fp = _serve(stored, decode, placement, fp, budget, spec)
     except BaseException:
         if pinned is not None:
             pinned.unregister()
-        for d in ([dev] if owns_dev else []) + made_extra:
+        for d in ([] if given else [first]) + made:
             d.close()
         raise
-    off = Offload(placement, fp, experts, pinned, bounce, owns_dev, note, made_extra)
+    off = Offload(placement, fp, experts, pinned, bounce, not given, note, made)
     if opts.progress:
         print(off.describe(), file=sys.stderr)
     return off
+
+
+def _streamer(
+    tensors: dict, placement: Placement, spec, opts: EngineOptions, devs: list, pinned: PinnedRanges | None
+) -> tuple[Streamer | ShardedStreamer | None, bool]:
+    """The streamed layers' streamer (one ring a device over several --devices), their ranges of the map
+    page-locked first; and whether that was refused (then bounce buffers carry the uploads)."""
+    streamed = {il: HostLayer(tensors[il].host_bytes()) for il in placement.streamed}
+    if not streamed:
+        return None, False
+    bounce = False
+    if pinned is not None and opts.stream.page_locks and opts.host_memory == "pinned":
+        bounce = not pinned.register([v.data for il in placement.streamed for v in tensors[il].views])
+    if len(devs) > 1:
+        return _sharded(streamed, spec, opts, devs, bounce), bounce
+    return Streamer(devs[0], streamed, opts.stream, opts.slots, bounce), bounce
 
 
 def _access(opts: EngineOptions, pick: RowGather, readable: bool, streams: bool = True) -> Access:

@@ -3,12 +3,16 @@ causes them (offload/experts.py) and read by bench, the server and tests."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from moestream.kernels.gather import Count
+
+if TYPE_CHECKING:
+    from moestream.offload.shards import ShardedStreamer
+    from moestream.offload.streamer import Streamer
 
 
 class PickStats(NamedTuple):
@@ -26,17 +30,18 @@ class Counters:
     """One placement's decode counters. on_device: int64 [len(Count)], what the gathers count without a host
     sync (their kernels add to it in place), None where decode does not guess (nothing counts there);
     read_bytes: expert bytes the host knows were read over the link besides the streamer's own uploads
-    (gathers without a guess, expert-cache refreshes, replayed steps' share); usage: while a list, each streamed
-    micro-batch's fraction of experts used (bench)."""
+    (gathers without a guess, expert-cache refreshes, replayed steps' share); usage: while a list, each
+    streamed micro-batch's fraction of experts used (bench)."""
 
+    streamer: Streamer | ShardedStreamer | None  # counts its own uploads (None: nothing streams)
     on_device: torch.Tensor | None = None
     read_bytes: int = 0
-    usage: list[torch.Tensor] | None = field(default=None)
+    usage: list[torch.Tensor] | None = None
 
     @classmethod
-    def on(cls, device: torch.device) -> Counters:
-        """Counters with device slots, for a placement whose decode guesses."""
-        return cls(torch.zeros(len(Count), dtype=torch.long, device=device))
+    def of(cls, streamer: Streamer | ShardedStreamer | None, guesses: bool, device: torch.device) -> Counters:
+        """Counters beside streamer, with device slots where decode guesses."""
+        return cls(streamer, torch.zeros(len(Count), dtype=torch.long, device=device) if guesses else None)
 
     def add(self, slot: Count, n: int | torch.Tensor) -> None:
         """Add to one device slot (queued: a tensor n stays on the device)."""
@@ -53,8 +58,10 @@ class Counters:
         """The device counts so far (a sync); None where decode does not guess."""
         return None if self.on_device is None else PickStats(*self.on_device.tolist())
 
-    def link_bytes(self, uploaded: int) -> int:
-        """Expert bytes over the link so far: the streamer's uploads, what the host counted, and what the
-        gathers counted on the device (reading those is a sync)."""
+    @property
+    def bytes_moved(self) -> int:
+        """Expert bytes sent over the link so far: whole-layer uploads, picked experts, gathers, prefetched
+        guesses and their misses (those counted on the device: reading them is a sync)."""
         s = self.stats()
-        return uploaded + self.read_bytes + (s.miss_bytes + s.guess_bytes if s is not None else 0)
+        moved = self.streamer.bytes_uploaded if self.streamer is not None else 0
+        return moved + self.read_bytes + (s.miss_bytes + s.guess_bytes if s is not None else 0)

@@ -59,7 +59,7 @@ class LayerExperts:
         self.dev, self.dtype, self.pick = stored.dev, stored.dtype, stored.pick
         self.plan = plan
         self.prefetcher = prefetcher  # gathered layers' experts guessed a layer or so ahead (--prefetch)
-        self.counters = Counters.on(self.dev.device) if prefetcher is not None else Counters()
+        self.counters = Counters.of(self.streamer, prefetcher is not None, self.dev.device)
 
     def begin(
         self, visits: list[int], static: bool = False, timeline: Timeline = NULL, on_route: OnRoute | None = None
@@ -110,12 +110,6 @@ class LayerExperts:
     def streams(self, il: int, n_tokens: int) -> bool:
         """Whether a micro-batch of n_tokens makes the streamer upload layer il."""
         return il not in self.resident and n_tokens >= self.plan.min_batch
-
-    @property
-    def bytes_moved(self) -> int:
-        """Expert bytes sent over the link so far: whole-layer uploads, picked experts, gathers, prefetched
-        guesses and their misses (those counted on the device: reading them is a sync)."""
-        return self.counters.link_bytes(self.streamer.bytes_uploaded if self.streamer is not None else 0)
 
     def capturable(self, n_tokens: int, n_expert_used: int) -> bool:
         """Whether a static pass of n_tokens queues the same device work every time, with no host sync:
@@ -206,23 +200,6 @@ class LayerExperts:
         finally:
             if self.streamer is not None:
                 self.streamer.finish()
-
-    def describe(self) -> str:
-        """The decode line of the placement's description ("" when nothing is guessed ahead)."""
-        pf = self.prefetcher
-        if pf is None:
-            return ""
-        ring = sum(buf.numel() for slot in pf.slots for buf in slot.bufs)
-        held = ""
-        if pf.cache is not None:
-            held = (
-                f"; {pf.cache.n} of each held on the GPU, the most picked ({pf.cache.nbytes / 2**30:.2f} GiB, "
-                "--expert-cache)"
-            )
-        return (
-            f"decode: {pf.n_guess} experts of each streamed layer guessed ahead and gathered beside compute "
-            f"(--prefetch; ring {ring / 2**20:.1f} MiB){held}"
-        )
 
 
 class ExpertPass:

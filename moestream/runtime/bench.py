@@ -96,7 +96,7 @@ def _measure(engine, test: str, tokens: list[int], repeats: int) -> _Measured:
         copy_gbs = summarize(copies.resolve()).copy_gbps
     counters = experts.counters
     counters.usage = []
-    before = experts.bytes_moved
+    before = counters.bytes_moved
     guessed = counters.stats()  # (picks, misses, bytes of misses, ...), counted on the device
     links_before = list(getattr(streamer, "link_bytes", []))  # one entry a device with --devices
     cuda = engine.device.type == "cuda"
@@ -104,7 +104,7 @@ def _measure(engine, test: str, tokens: list[int], repeats: int) -> _Measured:
         torch.cuda.reset_peak_memory_stats(engine.device)
     times = timed(fn, engine.device, repeats=repeats, warmup=0)
     peak = torch.cuda.max_memory_allocated(engine.device) / 2**30 if cuda else 0.0
-    moved = (experts.bytes_moved - before) // repeats
+    moved = (counters.bytes_moved - before) // repeats
     hit = cached = None
     if guessed is not None:
         picks, misses, _, _, held = (b - a for a, b in zip(guessed, counters.stats(), strict=True))

@@ -163,7 +163,7 @@ class Scheduler:
 
     @property
     def link_bytes(self) -> int:
-        return self.engine.experts.bytes_moved if self.engine.model is not None else 0
+        return self.engine.experts.counters.bytes_moved if self.engine.model is not None else 0
 
     def _loop(self) -> None:
         while not self._stop.is_set():

@@ -69,14 +69,14 @@ def test_generation_matches_resident_with_prefetch_on_by_default(model_file):
         assert e.generate(PROMPT, params).tokens == want
         cache = e.new_cache()
         e.forward(PROMPT, cache)
-        before, counted = experts.bytes_moved, experts.counters.stats()
+        before, counted = experts.counters.bytes_moved, experts.counters.stats()
         for t in want[:4]:
             e.forward([t], cache)
         picks, _, miss_bytes, guess_bytes, _ = (b - a for a, b in zip(counted, experts.counters.stats(), strict=True))
         per_expert = sum(t.expert_bytes for t in experts.tensors.values())  # of every layer
         # each step's guesses of each layer, then its misses
         assert guess_bytes == 4 * per_expert * experts.guess_width
-        assert experts.bytes_moved - before == guess_bytes + miss_bytes
+        assert experts.counters.bytes_moved - before == guess_bytes + miss_bytes
         assert picks == 4 * e.spec.n_layer * e.spec.n_expert_used
     finally:
         e.close()

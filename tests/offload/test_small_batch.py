@@ -83,7 +83,7 @@ def test_a_way_that_needs_other_buffers_gets_its_own_placement(model_file):
         assert engine.experts.plan.way is SmallBatch.CPU and engine.experts.prefetcher is None
         engine.setup.reconfigure(slots=3)  # a new placement is measured again
         assert engine.setup.measured is not None and engine.experts.plan.way is engine.setup.measured.chosen
-        assert engine.experts.bytes_moved == 0  # the measuring steps' counts are gone with them
+        assert engine.experts.counters.bytes_moved == 0  # the measuring steps' counts are gone with them
     finally:
         engine.close()
         for d in devs:

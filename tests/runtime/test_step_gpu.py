@@ -89,7 +89,7 @@ def test_streamed_decode_reads_the_chosen_experts_and_gives_resident_tokens(mode
         assert ref.generate(TOKENS[:16], params).tokens == got.generate(TOKENS[:16], params).tokens
         experts, cache = got.experts, got.new_cache()
         got.forward(TOKENS[:40], cache)  # a whole-layer upload per layer: 40 tokens >= stream_min_batch
-        before, counted = experts.bytes_moved, experts.counters.stats()
+        before, counted = experts.counters.bytes_moved, experts.counters.stats()
         held_cache = experts.prefetcher.cache if experts.prefetcher is not None else None
         refreshed = held_cache.moved if held_cache is not None else 0
         for t in TOKENS[40:60]:
@@ -99,7 +99,7 @@ def test_streamed_decode_reads_the_chosen_experts_and_gives_resident_tokens(mode
         assert cache in got.step.graphs
         K, width = got.spec.n_expert_used, experts.guess_width
         per_expert = sum(t.nbytes // t.n_expert for t in experts.tensors.values())
-        moved = experts.bytes_moved - before
+        moved = experts.counters.bytes_moved - before
         if prefetch == 0:
             assert counted is None
             assert moved == 20 * per_expert * K  # replays counted: K experts a layer, no more
