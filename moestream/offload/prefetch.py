@@ -1,12 +1,12 @@
 """Next-layer prefetch for decode steps: the link works while the GPU computes, instead of after it.
 
 A gathered layer's experts are known only once its router has run, so without a guess each streamed layer's
-gather (~0.5 ms for 8 experts on the H200) waits for its attention, and its experts' compute waits for the
-gather: the step costs compute plus link. The residual stream changes little from one layer to the next, so
-the experts layer L+1's router picks for layer L's input are mostly the ones it picks for its own (93.5% of
-the top 8 on the generated qwen3-30b-a3b preset). Those are gathered on a side stream while layer L runs;
-after L+1's real routing a guessed pick reads the prefetched rows and a missed one is gathered then, with no
-host sync. A wrong guess costs link bytes, never correctness: the rows hold the same experts' bytes.
+gather waits for its attention, and its experts' compute waits for the gather: the step costs compute plus
+link. The residual stream changes little from one layer to the next, so the experts layer L+1's router picks
+for layer L's input are mostly the ones it picks for its own. Those are gathered on a side stream (Device.side)
+while layer L runs; after L+1's real routing a guessed pick reads the prefetched rows and a missed one is
+gathered then, with no host sync. A wrong guess costs link bytes, never correctness: the rows hold the same
+experts' bytes.
 
 The side stream first waits for everything compute queued before it, so a slot is rewritten only after the
 layer that read it.

@@ -5,8 +5,9 @@ kernel reading the page-locked map (no sync), uploads just those (a sync to lear
 the CPU straight from the map. Gathered layers may guess the next layer's experts ahead (--prefetch) and keep
 the most picked on the GPU (--expert-cache). `decode_plan` turns the options and what the machine allows
 (`Access`) into a frozen `DecodePlan` the builder consumes; --small-batch auto is its rule, or, where the
-choice is worth measuring, what `measure` timed fastest. `Timings` is the one timing helper: auto's and the
-server's batched-or-alone choice (serving/scheduler.py) both pick the way timed fastest with it.
+choice is worth measuring (which way is fastest depends on the link and the CPU), what `measure` timed
+fastest. `Timings` is the one timing helper: auto's and the server's batched-or-alone choice
+(serving/scheduler.py) both pick the way timed fastest with it.
 """
 
 from __future__ import annotations
@@ -191,7 +192,8 @@ Trial = Callable[[SmallBatch], AbstractContextManager[Callable[[], object]]]  # 
 def measure(tried: list[SmallBatch], trial: Trial) -> Measured:
     """Time WARM_UP + STEPS decode steps under each way (trial(way) opens a placement serving that way and
     yields one step); the fastest median is chosen. One way serves every streamed layer: a step that mixes
-    them cannot replay as one CUDA graph (upload and cpu wait on the host)."""
+    them cannot replay as one CUDA graph (upload and cpu wait on the host), which would cost more than any
+    per-layer difference gains (the streamed layers of one model have the same shapes)."""
     start, timings = time.perf_counter(), Timings(warm_up=WARM_UP, window=STEPS)
     for way in tried:
         with trial(way) as step:

@@ -122,7 +122,7 @@ class Engine:
             visits = [il for c in chunks for il in range(n_layer) if experts.streams(il, len(c))]
         show = self.options.progress and len(chunks) > 1
         # Inputs first: their small host-to-device copies would otherwise wait behind the expert uploads on the
-        # copy engine (measured on the H200: compute started only after the first three layers had arrived).
+        # copy engine, and compute start only after the first layers had arrived.
         make = self.model.make_batch
         batches = [make(cache.n_past + i * ub, len(c), self.device, self.dtype) for i, c in enumerate(chunks)]
         xs = [self.model.embed(torch.tensor(c)) for c in chunks]  # token ids stay on the host: rows are read there
@@ -243,12 +243,11 @@ class Engine:
     def close(self) -> None:
         """Wait for copies, unpin, lift the VRAM cap, drop every view of the map, then close it."""
         try:
-            if self.setup is not None:
+            if self.setup.offload is not None:
                 self.setup.close()
                 cap_vram(self.device, None)
         finally:
             self._cache = None
-            self.setup = None
             self.model = None
             if self.source is not None:
                 self.source.close()

@@ -113,11 +113,11 @@ class Setup:
         self.record(self.timeline)
 
     def close(self) -> None:
-        """Wait for copies, unpin, and let the placement's memory go."""
+        """Wait for copies, unpin, and let the placement's memory (and the model's) go."""
         try:
             if self.offload is not None:
                 self.offload.close()
         finally:
             if self.step is not None:
                 self.step.close()
-            self.offload = self.step = None
+            self.offload = self.step = self.model = None
