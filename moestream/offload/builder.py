@@ -65,10 +65,7 @@ class Offload:
         that is the way it was built for, else one over the same bytes that guesses nothing (its ring and
         expert cache serve the way they were built for)."""
         plan = self.plan.trying(way)
-        if plan == self.plan:
-            return self.experts
-        e = self.experts
-        return LayerExperts(ExpertBytes(e.tensors, e.resident, e.streamer, e.dev, e.dtype, e.pick), plan)
+        return self.experts if plan == self.plan else LayerExperts(self.experts.stored, plan)
 
     def close(self) -> None:
         if self.experts.streamer is not None:

@@ -55,6 +55,7 @@ class LayerExperts:
     what it moves is counted in `counters`."""
 
     def __init__(self, stored: ExpertBytes, plan: DecodePlan, prefetcher: Prefetcher | None = None):
+        self.stored = stored
         self.tensors, self.resident, self.streamer = stored.tensors, stored.resident, stored.streamer
         self.dev, self.dtype, self.pick = stored.dev, stored.dtype, stored.pick
         self.plan = plan

@@ -1,0 +1,143 @@
+"""--small-batch auto, measured at load (Setup.settle): the way timed fastest on this device is kept, whichever
+it is, and the tokens are those of the all-resident run. CPU devices with injected delays stand in for a GPU
+with a slow link or slow kernels (on the CPU device the rule stands unless small_batch.ON_CPU_DEVICE)."""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+
+import pytest
+
+import moestream
+from moestream.offload import small_batch
+from moestream.offload.device import CpuDevice
+from moestream.offload.small_batch import SmallBatch
+from moestream.runtime.sampling import SamplingParams
+
+PROMPT = [(5 * t) % 900 + 3 for t in range(6)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, stop_at_eos=False)
+
+
+@pytest.fixture(autouse=True)
+def measured_on_the_cpu_device(monkeypatch):
+    monkeypatch.setattr(small_batch, "ON_CPU_DEVICE", True)
+
+
+def _greedy(engine) -> list[int]:
+    return engine.generate(PROMPT, GREEDY).tokens
+
+
+@pytest.mark.parametrize(
+    ("delays", "not_chosen"),
+    [
+        (dict(copy_delay_s=0.05), {SmallBatch.UPLOAD}),  # a slow link: every picked expert's copy waits
+        (dict(compute_delay_s=0.2), {SmallBatch.UPLOAD, SmallBatch.GATHER}),  # slow device kernels
+    ],
+    ids=["slow-link", "slow-device"],
+)
+def test_auto_keeps_the_way_it_timed_fastest_and_gives_resident_tokens(model_file, delays, not_chosen):
+    path = model_file("tiny", "Q4_K_M")
+    resident = moestream.load(path, device="cpu", progress=False)
+    want = _greedy(resident)
+    assert resident.setup.measured is None  # nothing streams: nothing to choose
+    resident.close()
+    device = CpuDevice(**delays)
+    engine = moestream.load(path, device="cpu", n_cpu_moe="all", device_impl=device, progress=False)
+    try:
+        m = engine.setup.measured
+        assert set(m.seconds) == {SmallBatch.GATHER, SmallBatch.UPLOAD, SmallBatch.CPU}
+        assert m.chosen == min(m.seconds, key=m.seconds.__getitem__) and m.chosen not in not_chosen
+        assert engine.experts.plan.way is m.chosen and engine.options.small_batch is SmallBatch.AUTO
+        assert engine.experts.plan.measured == dataclasses.replace(m, rebuilding=0.0)  # built from what was timed
+        assert m.measuring > sum(m.seconds.values()) and m.rebuilding > 0  # what choosing cost the load
+        assert f"{m.measuring:.1f} s measuring" in m.describe()
+        assert _greedy(engine) == want
+    finally:
+        engine.close()
+        device.close()
+
+
+def test_a_forced_way_is_not_measured(model_file):
+    engine = moestream.load(model_file("tiny", "Q4_K_M"), device="cpu", n_cpu_moe="all", small_batch="upload")
+    try:
+        assert engine.setup.measured is None and engine.experts.plan.way is SmallBatch.UPLOAD
+    finally:
+        engine.close()
+
+
+def test_a_way_that_needs_other_buffers_gets_its_own_placement(model_file):
+    """Across two devices auto gathers by rule, with a ring of guesses; slow device kernels make the CPU's way
+    faster, and the placement is rebuilt without the ring (its memory would be idle)."""
+    devs = [CpuDevice(compute_delay_s=0.2) for _ in range(2)]  # 0.05 lost to a busy CPU once
+    engine = moestream.load(
+        model_file("tiny", "Q4_K_M"), device_impl=devs, devices="cpu,cpu", n_cpu_moe="all", progress=False
+    )
+    try:
+        measured = engine.setup.measured
+        assert set(measured.seconds) == {SmallBatch.GATHER, SmallBatch.CPU}  # no upload across devices
+        assert measured.chosen is SmallBatch.CPU
+        assert engine.experts.plan.way is SmallBatch.CPU and engine.experts.prefetcher is None
+        engine.setup.reconfigure(slots=3)  # a new placement is measured again
+        assert engine.setup.measured is not None and engine.experts.plan.way is engine.setup.measured.chosen
+        assert engine.experts.counters.bytes_moved == 0  # the measuring steps' counts are gone with them
+    finally:
+        engine.close()
+        for d in devs:
+            d.close()
+
+
+def test_the_cpu_device_keeps_the_rule_unless_asked(model_file, monkeypatch):
+    monkeypatch.setattr(small_batch, "ON_CPU_DEVICE", False)
+    engine = moestream.load(model_file("tiny", "Q4_K_M"), device="cpu", n_cpu_moe="all", progress=False)
+    try:
+        assert engine.setup.measured is None and engine.experts.plan.way is SmallBatch.UPLOAD
+    finally:
+        engine.close()
+
+
+def test_the_measured_placement_is_freed_before_the_chosen_one_is_built(model_file, monkeypatch):
+    """On a GPU the chosen way's placement is built inside the same --vram-budget: the one auto measured on
+    must be gone by then (a reference the loader kept made it run out of memory on the H200)."""
+    from moestream.runtime import loader
+
+    built, alive_at_rebuild = [], []
+    build = loader.build_offload
+
+    def spy(*args, **kwargs):
+        alive_at_rebuild.extend(ref() is not None for ref in built)
+        offload = build(*args, **kwargs)
+        built.append(weakref.ref(offload))
+        return offload
+
+    monkeypatch.setattr(loader, "build_offload", spy)
+    engine = moestream.load(model_file("tiny", "Q4_K_M"), device="cpu", n_cpu_moe="all", progress=False)
+    try:
+        assert engine.setup.measured is not None and len(built) == 2
+        assert alive_at_rebuild == [False]
+    finally:
+        engine.close()
+
+
+def test_the_printed_choice_counts_the_rebuild(model_file, monkeypatch, capsys):
+    """The line a load prints is setup.measured's, the rebuild's seconds in it (it once printed the copy
+    made before the rebuild was timed: always 0.0 s)."""
+    import time
+
+    from moestream.runtime import loader
+
+    built, build = [], loader.build_offload
+
+    def slow_second(*args, **kwargs):
+        built.append(True)
+        if len(built) == 2:
+            time.sleep(0.3)
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(loader, "build_offload", slow_second)
+    engine = moestream.load(model_file("tiny", "Q4_K_M"), device="cpu", n_cpu_moe="all", progress=True)
+    try:
+        assert engine.setup.measured.rebuilding >= 0.3
+        assert engine.setup.measured.describe() in capsys.readouterr().err
+    finally:
+        engine.close()
