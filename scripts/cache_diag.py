@@ -19,9 +19,9 @@ from moestream.offload.expert_cache import ExpertCache
 
 
 def report(e, label: str, want: list[int]) -> None:
-    before = e.experts.prefetch_stats()
+    before = e.experts.counters.stats()
     ms = step_ms(e)
-    d = [b - a for a, b in zip(before, e.experts.prefetch_stats(), strict=True)]
+    d = [b - a for a, b in zip(before, e.experts.counters.stats(), strict=True)]
     print(
         f"{label:<34} {ms:7.3f} ms a step, {1 - d[1] / d[0]:.1%} guessed, {d[4] / d[0]:.1%} held, "
         f"{(d[2] + d[3]) / 144 / 1e6:.1f} MB a step over the link, same tokens: {greedy(e) == want}",
@@ -33,10 +33,10 @@ if __name__ == "__main__":
     e = moestream.load(
         sys.argv[1], device="cuda", progress=False, n_cpu_moe=26, streamed_layers="spread", vram_budget="12GiB"
     )
-    e.reconfigure(expert_cache=0)
+    e.setup.reconfigure(expert_cache=0)
     want = greedy(e)
     report(e, "no cache", want)
-    e.reconfigure(expert_cache="auto")
+    e.setup.reconfigure(expert_cache="auto")
     report(e, f"{e.experts.cached_width} held, refreshed", want)
     cache = e.experts.prefetcher.cache
     torch.cuda.synchronize()

@@ -25,7 +25,7 @@ def _steps(n: int = 72) -> list[int]:
 def step_ms(engine, n: int = 72) -> float:
     """Graphed one-token steps over positions 16..87, timed after a pass over the same positions (which
     captures each key bucket's graph), in CUDA-event ms a step."""
-    engine._graphs.clear()
+    engine.step.close()
     cache = engine.new_cache()
     for _ in range(2):  # the first pass captures, the second is timed
         cache.reset()
@@ -129,14 +129,15 @@ def kernel_table(engine, n_steps: int = 2) -> None:
     cache = engine.new_cache()
     engine.forward(list(range(1, 17)), cache)
     engine.forward([5], cache)
-    graphs_ok, engine._graphs_ok = engine._graphs_ok, False
+    capturing = engine.setup.capturing
+    graphs_ok, capturing.one = capturing.one, False
     try:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for t in range(n_steps):
                 engine.forward([t + 2], cache)
             torch.cuda.synchronize()
     finally:
-        engine._graphs_ok = graphs_ok
+        capturing.one = graphs_ok
     events = prof.key_averages()
     total = sum(e.device_time_total for e in events) / n_steps / 1e3
     count = sum(e.count for e in events) / n_steps

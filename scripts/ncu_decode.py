@@ -18,7 +18,7 @@ import moestream
 
 if __name__ == "__main__":
     engine = moestream.load(sys.argv[1], device="cuda", progress=False)
-    engine._graphs_ok = False  # each kernel its own launch, as ncu replays them
+    engine.setup.capturing.one = False  # each kernel its own launch, as ncu replays them
     cache = engine.new_cache()
     engine.forward(list(range(1, 17)), cache)
     for t in range(int(sys.argv[2]) if len(sys.argv) > 2 else 3):

@@ -46,11 +46,11 @@ if __name__ == "__main__":
         (10, 16, "streamed", "auto"),
     ]
     for width, programs, lead, held in variants:
-        e.reconfigure(prefetch=width, expert_cache=held)
+        e.setup.reconfigure(prefetch=width, expert_cache=held)
         prefetch.PROGRAMS, prefetch.LEAD = programs, lead
-        before = e.experts.prefetch_stats()
+        before = e.experts.counters.stats()
         ms = step_ms(e)
-        d = [b - a for a, b in zip(before, e.experts.prefetch_stats(), strict=True)]
+        d = [b - a for a, b in zip(before, e.experts.counters.stats(), strict=True)]
         same = greedy(e) == want
         print(
             f"prefetch {width:>2}, {programs:>3} programs, at the {lead:<8} before, {e.experts.cached_width:>3} "

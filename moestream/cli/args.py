@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from moestream.errors import MoestreamError
-from moestream.offload.schedule import SmallBatch
+from moestream.offload.small_batch import SmallBatch
 
 # The help names the default itself (the flag's own default is None: "not given"). Formatting this renders
 # nothing, and its presence keeps argparse's "(default: None)" from being appended.

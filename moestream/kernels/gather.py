@@ -9,6 +9,7 @@ If the kernel cannot read the memory (not registered, or no Triton), the picks g
 
 from __future__ import annotations
 
+import enum
 import warnings
 
 import torch
@@ -23,7 +24,20 @@ WORDS_PER_PROGRAM = 2048
 Cached = tuple[torch.Tensor, torch.Tensor]  # a device stack of some experts' rows, and slot_of [n_expert]: each
 # expert's row of it (-1: not held)
 
+
+class Count(enum.IntEnum):
+    """The slots of the int64 device counters decode's gathers add to without a host sync
+    (offload/counters.py reads them back)."""
+
+    PICKS = 0
+    MISSES = 1  # picks the guess did not name, gathered after routing
+    MISS_BYTES = 2  # bytes those read over the link
+    GUESS_BYTES = 3  # bytes the guesses read over the link
+    CACHED = 4  # picks the expert cache held
+
+
 if triton is not None:
+    _PICKS, _MISSES, _MISS_BYTES, _GUESS_BYTES, _CACHED = (tl.constexpr(c.value) for c in Count)
 
     @triton.jit
     def _gather_kernel(src, ids, dst, row_words, WORDS: tl.constexpr):
@@ -55,7 +69,7 @@ if triton is not None:
     ):
         """For each guessed expert and stack s (words a row w_s): where the gather reads it, as a word offset
         from that stack's host base: its row of the device cache (d_s words away) when slot_of holds it, else
-        its host row; and the bytes the guess reads over the link, added to counts[3]."""
+        its host row; and the bytes the guess reads over the link, added to counts' GUESS_BYTES."""
         g = tl.arange(0, GUESS)
         live = g < n_guess
         e = tl.load(guess + g, mask=live, other=0)
@@ -64,7 +78,7 @@ if triton is not None:
         tl.store(offs + g, tl.where(hot, d0 + at * w0, e * w0), mask=live)
         tl.store(offs + n_guess + g, tl.where(hot, d1 + at * w1, e * w1), mask=live)
         tl.store(offs + 2 * n_guess + g, tl.where(hot, d2 + at * w2, e * w2), mask=live)
-        tl.atomic_add(counts + 3, tl.sum((live & (at < 0)).to(tl.int64), axis=0) * expert_bytes)
+        tl.atomic_add(counts + _GUESS_BYTES, tl.sum((live & (at < 0)).to(tl.int64), axis=0) * expert_bytes)
 
     @triton.jit
     def _misses_kernel(
@@ -102,13 +116,13 @@ if triton is not None:
         if c == 0:
             if FIRST:
                 tl.store(mats + r, tl.where(found > 0, tl.argmax(hit, axis=0), n_guess + r).to(tl.int64))
-                tl.atomic_add(counts, 1)
-                tl.atomic_add(counts + 1, (1 - found).to(tl.int64))
+                tl.atomic_add(counts + _PICKS, 1)
+                tl.atomic_add(counts + _MISSES, (1 - found).to(tl.int64))
                 if CACHED:
-                    tl.atomic_add(counts + 4, (at >= 0).to(tl.int64))
+                    tl.atomic_add(counts + _CACHED, (at >= 0).to(tl.int64))
                     tl.atomic_add(freq + row, 1)
             if (found == 0) & (at < 0):
-                tl.atomic_add(counts + 2, row_words.to(tl.int64) * 4)
+                tl.atomic_add(counts + _MISS_BYTES, row_words.to(tl.int64) * 4)
         if found == 0:
             w = c * WORDS + tl.arange(0, WORDS)
             ok = w < row_words
@@ -185,8 +199,8 @@ class RowGather:
         programs: int,
     ) -> None:
         """Each host stack's rows ids [G] into outs on PROGRAMS programs, those slot_of [n_expert] names read
-        from the device stacks instead (offs [3, G]: where each is read); counts[3] grows by the bytes read over
-        the link. Raises if the kernels fail (the caller then picks another way)."""
+        from the device stacks instead (offs [3, G]: where each is read); counts (slots of Count) gains the bytes
+        read over the link as GUESS_BYTES. Raises if the kernels fail (the caller then picks another way)."""
         G = ids.numel()
         words = [out[0].numel() // 4 for out in outs]
         deltas = []
@@ -223,9 +237,9 @@ def fill_misses(
     freq: torch.Tensor | None = None,
 ) -> None:
     """The picks ids [n] of host stack src that guess [G] missed, read into dst rows G.. (dst [G + n, ...] holds
-    the guessed experts in rows 0..G-1), from cache where it holds them; mats [n] gets each pick's row of dst and
-    counts (picks, misses, bytes read for misses, -, cached picks) grows, and freq [n_expert] (with a cache),
-    from the first stack's launch (first). No host sync: ids stay on the device."""
+    the guessed experts in rows 0..G-1), from cache where it holds them; mats [n] gets each pick's row of dst, and
+    counts (slots of Count) gains PICKS, MISSES and CACHED and freq [n_expert] (with a cache) from the first
+    stack's launch (first), MISS_BYTES from each. No host sync: ids stay on the device."""
     words = src[0].numel() // 4
     G = guess.numel()
     stack, slot_of = cache if cache is not None else (dst, ids)  # unread without a cache

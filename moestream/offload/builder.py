@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-import warnings
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -11,11 +10,12 @@ from tqdm import tqdm
 
 from moestream.errors import MoestreamError
 from moestream.formats.gguf import GGUFFile, torch_bytes
+from moestream.kernels import cpu_quant
 from moestream.kernels.gather import RowGather
 from moestream.offload.device import CpuDevice, CudaDevice, cap_vram, make_device
 from moestream.offload.expert_cache import ExpertCache
 from moestream.offload.expert_tensors import ExpertTensors
-from moestream.offload.experts import LayerExperts
+from moestream.offload.experts import ExpertBytes, LayerExperts
 from moestream.offload.host import PinnedRanges
 from moestream.offload.options import EngineOptions
 from moestream.offload.placement import (
@@ -28,22 +28,44 @@ from moestream.offload.placement import (
     workspace_bytes,
 )
 from moestream.offload.prefetch import Prefetcher, ring_bytes
-from moestream.offload.schedule import SmallBatch
 from moestream.offload.shards import ShardedStreamer, expert_ranges, shard_layer
+from moestream.offload.small_batch import Access, DecodePlan, Measured, SmallBatch, decode_plan, ways
 from moestream.offload.streamer import HostLayer, Streamer
 
 
 @dataclass
 class Offload:
+    """One placement and what it holds: the experts where it put them, page locks, devices, and the decode side
+    built from its DecodePlan (experts.plan)."""
+
     placement: Placement
     footprint: Footprint
     experts: LayerExperts
-    dev: CudaDevice | CpuDevice
     pinned: PinnedRanges | None
     bounce: bool  # registration was refused and bounce buffers carry the uploads
     owns_dev: bool  # made here (closed here) rather than handed in
     note: str = ""  # how the asked placement was read, when not literally (said in the placement line)
     extra_devs: list = field(default_factory=list)  # the other --devices, made (and closed) here
+
+    @property
+    def dev(self) -> CudaDevice | CpuDevice:
+        return self.experts.dev
+
+    @property
+    def plan(self) -> DecodePlan:
+        return self.experts.plan
+
+    def ways(self) -> list[SmallBatch]:
+        """The ways this placement's streamed layers can serve a small batch (what auto may measure)."""
+        stored = {v.qtype for t in self.experts.tensors.values() for v in t.views}
+        return ways(self.plan.access, stored <= cpu_quant.TYPES and cpu_quant.available())
+
+    def trial(self, way: SmallBatch) -> LayerExperts:
+        """This placement's experts with small batches served `way`, for auto to time: its own decode side when
+        that is the way it was built for, else one over the same bytes that guesses nothing (its ring and
+        expert cache serve the way they were built for)."""
+        plan = self.plan.trying(way)
+        return self.experts if plan == self.plan else LayerExperts(self.experts.stored, plan)
 
     def close(self) -> None:
         if self.experts.streamer is not None:
@@ -77,14 +99,12 @@ class Offload:
             )
             if (pf := self.experts.prefetcher) is not None:
                 ring = sum(buf.numel() for slot in pf.slots for buf in slot.bufs)
-                held = (
-                    ""
-                    if pf.cache is None
-                    else (
-                        f"; {pf.cache.n} of each held on the GPU, the most picked ({pf.cache.nbytes / 2**30:.2f} GiB, "
-                        "--expert-cache)"
+                held = ""
+                if pf.cache is not None:
+                    held = (
+                        f"; {pf.cache.n} of each held on the GPU, the most picked "
+                        f"({pf.cache.nbytes / 2**30:.2f} GiB, --expert-cache)"
                     )
-                )
                 lines.append(
                     f"decode: {pf.n_guess} experts of each streamed layer guessed ahead and gathered beside compute "
                     f"(--prefetch; ring {ring / 2**20:.1f} MiB){held}"
@@ -117,108 +137,109 @@ def build_offload(
     spec,
     opts: EngineOptions,
     dense_bytes: int,
-    dev: CudaDevice | CpuDevice | None = None,
+    dev: CudaDevice | CpuDevice | list | None = None,
     pick: RowGather | None = None,
+    measured: Measured | None = None,
 ) -> Offload:
-    """pick: the engine's expert picker, kept across placements (once its kernel failed, it is not retried)."""
+    """The placement for opts, its experts put where it says and served by its decode plan. dev: the compute
+    device (tests hand in simulated ones, a list for --devices); pick: the engine's expert picker, kept across
+    placements (once its kernel failed, it is not retried); measured: what --small-batch auto timed."""
     pick = pick or RowGather()
-    device, dtype = opts.torch_device, opts.torch_dtype
+    device = opts.torch_device
     tensors = {
         il: ExpertTensors(tuple(f.tensor(n) for n in arch.expert_tensor_names(il))) for il in range(spec.n_layer)
     }
-    n_ctx = opts.context(spec.n_ctx_train)
     check_expert_counts(opts, spec)
-    n_guess = spec.n_expert_used if opts.prefetch is None else opts.prefetch
     # the ring of guesses is budgeted where small batches will gather, judged before page-locking is tried
     will_lock = device.type == "cpu" or (opts.host_memory == "pinned" and opts.stream.page_locks)
-    sharded = opts.devices is not None and len(opts.devices) > 1
-    may_gather = _prefetches(opts.small_batch, device, will_lock, pick, sharded)
-    fp = Footprint(
-        dense=dense_bytes,
-        kv_cache=opts.n_seqs * (kv_cache_bytes(spec, n_ctx, dtype) + arch.state_bytes(spec)),
-        workspace=workspace_bytes(spec, opts.ubatch, n_ctx, dtype),
-        prefetch=ring_bytes(tensors, tensors, n_guess, spec.n_expert_used) if n_guess and may_gather else 0,
-    )
+    expected = decode_plan(opts, spec.n_expert_used, _access(opts, pick, will_lock), measured)
+    fp = _footprint(arch, spec, opts, dense_bytes, tensors, expected)
     n_cpu_moe, note = streamed_layers(opts.n_cpu_moe, spec.n_layer)
     budget = parse_size(opts.vram_budget)
-    placement = plan(
-        [tensors[il].nbytes for il in range(spec.n_layer)],
-        n_cpu_moe,
-        opts.stream,
-        opts.slots,
-        budget,
-        fp,
-        opts.streamed_layers == "spread",
-    )
-    # allocations past the budget now fail, and the CLI says out of memory
-    cap_vram(device, budget, opts.expandable_segments)
-    given_extra: list = []  # tests hand in one simulated device per --devices entry
-    if isinstance(dev, (list, tuple)):
-        dev, *given_extra = dev
-    owns_dev = dev is None
-    dev = dev or make_device(device)
-    made_extra: list = []  # the other --devices when made here (closed with the offload)
+    sizes = [tensors[il].nbytes for il in range(spec.n_layer)]
+    placement = plan(sizes, n_cpu_moe, opts.stream, opts.slots, budget, fp, opts.streamed_layers == "spread")
+    cap_vram(device, budget, opts.expandable_segments)  # allocations past it now fail: the CLI says out of memory
+    given = list(dev) if isinstance(dev, (list, tuple)) else [dev] if dev is not None else []
+    first = given[0] if given else make_device(device)
+    made: list = []  # the other --devices when made here (closed with the offload)
     pinned = PinnedRanges() if device.type == "cuda" else None
     try:
         resident = {}
         for il in tqdm(placement.resident, desc="experts", unit="layer", disable=not opts.progress, leave=False):
             resident[il] = [torch_bytes(v).to(device) for v in tensors[il].views]
-        streamed = {il: HostLayer(tensors[il].host_bytes()) for il in placement.streamed}
-        bounce = False
-        if streamed and pinned is not None and opts.stream.page_locks and opts.host_memory == "pinned":
-            bounce = not pinned.register([v.data for il in placement.streamed for v in tensors[il].views])
-        streamer = None
-        if streamed and opts.devices is not None and len(opts.devices) > 1:
-            if not given_extra:
-                made_extra = [make_device(torch.device(d)) for d in opts.devices[1:]]
-            streamer = _sharded(streamed, tensors, spec, opts, [dev, *(given_extra or made_extra)], bounce)
-        elif streamed:
-            streamer = Streamer(dev, streamed, opts.stream, opts.slots, bounce)
+        devs = [first]
+        if placement.streamed and opts.devices is not None and len(opts.devices) > 1:
+            made = [] if len(given) > 1 else [make_device(torch.device(d)) for d in opts.devices[1:]]
+            devs += given[1:] or made
+        streamer, bounce = _streamer(tensors, placement, spec, opts, devs, pinned)
         readable = device.type == "cpu" or (pinned is not None and pinned.nbytes > 0)  # page-locked: kernels read it
-        small_batch = opts.small_batch.resolve(device.type == "cuda", readable, pick.kernel_ok, sharded)
-        if small_batch is SmallBatch.GATHER and streamed and not readable:
-            warnings.warn(
-                "--small-batch gather needs the streamed experts page-locked (not --stream serial, and "
-                "page-locking must succeed); small batches upload their experts instead",
-                stacklevel=2,
-            )
-        prefetcher = None
-        cache = None
-        if streamed and n_guess and _prefetches(small_batch, device, readable, pick, sharded):
-            sizes = [tensors[il].expert_bytes for il in placement.streamed]
-            n_cached = cached_experts(opts.expert_cache, placement, fp, budget, sizes, spec.n_expert)
-            cache = ExpertCache(tensors, placement.streamed, n_cached, device, pick) if n_cached else None
-            fp = replace(fp, expert_cache=cache.nbytes if cache is not None else 0)
-            prefetcher = Prefetcher(tensors, placement.streamed, n_guess, spec.n_expert_used, device, pick, cache)
-        if streamed and opts.expert_cache not in ("auto", 0) and cache is None:
-            warnings.warn(
-                f"--expert-cache {opts.expert_cache}: the cache serves decode's guessed gathers, which need "
-                "--small-batch gather (or auto on a GPU), streamed experts page-locked and --prefetch above 0; "
-                "no experts are held",
-                stacklevel=2,
-            )
-        experts = LayerExperts(
-            tensors, resident, streamer, dtype, opts.stream_min_batch, dev, small_batch, readable, pick, prefetcher
-        )
+        decode = decode_plan(opts, spec.n_expert_used, _access(opts, pick, readable, streamer is not None), measured)
+        decode.warn()
+        stored = ExpertBytes(tensors, resident, streamer, first, opts.torch_dtype, pick)
+        experts, fp = _serve(stored, decode, placement, fp, budget, spec)
     except BaseException:
         if pinned is not None:
             pinned.unregister()
-        for d in ([dev] if owns_dev else []) + made_extra:
+        for d in ([] if given else [first]) + made:
             d.close()
         raise
-    off = Offload(placement, fp, experts, dev, pinned, bounce, owns_dev, note, made_extra)
+    off = Offload(placement, fp, experts, pinned, bounce, not given, note, made)
     if opts.progress:
         print(off.describe(), file=sys.stderr)
     return off
 
 
-def _prefetches(mode: SmallBatch, device: torch.device, readable: bool, pick: RowGather, sharded: bool) -> bool:
-    """Whether decode guesses and gathers experts ahead: small batches gather, from memory a kernel can read."""
-    gathers = mode.resolve(device.type == "cuda", readable, pick.kernel_ok, sharded) is SmallBatch.GATHER
-    return gathers and readable and (device.type == "cpu" or pick.kernel_ok)
+def _streamer(
+    tensors: dict, placement: Placement, spec, opts: EngineOptions, devs: list, pinned: PinnedRanges | None
+) -> tuple[Streamer | ShardedStreamer | None, bool]:
+    """The streamed layers' streamer (one ring a device over several --devices), their ranges of the map
+    page-locked first; and whether that was refused (then bounce buffers carry the uploads)."""
+    streamed = {il: HostLayer(tensors[il].host_bytes()) for il in placement.streamed}
+    if not streamed:
+        return None, False
+    bounce = False
+    if pinned is not None and opts.stream.page_locks and opts.host_memory == "pinned":
+        bounce = not pinned.register([v.data for il in placement.streamed for v in tensors[il].views])
+    if len(devs) > 1:
+        return _sharded(streamed, spec, opts, devs, bounce), bounce
+    return Streamer(devs[0], streamed, opts.stream, opts.slots, bounce), bounce
 
 
-def _sharded(streamed: dict, tensors: dict, spec, opts: EngineOptions, devs: list, bounce: bool) -> ShardedStreamer:
+def _access(opts: EngineOptions, pick: RowGather, readable: bool, streams: bool = True) -> Access:
+    sharded = opts.devices is not None and len(opts.devices) > 1
+    return Access(opts.torch_device.type == "cuda", readable, pick.kernel_ok, sharded, streams)
+
+
+def _footprint(arch, spec, opts: EngineOptions, dense_bytes: int, tensors: dict, decode: DecodePlan) -> Footprint:
+    """Device bytes besides the resident experts and staging slots, the guesses' ring where decode plans one."""
+    n_ctx, dtype = opts.context(spec.n_ctx_train), opts.torch_dtype
+    ring = ring_bytes(tensors, tensors, decode.n_guess, spec.n_expert_used) if decode.guesses else 0
+    return Footprint(
+        dense=dense_bytes,
+        kv_cache=opts.n_seqs * (kv_cache_bytes(spec, n_ctx, dtype) + arch.state_bytes(spec)),
+        workspace=workspace_bytes(spec, opts.ubatch, n_ctx, dtype),
+        prefetch=ring,
+    )
+
+
+def _serve(
+    stored: ExpertBytes, decode: DecodePlan, placement: Placement, fp: Footprint, budget: int | None, spec
+) -> tuple[LayerExperts, Footprint]:
+    """The decode side the plan asks for: where one-token steps guess ahead, the ring of guesses and an expert
+    cache as large as asked or as the budget leaves. Returns it and the footprint with the cache counted."""
+    if not decode.guesses:
+        return LayerExperts(stored, decode), fp
+    sizes = [stored.tensors[il].expert_bytes for il in placement.streamed]
+    n_cached = cached_experts(decode.expert_cache, placement, fp, budget, sizes, spec.n_expert)
+    device, streamed = stored.dev.device, placement.streamed
+    cache = ExpertCache(stored.tensors, streamed, n_cached, device, stored.pick) if n_cached else None
+    fp = replace(fp, expert_cache=cache.nbytes if cache is not None else 0)
+    n_used = spec.n_expert_used
+    prefetcher = Prefetcher(stored.tensors, streamed, decode.n_guess, n_used, stored.dev, stored.pick, cache)
+    return LayerExperts(stored, decode, prefetcher), fp
+
+
+def _sharded(streamed: dict, spec, opts: EngineOptions, devs: list, bounce: bool) -> ShardedStreamer:
     """One ring a device, each carrying its range of every streamed layer's experts (--devices, --tensor-split)."""
     ranges = expert_ranges(spec.n_expert, opts.tensor_split)
     rings = [

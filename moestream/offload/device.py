@@ -8,10 +8,11 @@ into compute to provoke races.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -68,8 +69,37 @@ class CudaDevice:
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
 
+    def side(self) -> CudaSide:
+        """A stream of its own for kernels queued beside compute (decode's guessed gathers)."""
+        return CudaSide(self.device)
+
     def close(self) -> None:
         self.synchronize()
+
+
+class CudaSide:
+    """A stream beside compute: its work starts after what compute queued before it, and compute waits for
+    it only where it records an event (CudaDevice.wait)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+
+    @contextlib.contextmanager
+    def after_compute(self) -> Iterator[None]:
+        """Queue the block's launches here, after everything compute queued so far (the current stream while
+        in the block: timeline stamps land here too)."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            yield
+
+    @staticmethod
+    def event() -> torch.cuda.Event:
+        return torch.cuda.Event()
+
+    def record(self, event: torch.cuda.Event) -> None:
+        """event fires when the work queued here so far has run."""
+        event.record(self.stream)
 
 
 class CpuEvent:
@@ -153,6 +183,9 @@ class CpuDevice:
     def record(self) -> CpuEvent:
         return CpuEvent(fired=True)  # compute is synchronous: everything queued so far has run
 
+    def side(self) -> CpuSide:
+        return CpuSide()
+
     def synchronize(self) -> None:
         done = CpuEvent()
         self._jobs.put(done.set)
@@ -161,6 +194,21 @@ class CpuDevice:
     def close(self) -> None:
         self._jobs.put(None)
         self._worker.join()
+
+
+class CpuSide:
+    """Work "beside" compute on the CPU device runs in order on the calling thread: done when queued."""
+
+    @contextlib.contextmanager
+    def after_compute(self) -> Iterator[None]:
+        yield
+
+    @staticmethod
+    def event() -> CpuEvent:
+        return CpuEvent(fired=True)
+
+    def record(self, event: CpuEvent) -> None:
+        """Nothing to wait for: the work already ran."""
 
 
 Device = CudaDevice | CpuDevice

@@ -9,17 +9,19 @@ the same bits for the same micro-batch.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
 from moestream.kernels import matvec
 from moestream.kernels.gather import RowGather
 from moestream.kernels.grouped_moe import runs_on_device
+from moestream.offload.counters import Counters
 from moestream.offload.device import Device
 from moestream.offload.expert_tensors import ExpertTensors
-from moestream.offload.schedule import SmallBatch
+from moestream.offload.prefetch import Prefetcher
 from moestream.offload.shards import ShardedLayer, ShardedStreamer
+from moestream.offload.small_batch import DecodePlan, SmallBatch
 from moestream.offload.streamer import Streamer
 from moestream.ops.experts import StoredExperts
 from moestream.ops.moe_swiglu import expert_counts
@@ -27,48 +29,38 @@ from moestream.profiling.timeline import NULL, Timeline
 
 OnRoute = Callable[[int, torch.Tensor, torch.Tensor], None]  # (layer, its MoE input x [T, D], ids [T, K])
 
-if TYPE_CHECKING:
-    from moestream.offload.prefetch import PickStats, Prefetcher
-
 
 def _matvec_serves(t: ExpertTensors, device: torch.device, n_tokens: int) -> bool:
     """A token or few on a GPU: the experts multiply straight from their stored blocks."""
     return all(matvec.usable(v.qtype, device, n_tokens) for v in t.views)
 
 
-class LayerExperts:
-    """Where each layer's experts come from: resident layers, streamed layers and the CPU path for small
-    batches. Models reach it through the ExpertPass of the pass they run in."""
+@dataclass(frozen=True)
+class ExpertBytes:
+    """Where a placement put each layer's expert bytes: resident stacks on the compute device, streamed ones
+    in host memory behind the streamer; pick: the engine's expert picker (after its kernel failed once it picks
+    through the host, for every placement the engine builds)."""
 
-    def __init__(
-        self,
-        tensors: dict[int, ExpertTensors],
-        resident: dict[int, list[torch.Tensor]],
-        streamer: Streamer | ShardedStreamer | None,
-        dtype: torch.dtype,
-        min_batch: int,
-        dev: Device,
-        small_batch: SmallBatch = SmallBatch.UPLOAD,
-        host_readable: bool = False,
-        pick: RowGather | None = None,
-        prefetcher: Prefetcher | None = None,
-    ):
-        self.tensors = tensors
-        # below min_batch: "upload" just the chosen experts, "gather" them by a kernel reading host memory
-        # (when host_readable: page-locked, or the CPU device), or compute them on the "cpu"
-        self.small_batch = small_batch
-        self.host_readable = host_readable
-        # picks experts out of host memory; after its kernel failed once it picks through the host (the engine's
-        # one picker, handed to each placement it builds)
-        self.pick = pick or RowGather()
-        self.dev = dev
-        self.resident = resident  # il -> stored bytes on the compute device
-        self.streamer = streamer
-        self.dtype = dtype
-        self.min_batch = min_batch
-        self.track_usage = False  # when set, record the fraction of experts each streamed micro-batch used
-        self.usage: list[torch.Tensor] = []
+    tensors: dict[int, ExpertTensors]
+    resident: dict[int, list[torch.Tensor]]
+    streamer: Streamer | ShardedStreamer | None
+    dev: Device
+    dtype: torch.dtype
+    pick: RowGather
+
+
+class LayerExperts:
+    """Where each layer's experts come from: resident layers, streamed layers, and for micro-batches under
+    plan.min_batch what the decode plan says. Models reach it through the ExpertPass of the pass they run in;
+    what it moves is counted in `counters`."""
+
+    def __init__(self, stored: ExpertBytes, plan: DecodePlan, prefetcher: Prefetcher | None = None):
+        self.stored = stored
+        self.tensors, self.resident, self.streamer = stored.tensors, stored.resident, stored.streamer
+        self.dev, self.dtype, self.pick = stored.dev, stored.dtype, stored.pick
+        self.plan = plan
         self.prefetcher = prefetcher  # gathered layers' experts guessed a layer or so ahead (--prefetch)
+        self.counters = Counters.of(self.streamer, prefetcher is not None, self.dev.device)
 
     def begin(
         self, visits: list[int], static: bool = False, timeline: Timeline = NULL, on_route: OnRoute | None = None
@@ -83,13 +75,19 @@ class LayerExperts:
         if self.streamer is not None:
             self.streamer.timeline = timeline
 
+    @property
+    def gathers(self) -> bool:
+        """Small batches gather their experts as planned; not once the gather kernel failed on a GPU (then
+        they take the upload way, picking through the host)."""
+        return self.plan.gathers and (not self.plan.access.on_gpu or self.pick.kernel_ok)
+
     def guess_plan(self, n_tokens: int, static: bool) -> dict[int, int]:
         """For a pass of n_tokens: {layer at whose start (-1: before layer 0) to call prefetch(): the gathered
         layer to guess}. Empty unless a static pass of one token, gathered, prefetch on."""
         p = self.prefetcher
-        if p is None or not static or n_tokens != 1 or n_tokens >= self.min_batch:
+        if p is None or not static or n_tokens != 1 or n_tokens >= self.plan.min_batch:
             return {}  # a batch of min_batch tokens uploads whole layers
-        if p.n_used >= next(iter(self.tensors.values())).n_expert or not self._gathers(self.dev.device):
+        if p.n_used >= next(iter(self.tensors.values())).n_expert or not self.gathers:
             return {}  # every expert picked: the layer gathers whole
         return p.schedule()
 
@@ -107,27 +105,12 @@ class LayerExperts:
     def prefetch(self, il: int, guess: torch.Tensor, timeline: Timeline = NULL) -> None:
         """Start gathering layer il's experts guess [1, G] names, beside compute (no host sync); nothing once
         the gather kernel has failed (the layer then picks through the host)."""
-        if self._gathers(self.dev.device):
-            self.prefetcher.prefetch(il, guess, timeline)
+        if self.gathers:
+            self.prefetcher.prefetch(il, guess, self.counters, timeline)
 
     def streams(self, il: int, n_tokens: int) -> bool:
         """Whether a micro-batch of n_tokens makes the streamer upload layer il."""
-        return il not in self.resident and n_tokens >= self.min_batch
-
-    @property
-    def bytes_moved(self) -> int:
-        """Expert bytes sent over the link so far: whole-layer uploads, picked experts, gathers, prefetched
-        guesses and their misses (those counted on the device: reading them is a sync)."""
-        moved = self.streamer.bytes_uploaded if self.streamer is not None else 0
-        if self.prefetcher is None:
-            return moved
-        counted = self.prefetcher.stats()
-        return moved + counted.miss_bytes + counted.guess_bytes
-
-    def count_moved(self, nbytes: int) -> None:
-        """Add bytes gathers read over the link (counted here too when a replayed graph ran them)."""
-        if self.streamer is not None:
-            self.streamer.count_read(nbytes)
+        return il not in self.resident and n_tokens >= self.plan.min_batch
 
     def capturable(self, n_tokens: int, n_expert_used: int) -> bool:
         """Whether a static pass of n_tokens queues the same device work every time, with no host sync:
@@ -140,7 +123,7 @@ class LayerExperts:
             return False
         if len(self.resident) == len(self.tensors):
             return True
-        return n_tokens < self.min_batch and self._gathers(dev) and n_tokens * n_expert_used < t.n_expert
+        return n_tokens < self.plan.min_batch and self.gathers and n_tokens * n_expert_used < t.n_expert
 
     def weights(self, p: ExpertPass, il: int, x: torch.Tensor, ids: torch.Tensor) -> StoredExperts:
         """Layer il's experts for x [T, D] routed to ids [T, K], brought where the math will read them."""
@@ -149,13 +132,13 @@ class LayerExperts:
         label = dict(layer=il, ubatch=ubatch) if layer == il else dict(layer=il)
         if layer == il:
             tl.add("compute", "attention", layer_start, tl.stamp(), **label)
-        if il not in self.resident and x.shape[0] < self.min_batch:
+        if il not in self.resident and x.shape[0] < self.plan.min_batch:
             return self._small_batch(p, il, t, x, ids, label)
         if il in self.resident:
             raws = self.resident[il]
         else:
-            if self.track_usage:  # stays on the device: no sync
-                self.usage.append((expert_counts(ids.reshape(-1), t.n_expert) > 0).float().mean())
+            if self.counters.usage is not None:  # stays on the device: no sync
+                self.counters.usage.append((expert_counts(ids.reshape(-1), t.n_expert) > 0).float().mean())
             raws = self.streamer.acquire(il)  # the compute stream now waits for the upload
         p.open_span("experts", label)
         return self._on_device(tl, il, t, raws, x, ids)
@@ -167,33 +150,33 @@ class LayerExperts:
             parts = tuple((lo, hi, t.stored(r, ids, self.dtype, tl, il, self.pick)) for lo, hi, r in raws.parts)
             return t.stored((), ids, self.dtype, tl, il, self.pick, parts=parts)
         if not raws[0].is_cuda and _matvec_serves(t, x.device, x.shape[0]):
-            # page-locked host memory: bring the chosen experts over first. Whole experts move at link speed
-            # (48.7 GB/s on the H200); a matvec reading the host in short runs got 28.7 GB/s
+            # page-locked host memory: bring the chosen experts over first (whole experts move at link speed;
+            # a matvec reading the host in short runs does not)
             picks = ids.reshape(-1)
             raws = [self.pick(raw, picks) for raw in raws]
             ids = torch.arange(picks.numel(), device=x.device).view_as(ids)
         return t.stored(raws, ids, self.dtype, tl, il, self.pick)
 
     def _small_batch(self, p: ExpertPass, il: int, t: ExpertTensors, x, ids, label: dict) -> StoredExperts:
-        """A streamed layer for a few tokens: gather the experts they chose with a kernel reading host memory
-        (no sync), upload only those (a sync to learn which), or leave them to the CPU straight from the map
-        (moving a few rows of x instead of weights)."""
+        """A streamed layer for a few tokens, as the plan says: gather the experts they chose with a kernel
+        reading host memory (no sync), upload only those (a sync to learn which), or leave them to the CPU
+        straight from the map (moving a few rows of x instead of weights)."""
         tl = p.timeline
         whole = None if p.static else self.streamer.held(il)
         if whole is not None:
             p.open_span("experts", label)
             return self._on_device(tl, il, t, whole, x, ids)
-        if self._gathers(x.device) and ids.numel() < t.n_expert:
+        if self.gathers and ids.numel() < t.n_expert:
             p.open_span("experts-gather", label)  # no sync: ids stay on the device
             if self.prefetcher is not None and il in self.prefetcher.pending:  # misses counted on the device
-                rows, at = self.prefetcher.take(il, ids)
+                rows, at = self.prefetcher.take(il, ids, self.counters)
                 return self._on_device(tl, il, t, rows, x, at)
-            self.count_moved(ids.numel() * t.expert_bytes)  # read over the link
+            self.counters.read_bytes += ids.numel() * t.expert_bytes  # read over the link
             return self._on_device(tl, il, t, t.host_bytes(), x, ids)
         used = torch.unique(ids.cpu())  # sync: the host must know which experts to move or read
         local = torch.full((t.n_expert,), -1, dtype=torch.long)
         local[used] = torch.arange(used.numel())  # expert id -> its row among the chosen ones
-        views = self.streamer.upload_experts(il, used.tolist()) if self.small_batch is not SmallBatch.CPU else None
+        views = self.streamer.upload_experts(il, used.tolist()) if self.plan.way is not SmallBatch.CPU else None
         if views is not None:
             stored = self._on_device(tl, il, t, views, x, local.to(x.device)[ids])
             p.open_span("experts", label)
@@ -201,26 +184,12 @@ class LayerExperts:
         p.open_span("experts-cpu", label)
         return t.stored(t.host_bytes(), ids, torch.float32, tl, il, self.pick, on_host=True)
 
-    def _gathers(self, device: torch.device) -> bool:
-        """Whether small batches gather their experts with a kernel reading host memory (or index it, on the
-        CPU device)."""
-        return self.small_batch is SmallBatch.GATHER and self.can_gather(device)
-
-    def can_gather(self, device: torch.device) -> bool:
-        """Whether a kernel on device can read the streamed experts where they lie (page-locked, or the CPU
-        device's RAM), whichever way small batches are set to take."""
-        return self.host_readable and (device.type == "cpu" or self.pick.kernel_ok)
-
     def forget(self) -> None:
         """A graph capture failed: the streamer's and the prefetcher's events recorded in it never ran."""
         if self.streamer is not None:
             self.streamer.forget()
-        if self.prefetcher is not None and self.prefetcher.stream is not None:
+        if self.prefetcher is not None:
             self.prefetcher.forget()
-
-    def prefetch_stats(self) -> PickStats | None:
-        """Counts of prefetched layers' picks so far; None without prefetch."""
-        return self.prefetcher.stats() if self.prefetcher is not None else None
 
     def end_pass(self) -> None:
         """Compute has queued its last use of the current staging slot."""
@@ -228,7 +197,7 @@ class LayerExperts:
             if self.prefetcher is not None:
                 self.prefetcher.drop()  # a pass that stopped half-way leaves guesses nobody takes
                 if self.prefetcher.cache is not None:
-                    self.count_moved(self.prefetcher.cache.end_pass())
+                    self.counters.read_bytes += self.prefetcher.cache.end_pass()
         finally:
             if self.streamer is not None:
                 self.streamer.finish()

@@ -18,7 +18,8 @@ import torch
 
 from moestream.errors import MoestreamError
 from moestream.offload.placement import parse_size
-from moestream.offload.schedule import Schedule, SmallBatch
+from moestream.offload.schedule import Schedule
+from moestream.offload.small_batch import SmallBatch
 from moestream.ops.delta_rule import DELTANET_ENV, deltanet_mode
 
 MAX_THREADS_PER_CORE = 4  # --threads above this many a core only slows (and past ~30000 threads cannot start)
@@ -44,7 +45,7 @@ class EngineOptions:
     slots: int = 3  # staging slots in the ring
     stream_min_batch: int = 32  # smaller micro-batches do not upload whole layers: see small_batch
     small_batch: SmallBatch | str = "auto"  # below stream_min_batch: upload, gather or cpu (made a SmallBatch;
-    # auto: resolved by SmallBatch.resolve once placement knows what is page-locked)
+    # auto: decided by offload/small_batch.py once placement knows what is page-locked)
     prefetch: int | None = None  # experts of a gathered layer guessed one layer ahead in decode (0: off; None:
     # as many as the router picks)
     expert_cache: int | str = "auto"  # experts of each streamed layer kept on the GPU for decode's gathers
@@ -92,7 +93,7 @@ class EngineOptions:
             raise MoestreamError(f"--slots {self.slots}: {self.stream} needs at least 2 staging slots")
         if self.streamed_layers not in ("first", "spread"):
             raise MoestreamError(f"--streamed-layers {self.streamed_layers}: expected first or spread")
-        resolve("small_batch", SmallBatch.parse(self.small_batch))
+        resolve("small_batch", SmallBatch.parse(self.small_batch, len(self.devices or ())))
         if self.prefetch is not None and self.prefetch < 0:
             raise MoestreamError(f"--prefetch {self.prefetch}: must be 0 (off) or more experts a layer")
         if self.expert_cache != "auto":
@@ -157,11 +158,6 @@ class EngineOptions:
             raise MoestreamError(
                 f"--tensor-split {','.join(map(str, split))}: expected {len(names)} non-negative weights, finite and "
                 "not all 0 (one a device of --devices)"
-            )
-        if len(names) > 1 and self.small_batch == "upload":
-            raise MoestreamError(
-                "--small-batch upload with several --devices: small batches gather their experts on the first "
-                "device or compute them on the cpu; use --small-batch gather, cpu or auto"
             )
         resolve("devices", names)
         resolve("tensor_split", split)

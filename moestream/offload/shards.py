@@ -46,7 +46,6 @@ class ShardedStreamer:
     def __init__(self, streamers: list[Streamer], ranges: list[tuple[int, int]]):
         self.streamers = streamers
         self.ranges = ranges
-        self.read_outside = 0  # bytes read by work outside the rings (gathers on the first device)
 
     def begin(self, visits: list[int]) -> None:
         for s in self.streamers:
@@ -98,10 +97,7 @@ class ShardedStreamer:
 
     @property
     def bytes_uploaded(self) -> int:
-        return sum(self.link_bytes) + self.read_outside
-
-    def count_read(self, nbytes: int) -> None:
-        self.read_outside += nbytes
+        return sum(self.link_bytes)
 
     @property
     def timeline(self):

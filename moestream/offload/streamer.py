@@ -230,10 +230,6 @@ class Streamer:
             raise
         self.dev.wait(ready)
 
-    def count_read(self, nbytes: int) -> None:
-        """Bytes that crossed the link outside the ring: gathers reading the page-locked experts in place."""
-        self.bytes_uploaded += nbytes
-
     def close(self) -> None:
         self.finish()
         if self.bounce is not None:

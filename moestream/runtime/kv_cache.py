@@ -50,3 +50,10 @@ class SequenceCache:
             state.zero_()
         self.n_past = 0
         self.broken = False
+
+
+def new_cache(model, n_ctx: int, dtype: torch.dtype, device: torch.device) -> SequenceCache:
+    """An empty cache of n_ctx positions for one sequence of model."""
+    s = model.spec
+    kv = KVCache(model.attention_layers, n_ctx, s.n_head_kv, s.head_dim, dtype, device)
+    return SequenceCache(kv, model.new_recurrent_state(device))

@@ -21,7 +21,9 @@ from moestream.offload.device import cap_vram
 from moestream.offload.embedding import HostEmbedding
 from moestream.offload.options import EngineOptions
 from moestream.offload.placement import parse_size
+from moestream.offload.small_batch import Measured
 from moestream.runtime.engine import Engine
+from moestream.runtime.setup import Setup
 
 
 def describe(f: GGUFFile):
@@ -95,23 +97,17 @@ def load(
 
         pick = RowGather()  # the engine's expert picker: every placement it builds shares its kernel failure
 
-        def make_offload(o: EngineOptions):
-            return build_offload(f, arch, spec, o, dense_bytes, device_impl, pick)
+        def build(o: EngineOptions, measured: Measured | None = None):
+            return build_offload(f, arch, spec, o, dense_bytes, device_impl, pick, measured)
 
-        offload = make_offload(opts)
-        try:
-            embedding = HostEmbedding(f.tensor("token_embd.weight"), device, dtype)
-            model = arch.Model(spec, weights, embedding)
-            engine = Engine(model, tokenizer, opts, source=f, offload=offload, make_offload=make_offload)
-        except BaseException:
-            offload.close()
-            raise
-        del offload  # the engine's alone now: settling may replace it, and a reference here would keep its memory
+        embedding = HostEmbedding(f.tensor("token_embd.weight"), device, dtype)
+        model = arch.Model(spec, weights, embedding)
+        engine = Engine(model, tokenizer, Setup(model, opts, build), source=f)
     except BaseException:
         f.close()
         raise
     try:
-        engine.settle_small_batch()
+        engine.setup.settle()
     except BaseException:
         engine.close()  # its placement and the file with it
         raise

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from moestream.errors import MoestreamError, is_out_of_memory
 from moestream.formats.tokenizer import TextStream
+from moestream.offload.small_batch import Timings
 from moestream.runtime.sampling import Sampler, SamplingParams
 
 
@@ -65,36 +66,30 @@ class Mode:
     Which wins depends on the placement: one pass reads resident weights once for all rows, but with most
     layers' experts over the link, a pass of several rows gathers every row's picks without the one-token
     step's guess-ahead and expert cache. Both give the same tokens (each row is computed as it would be alone),
-    so the choice is only about speed. Each way is tried twice first (the first turns compile and capture), and
-    the slower one again every `explore` turns, in case the placement's balance moved."""
+    so the choice is only about speed, timed as --small-batch auto's is (offload/small_batch.py Timings). Each
+    way is tried twice first (the first turns compile and capture), and the slower one again every `explore`
+    turns, in case the placement's balance moved."""
 
-    def __init__(self, explore: int = 64, keep: float = 0.7):
-        self.explore, self.keep = explore, keep
-        self.cost: dict[tuple[bool, int], float] = {}  # (alone, n) -> seconds a turn, smoothed
-        self.seen: dict[tuple[bool, int], int] = {}
+    def __init__(self, explore: int = 64, window: int = 5):
+        self.explore = explore
+        self.timings = Timings(warm_up=1, window=window)  # keyed (alone, n)
         self.turns: dict[int, int] = {}
 
     def alone(self, n: int) -> bool:
-        tried = [self.seen.get((alone, n), 0) for alone in (False, True)]
+        tried = [self.timings.runs((alone, n)) for alone in (False, True)]
         if min(tried) < 2:
             return tried[1] < tried[0]
         self.turns[n] = self.turns.get(n, 0) + 1
-        faster = self.cost[(True, n)] < self.cost[(False, n)]
+        faster = self.timings.fastest([(False, n), (True, n)])[0]
         return not faster if self.turns[n] % self.explore == 0 else faster
 
     def record(self, alone: bool, n: int, seconds: float) -> None:
-        key = (alone, n)
-        self.seen[key] = self.seen.get(key, 0) + 1
-        if self.seen[key] <= 1:  # the first turn of each way compiles and captures: not its speed
-            return
-        old = self.cost.get(key)
-        self.cost[key] = seconds if old is None else self.keep * old + (1 - self.keep) * seconds
+        self.timings.record((alone, n), seconds)
 
     def failed(self, alone: bool, n: int) -> None:
         """A turn this way failed (out of memory for a pass of n rows, say): the other way from now on, this
         one retried only when exploring."""
-        self.seen[(alone, n)] = max(2, self.seen.get((alone, n), 0))
-        self.cost[(alone, n)] = float("inf")
+        self.timings.failed((alone, n))
 
 
 @dataclass
@@ -168,7 +163,7 @@ class Scheduler:
 
     @property
     def link_bytes(self) -> int:
-        return self.engine.experts.bytes_moved if self.engine.model is not None else 0
+        return self.engine.experts.counters.bytes_moved if self.engine.model is not None else 0
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -247,11 +242,12 @@ class Scheduler:
         # one pass for all of them, replayed from a graph on a GPU; where a batch cannot be captured but one
         # token can, each sequence replays its own graph instead (faster than an eager pass there)
         n = len(stepping)
-        forced = self.engine.replays(1) and not self.engine.replays(n)
+        step = self.engine.step
+        forced = step.replays(1) and not step.replays(n)
         chosen = n > 1 and not forced and self.batched is None
         alone = forced or (self.mode.alone(n) if chosen else self.batched is False)
         groups = [[seq] for seq in stepping] if alone else [stepping]
-        broke, captures = False, self.engine.captures
+        broke, captures = False, step.capturing.count
         for group in groups:
             try:
                 logits = self.engine.forward_each([seq.token for seq in group], [seq.cache for seq in group])
@@ -266,7 +262,7 @@ class Scheduler:
                 except Exception as e:
                     self._fail(seq, e)
             self.stats.decode_tokens += len(group)
-        if (counted := self.engine.experts.prefetch_stats()) is not None:  # after sampling's sync: a small read
+        if (counted := self.engine.experts.counters.stats()) is not None:  # after sampling's sync: a small read
             self.stats.picks, self.stats.guessed = counted.picks, counted.picks - counted.misses
             self.stats.held = counted.cached
         took = time.perf_counter() - start
@@ -278,7 +274,7 @@ class Scheduler:
         # captured (a capture costs many turns) and no prompt chunk ran first
         if chosen and broke:
             self.mode.failed(alone, n)
-        elif chosen and self.engine.captures == captures and not prefilled:
+        elif chosen and step.capturing.count == captures and not prefilled:
             self.mode.record(alone, n, took)
 
     def _fail(self, seq: _Sequence, e: Exception) -> None:

@@ -92,26 +92,27 @@ def _measure(engine, test: str, tokens: list[int], repeats: int) -> _Measured:
         try:
             fn()
         finally:
-            streamer.timeline = engine.timeline
+            streamer.timeline = engine.setup.timeline
         copy_gbs = summarize(copies.resolve()).copy_gbps
-    experts.track_usage, experts.usage = True, []
-    before = experts.bytes_moved
-    guessed = experts.prefetch_stats()  # (picks, misses, bytes of misses), counted on the device
+    counters = experts.counters
+    counters.usage = []
+    before = counters.bytes_moved
+    guessed = counters.stats()  # (picks, misses, bytes of misses, ...), counted on the device
     links_before = list(getattr(streamer, "link_bytes", []))  # one entry a device with --devices
     cuda = engine.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(engine.device)
     times = timed(fn, engine.device, repeats=repeats, warmup=0)
     peak = torch.cuda.max_memory_allocated(engine.device) / 2**30 if cuda else 0.0
-    moved = (experts.bytes_moved - before) // repeats
+    moved = (counters.bytes_moved - before) // repeats
     hit = cached = None
     if guessed is not None:
-        picks, misses, _, _, held = (b - a for a, b in zip(guessed, experts.prefetch_stats(), strict=True))
+        picks, misses, _, _, held = (b - a for a, b in zip(guessed, counters.stats(), strict=True))
         hit = 1 - misses / picks if picks else None
         if experts.cached_width and picks:
             cached = held / picks
-    used = float(torch.stack(experts.usage).mean()) if experts.usage else 0.0
-    experts.track_usage, experts.usage = False, []
+    used = float(torch.stack(counters.usage).mean()) if counters.usage else 0.0
+    counters.usage = None
     links = [(b - a) / repeats for a, b in zip(links_before, getattr(streamer, "link_bytes", []), strict=True)]
     return _Measured(
         times=times,
@@ -162,7 +163,7 @@ def run_bench(engine, sweep: Sweep, progress=None) -> tuple[list[BenchRow], floa
     w = sweep
     tests = [(f"pp{p}", p) for p in w.prompts if p > 0] + [(f"tg{n}", n) for n in w.gens if n > 0]
     for placed in w.placements():
-        engine.reconfigure(**placed, progress=False)
+        engine.setup.reconfigure(**placed, progress=False)
         ub, stream, k, pick = (placed[key] for key in ("ubatch", "stream", "slots", "streamed_layers"))
         for test, n in tests:
             tokens = random_prompt(n, engine.spec.n_vocab)
@@ -189,7 +190,7 @@ def run_bench(engine, sweep: Sweep, progress=None) -> tuple[list[BenchRow], floa
                 gpu_peak_gib=m.peak_gib,
                 transfer_floor_s=m.moved / link,
                 samples_s=list(m.times),
-                small_batch=experts.small_batch,
+                small_batch=experts.plan.way,
                 links_gbs=[b / secs / 1e9 for b in m.links],
                 prefetch=experts.guess_width,
                 prefetch_hit=m.hit,
@@ -207,7 +208,7 @@ def run_bench(engine, sweep: Sweep, progress=None) -> tuple[list[BenchRow], floa
                 progress(row)
     if w.floors:
         for ub in w.ubatches:
-            engine.reconfigure(ubatch=ub, n_cpu_moe=0, stream=Schedule.OVERLAP, vram_budget=None, progress=False)
+            engine.setup.reconfigure(ubatch=ub, n_cpu_moe=0, stream=Schedule.OVERLAP, vram_budget=None, progress=False)
             for test, n in tests:
                 m = _measure(engine, test, random_prompt(n, engine.spec.n_vocab), w.repeats)
                 compute_floor[(test, ub)] = statistics.mean(m.times)

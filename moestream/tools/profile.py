@@ -25,7 +25,7 @@ class Profile:
 
 def profile_pass(engine, tokens: list[int], schedule: str, repeats: int = 3) -> Profile:
     """Time the pass with recording off and on (alternating, after warm-up); keep the last recorded timeline."""
-    engine.reconfigure(stream=schedule, progress=False)
+    engine.setup.reconfigure(stream=schedule, progress=False)
 
     def run() -> None:
         engine.forward(tokens, engine.new_cache())

@@ -42,14 +42,14 @@ def test_every_schedule_matches_one_device(model_file, stream, split):
     path = model_file("tiny", "Q4_K_M")
     one = moestream.load(path, device="cpu", stream=stream, **STREAMED)
     want = one.logits(TOKENS)
-    one_bytes = one.experts.bytes_moved
+    one_bytes = one.experts.counters.bytes_moved
     one.close()
     engine, devs = load_on(path, len(split.split(",")), split, stream=stream, **STREAMED)
     try:
         got = engine.logits(TOKENS)
         streamer = engine.experts.streamer
         assert torch.equal(got, want)
-        assert engine.experts.bytes_moved == one_bytes  # the same bytes, split over the links
+        assert engine.experts.counters.bytes_moved == one_bytes  # the same bytes, split over the links
         per_expert = {
             b // (hi - lo) for b, (lo, hi) in zip(streamer.link_bytes, streamer.ranges, strict=True) if hi > lo
         }

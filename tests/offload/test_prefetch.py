@@ -43,7 +43,7 @@ def test_every_guess_width_gives_the_unguessed_bits(model_file, preset):
         try:
             assert e.experts.guess_width == width
             tokens, logits = decode(e)
-            picks, misses, miss_bytes, _, cached = e.experts.prefetch_stats()
+            picks, misses, miss_bytes, _, cached = e.experts.counters.stats()
         finally:
             e.close()
         assert tokens == want[0]
@@ -69,14 +69,14 @@ def test_generation_matches_resident_with_prefetch_on_by_default(model_file):
         assert e.generate(PROMPT, params).tokens == want
         cache = e.new_cache()
         e.forward(PROMPT, cache)
-        before, counted = experts.bytes_moved, experts.prefetch_stats()
+        before, counted = experts.counters.bytes_moved, experts.counters.stats()
         for t in want[:4]:
             e.forward([t], cache)
-        picks, _, miss_bytes, guess_bytes, _ = (b - a for a, b in zip(counted, experts.prefetch_stats(), strict=True))
+        picks, _, miss_bytes, guess_bytes, _ = (b - a for a, b in zip(counted, experts.counters.stats(), strict=True))
         per_expert = sum(t.expert_bytes for t in experts.tensors.values())  # of every layer
         # each step's guesses of each layer, then its misses
         assert guess_bytes == 4 * per_expert * experts.guess_width
-        assert experts.bytes_moved - before == guess_bytes + miss_bytes
+        assert experts.counters.bytes_moved - before == guess_bytes + miss_bytes
         assert picks == 4 * e.spec.n_layer * e.spec.n_expert_used
     finally:
         e.close()
@@ -99,7 +99,7 @@ def test_a_spread_placement_guesses_across_resident_layers(model_file, n_cpu_moe
         at = [s - 1 for s in streamed] if lead == "layer" else [streamed[0] - 1, *streamed[:-1]]
         assert e.experts.prefetcher.schedule() == dict(zip(at, streamed, strict=True))
         assert decode(e)[0] == want
-        assert e.experts.prefetch_stats()[0] == 10 * n_cpu_moe * e.spec.n_expert_used
+        assert e.experts.counters.stats()[0] == 10 * n_cpu_moe * e.spec.n_expert_used
     finally:
         e.close()
 
@@ -120,7 +120,7 @@ def test_only_gathered_one_token_static_passes_guess(model_file):
     e = moestream.load(path, stream_min_batch=1, **GATHERED)  # one-token steps upload whole layers
     try:
         decode(e, 3)
-        assert e.experts.prefetch_stats() == (0, 0, 0, 0, 0) and not e.experts.prefetcher.pending
+        assert e.experts.counters.stats() == (0, 0, 0, 0, 0) and not e.experts.prefetcher.pending
         assert e.experts.guess_plan(1, static=True) == {}
     finally:
         e.close()
@@ -177,7 +177,7 @@ def test_the_expert_cache_is_read_and_changes_no_bit(model_file, width):
         assert experts.cached_width == 3 and "3 of each held on the GPU" in e.offload.describe()
         tokens, logits = decode(e, 12)
         assert tokens == want[0] and torch.equal(logits, want[1])
-        picks, misses, miss_bytes, guess_bytes, cached = experts.prefetch_stats()
+        picks, misses, miss_bytes, guess_bytes, cached = experts.counters.stats()
         sizes = {il: t.expert_bytes for il, t in experts.tensors.items()}
         assert picks == 12 * e.spec.n_layer * e.spec.n_expert_used and 0 < cached < picks
         assert miss_bytes <= misses * max(sizes.values()) and guess_bytes < 12 * width * sum(sizes.values())

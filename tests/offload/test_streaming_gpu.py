@@ -55,7 +55,7 @@ def test_registration_refused_falls_back_to_bounce_buffers(model_file):
     assert squatter.register([t.data for t in e.source.tensors.values() if "_exps" in t.name])
     try:
         with pytest.warns(UserWarning, match="refused"):
-            e.reconfigure(n_cpu_moe="all", stream="overlap")
+            e.setup.reconfigure(n_cpu_moe="all", stream="overlap")
         assert e.offload.bounce
         got = e.logits(TOKENS)
     finally:
@@ -174,6 +174,6 @@ def test_small_batch_auto_gathers_where_the_gpu_reads_the_host(model_file, strea
     """auto picks the kernel when the streamed experts are page-locked, and uploads when they are not."""
     e = moestream.load(model_file("tiny", "Q4_K_M"), device="cuda", n_cpu_moe="all", stream=stream, progress=False)
     try:
-        assert e.experts.small_batch == expected
+        assert e.experts.plan.way == expected
     finally:
         e.close()

@@ -21,7 +21,7 @@ def test_decode_reports_guessed_and_held_picks(model_file):
         req, events = collect([5, 6, 7, 8, 9, 10], max_tokens=24)
         s.submit(req)
         assert drain(events)[-1].kind == "done"
-        counted = engine.experts.prefetch_stats()
+        counted = engine.experts.counters.stats()
         assert s.stats.picks == counted.picks > 0
         assert s.stats.guessed == counted.picks - counted.misses and 0 < s.stats.guessed <= s.stats.picks
         assert 0 < s.stats.held == counted.cached < s.stats.picks

@@ -1,13 +1,5 @@
-"""One-token decode steps, replayed from CUDA graphs.
-
-A decode step launches dozens of small kernels per layer; launched one by one from Python that costs more
-than the GPU work (the last profile: 137 of 144 ms "busy" in launches). A static step (positions only on
-the device, a fixed number of KV rows read under a mask, streamed experts picked on the device) queues the
-same work every token, so it is captured once per sequence cache and key-count bucket and then replayed:
-one launch per token. The first step of a bucket runs eagerly (it is also the warm-up that compiles the
-Triton kernels), later ones replay; both run the same kernels, so they give the same bits. A server's running
-batch (a token for each of several sequences) is captured the same way, once per set of caches and buckets.
-"""
+"""Captured decode steps, cached: a CUDA graph per cache and key bucket (per set of caches and buckets for a
+batch), replayed with new inputs; a freed cache takes its graphs along (runtime/step.py captures them)."""
 
 from __future__ import annotations
 
@@ -16,21 +8,12 @@ from collections.abc import Callable, Hashable
 
 import torch
 
-MIN_KEYS = 256
+from moestream.offload.counters import Counters
+
 # Captured batch steps kept, the least recently replayed dropped first: a server's pool of 4 caches makes 11
 # sets of two or more, times the key buckets they sit in. They share one memory pool, as a cache's one-token
 # steps do (they never run at once); what each graph keeps there was not measured.
 BATCH_GRAPHS = 32
-
-
-def key_bucket(n_past: int, n_ctx: int) -> int:
-    """KV rows a step at position n_past reads: a power of two from MIN_KEYS up, at most n_ctx.
-
-    Few buckets (few captures) while short sequences do not read the whole context every token."""
-    n = MIN_KEYS
-    while n <= n_past:
-        n *= 2
-    return min(n, n_ctx)
 
 
 Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [B, D], positions [B]) -> logits [B, V]
@@ -56,10 +39,13 @@ class StepGraphs:
     def __contains__(self, key: Hashable) -> bool:
         return key in self.steps
 
-    def capture(self, step: Step, x: torch.Tensor, positions: torch.Tensor, key: Hashable, experts, watch=()) -> None:
-        """Record step's kernels under key (nothing runs): x and positions become its input buffers. watch:
-        the caches the step touches, named in key by id; when one is freed, the steps naming it are dropped
-        (before its id or its memory can be another's)."""
+    def capture(
+        self, step: Step, x: torch.Tensor, positions: torch.Tensor, key: Hashable, counters: Counters, watch=()
+    ) -> None:
+        """Record step's kernels under key (nothing runs): x and positions become its input buffers; the bytes
+        the host counted while capturing are what each replay reads. watch: the caches the step touches, named
+        in key by id; when one is freed, the steps naming it are dropped (before its id or its memory can be
+        another's)."""
         self.steps.pop(key, None)
         if self.limit is not None and len(self.steps) >= self.limit:  # before: the peak holds no more than limit
             del self.steps[next(iter(self.steps))]
@@ -67,14 +53,13 @@ class StepGraphs:
             self.pool = torch.cuda.graph_pool_handle()  # until its memory is released): seen in the load test
         x, positions = x.clone(), positions.clone()
         graph = torch.cuda.CUDAGraph()
-        before, stream = experts.bytes_moved, torch.cuda.current_stream()
+        before, stream = counters.read_bytes, torch.cuda.current_stream()
         try:
             with torch.cuda.graph(graph, pool=self.pool):
                 out = step(x, positions)
         finally:
             torch.cuda.set_stream(stream)  # a capture that failed can leave its side stream current
-            moved = experts.bytes_moved - before
-            experts.count_moved(-moved)  # capturing ran nothing
+            moved, counters.read_bytes = counters.read_bytes - before, before  # capturing ran nothing
         self.steps[key] = _Captured(graph, x, positions, out, moved, frozenset(id(c) for c in watch))
         for c in watch:
             if c not in self._watched:
@@ -89,7 +74,7 @@ class StepGraphs:
         self._watched.clear()
         self.steps.clear()
 
-    def replay(self, x: torch.Tensor, positions: list[int], key: Hashable, experts) -> torch.Tensor:
+    def replay(self, x: torch.Tensor, positions: list[int], key: Hashable, counters: Counters) -> torch.Tensor:
         s = self.steps.pop(key)
         self.steps[key] = s  # the most recently used goes last, the first to be dropped first
         s.x.copy_(x)
@@ -98,7 +83,7 @@ class StepGraphs:
         else:
             s.positions.copy_(torch.tensor(positions))
         s.graph.replay()
-        experts.count_moved(s.moved)
+        counters.read_bytes += s.moved
         return s.out.clone()  # the next replay overwrites out
 
     def drop_named(self, cache_id: int) -> None:

@@ -11,6 +11,7 @@ import moestream
 from moestream.kernels import launch, tuning
 from moestream.profiling.timeline import NULL, Timeline
 from moestream.runtime.sampling import SamplingParams
+from moestream.runtime.step import DecodeStep
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 TOKENS = torch.randint(0, 1280, (300,), generator=torch.Generator().manual_seed(5)).tolist()
@@ -33,10 +34,10 @@ def test_replayed_steps_give_the_eager_steps_bits(model_file, preset, n_cpu_moe,
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # a refused capture warns and runs eagerly: not good enough here
             graphed, cache = steps(e, TOKENS)
-        assert sorted(e._graphs[cache].steps) == [256, 512], "steps were not captured"
+        assert sorted(e.step.graphs[cache].steps) == [256, 512], "steps were not captured"
         e.record(Timeline(e.device))
         eager, cache = steps(e, TOKENS)
-        assert cache not in e._graphs
+        assert cache not in e.step.graphs
         e.record(NULL)
         ref = e.logits(TOKENS)  # prefill: other kernels, so close rather than equal
     finally:
@@ -49,7 +50,7 @@ def test_replayed_steps_give_the_eager_steps_bits(model_file, preset, n_cpu_moe,
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qwen35moe"])
 @pytest.mark.parametrize("n_cpu_moe", [0, "all"])
 def test_steps_launched_dependently_give_the_bits_of_steps_launched_in_turn(model_file, monkeypatch, preset, n_cpu_moe):
-    """Programmatic dependent launch (dequant.PDL) lets a kernel start before the one before it ends; each waits
+    """Programmatic dependent launch (the tuning's pdl) lets a kernel start before the one before it ends; each waits
     on the GPU before touching memory, so replayed steps, streamed ones with their side-stream gathers
     too, have the bits of steps whose kernels run strictly one after another."""
     path = model_file(preset, "Q4_K_M")
@@ -59,7 +60,7 @@ def test_steps_launched_dependently_give_the_bits_of_steps_launched_in_turn(mode
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # a refused capture warns and runs eagerly: not good enough here
             dependent, cache = steps(e, TOKENS[:40])
-            assert cache in e._graphs
+            assert cache in e.step.graphs
             with tuning.use(pdl=False):  # a new cache: its steps are captured anew
                 in_turn, _ = steps(e, TOKENS[:40])
     finally:
@@ -88,23 +89,23 @@ def test_streamed_decode_reads_the_chosen_experts_and_gives_resident_tokens(mode
         assert ref.generate(TOKENS[:16], params).tokens == got.generate(TOKENS[:16], params).tokens
         experts, cache = got.experts, got.new_cache()
         got.forward(TOKENS[:40], cache)  # a whole-layer upload per layer: 40 tokens >= stream_min_batch
-        before, counted = experts.bytes_moved, experts.prefetch_stats()
+        before, counted = experts.counters.bytes_moved, experts.counters.stats()
         held_cache = experts.prefetcher.cache if experts.prefetcher is not None else None
         refreshed = held_cache.moved if held_cache is not None else 0
         for t in TOKENS[40:60]:
             got.forward([t], cache)
         if held_cache is not None:  # what the cache's refreshes copied in is link bytes too
             refreshed = held_cache.moved - refreshed
-        assert cache in got._graphs
+        assert cache in got.step.graphs
         K, width = got.spec.n_expert_used, experts.guess_width
         per_expert = sum(t.nbytes // t.n_expert for t in experts.tensors.values())
-        moved = experts.bytes_moved - before
+        moved = experts.counters.bytes_moved - before
         if prefetch == 0:
             assert counted is None
             assert moved == 20 * per_expert * K  # replays counted: K experts a layer, no more
             return
         picks, misses, miss_bytes, guess_bytes, cached = (
-            b - a for a, b in zip(counted, experts.prefetch_stats(), strict=True)
+            b - a for a, b in zip(counted, experts.counters.stats(), strict=True)
         )
         assert moved == guess_bytes + miss_bytes + refreshed  # the guesses and misses counted on the device
         assert picks == 20 * got.spec.n_layer * K and 0 <= misses <= picks
@@ -132,7 +133,7 @@ def test_a_capture_that_fails_half_way_leaves_eager_steps_that_work(model_file, 
     want = ref.generate(TOKENS[:40], params).tokens
     ref.close()
     e = moestream.load(path, **opts)
-    layers = type(e)._layers
+    layers = DecodeStep._layers
 
     def failing(self, *args):
         out = layers(self, *args)
@@ -140,11 +141,11 @@ def test_a_capture_that_fails_half_way_leaves_eager_steps_that_work(model_file, 
             raise RuntimeError("a capture refused half-way (test)")
         return out
 
-    monkeypatch.setattr(type(e), "_layers", failing)
+    monkeypatch.setattr(DecodeStep, "_layers", failing)
     try:
         with pytest.warns(UserWarning, match="could not be captured"):
             got = e.generate(TOKENS[:40], params).tokens  # 40 tokens: the prompt streams whole layers first
-        assert not e._graphs_ok and got == want
+        assert not e.setup.capturing.one and got == want
     finally:
         e.close()
 
@@ -177,17 +178,17 @@ def test_batched_steps_replay_the_eager_batch_and_each_sequence_alone(model_file
     e = moestream.load(path, device="cuda", dtype="float32", progress=False, n_cpu_moe=n_cpu_moe)
     prompts = [TOKENS[:5], TOKENS[10:17], TOKENS[30:33]]
     try:
-        assert e.replays(len(prompts))
+        assert e.step.replays(len(prompts))
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # a refused capture warns and runs eagerly: not good enough here
             graphed, fed, caches = _step_together(e, prompts, 10)
-        assert len(e._batch_graphs.steps) == 1, "one set of caches in one key bucket: one capture"
+        assert len(e.step.batch_graphs.steps) == 1, "one set of caches in one key bucket: one capture"
         del caches
-        assert not e._batch_graphs.steps, "freed caches take their graphs along"
+        assert not e.step.batch_graphs.steps, "freed caches take their graphs along"
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # new caches capture again (a server's next run after a stop)
             again, _, _ = _step_together(e, prompts, 10)
-        assert torch.equal(again, graphed) and e.replays(len(prompts))
+        assert torch.equal(again, graphed) and e.step.replays(len(prompts))
         e.record(Timeline(e.device))  # recording runs every pass eagerly
         eager, _, _ = _step_together(e, prompts, 10)
         e.record(NULL)
@@ -219,19 +220,19 @@ def test_a_batched_step_gives_each_row_the_bits_of_its_step_alone(model_file, pr
 def test_batch_graphs_go_with_their_caches_and_the_least_recently_replayed_first(model_file, monkeypatch):
     """A freed cache takes the batch steps naming it along (its id may name the next cache); past the limit the
     step replayed longest ago is dropped, not the one in use."""
-    from moestream.runtime import decode
+    from moestream.runtime import graphs
 
-    monkeypatch.setattr(decode, "BATCH_GRAPHS", 2)
+    monkeypatch.setattr(graphs, "BATCH_GRAPHS", 2)
     e = moestream.load(model_file("tiny", "Q4_K_M"), device="cuda", progress=False)
     try:
-        assert e.replays(2)
+        assert e.step.replays(2)
         a, b, c = (e.new_cache() for _ in range(3))
         for cache in (a, b, c):
             e.forward(TOKENS[:4], cache)
         e.forward_each([1, 2], [a, b])  # eager, then captured
         e.forward_each([1, 2], [b, c])
         e.forward_each([3, 4], [a, b])  # a replay: [a, b] is now the most recent
-        graphs = e._batch_graphs
+        graphs = e.step.batch_graphs
         assert len(graphs.steps) == 2
         d = e.new_cache()
         e.forward(TOKENS[:4], d)

@@ -1,17 +1,18 @@
-"""--small-batch auto, measured at load: the way timed fastest on this device is kept, whichever it is, and the
-tokens are those of the all-resident run. CPU devices with injected delays stand in for a GPU with a slow link
-or slow kernels (on the CPU device the rule stands unless small_batch.ON_CPU_DEVICE)."""
+"""--small-batch auto, measured at load (Setup.settle): the way timed fastest on this device is kept, whichever
+it is, and the tokens are those of the all-resident run. CPU devices with injected delays stand in for a GPU
+with a slow link or slow kernels (on the CPU device the rule stands unless small_batch.ON_CPU_DEVICE)."""
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 
 import pytest
 
 import moestream
+from moestream.offload import small_batch
 from moestream.offload.device import CpuDevice
-from moestream.offload.schedule import SmallBatch
-from moestream.runtime import small_batch
+from moestream.offload.small_batch import SmallBatch
 from moestream.runtime.sampling import SamplingParams
 
 PROMPT = [(5 * t) % 900 + 3 for t in range(6)]
@@ -39,15 +40,16 @@ def test_auto_keeps_the_way_it_timed_fastest_and_gives_resident_tokens(model_fil
     path = model_file("tiny", "Q4_K_M")
     resident = moestream.load(path, device="cpu", progress=False)
     want = _greedy(resident)
-    assert resident.measured is None  # nothing streams: nothing to choose
+    assert resident.setup.measured is None  # nothing streams: nothing to choose
     resident.close()
     device = CpuDevice(**delays)
     engine = moestream.load(path, device="cpu", n_cpu_moe="all", device_impl=device, progress=False)
     try:
-        m = engine.measured
+        m = engine.setup.measured
         assert set(m.seconds) == {SmallBatch.GATHER, SmallBatch.UPLOAD, SmallBatch.CPU}
         assert m.chosen == min(m.seconds, key=m.seconds.__getitem__) and m.chosen not in not_chosen
-        assert engine.experts.small_batch is m.chosen and engine.options.small_batch is SmallBatch.AUTO
+        assert engine.experts.plan.way is m.chosen and engine.options.small_batch is SmallBatch.AUTO
+        assert engine.experts.plan.measured == dataclasses.replace(m, rebuilding=0.0)  # built from what was timed
         assert m.measuring > sum(m.seconds.values()) and m.rebuilding > 0  # what choosing cost the load
         assert f"{m.measuring:.1f} s measuring" in m.describe()
         assert _greedy(engine) == want
@@ -59,7 +61,7 @@ def test_auto_keeps_the_way_it_timed_fastest_and_gives_resident_tokens(model_fil
 def test_a_forced_way_is_not_measured(model_file):
     engine = moestream.load(model_file("tiny", "Q4_K_M"), device="cpu", n_cpu_moe="all", small_batch="upload")
     try:
-        assert engine.measured is None and engine.experts.small_batch is SmallBatch.UPLOAD
+        assert engine.setup.measured is None and engine.experts.plan.way is SmallBatch.UPLOAD
     finally:
         engine.close()
 
@@ -72,12 +74,13 @@ def test_a_way_that_needs_other_buffers_gets_its_own_placement(model_file):
         model_file("tiny", "Q4_K_M"), device_impl=devs, devices="cpu,cpu", n_cpu_moe="all", progress=False
     )
     try:
-        assert set(engine.measured.seconds) == {SmallBatch.GATHER, SmallBatch.CPU}  # no upload across devices
-        assert engine.measured.chosen is SmallBatch.CPU
-        assert engine.experts.small_batch is SmallBatch.CPU and engine.experts.prefetcher is None
-        engine.reconfigure(slots=3)  # a new placement is measured again
-        assert engine.measured is not None and engine.experts.small_batch is engine.measured.chosen
-        assert engine.experts.streamer.bytes_uploaded == 0  # the measuring steps' counts are gone with them
+        measured = engine.setup.measured
+        assert set(measured.seconds) == {SmallBatch.GATHER, SmallBatch.CPU}  # no upload across devices
+        assert measured.chosen is SmallBatch.CPU
+        assert engine.experts.plan.way is SmallBatch.CPU and engine.experts.prefetcher is None
+        engine.setup.reconfigure(slots=3)  # a new placement is measured again
+        assert engine.setup.measured is not None and engine.experts.plan.way is engine.setup.measured.chosen
+        assert engine.experts.counters.bytes_moved == 0  # the measuring steps' counts are gone with them
     finally:
         engine.close()
         for d in devs:
@@ -88,7 +91,7 @@ def test_the_cpu_device_keeps_the_rule_unless_asked(model_file, monkeypatch):
     monkeypatch.setattr(small_batch, "ON_CPU_DEVICE", False)
     engine = moestream.load(model_file("tiny", "Q4_K_M"), device="cpu", n_cpu_moe="all", progress=False)
     try:
-        assert engine.measured is None and engine.experts.small_batch is SmallBatch.UPLOAD
+        assert engine.setup.measured is None and engine.experts.plan.way is SmallBatch.UPLOAD
     finally:
         engine.close()
 
@@ -110,14 +113,14 @@ def test_the_measured_placement_is_freed_before_the_chosen_one_is_built(model_fi
     monkeypatch.setattr(loader, "build_offload", spy)
     engine = moestream.load(model_file("tiny", "Q4_K_M"), device="cpu", n_cpu_moe="all", progress=False)
     try:
-        assert engine.measured is not None and len(built) == 2
+        assert engine.setup.measured is not None and len(built) == 2
         assert alive_at_rebuild == [False]
     finally:
         engine.close()
 
 
 def test_the_printed_choice_counts_the_rebuild(model_file, monkeypatch, capsys):
-    """The line a load prints is engine.measured's, the rebuild's seconds in it (it once printed the copy
+    """The line a load prints is setup.measured's, the rebuild's seconds in it (it once printed the copy
     made before the rebuild was timed: always 0.0 s)."""
     import time
 
@@ -134,7 +137,7 @@ def test_the_printed_choice_counts_the_rebuild(model_file, monkeypatch, capsys):
     monkeypatch.setattr(loader, "build_offload", slow_second)
     engine = moestream.load(model_file("tiny", "Q4_K_M"), device="cpu", n_cpu_moe="all", progress=True)
     try:
-        assert engine.measured.rebuilding >= 0.3
-        assert engine.measured.describe() in capsys.readouterr().err
+        assert engine.setup.measured.rebuilding >= 0.3
+        assert engine.setup.measured.describe() in capsys.readouterr().err
     finally:
         engine.close()

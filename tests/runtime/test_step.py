@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import moestream
-from moestream.runtime.decode import MIN_KEYS, key_bucket
 from moestream.runtime.sampling import SamplingParams
+from moestream.runtime.step import MIN_KEYS, key_bucket
 
 TOKENS = torch.randint(0, 1280, (MIN_KEYS + 8,), generator=torch.Generator().manual_seed(3)).tolist()
 

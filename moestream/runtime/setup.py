@@ -1,0 +1,123 @@
+"""The engine's placement lifecycle, in one place: the options it was built for, the offload they make
+(offload/builder.py) and the decode step over its experts (runtime/step.py), rebuilt together when the
+options change (bench and profile sweep placements), and for --small-batch auto rebuilt for the way measured
+fastest (offload/small_batch.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+
+from moestream.errors import MoestreamError
+from moestream.offload.builder import Offload
+from moestream.offload.experts import LayerExperts
+from moestream.offload.options import EngineOptions
+from moestream.offload.small_batch import Measured, SmallBatch, measure
+from moestream.profiling.timeline import NULL, Timeline
+from moestream.runtime.kv_cache import new_cache
+from moestream.runtime.step import Capturing, DecodeStep
+
+Build = Callable[[EngineOptions, Measured | None], Offload]  # options (and what auto measured) -> a placement
+
+
+class Setup:
+    """options, the offload built for them and the decode step over its experts; `measured`: what
+    --small-batch auto timed for this placement (None: nothing)."""
+
+    def __init__(self, model, options: EngineOptions, build: Build):
+        self.model, self.options, self._build = model, options, build
+        self.n_ctx = options.context(model.spec.n_ctx_train)
+        self.capturing = Capturing()  # a refused capture is not retried in a later placement
+        self.timeline: Timeline = NULL
+        self.measured: Measured | None = None
+        self.offload: Offload | None = None
+        self.step: DecodeStep | None = None
+        self._rebuild(options)
+
+    @property
+    def experts(self) -> LayerExperts:
+        """Where each layer's experts come from, for the current placement."""
+        return self.offload.experts
+
+    def record(self, timeline: Timeline) -> None:
+        """Send copy and compute spans of the following passes to timeline (NULL turns recording off)."""
+        self.timeline = self.step.timeline = timeline
+        self.experts.record(timeline)
+
+    def reconfigure(self, **changes) -> None:
+        """Change placement or schedule (n_cpu_moe, stream, slots, ubatch...) without reloading dense weights.
+
+        On a bad change the engine keeps working with its previous options."""
+        if "deltanet" in changes:  # the model chose its delta rule when it was built
+            raise MoestreamError("the delta-net rule is chosen at load: load the model again with deltanet=...")
+        options = dataclasses.replace(self.options, **changes)
+        failed = None
+        try:
+            self._rebuild(options)
+        except BaseException as e:
+            failed = e.with_traceback(None)  # the traceback would keep the half-built placement's memory alive
+        if failed is not None:
+            self._rebuild(self.options)
+            raise failed
+        self.options = options
+        self.settle()
+
+    def settle(self) -> None:
+        """--small-batch auto with a choice to make (offload/small_batch.py DecodePlan.measures): time a few
+        decode steps each way the placement allows and build the placement for the fastest (fresh byte counts
+        and expert cache, and the buffers that way needs)."""
+        self.measured = None
+        if not self.offload.plan.measures() or len(tried := self.offload.ways()) < 2:
+            return
+        measured = measure(tried, self._trial)
+        start = time.perf_counter()
+        self._rebuild(self.options, measured)  # self.options stay auto
+        self.measured = dataclasses.replace(measured, rebuilding=time.perf_counter() - start)
+        if self.options.progress:
+            print(self.measured.describe(), file=sys.stderr)
+
+    @contextlib.contextmanager
+    def _trial(self, way: SmallBatch) -> Iterator[Callable[[], None]]:
+        """One-token steps of an empty sequence with this placement's small batches served `way` (greedy tokens,
+        not zeros); they leave their traces in the placement (byte counts, the expert cache's picks)."""
+        opts = self.options
+        step = DecodeStep(self.model, self.offload.trial(way), self.n_ctx, opts.torch_dtype, self.capturing)
+        cache = new_cache(self.model, self.n_ctx, opts.torch_dtype, opts.torch_device)
+        token = 1
+
+        @torch.inference_mode()
+        def run() -> None:
+            nonlocal token
+            token = int(step.one(token, cache)[-1].argmax())  # reading the token waits for the step
+
+        try:
+            yield run
+        finally:
+            step.close()
+
+    def _rebuild(self, options: EngineOptions, measured: Measured | None = None) -> None:
+        """A new placement for options, the old one's captured steps, memory and page locks released first."""
+        if self.step is not None:
+            self.step.close()  # captured steps read the old expert buffers: their memory goes before the new
+        self.step = None
+        if self.offload is not None:
+            self.offload.close()  # first: the new placement may page-lock the same ranges
+        self.offload = None  # and let its device memory go before the new one is made
+        self.offload = self._build(options, measured)
+        self.step = DecodeStep(self.model, self.offload.experts, self.n_ctx, options.torch_dtype, self.capturing)
+        self.record(self.timeline)
+
+    def close(self) -> None:
+        """Wait for copies, unpin, and let the placement's memory (and the model's) go."""
+        try:
+            if self.offload is not None:
+                self.offload.close()
+        finally:
+            if self.step is not None:
+                self.step.close()
+            self.offload = self.step = self.model = None

@@ -1,0 +1,50 @@
+"""The decode policy: --small-batch parsed, the rule, a plan's gathers and guesses, and the timing helper auto
+and the server's batched-or-alone choice share."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from moestream.errors import MoestreamError
+from moestream.offload import small_batch
+from moestream.offload.options import EngineOptions
+from moestream.offload.small_batch import Access, SmallBatch, Timings, rule
+
+
+def test_small_batch_modes_parse_and_auto_follows_one_rule():
+    assert EngineOptions(device="cpu", small_batch="gather").small_batch is SmallBatch.GATHER
+    with pytest.raises(MoestreamError, match="^--small-batch fast: expected one of auto, upload, gather, cpu$"):
+        EngineOptions(device="cpu", small_batch="fast")
+    assert rule(Access(on_gpu=True, readable=True, kernel_ok=True, sharded=False)) is SmallBatch.GATHER
+    assert rule(Access(on_gpu=True, readable=True, kernel_ok=False, sharded=False)) is SmallBatch.UPLOAD
+    assert rule(Access(on_gpu=False, readable=True, kernel_ok=True, sharded=False)) is SmallBatch.UPLOAD  # CPU
+    assert rule(Access(on_gpu=True, readable=False, kernel_ok=True, sharded=True)) is SmallBatch.CPU
+    assert rule(Access(on_gpu=False, readable=True, kernel_ok=False, sharded=True)) is SmallBatch.GATHER
+    assert str(SmallBatch.CPU) == "cpu" == SmallBatch.CPU  # as the CLI spells it, in reports
+
+
+def test_a_plan_gathers_only_where_a_kernel_reads_the_experts():
+    opts = EngineOptions(device="cpu", small_batch="gather", prefetch=3)
+    readable = Access(on_gpu=True, readable=True, kernel_ok=True, sharded=False)
+    plan = small_batch.decode_plan(opts, 8, readable)
+    assert plan.way is SmallBatch.GATHER and plan.gathers and plan.guesses and plan.n_guess == 3
+    locked_out = small_batch.decode_plan(opts, 8, dataclasses.replace(readable, readable=False))
+    assert locked_out.way is SmallBatch.GATHER and not locked_out.gathers and not locked_out.guesses
+    assert not small_batch.decode_plan(opts, 8, dataclasses.replace(readable, streams=False)).guesses
+    assert plan.trying(SmallBatch.UPLOAD).way is SmallBatch.UPLOAD and not plan.trying(SmallBatch.UPLOAD).gathers
+    auto = EngineOptions(device="cpu")
+    assert small_batch.decode_plan(auto, 8, readable).n_guess == 8  # prefetch: the router's count
+    measured = small_batch.Measured(SmallBatch.CPU, {SmallBatch.CPU: 1.0})
+    assert small_batch.decode_plan(auto, 8, readable, measured).way is SmallBatch.CPU
+
+
+def test_timings_skip_warm_up_and_take_the_median_of_a_window():
+    t = Timings(warm_up=2, window=3)
+    for s in (9.0, 9.0, 1.0, 5.0, 2.0, 3.0):  # two warm-up runs, then the last three count
+        t.record("a", s)
+    assert t.runs("a") == 6 and t.cost("a") == 3.0
+    assert t.cost("b") == float("inf") and t.fastest(["b", "a"]) == "a"
+    t.failed("a")
+    assert t.cost("a") == float("inf") and t.fastest(["a", "b"]) == "a"  # the first of equals
