@@ -55,7 +55,7 @@ for step in "$@"; do
              | tee -a "$OUT/gpu_tests.txt" | tail -25 ;;
     quick) python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_matvec.py tests/kernels/test_dots.py \
              tests/kernels/test_moe_matvec.py tests/kernels/test_fused.py tests/kernels/test_deltanet_step.py \
-             tests/kernels/test_decode_attention.py tests/runtime/test_decode_gpu.py 2>&1 | tee -a "$OUT/gpu_tests.txt" | tail -8 ;;
+             tests/kernels/test_decode_attention.py tests/runtime/test_step_gpu.py 2>&1 | tee -a "$OUT/gpu_tests.txt" | tail -8 ;;
     fla) python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/ops/test_delta_rule_gpu.py 2>&1 \
            | tee -a "$OUT/gpu_tests.txt" | tail -25 ;;  # ~100 s: fla autotunes its kernels on first use
     model) { make_model $MODEL qwen3-30b-a3b; $MS info $MODEL --routing --tokens 2048 2>&1 | quiet | tail -60; } \
