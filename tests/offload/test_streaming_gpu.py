@@ -9,6 +9,7 @@ import torch
 import moestream
 from moestream.offload.device import CudaDevice
 from moestream.offload.host import PinnedRanges
+from moestream.offload.small_batch import SmallBatch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 TOKENS = torch.randint(0, 1280, (96,), generator=torch.Generator().manual_seed(7)).tolist()
@@ -169,11 +170,17 @@ def test_vram_cap_turns_on_expandable_segments():
         torch._C._accelerator_setAllocatorSettings("expandable_segments:False")
 
 
-@pytest.mark.parametrize(("stream", "expected"), [("overlap", "gather"), ("serial", "upload")])
-def test_small_batch_auto_gathers_where_the_gpu_reads_the_host(model_file, stream, expected):
-    """auto picks the kernel when the streamed experts are page-locked, and uploads when they are not."""
+@pytest.mark.parametrize("stream", ["overlap", "serial"])
+def test_small_batch_auto_gathers_where_the_gpu_reads_the_host(model_file, stream):
+    """auto offers the gather kernel only when the streamed experts are page-locked, and keeps the way it
+    measured fastest (on the H200 gathering wins where offered; uploading and the CPU are close on the tiny
+    model, so which of them wins under serial is the measurement's to say)."""
     e = moestream.load(model_file("tiny", "Q4_K_M"), device="cuda", n_cpu_moe="all", stream=stream, progress=False)
     try:
-        assert e.experts.plan.way == expected
+        plan = e.experts.plan
+        seconds = plan.measured.seconds
+        assert (SmallBatch.GATHER in seconds) == (stream == "overlap")
+        assert plan.way == plan.measured.chosen == min(seconds, key=seconds.__getitem__)
+        assert stream == "serial" or plan.way == SmallBatch.GATHER
     finally:
         e.close()
