@@ -99,7 +99,7 @@ def main() -> None:
         help="then the same clients with every decode turn one pass, and with each sequence stepped on its own",
     )
     a = ap.parse_args()
-    engine = moestream.load(a.model, **(engine_options(a) | {"progress": False, "n_seqs": a.max_seqs}))
+    engine = moestream.load(a.model, engine_options(a).replace(progress=False, n_seqs=a.max_seqs))
     runs = []
     try:
         for batched in (None, True, False) if a.baseline else (None,):
@@ -135,7 +135,7 @@ def main() -> None:
     )
     for label, top, bottom in pairs:
         ratio = f"{rate[top] / rate[bottom]:.2f}x" if rate[bottom] else "n/a (nothing generated)"
-        print(f"{label}: {ratio} (--max-seqs {a.max_seqs}, device {engine.options.device})")
+        print(f"{label}: {ratio} (--max-seqs {a.max_seqs}, device {engine.options.model.device})")
     if any(s["failed"] or s["mismatched"] for _, s in runs):
         raise SystemExit("load test failed: requests failed or answers differed from the lone ones")
 

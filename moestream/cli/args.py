@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from moestream.errors import MoestreamError
-from moestream.offload.small_batch import SmallBatch
+from moestream.options import Options, SmallBatch
 
 # The help names the default itself (the flag's own default is None: "not given"). Formatting this renders
 # nothing, and its presence keeps argparse's "(default: None)" from being appended.
@@ -216,8 +216,9 @@ def _str_list(text: str) -> list[str]:
     return [t.strip() for t in text.split(",")]
 
 
-def engine_options(a: argparse.Namespace) -> dict:
-    """The options every command shares; list-valued flags (bench) give their first value here."""
+def engine_options(a: argparse.Namespace, ctx: int | None = None) -> Options:
+    """The options every command shares; list-valued flags (bench) give their first value here. ctx: the
+    context when -c is not given (bench and profile size it to the test)."""
 
     def first(v):
         return v[0] if isinstance(v, list) else v
@@ -255,11 +256,11 @@ def engine_options(a: argparse.Namespace) -> dict:
     host_memory = a.host_memory or LOAD_MODES.get(a.load_mode)
     if host_memory is not None:
         opts["host_memory"] = host_memory
-    if a.ctx is not None:
-        opts["n_ctx"] = a.ctx
+    if a.ctx is not None or ctx is not None:
+        opts["n_ctx"] = a.ctx if a.ctx is not None else ctx
     for note in llama_notes(a):
         print(f"moestream: note: {note}", file=sys.stderr)
-    return opts
+    return Options.make(**opts)
 
 
 def writable(path: str | None, flag: str) -> None:

@@ -125,7 +125,7 @@ def cmd_run(a: argparse.Namespace) -> None:
                 "for); raise --ctx or shorten the prompt"
             )
 
-    engine = load(a.model, before_weights=prompt_fits, **engine_options(a))
+    engine = load(a.model, engine_options(a), before_weights=prompt_fits)
     if str(engine.source.metadata.get("general.name", "")).startswith("moestream-generated"):
         print(
             "moestream: note: this model has random weights (moestream make-model): expect gibberish", file=sys.stderr
@@ -162,7 +162,7 @@ def _size(n: float) -> str:
 
 def cmd_info(a: argparse.Namespace) -> None:
     from moestream.formats.gguf import GGUFFile
-    from moestream.offload.options import EngineOptions
+    from moestream.options import Options
     from moestream.runtime.loader import describe, expert_bytes_per_layer
 
     tokens = 2048 if a.tokens is None else a.tokens
@@ -172,7 +172,7 @@ def cmd_info(a: argparse.Namespace) -> None:
     if a.device != "auto":
         if not a.routing:
             raise MoestreamError(f"--device {a.device} runs --routing's prompt: give --routing too")
-        EngineOptions(device=a.device)  # a bad name now, not after the report
+        Options.make(device=a.device)  # a bad name now, not after the report
     with GGUFFile(a.model) as f:
         _, s = describe(f)
         if a.routing and tokens > s.n_ctx_train:
@@ -227,7 +227,7 @@ def cmd_serve(a: argparse.Namespace) -> None:
     if a.api_key is not None and not a.api_key.strip():
         raise MoestreamError("--api-key is empty: give a key, or leave the flag out to serve without one")
     with contextlib.closing(_listening_socket(a.host, a.port)) as sock:  # before the load: a port in use is said
-        engine = load(a.model, **(engine_options(a) | {"n_seqs": a.max_seqs}))  # every sequence's KV budgeted
+        engine = load(a.model, engine_options(a).replace(n_seqs=a.max_seqs))  # every sequence's KV budgeted
         try:
             if engine.tokenizer is None:
                 raise MoestreamError(f"{a.model}: the file has no tokenizer; the server needs one to read prompts")

@@ -11,7 +11,6 @@ from moestream.errors import MoestreamError
 def cmd_bench(a: argparse.Namespace) -> None:
     from moestream.cli import report
     from moestream.offload.builder import check_expert_counts
-    from moestream.offload.options import EngineOptions
     from moestream.runtime.loader import load
     from moestream.tools.bench import Sweep, run_bench
 
@@ -23,9 +22,8 @@ def cmd_bench(a: argparse.Namespace) -> None:
     if max(a.n_prompt) == 0 and max(a.n_gen) == 0:
         raise MoestreamError("-p 0 -n 0: nothing to measure; give a prompt length (-p) or a decode length (-n)")
     fmt = "json" if a.json else a.output
-    opts = engine_options(a) | {"progress": fmt == "md"}
     longest = max(a.n_prompt) + max(a.n_gen)
-    opts.setdefault("n_ctx", longest + 1)
+    opts = engine_options(a, ctx=longest + 1).replace(progress=fmt == "md")
     sweep = Sweep(
         prompts=a.n_prompt,
         gens=a.n_gen,
@@ -41,14 +39,14 @@ def cmd_bench(a: argparse.Namespace) -> None:
     )
     # every row's values now, and against the model's shapes before its weights load: a bad row would fail
     # only after the rows before it had run
-    row_options = [EngineOptions(**(opts | placed)) for placed in sweep.placements()]
+    row_options = [opts.replace(**placed) for placed in sweep.placements()]
 
     def fits(_, n_ctx: int, spec) -> None:
         _fits(longest, n_ctx)
         for row in row_options:
             check_expert_counts(row, spec)
 
-    engine = load(a.model, before_weights=fits, **opts)
+    engine = load(a.model, opts, before_weights=fits)
     info = report.run_info(engine, a.batch_size or max(max(a.n_prompt), max(a.ubatch)))
     if fmt == "md":
         print(report.md_header())
@@ -110,7 +108,6 @@ def _fits(tokens: int, n_ctx: int) -> None:
 def cmd_profile(a: argparse.Namespace) -> None:
     import json
 
-    from moestream.offload.options import EngineOptions
     from moestream.runtime.loader import load
     from moestream.tools.bench import random_prompt
     from moestream.tools.profile import profile_pass
@@ -119,11 +116,10 @@ def cmd_profile(a: argparse.Namespace) -> None:
     at_least(a.repetitions, 1, "-r")
     for path, flag in ((a.trace, "--trace"), (a.plot, "--plot"), (a.json, "--json")):
         writable(path, flag)
-    opts = engine_options(a)
-    opts.setdefault("n_ctx", a.n_prompt + 1)
+    opts = engine_options(a, ctx=a.n_prompt + 1)
     for stream in a.stream or []:
-        EngineOptions(**(opts | {"stream": stream}))  # each schedule's name now, not after the ones before it ran
-    engine = load(a.model, before_weights=lambda _, n_ctx, spec: _fits(a.n_prompt, n_ctx), **opts)
+        opts.replace(stream=stream)  # each schedule's name now, not after the ones before it ran
+    engine = load(a.model, opts, before_weights=lambda _, n_ctx, spec: _fits(a.n_prompt, n_ctx))
     results = []
     try:
         tokens = random_prompt(a.n_prompt, engine.spec.n_vocab)
@@ -131,7 +127,7 @@ def cmd_profile(a: argparse.Namespace) -> None:
             r = profile_pass(engine, tokens, schedule, a.repetitions)
             results.append(r)
             print(
-                f"\n== {schedule}: pp{a.n_prompt} ub{opts['ubatch']} ncmoe {engine.offload.placement.n_cpu_moe}: "
+                f"\n== {schedule}: pp{a.n_prompt} ub{opts.model.ubatch} ncmoe {engine.offload.placement.n_cpu_moe}: "
                 f"{r.wall_off_s * 1e3:.1f} ms unrecorded, {r.wall_on_s * 1e3:.1f} ms recorded "
                 f"({r.overhead_pct:+.1f}%)"
             )
@@ -147,7 +143,7 @@ def cmd_profile(a: argparse.Namespace) -> None:
     if a.plot:
         from moestream.profiling.plot import plot_timelines
 
-        plot_timelines(runs, a.plot, title=f"{engine.spec.arch} pp{a.n_prompt} ub{opts['ubatch']}")
+        plot_timelines(runs, a.plot, title=f"{engine.spec.arch} pp{a.n_prompt} ub{opts.model.ubatch}")
         print(f"wrote {a.plot}")
     if a.json:
         with open(a.json, "w") as f:
@@ -164,7 +160,7 @@ def cmd_profile(a: argparse.Namespace) -> None:
 def cmd_probe(a: argparse.Namespace) -> None:
     import torch
 
-    from moestream.offload.options import EngineOptions
+    from moestream.options import Options
     from moestream.tools.probe import grouped_gemm_rate, h2d_rate, registered_rate
 
     at_least(a.ubatch, 1, "-ub")
@@ -175,7 +171,7 @@ def cmd_probe(a: argparse.Namespace) -> None:
             f"-ncmoe {a.n_cpu_moe} streams layers of a model: give -m MODEL too (without -m, probe measures the "
             "link and the expert GEMM rate only)"
         )
-    device = EngineOptions(device=a.device).torch_device  # the same checks as every other command
+    device = Options.make(device=a.device).model.torch_device  # the same checks as every other command
     spec, streamed, registered = None, 0, None
     if a.model is not None:  # -m '': the file's own error
         from moestream.formats.gguf import GGUFFile

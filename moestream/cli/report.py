@@ -40,7 +40,7 @@ def run_info(engine, n_batch: int) -> dict:
         "n_gpu_layers": spec.n_layer if cuda else 0,
         "flash_attn": -1,  # PyTorch's fused attention picks its kernel
         "use_mmap": True,
-        "host_memory": engine.options.host_memory,
+        "host_memory": engine.options.placement.host_memory,
     }
 
 

@@ -137,13 +137,13 @@ def swiglu_picked(
     residual: torch.Tensor | None = None,
     shared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """models.layers.moe_swiglu_picked in three launches: gate, up and SiLU of every token-expert pair in one,
+    """ops.moe_swiglu.moe_swiglu_picked in three launches: gate, up and SiLU of every token-expert pair in one,
     each pair's down product in the next (faster than one kernel looping over a token's experts), then the
     weighted sum over each token's experts. Each pair's down
     product is rounded to x's dtype before the sum, as in the torch form. Nothing in it depends on the other
     tokens of the batch (see matvec). x [T, D]; weights, ids [T, K]; raws the gate, up, down stacks' stored
     bytes (device or page-locked host memory), by ids. shared (out [T, D], gate logit [T, 1]) and residual
-    [T, D], if given, are added in the sum's launch, as moe_stored adds them (see there)."""
+    [T, D], if given, are added in the sum's launch, as ops.experts.routed_swiglu adds them (see there)."""
     T, K = ids.shape
     D = x.shape[-1]
     like = (

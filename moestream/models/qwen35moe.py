@@ -1,6 +1,6 @@
 """qwen35moe (Qwen3.5 / Qwen3.6 MoE, e.g. Qwen3.6-35B-A3B): gated delta-net layers with, every few layers, a
 full-attention layer whose output is gated per channel; each layer ends in qwen3moe's routed MoE plus a shared
-expert behind a sigmoid gate. Tensor names and layouts are llama.cpp's (see notes/qwen35moe-gguf.md).
+expert behind a sigmoid gate. Tensor names and layouts are llama.cpp's.
 
 Legend: T = tokens in the micro-batch, D = hidden size, H / Hkv = query / KV heads, Dh = their head dim,
 Hk / Hv = delta-net key / value heads, Dk / Dv = their head dims, C = conv channels = 2*Hk*Dk + Hv*Dv.
@@ -27,6 +27,7 @@ from moestream.ops.router import softmax_topk
 
 if TYPE_CHECKING:
     from moestream.models.spec import Preset
+    from moestream.options import ModelOptions
 
 ARCH = "qwen35moe"
 expert_tensor_names = qwen3moe.expert_tensor_names  # the same routed expert stacks, under the same names
@@ -158,11 +159,17 @@ class Model(qwen3moe.Model):
 
     MOE_NORM = "post_attention_norm"
 
-    def __init__(self, spec: ModelSpec, weights: Weights, embedding: Callable[[torch.Tensor], torch.Tensor]):
-        super().__init__(spec, weights, embedding)
-        # prefill's delta rule, chosen once here from spec.extra["deltanet"] (the options' $MOESTREAM_DELTANET,
-        # put there by the loader): a choice this device cannot run fails at load, not at the first prompt
-        self.prefill_rule: DeltaRule = prefill_rule(spec.extra.get("deltanet", "auto"), weights.device)
+    def __init__(
+        self,
+        spec: ModelSpec,
+        weights: Weights,
+        embedding: Callable[[torch.Tensor], torch.Tensor],
+        run: ModelOptions | None = None,
+    ):
+        super().__init__(spec, weights, embedding, run)
+        # prefill's delta rule (--deltanet / $MOESTREAM_DELTANET), chosen once: a choice this device cannot run
+        # fails at load, not at the first prompt
+        self.prefill_rule: DeltaRule = prefill_rule(run.deltanet if run else "auto", weights.device)
 
     @property
     def is_recurrent(self) -> tuple[bool, ...]:

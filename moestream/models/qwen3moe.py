@@ -23,6 +23,7 @@ from moestream.ops.router import route_softmax_topk
 
 if TYPE_CHECKING:
     from moestream.models.spec import Preset
+    from moestream.options import ModelOptions
 
 ARCH = "qwen3moe"
 EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
@@ -88,6 +89,7 @@ class Model:
         spec: ModelSpec,
         weights: Weights,
         embedding: Callable[[torch.Tensor], torch.Tensor],
+        run: ModelOptions | None = None,  # how it computes; qwen3moe's math needs none of it
     ):
         self.spec = spec
         self.weights = weights  # dense tensors on the compute device; "output.weight" even when tied

@@ -17,20 +17,19 @@ from moestream.offload.expert_cache import ExpertCache
 from moestream.offload.expert_tensors import ExpertTensors
 from moestream.offload.experts import ExpertBytes, LayerExperts
 from moestream.offload.host import PinnedRanges
-from moestream.offload.options import EngineOptions
 from moestream.offload.placement import (
     Footprint,
     Placement,
     cached_experts,
     kv_cache_bytes,
-    parse_size,
     plan,
     workspace_bytes,
 )
 from moestream.offload.prefetch import Prefetcher, ring_bytes
 from moestream.offload.shards import ShardedStreamer, expert_ranges, shard_layer
-from moestream.offload.small_batch import Access, DecodePlan, Measured, SmallBatch, decode_plan, ways
+from moestream.offload.small_batch import Access, DecodePlan, Measured, decode_plan, ways
 from moestream.offload.streamer import HostLayer, Streamer
+from moestream.options import Options, SmallBatch, parse_size
 
 
 @dataclass
@@ -123,10 +122,10 @@ def streamed_layers(n_cpu_moe: int | str, n_layer: int) -> tuple[int | str, str]
     return n_cpu_moe, ""
 
 
-def check_expert_counts(opts: EngineOptions, spec) -> None:
+def check_expert_counts(opts: Options, spec) -> None:
     """--prefetch and --expert-cache count experts of a layer: at most the model's (the loader asks before any
     weight moves; each placement built asks again, for options changed since)."""
-    for flag, n in (("--prefetch", opts.prefetch), ("--expert-cache", opts.expert_cache)):
+    for flag, n in (("--prefetch", opts.decode.prefetch), ("--expert-cache", opts.decode.expert_cache)):
         if isinstance(n, int) and n > spec.n_expert:
             raise MoestreamError(f"{flag} {n}: the model has {spec.n_expert} experts a layer; give at most that")
 
@@ -135,7 +134,7 @@ def build_offload(
     f: GGUFFile,
     arch,
     spec,
-    opts: EngineOptions,
+    opts: Options,
     dense_bytes: int,
     dev: CudaDevice | CpuDevice | list | None = None,
     pick: RowGather | None = None,
@@ -145,37 +144,47 @@ def build_offload(
     device (tests hand in simulated ones, a list for --devices); pick: the engine's expert picker, kept across
     placements (once its kernel failed, it is not retried); measured: what --small-batch auto timed."""
     pick = pick or RowGather()
-    device = opts.torch_device
+    device = opts.model.torch_device
     tensors = {
         il: ExpertTensors(tuple(f.tensor(n) for n in arch.expert_tensor_names(il))) for il in range(spec.n_layer)
     }
     check_expert_counts(opts, spec)
     # the ring of guesses is budgeted where small batches will gather, judged before page-locking is tried
-    will_lock = device.type == "cpu" or (opts.host_memory == "pinned" and opts.stream.page_locks)
+    will_lock = device.type == "cpu" or (opts.placement.host_memory == "pinned" and opts.streaming.stream.page_locks)
     expected = decode_plan(opts, spec.n_expert_used, _access(opts, pick, will_lock), measured)
     fp = _footprint(arch, spec, opts, dense_bytes, tensors, expected)
-    n_cpu_moe, note = streamed_layers(opts.n_cpu_moe, spec.n_layer)
-    budget = parse_size(opts.vram_budget)
+    n_cpu_moe, note = streamed_layers(opts.placement.n_cpu_moe, spec.n_layer)
+    budget = parse_size(opts.placement.vram_budget)
     sizes = [tensors[il].nbytes for il in range(spec.n_layer)]
-    placement = plan(sizes, n_cpu_moe, opts.stream, opts.slots, budget, fp, opts.streamed_layers == "spread")
-    cap_vram(device, budget, opts.expandable_segments)  # allocations past it now fail: the CLI says out of memory
+    placement = plan(
+        sizes,
+        n_cpu_moe,
+        opts.streaming.stream,
+        opts.streaming.slots,
+        budget,
+        fp,
+        opts.placement.streamed_layers == "spread",
+    )
+    cap_vram(
+        device, budget, opts.placement.expandable_segments
+    )  # allocations past it now fail: the CLI says out of memory
     given = list(dev) if isinstance(dev, (list, tuple)) else [dev] if dev is not None else []
     first = given[0] if given else make_device(device)
     made: list = []  # the other --devices when made here (closed with the offload)
     pinned = PinnedRanges() if device.type == "cuda" else None
     try:
         resident = {}
-        for il in tqdm(placement.resident, desc="experts", unit="layer", disable=not opts.progress, leave=False):
+        for il in tqdm(placement.resident, desc="experts", unit="layer", disable=not opts.model.progress, leave=False):
             resident[il] = [torch_bytes(v).to(device) for v in tensors[il].views]
         devs = [first]
-        if placement.streamed and opts.devices is not None and len(opts.devices) > 1:
-            made = [] if len(given) > 1 else [make_device(torch.device(d)) for d in opts.devices[1:]]
+        if placement.streamed and opts.placement.devices is not None and len(opts.placement.devices) > 1:
+            made = [] if len(given) > 1 else [make_device(torch.device(d)) for d in opts.placement.devices[1:]]
             devs += given[1:] or made
         streamer, bounce = _streamer(tensors, placement, spec, opts, devs, pinned)
         readable = device.type == "cpu" or (pinned is not None and pinned.nbytes > 0)  # page-locked: kernels read it
         decode = decode_plan(opts, spec.n_expert_used, _access(opts, pick, readable, streamer is not None), measured)
         decode.warn()
-        stored = ExpertBytes(tensors, resident, streamer, first, opts.torch_dtype, pick)
+        stored = ExpertBytes(tensors, resident, streamer, first, opts.model.torch_dtype, pick)
         experts, fp = _serve(stored, decode, placement, fp, budget, spec)
     except BaseException:
         if pinned is not None:
@@ -184,13 +193,13 @@ def build_offload(
             d.close()
         raise
     off = Offload(placement, fp, experts, pinned, bounce, not given, note, made)
-    if opts.progress:
+    if opts.model.progress:
         print(off.describe(), file=sys.stderr)
     return off
 
 
 def _streamer(
-    tensors: dict, placement: Placement, spec, opts: EngineOptions, devs: list, pinned: PinnedRanges | None
+    tensors: dict, placement: Placement, spec, opts: Options, devs: list, pinned: PinnedRanges | None
 ) -> tuple[Streamer | ShardedStreamer | None, bool]:
     """The streamed layers' streamer (one ring a device over several --devices), their ranges of the map
     page-locked first; and whether that was refused (then bounce buffers carry the uploads)."""
@@ -198,26 +207,26 @@ def _streamer(
     if not streamed:
         return None, False
     bounce = False
-    if pinned is not None and opts.stream.page_locks and opts.host_memory == "pinned":
+    if pinned is not None and opts.streaming.stream.page_locks and opts.placement.host_memory == "pinned":
         bounce = not pinned.register([v.data for il in placement.streamed for v in tensors[il].views])
     if len(devs) > 1:
         return _sharded(streamed, spec, opts, devs, bounce), bounce
-    return Streamer(devs[0], streamed, opts.stream, opts.slots, bounce), bounce
+    return Streamer(devs[0], streamed, opts.streaming.stream, opts.streaming.slots, bounce), bounce
 
 
-def _access(opts: EngineOptions, pick: RowGather, readable: bool, streams: bool = True) -> Access:
-    sharded = opts.devices is not None and len(opts.devices) > 1
-    return Access(opts.torch_device.type == "cuda", readable, pick.kernel_ok, sharded, streams)
+def _access(opts: Options, pick: RowGather, readable: bool, streams: bool = True) -> Access:
+    sharded = opts.placement.devices is not None and len(opts.placement.devices) > 1
+    return Access(opts.model.torch_device.type == "cuda", readable, pick.kernel_ok, sharded, streams)
 
 
-def _footprint(arch, spec, opts: EngineOptions, dense_bytes: int, tensors: dict, decode: DecodePlan) -> Footprint:
+def _footprint(arch, spec, opts: Options, dense_bytes: int, tensors: dict, decode: DecodePlan) -> Footprint:
     """Device bytes besides the resident experts and staging slots, the guesses' ring where decode plans one."""
-    n_ctx, dtype = opts.context(spec.n_ctx_train), opts.torch_dtype
+    n_ctx, dtype = opts.model.context(spec.n_ctx_train), opts.model.torch_dtype
     ring = ring_bytes(tensors, tensors, decode.n_guess, spec.n_expert_used) if decode.guesses else 0
     return Footprint(
         dense=dense_bytes,
-        kv_cache=opts.n_seqs * (kv_cache_bytes(spec, n_ctx, dtype) + arch.state_bytes(spec)),
-        workspace=workspace_bytes(spec, opts.ubatch, n_ctx, dtype),
+        kv_cache=opts.serving.n_seqs * (kv_cache_bytes(spec, n_ctx, dtype) + arch.state_bytes(spec)),
+        workspace=workspace_bytes(spec, opts.model.ubatch, n_ctx, dtype),
         prefetch=ring,
     )
 
@@ -239,11 +248,17 @@ def _serve(
     return LayerExperts(stored, decode, prefetcher), fp
 
 
-def _sharded(streamed: dict, spec, opts: EngineOptions, devs: list, bounce: bool) -> ShardedStreamer:
+def _sharded(streamed: dict, spec, opts: Options, devs: list, bounce: bool) -> ShardedStreamer:
     """One ring a device, each carrying its range of every streamed layer's experts (--devices, --tensor-split)."""
-    ranges = expert_ranges(spec.n_expert, opts.tensor_split)
+    ranges = expert_ranges(spec.n_expert, opts.placement.tensor_split)
     rings = [
-        Streamer(d, {il: shard_layer(layer, lo, hi) for il, layer in streamed.items()}, opts.stream, opts.slots, bounce)
+        Streamer(
+            d,
+            {il: shard_layer(layer, lo, hi) for il, layer in streamed.items()},
+            opts.streaming.stream,
+            opts.streaming.slots,
+            bounce,
+        )
         for d, (lo, hi) in zip(devs, ranges, strict=True)
     ]
     return ShardedStreamer(rings, ranges)

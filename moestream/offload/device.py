@@ -217,10 +217,9 @@ Device = CudaDevice | CpuDevice
 def cap_vram(device: torch.device, budget: int | None, expandable: bool = False) -> None:
     """Make a VRAM budget a real limit: the caching allocator refuses to grow past it (None lifts it).
 
-    Under a cap, memory stranded in half-used fixed-size segments is memory lost: qwen3.6-35b at 12 GiB ran out
-    with 790 MiB reserved but free. Expandable segments grow in place and leave none, at no measured cost
-    (pp2048 overlap 10842 vs 10859 tokens/s), so a cap turns them on (EngineOptions.expandable_segments: unless
-    the user configured the allocator).
+    Under a cap, memory stranded in half-used fixed-size segments is memory lost. Expandable segments grow in
+    place and leave none, at no measured cost (docs/benchmarks.md), so a cap turns them on (the placement
+    options' expandable_segments: unless the user configured the allocator).
     """
     if device.type != "cuda":
         return

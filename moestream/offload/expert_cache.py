@@ -1,8 +1,8 @@
 """A GPU cache of the streamed layers' most-picked experts, in the VRAM a budget leaves (decode with prefetch).
 
-A one-token step with streamed layers is link-bound once their experts are guessed ahead (604 MB a token at
--ncmoe 26 on qwen3-30b-a3b, ~40 GB/s of a ~48 GB/s gather). An expert the cache holds is one the link does not
-carry when it is guessed or missed: the prefetch and misses kernels read it from the cache's rows instead.
+A one-token step with streamed layers is link-bound once their experts are guessed ahead. An expert the cache
+holds is one the link does not carry when it is guessed or missed: the prefetch and misses kernels read it
+from the cache's rows instead.
 
 Which experts: the most picked so far in each layer, counted on the device by the misses kernel. The cache is
 refreshed between passes (a host sync, never inside a captured step) after pass 1, 2, 4, ... REFRESH, then

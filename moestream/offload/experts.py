@@ -21,10 +21,11 @@ from moestream.offload.device import Device
 from moestream.offload.expert_tensors import ExpertTensors
 from moestream.offload.prefetch import Prefetcher
 from moestream.offload.shards import ShardedLayer, ShardedStreamer
-from moestream.offload.small_batch import DecodePlan, SmallBatch
+from moestream.offload.small_batch import DecodePlan
 from moestream.offload.streamer import Streamer
 from moestream.ops.experts import StoredExperts
 from moestream.ops.moe_swiglu import expert_counts
+from moestream.options import SmallBatch
 from moestream.profiling.timeline import NULL, Timeline
 
 OnRoute = Callable[[int, torch.Tensor, torch.Tensor], None]  # (layer, its MoE input x [T, D], ids [T, K])

@@ -8,14 +8,13 @@ With a VRAM budget and N = "auto", the smallest N whose GPU footprint fits is ch
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from moestream.errors import MoestreamError
-from moestream.offload.schedule import Schedule
 from moestream.ops.linear import HEAD_ROWS
+from moestream.options import Schedule
 
 
 @dataclass(frozen=True)
@@ -23,7 +22,7 @@ class Footprint:
     """Bytes the engine allocates on the GPU, besides the resident experts."""
 
     dense: int  # attention, norms, routers, output head, shared experts (dequantized)
-    kv_cache: int  # every sequence's (EngineOptions.n_seqs) KV cache and recurrent state
+    kv_cache: int  # every sequence's (Options.n_seqs) KV cache and recurrent state
     workspace: int  # one layer's experts dequantized + activations of one micro-batch
     prefetch: int = 0  # decode's ring of guessed experts (offload/prefetch.py), when any layer streams
     expert_cache: int = 0  # streamed layers' experts held for decode (offload/expert_cache.py)
@@ -69,41 +68,6 @@ class Placement:
         return fp.dense + fp.kv_cache + fp.workspace + decode + self.resident_bytes + self.staging_bytes
 
 
-def parse_size(text: str | int | None) -> int | None:
-    """'12GiB', '12G', '512MiB', '1e9' or a plain byte count."""
-    if text is None or isinstance(text, int):
-        return text
-    t = text.strip().lower().replace(" ", "")
-    units = {
-        "kib": 2**10,
-        "mib": 2**20,
-        "gib": 2**30,
-        "tib": 2**40,
-        "kb": 10**3,
-        "mb": 10**6,
-        "gb": 10**9,
-        "tb": 10**12,
-        "k": 2**10,
-        "m": 2**20,
-        "g": 2**30,
-        "t": 2**40,
-        "b": 1,
-    }
-    for suffix, scale in units.items():
-        if t.endswith(suffix):
-            t, mult = t[: -len(suffix)], scale
-            break
-    else:
-        mult = 1
-    try:
-        value = float(t) * mult
-    except ValueError:
-        value = float("nan")
-    if not math.isfinite(value) or value <= 0:
-        raise MoestreamError(f"--vram-budget {text!r}: expected a positive size like 12GiB, 8000MiB or 12e9")
-    return int(value)
-
-
 def plan(
     expert_bytes: list[int],
     n_cpu_moe: int | str,
@@ -117,7 +81,7 @@ def plan(
     clear error when the asked one cannot fit."""
     n_layer = len(expert_bytes)
     n_slots = schedule.staging_slots(slots)  # the options checked --slots
-    if n_cpu_moe == "auto":  # with a budget: EngineOptions refuses auto without one
+    if n_cpu_moe == "auto":  # with a budget: Options refuses auto without one
         for n in range(n_layer + 1):
             p = Placement(n, expert_bytes, n_slots, spread)
             if p.gpu_bytes(fp) <= budget:

@@ -12,7 +12,6 @@ fastest. `Timings` is the one timing helper: auto's and the server's batched-or-
 
 from __future__ import annotations
 
-import enum
 import statistics
 import time
 import warnings
@@ -22,39 +21,15 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from moestream.errors import MoestreamError
+from moestream.options import SmallBatch
 
 if TYPE_CHECKING:  # the CLI reads SmallBatch: this module stays light (no torch)
-    from moestream.offload.options import EngineOptions
+    from moestream.options import Options
 
 ON_CPU_DEVICE = False  # measure on the CPU device too (tests, with injected delays): there the rule stands,
 # every way reading the same RAM
 WARM_UP = 2  # untimed steps a way: the first compiles kernels and captures the step's graph
 STEPS = 4  # timed steps a way (their median counts)
-
-
-class SmallBatch(enum.StrEnum):
-    """--small-batch: upload just the chosen experts, gather them with a kernel reading the page-locked map,
-    or compute them on the CPU straight from the map; auto decides (decode_plan)."""
-
-    AUTO = "auto"
-    UPLOAD = "upload"
-    GATHER = "gather"
-    CPU = "cpu"
-
-    @classmethod
-    def parse(cls, text: str | SmallBatch, n_devices: int = 1) -> SmallBatch:
-        """A --small-batch value; anything else, or upload across several --devices, is a one-line error."""
-        try:
-            way = cls(text)
-        except ValueError:
-            raise MoestreamError(f"--small-batch {text}: expected one of {', '.join(m.value for m in cls)}") from None
-        if n_devices > 1 and way is SmallBatch.UPLOAD:
-            raise MoestreamError(
-                "--small-batch upload with several --devices: small batches gather their experts on the first "
-                "device or compute them on the cpu; use --small-batch gather, cpu or auto"
-            )
-        return way
 
 
 @dataclass(frozen=True)
@@ -160,17 +135,15 @@ class DecodePlan:
             )
 
 
-def decode_plan(
-    opts: EngineOptions, n_expert_used: int, access: Access, measured: Measured | None = None
-) -> DecodePlan:
+def decode_plan(opts: Options, n_expert_used: int, access: Access, measured: Measured | None = None) -> DecodePlan:
     """The plan for opts on this access: the way asked, or for auto what was measured fastest, else the rule."""
-    asked = opts.small_batch
+    asked = opts.decode.small_batch
     if asked is not SmallBatch.AUTO:
         way = asked
     else:
         way = measured.chosen if measured is not None else rule(access)
-    n_guess = n_expert_used if opts.prefetch is None else opts.prefetch
-    return DecodePlan(asked, way, access, opts.stream_min_batch, n_guess, opts.expert_cache, measured)
+    n_guess = n_expert_used if opts.decode.prefetch is None else opts.decode.prefetch
+    return DecodePlan(asked, way, access, opts.streaming.stream_min_batch, n_guess, opts.decode.expert_cache, measured)
 
 
 def ways(access: Access, cpu_dots: bool) -> list[SmallBatch]:

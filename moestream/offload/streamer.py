@@ -17,7 +17,7 @@ import torch
 from moestream.errors import MoestreamError
 from moestream.offload.device import Device
 from moestream.offload.host import BounceRing
-from moestream.offload.schedule import Schedule
+from moestream.options import Schedule
 from moestream.profiling.timeline import NULL
 
 ALIGN = 256  # bytes between tensors inside a slot

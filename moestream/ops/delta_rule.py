@@ -29,10 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from moestream.errors import MoestreamError
+from moestream.options import DELTANET_ENV, deltanet_mode
 
 DeltaRule = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-DELTANET_ENV = "MOESTREAM_DELTANET"  # torch | fla | auto (default): the prefill delta rule, read with the options
-DELTANET_MODES = ("auto", "torch", "fla")
 FLA_INSTALL = "pip install flash-linear-attention (or moestream[fla])"
 
 
@@ -198,14 +197,6 @@ def delta_rule_fla(
         chunk_size=chunk,
     )
     return out[0].to(v.dtype), new_state[0]
-
-
-def deltanet_mode(text: str | None) -> str:
-    """A $MOESTREAM_DELTANET value as a mode (unset or blank: auto, any case); anything else is a clear error."""
-    mode = (text or "").strip().lower() or "auto"
-    if mode not in DELTANET_MODES:
-        raise MoestreamError(f"{DELTANET_ENV}={mode}: expected torch, fla or auto")
-    return mode
 
 
 def prefill_rule(mode: str, device: torch.device | str) -> DeltaRule:

@@ -15,8 +15,7 @@ from moestream.formats.tokenizer import TextStream
 from moestream.offload.builder import Offload
 from moestream.offload.device import cap_vram
 from moestream.offload.experts import LayerExperts, OnRoute
-from moestream.offload.options import EngineOptions
-from moestream.offload.schedule import Schedule
+from moestream.options import Options, Schedule
 from moestream.runtime.kv_cache import SequenceCache, new_cache
 from moestream.runtime.sampling import Sampler, SamplingParams
 from moestream.runtime.setup import Setup
@@ -52,7 +51,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.source = source  # the open GGUF file the weights map, closed with the engine
         self.n_ctx = setup.n_ctx
-        asked = setup.options.n_ctx
+        asked = setup.options.model.n_ctx
         if asked > self.n_ctx:
             warnings.warn(
                 f"--ctx {asked} is more than the {self.n_ctx} positions the model was trained for; using {self.n_ctx}",
@@ -61,7 +60,7 @@ class Engine:
         self._cache: SequenceCache | None = None  # generate()'s, reused so its captured steps are too
 
     @property
-    def options(self) -> EngineOptions:
+    def options(self) -> Options:
         return self.setup.options
 
     @property
@@ -84,11 +83,11 @@ class Engine:
 
     @property
     def device(self) -> torch.device:
-        return self.options.torch_device
+        return self.options.model.torch_device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.options.torch_dtype
+        return self.options.model.torch_dtype
 
     def _require_open(self) -> None:
         if self.model is None:
@@ -102,7 +101,7 @@ class Engine:
     def forward(
         self, tokens: list[int], cache: SequenceCache, all_logits: bool = False, on_route: OnRoute | None = None
     ) -> torch.Tensor:
-        """Run tokens through the model in micro-batches of options.ubatch, appending to cache.
+        """Run tokens through the model in micro-batches of options.model.ubatch, appending to cache.
 
         Token-major runs each micro-batch through every layer; layer-major runs every micro-batch through
         layer L before layer L+1, so each streamed layer crosses the link once per prompt. Both compute
@@ -112,15 +111,15 @@ class Engine:
         self._check(tokens, cache)
         if len(tokens) == 1 and on_route is None:
             return self.step.one(tokens[0], cache)
-        ub, n_layer, experts = self.options.ubatch, self.spec.n_layer, self.experts
+        ub, n_layer, experts = self.options.model.ubatch, self.spec.n_layer, self.experts
         chunks = [tokens[i : i + ub] for i in range(0, len(tokens), ub)]
-        if self.options.stream is Schedule.LAYER_MAJOR and len(chunks) > 1:
+        if self.options.streaming.stream is Schedule.LAYER_MAJOR and len(chunks) > 1:
             order = [(il, j) for il in range(n_layer) for j in range(len(chunks))]
             visits = [il for il in range(n_layer) if any(experts.streams(il, len(c)) for c in chunks)]
         else:
             order = [(il, j) for j in range(len(chunks)) for il in range(n_layer)]
             visits = [il for c in chunks for il in range(n_layer) if experts.streams(il, len(c))]
-        show = self.options.progress and len(chunks) > 1
+        show = self.options.model.progress and len(chunks) > 1
         # Inputs first: their small host-to-device copies would otherwise wait behind the expert uploads on the
         # copy engine, and compute start only after the first layers had arrived.
         make = self.model.make_batch

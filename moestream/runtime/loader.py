@@ -19,9 +19,8 @@ from moestream.offload.builder import build_offload, check_expert_counts
 from moestream.offload.dense import DenseWeights
 from moestream.offload.device import cap_vram
 from moestream.offload.embedding import HostEmbedding
-from moestream.offload.options import EngineOptions
-from moestream.offload.placement import parse_size
 from moestream.offload.small_batch import Measured
+from moestream.options import Options, parse_size
 from moestream.runtime.engine import Engine
 from moestream.runtime.setup import Setup
 
@@ -64,9 +63,10 @@ def _squeezed(shape) -> tuple[int, ...]:
 
 def load(
     path: str | os.PathLike[str],
+    options: Options | None = None,
     device_impl=None,
     before_weights: Callable[[Any, int, Any], None] | None = None,
-    **options: Any,
+    **flat: Any,
 ) -> Engine:
     """Open a GGUF MoE model and return an Engine ready to generate.
 
@@ -74,34 +74,33 @@ def load(
     before_weights(tokenizer, n_ctx, spec) runs once the metadata is read and before any weight moves, so a
     caller can refuse a prompt that cannot fit, or options for this model's shapes, without waiting for the upload.
     """
-    opts = EngineOptions(**options)
-    if opts.threads is not None:
-        torch.set_num_threads(opts.threads)
+    opts = Options.make(**flat) if options is None else options.replace(**flat)
+    if opts.model.threads is not None:
+        torch.set_num_threads(opts.model.threads)
     f = GGUFFile(path)
     try:
         arch, spec = describe(f)
-        spec = dataclasses.replace(spec, extra=spec.extra | {"deltanet": opts.deltanet})  # for delta-net layers
         check_expert_counts(opts, spec)
         tokenizer = load_tokenizer(f)
         if before_weights is not None:
-            before_weights(tokenizer, opts.context(spec.n_ctx_train), spec)
-        device, dtype = opts.torch_device, opts.torch_dtype
+            before_weights(tokenizer, opts.model.context(spec.n_ctx_train), spec)
+        device, dtype = opts.model.torch_device, opts.model.torch_dtype
         host = {n for il in range(spec.n_layer) for n in arch.expert_tensor_names(il)} | {"token_embd.weight"}
         dense = {name: t for name, t in f.tensors.items() if name not in host}
         if "output.weight" not in dense:  # tied: the head reads the embedding matrix, so it goes to the device
             dense["output.weight"] = f.tensor("token_embd.weight")
         # before the first upload: dense weights count too
-        cap_vram(device, parse_size(opts.vram_budget), opts.expandable_segments)
-        weights = DenseWeights(dense, device, dtype, progress=opts.progress)
+        cap_vram(device, parse_size(opts.placement.vram_budget), opts.placement.expandable_segments)
+        weights = DenseWeights(dense, device, dtype, progress=opts.model.progress)
         dense_bytes = weights.nbytes
 
         pick = RowGather()  # the engine's expert picker: every placement it builds shares its kernel failure
 
-        def build(o: EngineOptions, measured: Measured | None = None):
+        def build(o: Options, measured: Measured | None = None):
             return build_offload(f, arch, spec, o, dense_bytes, device_impl, pick, measured)
 
         embedding = HostEmbedding(f.tensor("token_embd.weight"), device, dtype)
-        model = arch.Model(spec, weights, embedding)
+        model = arch.Model(spec, weights, embedding, opts.model)
         engine = Engine(model, tokenizer, Setup(model, opts, build), source=f)
     except BaseException:
         f.close()

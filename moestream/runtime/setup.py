@@ -16,22 +16,22 @@ import torch
 from moestream.errors import MoestreamError
 from moestream.offload.builder import Offload
 from moestream.offload.experts import LayerExperts
-from moestream.offload.options import EngineOptions
-from moestream.offload.small_batch import Measured, SmallBatch, measure
+from moestream.offload.small_batch import Measured, measure
+from moestream.options import Options, SmallBatch
 from moestream.profiling.timeline import NULL, Timeline
 from moestream.runtime.kv_cache import new_cache
 from moestream.runtime.step import Capturing, DecodeStep
 
-Build = Callable[[EngineOptions, Measured | None], Offload]  # options (and what auto measured) -> a placement
+Build = Callable[[Options, Measured | None], Offload]  # options (and what auto measured) -> a placement
 
 
 class Setup:
     """options, the offload built for them and the decode step over its experts; `measured`: what
     --small-batch auto timed for this placement (None: nothing)."""
 
-    def __init__(self, model, options: EngineOptions, build: Build):
+    def __init__(self, model, options: Options, build: Build):
         self.model, self.options, self._build = model, options, build
-        self.n_ctx = options.context(model.spec.n_ctx_train)
+        self.n_ctx = options.model.context(model.spec.n_ctx_train)
         self.capturing = Capturing()  # a refused capture is not retried in a later placement
         self.timeline: Timeline = NULL
         self.measured: Measured | None = None
@@ -55,7 +55,7 @@ class Setup:
         On a bad change the engine keeps working with its previous options."""
         if "deltanet" in changes:  # the model chose its delta rule when it was built
             raise MoestreamError("the delta-net rule is chosen at load: load the model again with deltanet=...")
-        options = dataclasses.replace(self.options, **changes)
+        options = self.options.replace(**changes)
         failed = None
         try:
             self._rebuild(options)
@@ -78,7 +78,7 @@ class Setup:
         start = time.perf_counter()
         self._rebuild(self.options, measured)  # self.options stay auto
         self.measured = dataclasses.replace(measured, rebuilding=time.perf_counter() - start)
-        if self.options.progress:
+        if self.options.model.progress:
             print(self.measured.describe(), file=sys.stderr)
 
     @contextlib.contextmanager
@@ -86,8 +86,8 @@ class Setup:
         """One-token steps of an empty sequence with this placement's small batches served `way` (greedy tokens,
         not zeros); they leave their traces in the placement (byte counts, the expert cache's picks)."""
         opts = self.options
-        step = DecodeStep(self.model, self.offload.trial(way), self.n_ctx, opts.torch_dtype, self.capturing)
-        cache = new_cache(self.model, self.n_ctx, opts.torch_dtype, opts.torch_device)
+        step = DecodeStep(self.model, self.offload.trial(way), self.n_ctx, opts.model.torch_dtype, self.capturing)
+        cache = new_cache(self.model, self.n_ctx, opts.model.torch_dtype, opts.model.torch_device)
         token = 1
 
         @torch.inference_mode()
@@ -100,7 +100,7 @@ class Setup:
         finally:
             step.close()
 
-    def _rebuild(self, options: EngineOptions, measured: Measured | None = None) -> None:
+    def _rebuild(self, options: Options, measured: Measured | None = None) -> None:
         """A new placement for options, the old one's captured steps, memory and page locks released first."""
         if self.step is not None:
             self.step.close()  # captured steps read the old expert buffers: their memory goes before the new
@@ -109,7 +109,7 @@ class Setup:
             self.offload.close()  # first: the new placement may page-lock the same ranges
         self.offload = None  # and let its device memory go before the new one is made
         self.offload = self._build(options, measured)
-        self.step = DecodeStep(self.model, self.offload.experts, self.n_ctx, options.torch_dtype, self.capturing)
+        self.step = DecodeStep(self.model, self.offload.experts, self.n_ctx, options.model.torch_dtype, self.capturing)
         self.record(self.timeline)
 
     def close(self) -> None:

@@ -86,8 +86,8 @@ class DecodeStep:
         order = sorted(range(len(caches)), key=lambda i: id(caches[i]))  # one graph whatever order rows come in
         tokens, caches = [tokens[i] for i in order], [caches[i] for i in order]
         most = tuning.current().max_tokens if self.device.type == "cuda" else len(tokens)
-        # on a GPU, passes of at most MAX_TOKENS rows: more would dequantize every weight and multiply on other
-        # kernels, so a row's bits would depend on the batch (and the weights be dequantized each step)
+        # on a GPU, passes of at most the tuning's max_tokens rows: more would dequantize every weight and multiply
+        # on other kernels, so a row's bits would depend on the batch (and the weights be dequantized each step)
         parts = [self._rows(tokens[i : i + most], caches[i : i + most]) for i in range(0, len(tokens), most)]
         return torch.cat(parts)[torch.tensor(order).argsort()]
 

@@ -127,8 +127,8 @@ class Scheduler:
         if max_seqs < 1 or max_queue < 1:
             raise MoestreamError("--max-seqs and the queue must hold at least one request")
         self.engine, self.max_seqs, self.batched = engine, max_seqs, batched
-        budgeted = engine.options.n_seqs
-        if engine.options.vram_budget is not None and budgeted < max_seqs:
+        budgeted = engine.options.serving.n_seqs
+        if engine.options.placement.vram_budget is not None and budgeted < max_seqs:
             warnings.warn(
                 f"--vram-budget counts {budgeted} sequence(s) but the server holds up to {max_seqs}: load the "
                 f"engine with n_seqs={max_seqs}, or the extra KV caches may not fit",
@@ -285,7 +285,7 @@ class Scheduler:
     def _prefill(self, seq: _Sequence) -> None:
         """Run the next chunk of the prompt (at most ubatch tokens); after the last, sample the first token."""
         start = time.perf_counter()
-        ub = self.engine.options.ubatch
+        ub = self.engine.options.model.ubatch
         chunk, seq.pending = seq.pending[:ub], seq.pending[ub:]
         logits = self.engine.forward(chunk, seq.cache)
         self.stats.prompt_tokens += len(chunk)

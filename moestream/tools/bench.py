@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moestream.offload.schedule import Schedule
+from moestream.options import Schedule
 from moestream.profiling.stats import summarize
 from moestream.profiling.timeline import Timeline
 from moestream.tools.probe import h2d_rate, timed

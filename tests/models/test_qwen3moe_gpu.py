@@ -37,7 +37,7 @@ class RouterMargins:
         k = ids.shape[1]
         probs = torch.softmax(x.float() @ self.engine.model.w(il, "ffn_gate_inp").float().T, dim=-1)
         top = probs.topk(k + 1, dim=-1).values
-        start = self.engine.options.ubatch * self.chunk
+        start = self.engine.options.model.ubatch * self.chunk
         rel = (top[:, k - 1] - top[:, k]) / top[:, k - 1]
         self.margin[start : start + len(x)] = torch.minimum(self.margin[start : start + len(x)], rel)
         if il == self.engine.spec.n_layer - 1:

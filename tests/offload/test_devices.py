@@ -9,8 +9,8 @@ import torch
 import moestream
 from moestream.errors import MoestreamError
 from moestream.offload.device import CpuDevice
-from moestream.offload.options import EngineOptions
 from moestream.offload.shards import expert_ranges
+from moestream.options import Options
 from moestream.runtime.sampling import SamplingParams
 
 TOKENS = [(7 * t) % 1000 + 3 for t in range(40)]  # 3 micro-batches of 16, 16, 8: whole-layer uploads
@@ -91,27 +91,27 @@ def test_generation_matches_one_device(model_file):
 )
 def test_bad_device_lists_are_refused_with_the_flag_named(opts, words):
     with pytest.raises(MoestreamError) as e:
-        EngineOptions(**opts)
+        Options.make(**opts)
     assert all(w in str(e.value) for w in words), str(e.value)
 
 
 def test_llama_cpp_device_names_are_understood():
     if torch.cuda.device_count() >= 2:
-        assert EngineOptions(devices="CUDA0,CUDA1").devices == ("cuda:0", "cuda:1")
-    assert EngineOptions(devices="cpu,cpu", tensor_split="3,1").tensor_split == (3.0, 1.0)
+        assert Options.make(devices="CUDA0,CUDA1").placement.devices == ("cuda:0", "cuda:1")
+    assert Options.make(devices="cpu,cpu", tensor_split="3,1").placement.tensor_split == (3.0, 1.0)
 
 
 def test_small_batch_upload_is_refused_with_several_devices():
     """Before any weight moves: the options say so."""
     with pytest.raises(MoestreamError, match="--small-batch upload with several --devices"):
-        EngineOptions(devices="cpu,cpu", small_batch="upload")
+        Options.make(devices="cpu,cpu", small_batch="upload")
 
 
 def test_a_gpu_index_torch_does_not_see_is_refused_by_name():
     """--devices checks each index against the GPUs torch sees (none here: every index)."""
     n = torch.cuda.device_count()
     with pytest.raises(MoestreamError, match=f"--devices cuda:{n},cuda:{n + 1}: torch sees {n} GPU"):
-        EngineOptions(devices=f"cuda:{n},cuda:{n + 1}")
+        Options.make(devices=f"cuda:{n},cuda:{n + 1}")
 
 
 @pytest.mark.gpu
@@ -120,5 +120,5 @@ def test_a_device_index_past_the_gpus_is_refused_by_name():
     """--device cuda:N was checked by its name only; now by the same count as --devices."""
     n = torch.cuda.device_count()
     with pytest.raises(MoestreamError, match=f"--device cuda:{n}: torch sees {n} GPU"):
-        EngineOptions(device=f"cuda:{n}")
-    assert EngineOptions(device=f"cuda:{n - 1}").device == f"cuda:{n - 1}"
+        Options.make(device=f"cuda:{n}")
+    assert Options.make(device=f"cuda:{n - 1}").model.device == f"cuda:{n - 1}"

@@ -9,9 +9,9 @@ import torch
 import moestream
 from moestream.errors import MoestreamError
 from moestream.offload import expert_cache, prefetch
-from moestream.offload.options import EngineOptions
 from moestream.offload.placement import CACHE_SLACK, Footprint, Placement, cached_experts
 from moestream.offload.prefetch import ring_bytes
+from moestream.options import Options
 from moestream.profiling.timeline import NULL, Timeline
 from moestream.runtime.sampling import SamplingParams
 
@@ -141,7 +141,7 @@ def test_the_guess_ring_is_budgeted_as_allocated_and_only_when_layers_stream(mod
 
 def test_bad_widths_are_refused(model_file):
     with pytest.raises(MoestreamError, match="--prefetch -1"):
-        EngineOptions(prefetch=-1)
+        Options.make(prefetch=-1)
     with pytest.raises(MoestreamError, match="--prefetch 9: the model has 8 experts"):
         moestream.load(
             model_file("tiny", "Q4_K_M"), prefetch=9, **{k: v for k, v in GATHERED.items() if k != "n_cpu_moe"}
@@ -237,7 +237,7 @@ def test_the_expert_cache_is_sized_by_the_budget_and_refused_past_it(model_file)
         held.close()
     for bad, says in (("-1", "must be 0"), ("lots", "expected an expert count or auto")):
         with pytest.raises(MoestreamError, match=f"--expert-cache {bad}: {says}"):
-            EngineOptions(expert_cache=bad)
+            Options.make(expert_cache=bad)
 
 
 def test_a_cache_asked_without_guesses_is_said_to_hold_nothing(model_file):

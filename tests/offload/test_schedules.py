@@ -10,9 +10,8 @@ import torch
 import moestream
 from moestream.errors import MoestreamError
 from moestream.offload.device import CpuDevice
-from moestream.offload.options import EngineOptions
 from moestream.offload.placement import Placement
-from moestream.offload.schedule import Schedule
+from moestream.options import Options, Schedule
 from moestream.runtime.sampling import SamplingParams
 
 TOKENS = torch.randint(0, 1280, (40,), generator=torch.Generator().manual_seed(5)).tolist()
@@ -190,16 +189,19 @@ def test_schedule_parses_cli_strings_and_owns_the_slot_rule():
 
 def test_stream_env_is_read_once_with_the_options(monkeypatch):
     monkeypatch.setenv("MOESTREAM_STREAM", "pinned")
-    opts = EngineOptions(device="cpu")
-    assert opts.stream is Schedule.PINNED and EngineOptions(device="cpu", stream="serial").stream is Schedule.SERIAL
+    opts = Options.make(device="cpu")
+    assert (
+        opts.streaming.stream is Schedule.PINNED
+        and Options.make(device="cpu", stream="serial").streaming.stream is Schedule.SERIAL
+    )
     monkeypatch.setenv("MOESTREAM_STREAM", "fast")
-    assert dataclasses.replace(opts, slots=2).stream is Schedule.PINNED  # settled options are not read again
+    assert opts.replace(slots=2).streaming.stream is Schedule.PINNED  # settled options are not read again
     with pytest.raises(MoestreamError, match="--stream fast: expected one of"):
-        EngineOptions(device="cpu")
+        Options.make(device="cpu")
     with pytest.raises(dataclasses.FrozenInstanceError):
-        opts.stream = Schedule.OVERLAP
+        opts.streaming.stream = Schedule.OVERLAP
     monkeypatch.setenv("MOESTREAM_STREAM", " ")  # blank: the default, as a blank $MOESTREAM_DELTANET is auto
-    assert EngineOptions(device="cpu").stream is Schedule.OVERLAP
+    assert Options.make(device="cpu").streaming.stream is Schedule.OVERLAP
 
 
 def test_allocator_settings_are_left_to_a_user_who_configured_them(monkeypatch):
@@ -207,12 +209,12 @@ def test_allocator_settings_are_left_to_a_user_who_configured_them(monkeypatch):
     configures torch's allocator: read with the options, not when the cap is set."""
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
-    assert EngineOptions(device="cpu").expandable_segments is True
+    assert Options.make(device="cpu").placement.expandable_segments is True
     for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         monkeypatch.setenv(name, "max_split_size_mb:256")
-        assert EngineOptions(device="cpu").expandable_segments is False
+        assert Options.make(device="cpu").placement.expandable_segments is False
         monkeypatch.delenv(name)
-    assert EngineOptions(device="cpu", expandable_segments=False).expandable_segments is False
+    assert Options.make(device="cpu", expandable_segments=False).placement.expandable_segments is False
 
 
 def test_every_sequence_the_server_holds_is_budgeted(model_file):
@@ -238,7 +240,7 @@ def test_every_sequence_the_server_holds_is_budgeted(model_file):
             path, n_cpu_moe="auto", vram_budget=Placement(0, expert_bytes, 1).gpu_bytes(fp), n_seqs=4, **opts
         )
     with pytest.raises(MoestreamError, match="--max-seqs 0: must be at least 1"):
-        EngineOptions(device="cpu", n_seqs=0)
+        Options.make(device="cpu", n_seqs=0)
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qwen35moe"])

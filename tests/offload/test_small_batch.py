@@ -9,14 +9,14 @@ import pytest
 
 from moestream.errors import MoestreamError
 from moestream.offload import small_batch
-from moestream.offload.options import EngineOptions
-from moestream.offload.small_batch import Access, SmallBatch, Timings, rule
+from moestream.offload.small_batch import Access, Timings, rule
+from moestream.options import Options, SmallBatch
 
 
 def test_small_batch_modes_parse_and_auto_follows_one_rule():
-    assert EngineOptions(device="cpu", small_batch="gather").small_batch is SmallBatch.GATHER
+    assert Options.make(device="cpu", small_batch="gather").decode.small_batch is SmallBatch.GATHER
     with pytest.raises(MoestreamError, match="^--small-batch fast: expected one of auto, upload, gather, cpu$"):
-        EngineOptions(device="cpu", small_batch="fast")
+        Options.make(device="cpu", small_batch="fast")
     assert rule(Access(on_gpu=True, readable=True, kernel_ok=True, sharded=False)) is SmallBatch.GATHER
     assert rule(Access(on_gpu=True, readable=True, kernel_ok=False, sharded=False)) is SmallBatch.UPLOAD
     assert rule(Access(on_gpu=False, readable=True, kernel_ok=True, sharded=False)) is SmallBatch.UPLOAD  # CPU
@@ -26,7 +26,7 @@ def test_small_batch_modes_parse_and_auto_follows_one_rule():
 
 
 def test_a_plan_gathers_only_where_a_kernel_reads_the_experts():
-    opts = EngineOptions(device="cpu", small_batch="gather", prefetch=3)
+    opts = Options.make(device="cpu", small_batch="gather", prefetch=3)
     readable = Access(on_gpu=True, readable=True, kernel_ok=True, sharded=False)
     plan = small_batch.decode_plan(opts, 8, readable)
     assert plan.way is SmallBatch.GATHER and plan.gathers and plan.guesses and plan.n_guess == 3
@@ -34,7 +34,7 @@ def test_a_plan_gathers_only_where_a_kernel_reads_the_experts():
     assert locked_out.way is SmallBatch.GATHER and not locked_out.gathers and not locked_out.guesses
     assert not small_batch.decode_plan(opts, 8, dataclasses.replace(readable, streams=False)).guesses
     assert plan.trying(SmallBatch.UPLOAD).way is SmallBatch.UPLOAD and not plan.trying(SmallBatch.UPLOAD).gathers
-    auto = EngineOptions(device="cpu")
+    auto = Options.make(device="cpu")
     assert small_batch.decode_plan(auto, 8, readable).n_guess == 8  # prefetch: the router's count
     measured = small_batch.Measured(SmallBatch.CPU, {SmallBatch.CPU: 1.0})
     assert small_batch.decode_plan(auto, 8, readable, measured).way is SmallBatch.CPU

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from moestream.offload.device import CpuDevice
-from moestream.offload.schedule import Schedule
 from moestream.offload.streamer import HostLayer, Streamer
+from moestream.options import Schedule
 
 
 def host_layers(n: int) -> dict[int, HostLayer]:

@@ -9,7 +9,7 @@ import torch
 import moestream
 from moestream.offload.device import CudaDevice
 from moestream.offload.host import PinnedRanges
-from moestream.offload.small_batch import SmallBatch
+from moestream.options import SmallBatch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 TOKENS = torch.randint(0, 1280, (96,), generator=torch.Generator().manual_seed(7)).tolist()

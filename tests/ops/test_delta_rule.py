@@ -12,16 +12,15 @@ from deltanet_reference import DK, DV, EPS, H, initial_state, inputs, rel_err, t
 
 import moestream
 from moestream.errors import MoestreamError
-from moestream.offload.options import EngineOptions
 from moestream.ops import delta_rule
 from moestream.ops.delta_rule import (
-    DELTANET_ENV,
     delta_rule_chunked,
     delta_rule_fla,
     delta_rule_recurrent,
     prefill_rule,
 )
 from moestream.ops.deltanet import l2_normalize
+from moestream.options import DELTANET_ENV, Options
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: no thread contention
 
@@ -201,15 +200,15 @@ def test_bad_mode() -> None:
 def test_env_is_read_with_the_options(monkeypatch) -> None:
     """$MOESTREAM_DELTANET is read once, when the options are made: normalised there, a bad value fails there."""
     monkeypatch.setenv(DELTANET_ENV, " Torch ")
-    opts = EngineOptions(device="cpu")
-    assert opts.deltanet == "torch"
+    opts = Options.make(device="cpu")
+    assert opts.model.deltanet == "torch"
     monkeypatch.setenv(DELTANET_ENV, "fla")
-    assert opts.deltanet == "torch" and EngineOptions(device="cpu", deltanet="auto").deltanet == "auto"
+    assert opts.model.deltanet == "torch" and Options.make(device="cpu", deltanet="auto").model.deltanet == "auto"
     monkeypatch.delenv(DELTANET_ENV)
-    assert EngineOptions(device="cpu").deltanet == "auto"
+    assert Options.make(device="cpu").model.deltanet == "auto"
     monkeypatch.setenv(DELTANET_ENV, "triton")
     with pytest.raises(MoestreamError, match=f"{DELTANET_ENV}=triton: expected torch, fla or auto"):
-        EngineOptions(device="cpu")
+        Options.make(device="cpu")
 
 
 def test_model_prefill_uses_the_rule_chosen_at_load(model_file, monkeypatch) -> None:

@@ -24,8 +24,9 @@ from deltanet_reference import rel_err
 
 import moestream
 from moestream.ops import delta_rule
-from moestream.ops.delta_rule import DELTANET_ENV, delta_rule_chunked, delta_rule_fla, prefill_rule
+from moestream.ops.delta_rule import delta_rule_chunked, delta_rule_fla, prefill_rule
 from moestream.ops.deltanet import l2_normalize
+from moestream.options import DELTANET_ENV
 from moestream.tools.presets import get_preset
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -59,7 +59,7 @@ def test_a_bad_reconfigure_keeps_the_engine_working(model_file):
     before = engine.logits([5, 6, 7])
     with pytest.raises(MoestreamError, match="--n-cpu-moe -1"):
         engine.setup.reconfigure(n_cpu_moe=-1)
-    assert engine.options.n_cpu_moe == 1
+    assert engine.options.placement.n_cpu_moe == 1
     with pytest.raises(MoestreamError, match="chosen at load"):  # the model holds its delta rule
         engine.setup.reconfigure(deltanet="torch")
     assert torch.equal(engine.logits([5, 6, 7]), before)

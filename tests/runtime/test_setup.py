@@ -12,7 +12,7 @@ import pytest
 import moestream
 from moestream.offload import small_batch
 from moestream.offload.device import CpuDevice
-from moestream.offload.small_batch import SmallBatch
+from moestream.options import SmallBatch
 from moestream.runtime.sampling import SamplingParams
 
 PROMPT = [(5 * t) % 900 + 3 for t in range(6)]
@@ -48,7 +48,7 @@ def test_auto_keeps_the_way_it_timed_fastest_and_gives_resident_tokens(model_fil
         m = engine.setup.measured
         assert set(m.seconds) == {SmallBatch.GATHER, SmallBatch.UPLOAD, SmallBatch.CPU}
         assert m.chosen == min(m.seconds, key=m.seconds.__getitem__) and m.chosen not in not_chosen
-        assert engine.experts.plan.way is m.chosen and engine.options.small_batch is SmallBatch.AUTO
+        assert engine.experts.plan.way is m.chosen and engine.options.decode.small_batch is SmallBatch.AUTO
         assert engine.experts.plan.measured == dataclasses.replace(m, rebuilding=0.0)  # built from what was timed
         assert m.measuring > sum(m.seconds.values()) and m.rebuilding > 0  # what choosing cost the load
         assert f"{m.measuring:.1f} s measuring" in m.describe()
