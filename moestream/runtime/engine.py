@@ -1,4 +1,6 @@
-"""The engine: micro-batched prefill, decode, sampling, over a model whose experts live wherever placement put them."""
+"""The engine: micro-batched prefill in token- or layer-major order, and generation, over a model whose experts
+live wherever the placement put them (the decode step: runtime/step.py; the placement's lifecycle:
+runtime/setup.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from moestream.offload.builder import Offload
 from moestream.offload.device import cap_vram
 from moestream.offload.experts import LayerExperts, OnRoute
 from moestream.options import Options, Schedule
+from moestream.profiling.timeline import Timeline
 from moestream.runtime.kv_cache import SequenceCache, new_cache
 from moestream.runtime.sampling import Sampler, SamplingParams
 from moestream.runtime.setup import Setup
@@ -77,7 +80,7 @@ class Engine:
         """The decode step over the current placement's experts."""
         return self.setup.step
 
-    def record(self, timeline) -> None:
+    def record(self, timeline: Timeline) -> None:
         """Send copy and compute spans of the following passes to timeline (NULL turns recording off)."""
         self.setup.record(timeline)
 
