@@ -6,14 +6,16 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from moestream.options import Options
     from moestream.runtime.engine import Engine, Generation
     from moestream.runtime.loader import load
     from moestream.runtime.sampling import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["load", "Engine", "Generation", "SamplingParams"]
+__all__ = ["load", "Options", "Engine", "Generation", "SamplingParams"]
 _HOME = {
     "load": "runtime.loader",
+    "Options": "options",
     "Engine": "runtime.engine",
     "Generation": "runtime.engine",
     "SamplingParams": "runtime.sampling",
