@@ -13,11 +13,12 @@ import torch
 import moestream
 from moestream.cli.args import REJECTED, engine_options
 from moestream.cli.main import build_parser, main
+from moestream.options import Options
 
 TOKENS = list(range(5, 45))
 
 
-def options(*flags: str) -> dict:
+def options(*flags: str) -> Options:
     return engine_options(build_parser().parse_args(["run", "-m", "m.gguf", "-p", "hi", *flags]))
 
 
@@ -37,7 +38,7 @@ def test_ncmoe_above_the_layer_count_streams_every_layer(model_file):
 def test_threads_set_the_cpu_pool(model_file):
     saved = torch.get_num_threads()
     try:
-        assert options("-t", "1")["threads"] == 1
+        assert options("-t", "1").model.threads == 1
         moestream.load(model_file("tiny", "F32"), device="cpu", progress=False, threads=1).close()
         assert torch.get_num_threads() == 1
     finally:
@@ -45,15 +46,15 @@ def test_threads_set_the_cpu_pool(model_file):
 
 
 def test_batch_size_caps_the_micro_batch_and_ctx_size_sets_the_context():
-    assert options("-ub", "256", "-b", "64")["ubatch"] == 64
-    assert options("-ub", "32", "-b", "64")["ubatch"] == 32
-    assert options("--ctx-size", "1024")["n_ctx"] == options("-c", "1024")["n_ctx"] == 1024
+    assert options("-ub", "256", "-b", "64").model.ubatch == 64
+    assert options("-ub", "32", "-b", "64").model.ubatch == 32
+    assert options("--ctx-size", "1024").model.n_ctx == options("-c", "1024").model.n_ctx == 1024
 
 
 def test_load_mode_maps_to_host_memory(model_file, capsys):
-    assert options("-lm", "mmap")["host_memory"] == "pageable"
-    assert options("-lm", "none")["host_memory"] == "pinned"
-    assert "host_memory" not in options()  # the engine's default: pinned
+    assert options("-lm", "mmap").placement.host_memory == "pageable"
+    assert options("-lm", "none").placement.host_memory == "pinned"
+    assert options().placement.host_memory == "pinned"  # the engine's default
     code = main(["run", "-m", model_file("tiny", "F32"), "-p", "hi", "-lm", "none", "--host-memory", "pageable"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "-lm none" in err[0]
@@ -132,7 +133,7 @@ def test_sampling_flags_change_the_text(model_file, capsys):
 
 
 def test_ctx_zero_means_the_trained_context(model_file):
-    assert options("-c", "0")["n_ctx"] == 0
+    assert options("-c", "0").model.n_ctx == 0
     e = moestream.load(model_file("tiny", "F32"), device="cpu", progress=False, n_ctx=0)
     try:
         assert e.n_ctx == e.spec.n_ctx_train
