@@ -3,7 +3,7 @@ launch when the keys make a single chunk (buckets under twice the tuning's atten
 sequences, such as tg128).
 
 The engine's static decode step replays a CUDA graph over a fixed KV bucket with the positions on the
-device. torch's SDPA with a boolean mask (models/layers.masked_attention, the reference) costs about eight
+device. torch's SDPA with a boolean mask (ops/attention.masked_attention, the reference) costs about eight
 extra kernels a layer for that: the mask build, repeat_interleave, transposes. Here the first kernel masks
 from the positions itself and skips the chunks and the blocks of keys past them, so a bucket costs about what
 the sequence holds, and everything sized on the host comes from shapes alone: no reads back, the same
