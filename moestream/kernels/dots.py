@@ -20,12 +20,13 @@ Q = GGMLQuantizationType
 # A float weight (the router, a shared-expert gate) is read in blocks of FLOAT_BLOCK values
 FLOAT_BLOCK = 32
 FLOAT_QTYPES = {torch.float32: Q.F32, torch.float16: Q.F16, torch.bfloat16: Q.BF16}
-WORD_BYTES = {Q.Q4_K: 4, Q.Q5_K: 4, Q.Q6_K: 2}  # the dots' word loads: their blocks must start this aligned
+# The dots' word loads: their blocks must start this aligned (MXFP4's rows: the tensor, its rows any way)
+WORD_BYTES = {Q.Q4_K: 4, Q.Q5_K: 4, Q.Q6_K: 2, Q.MXFP4: 4}
 
 if triton is not None:
     import triton.language as tl
 
-    from moestream.kernels.dequant import f16_at
+    from moestream.kernels.dequant import e2m1_pair, e8m0_half, f16_at, f16_pair
 
     _FLOAT_BLOCK = tl.constexpr(FLOAT_BLOCK)
 
@@ -170,6 +171,37 @@ if triton is not None:
         lane = tl.arange(0, 32)[None, None, :]
         q = tl.load(base + 2 + lane, mask=ok, other=0).to(tl.int8, bitcast=True).to(tl.float32)
         return (q * f16_at(base, 0, ok)) * tl.load(xb + lane).to(tl.float32)
+
+    @triton.jit
+    def mxfp4_dot(base, xb, ok):
+        """An MXFP4 block (17 bytes, any alignment): lane l takes code bytes 4 l..4 l + 3 (elements 4 l + i and
+        16 + 4 l + i) as one 32-bit word, cut from the two aligned words around it (the second only when the
+        bytes straddle them). The codes become float16 pairs (e2m1_pair: each value times 2**-14, exactly), so
+        one shift and mask makes two values; the scale multiplies once a block."""
+        lane = tl.arange(0, 4)[None, None, :]
+        qs = base + 1
+        r = (qs.to(tl.int64) & 3).to(tl.int32)  # the code bytes start r bytes into a word
+        wp = (qs - r).to(tl.pointer_type(tl.int32)) + lane
+        lo = tl.load(wp, mask=ok, other=0).to(tl.uint32, bitcast=True).to(tl.int64)
+        hi = tl.load(wp + 1, mask=ok & (r != 0), other=0).to(tl.int64)
+        u = ((lo | (hi << 32)) >> (8 * r)).to(tl.int32)
+        e = tl.load(base, mask=ok, other=0).to(tl.int32)
+        PACKED: tl.constexpr = xb.dtype.element_ty == tl.bfloat16
+        if PACKED:  # x's 4 values beside the word's low nibbles, and beside its high ones, an 8-byte load each
+            x4_lo = tl.load((xb + 4 * lane).to(tl.pointer_type(tl.int64)))
+            x4_hi = tl.load((xb + 16 + 4 * lane).to(tl.pointer_type(tl.int64)))
+        acc = tl.zeros_like(u.to(tl.float32))
+        for b in tl.static_range(2):  # bytes b and b + 2: each shift and mask makes their two codes' values
+            lo_b, lo_b2 = f16_pair(e2m1_pair(u, 8 * b))
+            hi_b, hi_b2 = f16_pair(e2m1_pair(u, 8 * b + 4))
+            if PACKED:
+                acc += lo_b * _bf16_of(x4_lo, b) + lo_b2 * _bf16_of(x4_lo, b + 2)
+                acc += hi_b * _bf16_of(x4_hi, b) + hi_b2 * _bf16_of(x4_hi, b + 2)
+            else:
+                at = 4 * lane + b
+                acc += lo_b * tl.load(xb + at).to(tl.float32) + lo_b2 * tl.load(xb + at + 2).to(tl.float32)
+                acc += hi_b * tl.load(xb + 16 + at).to(tl.float32) + hi_b2 * tl.load(xb + 18 + at).to(tl.float32)
+        return (acc * 32768.0) * e8m0_half(e)
 
     @triton.jit
     def _float_dot(base, xb, ok, TY: tl.constexpr):

@@ -23,6 +23,12 @@ def test_types_name_what_they_lack_on_a_gpu():
     assert set(types.missing(Q.Q2_K, "cuda")) <= set(types.FALLBACKS)
 
 
+@pytest.mark.skipif(triton is None, reason="needs Triton")
+@pytest.mark.parametrize("qtype", [Q.MXFP4], ids=lambda t: t.name)
+def test_finished_types_lack_nothing(qtype):
+    assert types.missing(qtype, "cpu") == [] and types.missing(qtype, "cuda") == []
+
+
 def test_an_unknown_type_is_a_clear_error():
     with pytest.raises(MoestreamError, match="tensor type IQ2_XXS is not supported"):
         types.missing(Q.IQ2_XXS, "cpu")
