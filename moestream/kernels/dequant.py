@@ -70,6 +70,34 @@ if triton is not None:
         return q * f16_at(base, 0, ok)
 
     @triton.jit
+    def _nibble32(base, e, ok):
+        """Value e's nibble of the 16 bytes at base (low nibbles elements 0..15, high 16..31), as int32."""
+        return (tl.load(base + e % 16, mask=ok, other=0).to(tl.int32) >> ((e // 16) * 4)) & 15
+
+    @triton.jit
+    def _bit32(base, e, ok):
+        """Bit e of the little-endian 32-bit field at base, as int32."""
+        return (tl.load(base + e // 8, mask=ok, other=0).to(tl.int32) >> (e % 8)) & 1
+
+    @triton.jit
+    def q4_0_tile(base, e, ok):
+        return (_nibble32(base + 2, e, ok) - 8).to(tl.float32) * f16_at(base, 0, ok)
+
+    @triton.jit
+    def q4_1_tile(base, e, ok):
+        return _nibble32(base + 4, e, ok).to(tl.float32) * f16_at(base, 0, ok) + f16_at(base, 2, ok)
+
+    @triton.jit
+    def q5_0_tile(base, e, ok):
+        q = _nibble32(base + 6, e, ok) | (_bit32(base + 2, e, ok) << 4)
+        return (q - 16).to(tl.float32) * f16_at(base, 0, ok)
+
+    @triton.jit
+    def q5_1_tile(base, e, ok):
+        q = _nibble32(base + 8, e, ok) | (_bit32(base + 4, e, ok) << 4)
+        return q.to(tl.float32) * f16_at(base, 0, ok) + f16_at(base, 2, ok)
+
+    @triton.jit
     def e8m0_half(e):
         """Half the E8M0 scale of exponent byte(s) e (int32): 2**(e - 128), a subnormal for e 0 and 1."""
         return tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
@@ -102,8 +130,7 @@ if triton is not None:
     @triton.jit
     def mxfp4_tile(base, e, ok):
         """MXFP4: e E8M0 at byte 0, then 16 bytes of E2M1 codes (low nibbles elements 0..15, high 16..31)."""
-        q = tl.load(base + 1 + e % 16, mask=ok, other=0).to(tl.int32)
-        lo, _ = f16_pair(e2m1_pair(q >> ((e // 16) * 4), 0))
+        lo, _ = f16_pair(e2m1_pair(_nibble32(base + 1, e, ok), 0))
         scale = e8m0_half(tl.load(base, mask=ok, other=0).to(tl.int32))
         # The doubled code's value (exact) times the halved scale, as gguf forms it; + 0 makes code 8's -0 a 0
         return (lo * 32768.0) * scale + 0.0

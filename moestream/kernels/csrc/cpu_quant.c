@@ -8,7 +8,7 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { Q8_0 = 8, Q4_K = 12, Q6_K = 14, MXFP4 = 39 };
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q6_K = 14, MXFP4 = 39 };
 
 static float f16(const uint8_t *p) {
     uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
@@ -73,6 +73,44 @@ static void q8_0_block(const uint8_t *b, float *out) {
     for (int l = 0; l < 32; l++) out[l] = d * (int8_t)b[2 + l];
 }
 
+/* The 32-value blocks: d (and m) fp16, then for the _1 types' fifth bits a little-endian uint32 (bit j: value
+ * j), then 16 bytes of nibbles (low: values 0..15, high: 16..31). */
+static void q4_0_block(const uint8_t *b, float *out) {
+    const float d = f16(b);
+    for (int l = 0; l < 16; l++) {
+        out[l] = d * ((b[2 + l] & 15) - 8);
+        out[l + 16] = d * ((b[2 + l] >> 4) - 8);
+    }
+}
+
+static void q4_1_block(const uint8_t *b, float *out) {
+    const float d = f16(b), m = f16(b + 2);
+    for (int l = 0; l < 16; l++) {
+        out[l] = d * (b[4 + l] & 15) + m;
+        out[l + 16] = d * (b[4 + l] >> 4) + m;
+    }
+}
+
+static uint32_t fifth_bits(const uint8_t *p) { return p[0] | p[1] << 8 | p[2] << 16 | (uint32_t)p[3] << 24; }
+
+static void q5_0_block(const uint8_t *b, float *out) {
+    const float d = f16(b);
+    const uint32_t qh = fifth_bits(b + 2);
+    for (int l = 0; l < 16; l++) {
+        out[l] = d * (int)(((b[6 + l] & 15) | ((qh >> l) & 1) << 4) - 16);
+        out[l + 16] = d * (int)(((b[6 + l] >> 4) | ((qh >> (l + 16)) & 1) << 4) - 16);
+    }
+}
+
+static void q5_1_block(const uint8_t *b, float *out) {
+    const float d = f16(b), m = f16(b + 2);
+    const uint32_t qh = fifth_bits(b + 4);
+    for (int l = 0; l < 16; l++) {
+        out[l] = d * ((b[8 + l] & 15) | ((qh >> l) & 1) << 4) + m;
+        out[l + 16] = d * ((b[8 + l] >> 4) | ((qh >> (l + 16)) & 1) << 4) + m;
+    }
+}
+
 static const int8_t E2M1_DOUBLED[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 static float e8m0_half(uint8_t e) { /* half the scale 2^(e - 127): 2^(e - 128), a subnormal for e 0 and 1 */
@@ -95,6 +133,10 @@ static int block_bytes(int qtype, int *elems) {
     switch (qtype) {
     case Q4_K: *elems = 256; return 144;
     case Q6_K: *elems = 256; return 210;
+    case Q4_0: *elems = 32; return 18;
+    case Q4_1: *elems = 32; return 20;
+    case Q5_0: *elems = 32; return 22;
+    case Q5_1: *elems = 32; return 24;
     case Q8_0: *elems = 32; return 34;
     case MXFP4: *elems = 32; return 17;
     }
@@ -105,6 +147,10 @@ static void expand(int qtype, const uint8_t *b, float *out) {
     switch (qtype) {
     case Q4_K: q4_k_block(b, out); break;
     case Q6_K: q6_k_block(b, out); break;
+    case Q4_0: q4_0_block(b, out); break;
+    case Q4_1: q4_1_block(b, out); break;
+    case Q5_0: q5_0_block(b, out); break;
+    case Q5_1: q5_1_block(b, out); break;
     case Q8_0: q8_0_block(b, out); break;
     case MXFP4: mxfp4_block(b, out); break;
     }
