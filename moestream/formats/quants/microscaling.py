@@ -26,4 +26,4 @@ def _mxfp4(b: torch.Tensor) -> torch.Tensor:
     return values.mul_(e8m0_half(b[:, 0:1]))
 
 
-TYPES = (TensorType(Q.MXFP4, _mxfp4),)
+TYPES = (TensorType(Q.MXFP4, _mxfp4, tile="mxfp4_tile", dot="mxfp4_dot", cpu_dot="mxfp4_block"),)
