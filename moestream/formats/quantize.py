@@ -8,12 +8,14 @@ searched ones: any valid encoding serves test models, and the generator writes g
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import gguf
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from moestream.errors import MoestreamError
+from moestream.formats import grid_quantize
 from moestream.formats.quants import row_bytes
 
 Q = GGMLQuantizationType
@@ -145,7 +147,7 @@ _K_QUANTIZE: dict[GGMLQuantizationType, Callable[[np.ndarray, np.ndarray], None]
     Q.Q4_K: _q4_k,
     Q.Q5_K: _q5_k,
     Q.Q6_K: _q6_k,
-}
+} | {qtype: partial(grid_quantize.quantize_blocks, qtype) for qtype in grid_quantize.SPECS}
 
 QUANTIZABLE: frozenset[GGMLQuantizationType] = _BY_GGUF | frozenset(_K_QUANTIZE)
 

@@ -24,5 +24,5 @@ def test_types_name_what_they_lack_on_a_gpu():
 
 
 def test_an_unknown_type_is_a_clear_error():
-    with pytest.raises(MoestreamError, match="tensor type IQ2_XXS is not supported"):
-        types.missing(Q.IQ2_XXS, "cpu")
+    with pytest.raises(MoestreamError, match="tensor type Q8_K is not supported"):
+        types.missing(Q.Q8_K, "cpu")
