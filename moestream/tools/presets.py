@@ -161,10 +161,11 @@ PRESETS: dict[str, Preset] = {
                 rope_base=150000.0,
                 rms_eps=1e-5,
             ),
+            chat="harmony",
             gguf_keys=_gpt_oss(window=8),
         ),
-        Preset("gpt-oss-20b", _gpt_oss_spec(n_layer=24, n_expert=32), n_ff=2880, gguf_keys=_gpt_oss(window=128)),
-        Preset("gpt-oss-120b", _gpt_oss_spec(n_layer=36, n_expert=128), n_ff=2880, gguf_keys=_gpt_oss(window=128)),
+        Preset("gpt-oss-20b", _gpt_oss_spec(24, 32), n_ff=2880, chat="harmony", gguf_keys=_gpt_oss(window=128)),
+        Preset("gpt-oss-120b", _gpt_oss_spec(36, 128), n_ff=2880, chat="harmony", gguf_keys=_gpt_oss(window=128)),
     )
 }
 

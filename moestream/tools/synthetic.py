@@ -37,7 +37,7 @@ def preset_metadata(p: Preset, quant: str) -> dict[str, Any]:
         "general.file_type": FILE_TYPES[quant],
         "general.quantization_version": 2,
     }
-    return meta | architecture(p.spec.arch).metadata(p) | tiny_tokenizer_metadata(p.spec.n_vocab)
+    return meta | architecture(p.spec.arch).metadata(p) | tiny_tokenizer_metadata(p.spec.n_vocab, p.chat)
 
 
 def _use_more_bits(i: int, n: int) -> bool:
