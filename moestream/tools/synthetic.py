@@ -127,7 +127,12 @@ def make_model(
     meta = preset_metadata(preset, quant)
     spec = arch.read_spec(meta, preset.spec.n_vocab)  # the spec a reader of the file will see
     shapes = arch.tensor_shapes(spec, tied_output=preset.tied_output)
-    plans = [TensorPlan(n, tensor_type(n, s, quant, preset.spec.n_layer), s) for n, s in shapes.items()]
+    n_blocks = spec.n_layer + spec.n_layer_nextn  # the quantizer's layer count: NextN blocks are blocks too
+    plans = [
+        TensorPlan(n, tensor_type(n, s, quant, n_blocks), s)
+        for n, s in shapes.items()
+        if not (n.startswith("blk.") and n.split(".", 2)[2] in preset.omitted)
+    ]
 
     tasks = {p.name: _chunks(p, preset.spec.n_layer, seed) for p in plans}
     workers = min(os.cpu_count() or 1, 32)
