@@ -28,7 +28,7 @@ def norm_rope_store(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    norms: tuple[torch.Tensor, torch.Tensor],
+    norms: tuple[torch.Tensor, torch.Tensor] | None,
     eps: float,
     rope: tuple[torch.Tensor, torch.Tensor],
     caches: tuple[torch.Tensor, torch.Tensor],
@@ -36,12 +36,13 @@ def norm_rope_store(
 ) -> torch.Tensor:
     """A static batch's attention prologue: q and k [T, H|Hkv, Dh] through rms_norm_rope by their norms and
     the rope tables (cos, sin [T, rot_dim/2]), k and v stored in caches (k, v [S, Hkv, Dh]) at the device
-    positions [T]. Returns q."""
+    positions [T]. Returns q. norms None: RoPE without norms (torch's ops: the fused launch norms)."""
     cos, sin = rope
-    if fused.usable(q) and all(t.dtype == q.dtype for t in (k, v, *norms, cos, *caches)):  # one launch
-        return fused.qkv_store(q, k, v, norms, eps, rope, caches, positions)
-    q = rms_norm_rope(q, norms[0], eps, cos, sin)
-    caches[0].index_copy_(0, positions, rms_norm_rope(k, norms[1], eps, cos, sin))
+    if norms is not None and fused.usable(q) and all(t.dtype == q.dtype for t in (k, v, *norms, cos, *caches)):
+        return fused.qkv_store(q, k, v, norms, eps, rope, caches, positions)  # one launch
+    q_norm, k_norm = norms or (None, None)
+    q = rms_norm_rope(q, q_norm, eps, cos, sin)
+    caches[0].index_copy_(0, positions, rms_norm_rope(k, k_norm, eps, cos, sin))
     caches[1].index_copy_(0, positions, v)
     return q
 

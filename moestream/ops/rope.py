@@ -81,8 +81,11 @@ def rope_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s, rest), dim=-1)
 
 
-def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor):
-    """rope_neox(rms_norm(x, weight, eps), cos, sin) for x [T, H, Dh]: q and k before attention."""
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor):
+    """rope_neox(rms_norm(x, weight, eps), cos, sin) for x [T, H, Dh]: q and k before attention. weight None:
+    the RoPE alone (a model without q/k norms)."""
+    if weight is None:
+        return rope_neox(x, cos, sin)
     if fused.usable(x) and weight.dtype == x.dtype == cos.dtype:
         return fused.rms_norm(x, weight, eps, cos.contiguous(), sin.contiguous())
     return rope_neox(rms_norm(x, weight, eps), cos, sin)

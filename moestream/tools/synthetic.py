@@ -106,7 +106,11 @@ def make_model(
             f"--quant {r.name}: moestream cannot write {', '.join(q.name for q in lacking)} blocks yet (no "
             f"quantizer for that type); choose another recipe"
         )
-    plans = [TensorPlan(n, types[n], s) for n, s in shapes.items()]
+    plans = [
+        TensorPlan(n, types[n], s)
+        for n, s in shapes.items()
+        if not (n.startswith("blk.") and n.split(".", 2)[2] in preset.omitted)
+    ]
 
     tasks = {p.name: _chunks(p, preset.spec.n_layer, seed) for p in plans}
     workers = min(os.cpu_count() or 1, 32)
