@@ -9,12 +9,14 @@ MXFP4 gives gguf's own bytes, computed here because gguf's quantizer is an order
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import gguf
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from moestream.errors import MoestreamError
+from moestream.formats import grid_quantize
 from moestream.formats.quants import row_bytes
 
 Q = GGMLQuantizationType
@@ -170,7 +172,7 @@ _OURS: dict[GGMLQuantizationType, Callable[[np.ndarray, np.ndarray], None]] = {
     Q.Q5_K: _q5_k,
     Q.Q6_K: _q6_k,
     Q.MXFP4: _mxfp4,
-}
+} | {qtype: partial(grid_quantize.quantize_blocks, qtype) for qtype in grid_quantize.SPECS}
 
 QUANTIZABLE: frozenset[GGMLQuantizationType] = _BY_GGUF | frozenset(_OURS)
 

@@ -33,6 +33,14 @@ REL_RMS_BOUND = {
     Q.Q5_K: 0.045,  # measured 0.038: (max - min) / 31 step over 32, 6-bit scales and mins
     Q.Q6_K: 0.022,  # measured 0.0188: absmax / 32 step over 16, 8-bit signed scales
     Q.MXFP4: 0.13,  # measured 0.115: E2M1 codes, a power-of-two scale over 32 (gguf's choice)
+    # The grid types: absmax onto the grid's largest value per scale group, then the nearest grid row
+    Q.IQ2_XXS: 0.42,  # measured 0.363: 3 magnitudes, 256 rows of 8, even-parity signs, a scale per 32
+    Q.IQ2_XS: 0.36,  # measured 0.312: 512 rows, a scale per 16
+    Q.IQ2_S: 0.31,  # measured 0.266: 1024 rows, free signs, a scale per 16
+    Q.IQ3_XXS: 0.22,  # measured 0.188: 8 magnitudes, 256 rows of 4, even-parity signs
+    Q.IQ3_S: 0.16,  # measured 0.138: 512 rows of 4, free signs
+    Q.IQ1_S: 0.67,  # measured 0.586: -1, 0, 1 shifted by +-1/8, 2048 rows of 8, a scale per 32
+    Q.IQ1_M: 0.58,  # measured 0.501: a scale per 16, a shift per 8
 }
 
 
@@ -103,8 +111,8 @@ def test_zeros_stay_zeros(qtype):
 
 
 def test_unsupported_type_is_named():
-    with pytest.raises(MoestreamError, match=r"cannot quantize to IQ2_XXS \(supported: .*Q4_K"):
-        quantize(gaussian((256,)), Q.IQ2_XXS)
+    with pytest.raises(MoestreamError, match=r"cannot quantize to Q8_K \(supported: .*Q4_K"):
+        quantize(gaussian((256,)), Q.Q8_K)
 
 
 def test_row_must_be_whole_blocks():

@@ -24,6 +24,13 @@ F16_FIELDS = {
     Q.Q4_K: (0, 2),
     Q.Q5_K: (0, 2),
     Q.Q6_K: (208,),
+    Q.IQ2_XXS: (0,),
+    Q.IQ2_XS: (0,),
+    Q.IQ2_S: (0,),
+    Q.IQ3_XXS: (0,),
+    Q.IQ3_S: (0,),
+    Q.IQ1_S: (0,),
+    Q.IQ1_M: (),  # its d is the top nibbles of its four 16-bit scale fields (set in random_bytes)
 }
 # Byte offsets of E8M0 exponents: random ones would reach 2**127 and overflow (edge exponents: their own test)
 E8M0_FIELDS = {Q.MXFP4: (0,)}
@@ -53,6 +60,10 @@ def random_bytes(qtype: Q, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
             raw[:, offset : offset + 2] = scale.view(np.uint8).reshape(n_blocks, 2)
         for offset in E8M0_FIELDS.get(qtype, ()):
             raw[:, offset] = rng.integers(127 - 30, 127 + 30, size=n_blocks)
+        if qtype == Q.IQ1_M:
+            d = (rng.standard_normal(n_blocks) * magnitude).astype(np.float16).view(np.uint16)
+            nibbles = ((d[:, None] >> np.array([0, 4, 8, 12], np.uint16)) & 15).astype(np.uint8)
+            raw[:, 49:56:2] = (raw[:, 49:56:2] & 0x0F) | (nibbles << 4)
     return raw.reshape(*shape[:-1], row_bytes(qtype, shape[-1]))
 
 
@@ -72,6 +83,7 @@ def assert_bit_exact(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 
 def test_supported_types():
     expected = "F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K MXFP4".split()
+    expected += "IQ2_XXS IQ2_XS IQ2_S IQ3_XXS IQ3_S IQ1_S IQ1_M".split()
     assert {t.name for t in SUPPORTED} == set(expected)
 
 
@@ -80,9 +92,9 @@ def test_each_entry_names_its_type_and_the_kernels_it_has():
     assert set(TYPES) == SUPPORTED
     for qtype, entry in TYPES.items():
         assert entry.qtype == qtype and (entry.block, entry.type_size) == gguf.GGML_QUANT_SIZES[qtype]
-    assert get(Q.Q4_K).dot == "q4_k_dot" and get(Q.Q4_0).tile is None
-    with pytest.raises(MoestreamError, match=r"tensor type IQ2_XXS is not supported \(supported: .*Q6_K"):
-        get(Q.IQ2_XXS)
+    assert get(Q.Q4_K).dot == "q4_k_dot" and get(Q.Q8_0).tile == "q8_0_tile"
+    with pytest.raises(MoestreamError, match=r"tensor type Q8_K is not supported \(supported: .*Q6_K"):
+        get(Q.Q8_K)
 
 
 def test_random_blocks_have_finite_values():
@@ -149,9 +161,9 @@ def test_chunked_expansion_matches_one_pass(monkeypatch):
 
 
 def test_unsupported_type_is_named():
-    raw = torch.zeros(row_bytes(Q.IQ2_XXS, 256), dtype=torch.uint8)
-    with pytest.raises(MoestreamError, match=r"tensor type IQ2_XXS is not supported \(supported: .*Q4_K"):
-        dequantize(raw, Q.IQ2_XXS, (256,))
+    raw = torch.zeros(row_bytes(Q.Q8_K, 256), dtype=torch.uint8)
+    with pytest.raises(MoestreamError, match=r"tensor type Q8_K is not supported \(supported: .*Q4_K"):
+        dequantize(raw, Q.Q8_K, (256,))
 
 
 def test_wrong_byte_count_is_an_error():
