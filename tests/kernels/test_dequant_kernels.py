@@ -6,10 +6,12 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from grid_patterns import GRID_TYPES, grid_blocks
+from kernel_devices import DEVICE, as_kernel_rounds, gpu_or_interpreter
 
 from moestream.formats import quants
 from moestream.formats.quantize import quantize
-from moestream.kernels.dequant import TILES, dequantize
+from moestream.kernels.dequant import TILES, dequantize, expand
 from moestream.kernels.launch import triton
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -37,6 +39,20 @@ def test_kernel_matches_reference(qtype):
     got16 = dequantize(raw, qtype, x.shape, torch.bfloat16).float()
     assert float((got16 - ref16).abs().max() / ref16.abs().max()) < 1e-2
     assert float((got16 != ref16).float().mean()) < 1e-3  # only FMA-rounding ties may differ
+
+
+@pytest.mark.gpu
+@gpu_or_interpreter
+@pytest.mark.parametrize("qtype", GRID_TYPES, ids=lambda t: t.name)
+def test_grid_tiles_are_bit_exact(qtype):
+    """The IQ grid tiles form the reference's products (one multiply by the scale of a signed grid value, or of
+    grid value plus delta), so they match it bit for bit, over every grid row, sign pattern and scale."""
+    raw = torch.from_numpy(grid_blocks(qtype, 70)).to(DEVICE)  # 70: a partial program of 8 blocks
+    shape = (5, 14 * 256)
+    ref = quants.dequantize(raw.cpu(), qtype, shape)
+    got = expand(raw, qtype, shape, torch.float32).cpu()
+    assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), f"{int((got != ref).sum())} differ"
+    assert torch.equal(expand(raw, qtype, shape, torch.bfloat16).cpu(), as_kernel_rounds(ref))
 
 
 def test_cpu_takes_the_reference_path():

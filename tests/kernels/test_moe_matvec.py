@@ -80,6 +80,26 @@ def test_each_token_of_a_launch_gets_the_bits_it_gets_alone(K):
         assert torch.equal(dense[t : t + 1], matvec(raws[0][0], Q.Q4_K, F, x[t : t + 1]))
 
 
+@pytest.mark.gpu
+@gpu_or_interpreter
+def test_grid_type_experts_match_dequantized_experts():
+    """Gate and up IQ2_XXS, down IQ3_S: the gate-and-up launch and the down matvec each read their type's grid
+    table."""
+    E, F_, D, T, K = 4, 256, 256, 2, 2
+    rng = np.random.default_rng(5)
+    types, shapes = (Q.IQ2_XXS, Q.IQ2_XXS, Q.IQ3_S), ((E, F_, D), (E, F_, D), (E, D, F_))
+    stored = [quantize(rng.standard_normal(s).astype(np.float32), t) for s, t in zip(shapes, types, strict=True)]
+    W = [quants.dequantize(torch.from_numpy(r), t, s) for r, t, s in zip(stored, types, shapes, strict=True)]
+    x = torch.randn(T, D)
+    ids, weights = torch.tensor([[3, 0], [1, 3]]), torch.rand(T, K)
+    mv = [lambda picks, rows, w=w: torch.einsum("pod,pd->po", w[picks], rows) for w in W]
+    ref = moe_swiglu_picked(x, weights, ids, *mv)
+    assert moe_matvec.fuses(types)
+    raws = [torch.from_numpy(r).to(DEVICE) for r in stored]
+    got = moe_matvec.swiglu_picked(x.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE), raws, types, F_).cpu()
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
 def _experts_case(dtype: torch.dtype, seed: int, F: int, T: int, E: int = 4, D: int = 256, K: int = 2) -> tuple:
     """E experts (gate, up Q4_K; down Q6_K) of width F, T tokens routed to K of them, and a residual."""
     rng = np.random.default_rng(seed)

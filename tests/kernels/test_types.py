@@ -21,6 +21,8 @@ def test_types_name_what_they_lack_on_a_gpu():
     assert types.missing(Q.Q4_0, "cuda") == ["Triton dequant tile", "decode block dot"]
     assert types.missing(Q.BF16, "cuda") == ["Triton dequant tile"]  # its float dot reads it
     assert set(types.missing(Q.Q2_K, "cuda")) <= set(types.FALLBACKS)
+    for qtype in (Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M):
+        assert types.missing(qtype, "cuda") == [], qtype.name
 
 
 def test_an_unknown_type_is_a_clear_error():

@@ -158,12 +158,16 @@ def _iq1_m(b: torch.Tensor) -> torch.Tensor:
     return _shifted(Q.IQ1_M, dl, b[:, :32].to(torch.int32) | ((qh & 7) << 8), qh >> 3)
 
 
+def _entry(qtype: Q, reference, **kernels) -> TensorType:
+    return TensorType(qtype, reference, table=functools.partial(kernel_table, qtype), **kernels)
+
+
 TYPES = (
-    TensorType(Q.IQ2_XXS, _iq2_xxs),
-    TensorType(Q.IQ2_XS, _iq2_xs),
-    TensorType(Q.IQ2_S, _iq2_s),
-    TensorType(Q.IQ3_XXS, _iq3_xxs),
-    TensorType(Q.IQ3_S, _iq3_s),
-    TensorType(Q.IQ1_S, _iq1_s),
-    TensorType(Q.IQ1_M, _iq1_m),
+    _entry(Q.IQ2_XXS, _iq2_xxs, tile="iq2_xxs_tile", dot="iq2_xxs_dot"),
+    _entry(Q.IQ2_XS, _iq2_xs, tile="iq2_xs_tile", dot="iq2_xs_dot"),
+    _entry(Q.IQ2_S, _iq2_s, tile="iq2_s_tile", dot="iq2_s_dot"),
+    _entry(Q.IQ3_XXS, _iq3_xxs, tile="iq3_xxs_tile", dot="iq3_xxs_dot"),
+    _entry(Q.IQ3_S, _iq3_s, tile="iq3_s_tile", dot="iq3_s_dot"),
+    _entry(Q.IQ1_S, _iq1_s, tile="iq1_s_tile", dot="iq1_s_dot"),
+    _entry(Q.IQ1_M, _iq1_m, tile="iq1_m_tile", dot="iq1_m_dot"),
 )
