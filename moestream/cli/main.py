@@ -99,7 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("out")
     make.add_argument("--preset", required=True)
     make.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
-    make.add_argument("--quant", default="Q4_K_M", help="F32, BF16, Q8_0 or Q4_K_M")
+    make.add_argument(
+        "--quant",
+        default="Q4_K_M",
+        help="llama.cpp's recipe (its type for each tensor), in any case: Q8_0, Q4_K_M, IQ4_XS, MXFP4_MOE... "
+        "(a wrong name lists them all), or F32 / BF16",
+    )
     make.add_argument("--seed", type=int, default=0)
     return parser
 
@@ -263,12 +268,13 @@ def _listening_socket(host: str, port: int) -> socket.socket:
 
 def cmd_make_model(a: argparse.Namespace) -> None:
     from moestream.tools.presets import get_preset
+    from moestream.tools.recipes import recipe
     from moestream.tools.synthetic import make_model
 
     preset = get_preset(a.preset, a.layers)
     writable(a.out, "make-model")
     make_model(a.out, preset, quant=a.quant, seed=a.seed)
-    print(f"wrote {a.out}: preset {preset.name}, {preset.spec.n_layer} layers, {a.quant}")
+    print(f"wrote {a.out}: preset {preset.name}, {preset.spec.n_layer} layers, {recipe(a.quant).name}")
 
 
 COMMANDS = {
