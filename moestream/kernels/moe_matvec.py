@@ -10,6 +10,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from moestream.kernels import tuning
+from moestream.kernels.dequant import table_args
 from moestream.kernels.dots import DOTS
 from moestream.kernels.launch import on_device, pdl, triton
 from moestream.kernels.matvec import aligned_x, check_aligned, fewest_programs, layout, matvec, tile
@@ -30,8 +31,10 @@ if triton is not None:
         n_out,
         row_bytes,
         K,
+        table,
         N_BLOCKS: tl.constexpr,
         DOT: tl.constexpr,
+        TABLE: tl.constexpr,
         ELEMS: tl.constexpr,
         SIZE: tl.constexpr,
         STACKED: tl.constexpr,
@@ -48,7 +51,9 @@ if triton is not None:
         ok = (out < n_out)[:, None]
         mat = tl.load(mats + p).to(tl.int64) if STACKED else 0
         xp = x + (p // K) * N_BLOCKS * ELEMS
-        g, u = row_dot(wg, wu, mat, out, n_out, row_bytes, xp, ok, N_BLOCKS, DOT, ELEMS, SIZE, B, UNROLLED, True)
+        g, u = row_dot(
+            wg, wu, mat, out, n_out, row_bytes, xp, ok, table, N_BLOCKS, DOT, TABLE, ELEMS, SIZE, B, UNROLLED, True
+        )
         tl.store(h + p * n_out + out, (g / (1 + tl.exp(-g)) * u).to(h.dtype.element_ty), mask=out < n_out)
 
     @triton.jit
@@ -117,6 +122,7 @@ def _gate_up(
             n_ff,
             gate_row,
             K,
+            **table_args(qtypes[0], x),
             STACKED=picks is not None,
             ROWS=rows,
             UNROLLED=t.unrolled,

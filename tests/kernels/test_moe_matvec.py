@@ -82,6 +82,26 @@ def test_each_token_of_a_launch_gets_the_bits_it_gets_alone(K):
 
 @pytest.mark.gpu
 @gpu_or_interpreter
+def test_grid_type_experts_match_dequantized_experts():
+    """Gate and up IQ2_XXS, down IQ3_S: the gate-and-up launch and the down matvec each read their type's grid
+    table."""
+    E, F_, D, T, K = 4, 256, 256, 2, 2
+    rng = np.random.default_rng(5)
+    types, shapes = (Q.IQ2_XXS, Q.IQ2_XXS, Q.IQ3_S), ((E, F_, D), (E, F_, D), (E, D, F_))
+    stored = [quantize(rng.standard_normal(s).astype(np.float32), t) for s, t in zip(shapes, types, strict=True)]
+    W = [quants.dequantize(torch.from_numpy(r), t, s) for r, t, s in zip(stored, types, shapes, strict=True)]
+    x = torch.randn(T, D)
+    ids, weights = torch.tensor([[3, 0], [1, 3]]), torch.rand(T, K)
+    mv = [lambda picks, rows, w=w: torch.einsum("pod,pd->po", w[picks], rows) for w in W]
+    ref = moe_swiglu_picked(x, weights, ids, *mv)
+    assert moe_matvec.fuses(types)
+    raws = [torch.from_numpy(r).to(DEVICE) for r in stored]
+    got = moe_matvec.swiglu_picked(x.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE), raws, types, F_).cpu()
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
+@pytest.mark.gpu
+@gpu_or_interpreter
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.MXFP4], ids=lambda t: t.name)
 def test_swiglu_picked_takes_each_types_experts(qtype):
     """gate, up and down of every type with a dot through the three launches, against the dequantized experts."""
