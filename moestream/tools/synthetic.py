@@ -33,7 +33,7 @@ def preset_metadata(p: Preset, r: Recipe, seed: int = 0) -> dict[str, Any]:
         "general.file_type": int(r.file_type),
         "general.quantization_version": 2,
     }
-    return meta | architecture(p.spec.arch).metadata(p) | tiny_tokenizer_metadata(p.spec.n_vocab)
+    return meta | architecture(p.spec.arch).metadata(p) | tiny_tokenizer_metadata(p.spec.n_vocab, p.chat)
 
 
 def description(p: Preset, r: Recipe, seed: int) -> str:
@@ -68,6 +68,8 @@ def _float_rows(name: str, shape: tuple[int, ...], n_layer: int, seed: int, part
     size = (n_rows, shape[-1])
     if name.endswith(".ssm_a"):  # -exp(A_log): decay rates from slow to fast, as transformers initialises A
         return -rng.uniform(0.01, 16, size).astype(np.float32)
+    if name.endswith(".bias") or "attn_sinks" in name:  # biases and gpt-oss's sinks: around zero
+        return rng.standard_normal(size, dtype=np.float32)
     if len(shape) == 1:  # norm weights and dt bias: near one
         return (1.0 + 0.05 * rng.standard_normal(size, dtype=np.float32)).astype(np.float32)
     return init_std(name, shape, n_layer) * rng.standard_normal(size, dtype=np.float32)
@@ -91,7 +93,11 @@ def tensor_plans(preset: Preset, r: Recipe) -> list[TensorPlan]:
     """Each tensor of the preset's file, in the type the recipe gives it, in file order."""
     arch = architecture(preset.spec.arch)
     spec = arch.read_spec(preset_metadata(preset, r), preset.spec.n_vocab)  # the spec a reader of the file sees
-    shapes = arch.tensor_shapes(spec, tied_output=preset.tied_output)
+    shapes = {
+        n: s
+        for n, s in arch.tensor_shapes(spec, tied_output=preset.tied_output).items()
+        if not (n.startswith("blk.") and n.split(".", 2)[2] in preset.omitted)  # what llama.cpp also sees
+    }
     types = tensor_types(shapes, r, Facts.of(spec, shapes))
     return [TensorPlan(n, types[n], s) for n, s in shapes.items()]
 
