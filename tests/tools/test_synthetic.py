@@ -58,7 +58,7 @@ def logits(path: str, **opts) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("quant", RECIPES)
-@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen35moe"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen35moe", "tiny-gpt-oss", "tiny-glm4moe"])
 def test_logits_are_those_of_the_weights_dequantized(model_file, tmp_path, one_thread, preset, quant):
     path = made(model_file, tmp_path, preset, quant)
     ours, ref = logits(path), logits(dequantized_copy(path, tmp_path / "f32.gguf"))
