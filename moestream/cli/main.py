@@ -167,15 +167,15 @@ def _size(n: float) -> str:
     return ""
 
 
-def _print_types(f) -> None:
+def _print_types(metadata: dict, tensors: list) -> None:
     """The file type and, like llama.cpp's loader, each tensor type's count (with its bytes), largest first."""
     from moestream.tools.recipes import RECIPES
 
-    code = f.metadata.get("general.file_type")
+    code = metadata.get("general.file_type")
     name = next((r.name for r in RECIPES.values() if r.file_type == code), "not one of llama.cpp's recipes")
     print(f"file type     {name} (general.file_type {code})" if code is not None else "file type     not recorded")
     count, size = Counter(), Counter()
-    for t in f.tensors.values():
+    for t in tensors:
         count[t.qtype.name] += 1
         size[t.qtype.name] += t.nbytes
     for i, (qtype, n) in enumerate(size.most_common()):
@@ -184,12 +184,13 @@ def _print_types(f) -> None:
 
 
 def _warn_fallbacks(f, s, device: str) -> None:
-    """One warning per tensor type and kernel it lacks on device: which tensors, and what runs instead."""
+    """One warning per tensor type and kernel it lacks on device: which of the tensors that run, and what runs
+    instead."""
     from moestream.kernels.types import FALLBACKS, fallbacks
     from moestream.models.registry import architecture
 
     arch = architecture(s.arch)
-    experts = {n for il in range(s.n_layer) for n in arch.expert_tensor_names(il)}
+    experts = {n for il in s.expert_layers for n in arch.expert_tensor_names(il)}
     types = {name: t.qtype for name, t in f.tensors.items()}
     for (qtype, kernel), names in fallbacks(types, experts, device).items():
         where = "for experts computed on the CPU (--small-batch cpu)" if kernel == "CPU dot" else f"on {device}"
@@ -212,6 +213,7 @@ def cmd_info(a: argparse.Namespace) -> None:
         raise MoestreamError(f"--tokens {a.tokens} is the prompt length of --routing: give --routing too")
     device = Options.make(device=a.device).model.device  # a bad name now, not after the report
     with GGUFFile(a.model) as f:
+        stored = list(f.tensors.values())  # describe leaves out NextN blocks, which never run
         _, s = describe(f)
         if a.routing and tokens > s.n_ctx_train:
             raise MoestreamError(
@@ -222,7 +224,7 @@ def cmd_info(a: argparse.Namespace) -> None:
         print(f"layers        {s.n_layer}   hidden {s.n_embd}   vocab {s.n_vocab}   context {s.n_ctx_train}")
         print(f"attention     {s.n_head} heads / {s.n_head_kv} KV heads x {s.head_dim}   rope base {s.rope_base:g}")
         print(f"experts       {s.n_expert}, {s.n_expert_used} used per token, FFN {s.n_ff_exp}")
-        _print_types(f)
+        _print_types(f.metadata, stored)
         per_layer = expert_bytes_per_layer(f, s)
         print(
             f"expert bytes  {_size(sum(per_layer))} total; per layer: "

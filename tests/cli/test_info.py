@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
+
 from moestream.cli.main import main
 from moestream.formats.gguf import GGUFFile
 
@@ -15,8 +17,9 @@ def info(capsys, path: str, *flags: str) -> tuple[list[str], list[str]]:
     return out.splitlines(), err.splitlines()
 
 
-def test_each_type_with_its_tensors_and_bytes(model_file, capsys):
-    path = model_file("tiny-qwen35moe", "Q3_K_M")
+@pytest.mark.parametrize("preset", ["tiny-qwen35moe", "tiny-glm4moe"])  # glm4moe: a NextN block counts too
+def test_each_type_with_its_tensors_and_bytes(model_file, capsys, preset):
+    path = model_file(preset, "Q3_K_M")
     out, _ = info(capsys, path, "--device", "cpu")
     assert "file type     Q3_K_M (general.file_type 12)" in out
     start = next(i for i, line in enumerate(out) if line.startswith("tensor types"))
