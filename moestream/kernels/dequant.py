@@ -29,6 +29,29 @@ if triton is not None:
     # blocks; each returns the [R, B] float32 values. The dequant and matvec kernels share them.
 
     @triton.jit
+    def _low_k_field(base, e, ok):
+        """Value e's 2-bit field in the 64 bytes at base (Q2_K, Q3_K): half e // 128, byte e % 32, bits
+        2 (e % 128 // 32)."""
+        byte = tl.load(base + (e // 128) * 32 + e % 32, mask=ok, other=0).to(tl.int32)
+        return (byte >> ((e % 128 // 32) * 2)) & 3
+
+    @triton.jit
+    def q2_k_tile(base, e, ok):
+        s = tl.load(base + e // 16, mask=ok, other=0).to(tl.int32)  # sub-block of 16: scale | min << 4
+        dl = f16_at(base, 80, ok) * (s & 15).to(tl.float32)
+        ml = f16_at(base, 82, ok) * (s >> 4).to(tl.float32)
+        return _low_k_field(base + 16, e, ok).to(tl.float32) * dl - ml
+
+    @triton.jit
+    def q3_k_tile(base, e, ok):
+        s = e // 16
+        lo = (tl.load(base + 96 + s % 8, mask=ok, other=0).to(tl.int32) >> ((s // 8) * 4)) & 15
+        hi = (tl.load(base + 104 + s % 4, mask=ok, other=0).to(tl.int32) >> ((s // 4) * 2)) & 3
+        dl = f16_at(base, 108, ok) * ((lo | (hi << 4)) - 32).to(tl.float32)
+        bit = (tl.load(base + e % 32, mask=ok, other=0).to(tl.int32) >> (e // 32)) & 1  # clear: 4 less
+        return ((_low_k_field(base + 32, e, ok) | (bit << 2)) - 4).to(tl.float32) * dl
+
+    @triton.jit
     def q4_k_tile(base, e, ok):
         return _k_tile(base, e, ok, False)
 

@@ -13,6 +13,7 @@ from moestream.models.gpt_oss import read_spec
 from moestream.offload.device import CpuDevice
 from moestream.runtime.sampling import SamplingParams
 from moestream.tools.presets import get_preset
+from moestream.tools.recipes import recipe
 from moestream.tools.synthetic import preset_metadata
 
 PRESET = "tiny-gpt-oss"  # 3 layers (sliding, full, sliding) with a window of 8 positions
@@ -97,7 +98,7 @@ def test_small_batch_ways_give_the_resident_tokens(model_file, resident, small_b
 
 
 def test_reads_the_window_pattern_and_yarn_as_llama_cpp():
-    meta = preset_metadata(get_preset("gpt-oss-20b"), "F32")
+    meta = preset_metadata(get_preset("gpt-oss-20b"), recipe("F32"))
     spec = read_spec(meta, N_VOCAB)
     assert spec.extra["sliding_layers"][:4] == (True, False, True, False) and spec.extra["sliding_window"] == 128
     yarn = spec.extra["yarn"]
