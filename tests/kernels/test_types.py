@@ -34,6 +34,21 @@ def test_finished_types_lack_nothing(qtype):
     assert types.missing(qtype, "cpu") == [] and types.missing(qtype, "cuda") == []
 
 
+def test_fallbacks_on_the_cpu_are_expert_stacks_without_a_cpu_dot():
+    qtypes = {"a.weight": Q.Q5_K, "e.weight": Q.Q5_K, "f.weight": Q.Q4_K, "n.weight": Q.F32, "g.weight": Q.F32}
+    assert types.fallbacks(qtypes, {"e.weight", "f.weight", "g.weight"}, "cpu") == {(Q.Q5_K, "CPU dot"): ["e.weight"]}
+
+
+@pytest.mark.skipif(triton is None, reason="needs Triton")
+def test_fallbacks_on_a_gpu_are_every_tensor_without_its_kernels():
+    qtypes = {"q.weight": Q.Q3_K, "k.weight": Q.Q4_K, "exps.weight": Q.Q3_K, "b.weight": Q.BF16}
+    assert types.fallbacks(qtypes, {"exps.weight"}, "cuda") == {
+        (Q.Q3_K, "Triton dequant tile"): ["q.weight", "exps.weight"],
+        (Q.Q3_K, "decode block dot"): ["q.weight", "exps.weight"],
+        (Q.Q3_K, "CPU dot"): ["exps.weight"],
+    }
+
+
 def test_an_unknown_type_is_a_clear_error():
     with pytest.raises(MoestreamError, match="tensor type Q8_K is not supported"):
         types.missing(Q.Q8_K, "cpu")
