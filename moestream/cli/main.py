@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("out")
     make.add_argument("--preset", required=True)
     make.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
-    make.add_argument("--quant", default="Q4_K_M", help="F32, BF16, Q8_0 or Q4_K_M")
+    make.add_argument("--quant", default="Q4_K_M", help="F32, BF16, Q8_0, Q4_K_M or MXFP4_MOE (gpt-oss's mix)")
     make.add_argument("--seed", type=int, default=0)
     return parser
 

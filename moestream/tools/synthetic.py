@@ -24,8 +24,8 @@ from moestream.models.registry import architecture
 from moestream.models.spec import Preset
 
 Q = gguf.GGMLQuantizationType
-QUANTS = ("F32", "BF16", "Q8_0", "Q4_K_M")
-FILE_TYPES = {"F32": 0, "BF16": 32, "Q8_0": 7, "Q4_K_M": 15}  # llama.cpp's general.file_type codes
+QUANTS = ("F32", "BF16", "Q8_0", "Q4_K_M", "MXFP4_MOE")
+FILE_TYPES = {"F32": 0, "BF16": 32, "Q8_0": 7, "Q4_K_M": 15, "MXFP4_MOE": 38}  # llama.cpp's general.file_type codes
 FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}  # rows not a multiple of 256, as llama.cpp does
 
 
@@ -59,6 +59,8 @@ def tensor_type(name: str, shape: tuple[int, ...], quant: str, n_layer: int) -> 
         return Q.BF16
     if quant == "Q8_0":
         qtype = Q.Q8_0
+    elif quant == "MXFP4_MOE":  # gpt-oss's published mix: expert stacks MXFP4, other matrices Q8_0
+        qtype = Q.MXFP4 if len(shape) == 3 else Q.Q8_0
     else:  # Q4_K_M
         il = int(name.split(".")[1]) if name.startswith("blk.") else -1
         more = il >= 0 and _use_more_bits(il, n_layer)
