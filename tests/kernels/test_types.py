@@ -24,10 +24,11 @@ def test_types_name_what_they_lack_on_a_gpu():
 
 @pytest.mark.skipif(triton is None, reason="needs Triton")
 @pytest.mark.parametrize(
-    "qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q5_K, Q.MXFP4], ids=lambda t: t.name
+    "qtype",
+    "Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K MXFP4 IQ4_NL IQ4_XS TQ1_0 TQ2_0".split(),
 )
 def test_finished_types_lack_nothing(qtype):
-    assert types.missing(qtype, "cpu") == [] and types.missing(qtype, "cuda") == []
+    assert types.missing(Q[qtype], "cpu") == [] and types.missing(Q[qtype], "cuda") == []
 
 
 def test_an_unknown_type_is_a_clear_error():
