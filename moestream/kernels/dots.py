@@ -485,26 +485,27 @@ if triton is not None:
         return (32.0 * d) * a + (m - 32.0 * d) * x
 
     @triton.jit
-    def _x_pair(xb, at):
-        """x's values at at and at + 1 (at even) as float32; a bfloat16 pair as one 4-byte load."""
+    def _x_pairs(xb, G, j):
+        """x's values 8 G + 2 j and 8 G + 2 j + 1 as float32; a bfloat16 pair is word 4 G + j of x read as int32,
+        so a group's 4 words are one 16-byte load."""
         if xb.dtype.element_ty == tl.bfloat16:
-            x2 = tl.load((xb + at).to(tl.pointer_type(tl.int32)))
+            x2 = tl.load(xb.to(tl.pointer_type(tl.int32)) + 4 * G + j)
             lo, hi = _bf16_of(x2, 0), _bf16_of(x2, 1)
         else:
-            lo = tl.load(xb + at).to(tl.float32)
-            hi = tl.load(xb + at + 1).to(tl.float32)
+            lo = tl.load(xb + 8 * G + 2 * j).to(tl.float32)
+            hi = tl.load(xb + 8 * G + 2 * j + 1).to(tl.float32)
         return lo, hi
 
     @triton.jit
     def _grid_dot(base, xb, ok, table, FIELDS: tl.constexpr, SHIFTED: tl.constexpr):
         """An IQ grid block (kernels/dequant.py's _fields) as [R, B, 32 groups of 8, 4 words]: each lane loads
         its grid word and sign word from the L1-resident table (a group's 4 words are 16 contiguous bytes),
-        XORs the signs into the two bfloat16 halves, and takes each half apart with one shift or AND. IQ1's
-        shift adds delta times the sum of x over the word."""
+        XORs the signs into the two bfloat16 halves and takes each half apart with one shift or AND; the
+        scale multiplies a group's sum. IQ1's delta multiplies the group's sum of x."""
         base, xb, ok = base[:, :, :, None], xb[:, :, :, None], ok[:, :, :, None]
         G = tl.arange(0, 32)[None, None, :, None]
         j = tl.arange(0, 4)[None, None, None, :]
-        xl, xh = _x_pair(xb, 8 * G + 2 * j)
+        xl, xh = _x_pairs(xb, G, j)
         if SHIFTED:
             scale, delta, gw = FIELDS(base, G, j, ok, True)
             w = grid_word(table, gw, gw, False)
@@ -512,8 +513,9 @@ if triton is not None:
             scale, gw, sw = FIELDS(base, G, j, ok, True)
             w = grid_word(table, gw, sw, True)
         acc = (w << 16).to(tl.float32, bitcast=True) * xl + (w & -65536).to(tl.float32, bitcast=True) * xh
+        acc = tl.sum(acc, axis=3, keep_dims=True)
         if SHIFTED:
-            acc += delta * (xl + xh)
+            acc += delta * tl.sum(xl + xh, axis=3, keep_dims=True)
         return scale * acc
 
     @triton.jit
