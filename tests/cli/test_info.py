@@ -9,6 +9,7 @@ import pytest
 
 from moestream.cli.main import main
 from moestream.formats.gguf import GGUFFile
+from moestream.kernels import types
 
 
 def info(capsys, path: str, *flags: str) -> tuple[list[str], list[str]]:
@@ -33,17 +34,21 @@ def test_each_type_with_its_tensors_and_bytes(model_file, capsys, preset):
     assert [r[0] for r in rows] == [q for q, _ in size.most_common()]  # largest first
 
 
-def test_a_type_without_the_cpu_dot_is_named_with_its_expert_tensors(model_file, capsys):
-    path = model_file("tiny-qwen35moe", "Q3_K_M")  # gate and up experts in Q3_K, which has no CPU dot
+@pytest.mark.parametrize("quant", ["Q4_K_M", "IQ2_XXS", "IQ4_XS", "MXFP4_MOE"])
+def test_each_expert_type_without_the_cpu_dot_is_named_with_its_tensors(model_file, capsys, quant):
+    """On the CPU only expert stacks want a kernel (the CPU dot, for experts computed on the host): a type
+    that lacks it gets one warning naming its tensors; a type that has it, none."""
+    path = model_file("tiny-qwen35moe", quant)
     _, err = info(capsys, path, "--device", "cpu")
     with GGUFFile(path) as f:
-        q3 = [n for n, t in f.tensors.items() if t.qtype.name == "Q3_K" and "_exps." in n]
-    assert err == [
-        "moestream: warning: Q3_K has no CPU dot for experts computed on the CPU (--small-batch cpu): they are "
-        f"dequantized in torch, then multiplied ({len(q3)} tensors: {', '.join(q3[:3])} and {len(q3) - 3} more)"
-    ]
-
-
-def test_no_warning_where_every_type_has_its_kernels(model_file, capsys):
-    _, err = info(capsys, model_file("tiny", "Q4_K_M"), "--device", "cpu")  # experts in Q4_K and Q6_K
-    assert err == []
+        experts = [(n, t.qtype) for n, t in f.tensors.items() if "_exps." in n]
+    want = []
+    for qtype in dict.fromkeys(q for _, q in experts):
+        if types.missing(qtype, "cpu"):
+            names = [n for n, q in experts if q == qtype]
+            listed = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            want.append(
+                f"moestream: warning: {qtype.name} has no CPU dot for experts computed on the CPU (--small-batch "
+                f"cpu): they are dequantized in torch, then multiplied ({len(names)} tensors: {listed})"
+            )
+    assert err == want

@@ -6,6 +6,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from moestream.errors import MoestreamError
+from moestream.formats import quants
 from moestream.kernels import types
 from moestream.kernels.launch import triton
 
@@ -30,19 +31,21 @@ def test_finished_types_lack_nothing(qtype):
     assert types.missing(qtype, "cpu") == [] and types.missing(qtype, "cuda") == []
 
 
-def test_fallbacks_on_the_cpu_are_expert_stacks_without_a_cpu_dot():
-    qtypes = {"a.weight": Q.Q5_K, "e.weight": Q.Q5_K, "f.weight": Q.Q4_K, "n.weight": Q.F32, "g.weight": Q.F32}
-    assert types.fallbacks(qtypes, {"e.weight", "f.weight", "g.weight"}, "cpu") == {(Q.Q5_K, "CPU dot"): ["e.weight"]}
+@pytest.mark.parametrize("qtype", sorted(quants.SUPPORTED - types.FLOATS), ids=lambda t: t.name)
+def test_fallbacks_are_what_each_tensor_lacks_of_the_kernels_it_wants(qtype):
+    """On the CPU an expert stack wants the CPU dot and a dense weight nothing; on a GPU both want the tile and
+    the dot (the experts also the CPU dot, for experts computed on the host)."""
+    qtypes = {"dense.weight": qtype, "exps.weight": qtype}
+    on_cpu = {(qtype, k): ["exps.weight"] for k in types.missing(qtype, "cpu")}
+    assert types.fallbacks(qtypes, {"exps.weight"}, "cpu") == on_cpu
+    if triton is not None:
+        on_gpu = {(qtype, k): ["dense.weight", "exps.weight"] for k in types.missing(qtype, "cuda")}
+        assert types.fallbacks(qtypes, {"exps.weight"}, "cuda") == on_gpu | on_cpu
 
 
-@pytest.mark.skipif(triton is None, reason="needs Triton")
-def test_fallbacks_on_a_gpu_are_every_tensor_without_its_kernels():
-    qtypes = {"q.weight": Q.Q3_K, "k.weight": Q.Q4_K, "exps.weight": Q.Q3_K, "b.weight": Q.BF16}
-    assert types.fallbacks(qtypes, {"exps.weight"}, "cuda") == {
-        (Q.Q3_K, "Triton dequant tile"): ["q.weight", "exps.weight"],
-        (Q.Q3_K, "decode block dot"): ["q.weight", "exps.weight"],
-        (Q.Q3_K, "CPU dot"): ["exps.weight"],
-    }
+def test_float_weights_lack_nothing():
+    qtypes = {"a.weight": Q.F32, "b.weight": Q.BF16, "c.weight": Q.F16}
+    assert types.fallbacks(qtypes, set(qtypes), "cpu") == types.fallbacks(qtypes, set(qtypes), "cuda") == {}
 
 
 def test_an_unknown_type_is_a_clear_error():
