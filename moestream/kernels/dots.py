@@ -21,12 +21,27 @@ Q = GGMLQuantizationType
 FLOAT_BLOCK = 32
 FLOAT_QTYPES = {torch.float32: Q.F32, torch.float16: Q.F16, torch.bfloat16: Q.BF16}
 # The dots' word loads: their blocks must start this aligned (_word_at reads words at any alignment)
-WORD_BYTES = {Q.Q2_K: 4, Q.Q3_K: 2, Q.Q4_K: 4, Q.Q5_K: 4, Q.Q6_K: 2, Q.Q4_0: 2, Q.Q4_1: 4, Q.Q5_0: 2, Q.Q5_1: 4}
+WORD_BYTES = {Q.Q2_K: 4, Q.Q3_K: 2, Q.Q4_K: 4, Q.Q5_K: 4, Q.Q6_K: 2, Q.Q4_0: 2, Q.Q4_1: 4, Q.Q5_0: 2, Q.Q5_1: 4} | {
+    q: 2 for q in (Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M)
+}
 
 if triton is not None:
     import triton.language as tl
 
-    from moestream.kernels.dequant import e2m1_pair, e8m0_half, f16_at, f16_pair
+    from moestream.kernels.dequant import (
+        e2m1_pair,
+        e8m0_half,
+        f16_at,
+        f16_pair,
+        grid_word,
+        iq1_m_fields,
+        iq1_s_fields,
+        iq2_s_fields,
+        iq2_xs_fields,
+        iq2_xxs_fields,
+        iq3_s_fields,
+        iq3_xxs_fields,
+    )
 
     _FLOAT_BLOCK = tl.constexpr(FLOAT_BLOCK)
 
@@ -389,6 +404,75 @@ if triton is not None:
         h = tl.load(wp, mask=ok, other=0) >> (4 * lane)
         a, x = _nibble_sums(tl.load(wp + 1 + lane, mask=ok, other=0), h, xb, lane, True)
         return (32.0 * d) * a + (m - 32.0 * d) * x
+
+    @triton.jit
+    def _x_pair(xb, at):
+        """x's values at at and at + 1 (at even) as float32; a bfloat16 pair as one 4-byte load."""
+        if xb.dtype.element_ty == tl.bfloat16:
+            x2 = tl.load((xb + at).to(tl.pointer_type(tl.int32)))
+            lo, hi = _bf16_of(x2, 0), _bf16_of(x2, 1)
+        else:
+            lo = tl.load(xb + at).to(tl.float32)
+            hi = tl.load(xb + at + 1).to(tl.float32)
+        return lo, hi
+
+    @triton.jit
+    def _grid_dot(base, xb, ok, table, FIELDS: tl.constexpr, SHIFTED: tl.constexpr):
+        """An IQ grid block (kernels/dequant.py's _fields) as [R, B, 32 groups of 8, 4 words]: each lane loads
+        its grid word and sign word from the L1-resident table (a group's 4 words are 16 contiguous bytes),
+        XORs the signs into the two bfloat16 halves, and takes each half apart with one shift or AND. IQ1's
+        shift adds delta times the sum of x over the word."""
+        base, xb, ok = base[:, :, :, None], xb[:, :, :, None], ok[:, :, :, None]
+        G = tl.arange(0, 32)[None, None, :, None]
+        j = tl.arange(0, 4)[None, None, None, :]
+        xl, xh = _x_pair(xb, 8 * G + 2 * j)
+        if SHIFTED:
+            scale, delta, gw = FIELDS(base, G, j, ok, True)
+            w = grid_word(table, gw, gw, False)
+        else:
+            scale, gw, sw = FIELDS(base, G, j, ok, True)
+            w = grid_word(table, gw, sw, True)
+        acc = (w << 16).to(tl.float32, bitcast=True) * xl + (w & -65536).to(tl.float32, bitcast=True) * xh
+        if SHIFTED:
+            acc += delta * (xl + xh)
+        return scale * acc
+
+    @triton.jit
+    def iq2_xxs_dot(base, xb, ok, table):
+        return _grid_dot(base, xb, ok, table, iq2_xxs_fields, False)
+
+    @triton.jit
+    def iq2_xs_dot(base, xb, ok, table):
+        return _grid_dot(base, xb, ok, table, iq2_xs_fields, False)
+
+    @triton.jit
+    def iq2_s_dot(base, xb, ok, table):
+        return _grid_dot(base, xb, ok, table, iq2_s_fields, False)
+
+    @triton.jit
+    def iq3_xxs_dot(base, xb, ok, table):
+        return _grid_dot(base, xb, ok, table, iq3_xxs_fields, False)
+
+    @triton.jit
+    def iq3_s_dot(base, xb, ok, table):
+        return _grid_dot(base, xb, ok, table, iq3_s_fields, False)
+
+    @triton.jit
+    def iq1_s_dot(base, xb, ok, table):
+        return _grid_dot(base, xb, ok, table, iq1_s_fields, True)
+
+    @triton.jit
+    def iq1_m_dot(base, xb, ok, table):
+        return _grid_dot(base, xb, ok, table, iq1_m_fields, True)
+
+    @triton.jit
+    def block_dot(DOT: tl.constexpr, base, xb, ok, table, TABLE: tl.constexpr):
+        """DOT's partial products; a type with a lookup table (TABLE) gets it as a fourth argument."""
+        if TABLE:
+            r = DOT(base, xb, ok, table)
+        else:
+            r = DOT(base, xb, ok)
+        return r
 
     @triton.jit
     def _float_dot(base, xb, ok, TY: tl.constexpr):

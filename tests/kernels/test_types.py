@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from gguf import GGMLQuantizationType as Q
+from grid_patterns import GRID_TYPES
 
 from moestream.errors import MoestreamError
 from moestream.formats import quants
@@ -12,6 +13,7 @@ from moestream.kernels.launch import triton
 
 
 def test_types_name_what_they_lack_on_the_cpu():
+    assert all(types.missing(qtype, "cpu") == [] for qtype in GRID_TYPES)
     assert types.missing(Q.Q4_K, "cpu") == [] and types.missing(Q.Q8_0, "cpu") == []
     assert types.missing(Q.BF16, "cpu") == ["CPU dot"]  # a float weight: torch multiplies it
 
@@ -21,6 +23,8 @@ def test_types_name_what_they_lack_on_a_gpu():
     assert types.missing(Q.Q4_K, "cuda") == [] and types.missing(Q.Q6_K, "cuda:1") == []
     assert types.missing(Q.BF16, "cuda") == ["Triton dequant tile"]  # its float dot reads it
     assert set(types.missing(Q.Q2_K, "cuda")) <= set(types.FALLBACKS)
+    for qtype in GRID_TYPES:
+        assert types.missing(qtype, "cuda") == [], qtype.name
 
 
 @pytest.mark.skipif(triton is None, reason="needs Triton")
