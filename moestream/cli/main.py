@@ -164,7 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("out", help="the GGUF file to write")
     make.add_argument("--preset", required=True, help="the shapes to copy: " + ", ".join(PRESETS))
     make.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
-    make.add_argument("--quant", default="Q4_K_M", help="F32, BF16, Q8_0 or Q4_K_M")
+    make.add_argument(
+        "--quant",
+        default="Q4_K_M",
+        help="llama.cpp's recipe (its type for each tensor), in any case: Q8_0, Q4_K_M, IQ4_XS, MXFP4_MOE... "
+        "(a wrong name lists them all), or F32 / BF16",
+    )
     make.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     return parser
 
@@ -382,11 +387,12 @@ def check_make_model(a: argparse.Namespace) -> None:
 
 def cmd_make_model(a: argparse.Namespace) -> None:
     from moestream.tools.presets import get_preset
+    from moestream.tools.recipes import recipe
     from moestream.tools.synthetic import make_model
 
     preset = get_preset(a.preset, a.layers)
     make_model(a.out, preset, quant=a.quant, seed=a.seed)
-    print(f"wrote {a.out}: preset {preset.name}, {preset.spec.n_layer} layers, {a.quant}")
+    print(f"wrote {a.out}: preset {preset.name}, {preset.spec.n_layer} layers, {recipe(a.quant).name}")
 
 
 # Each command: the check of every value (settling some into the namespace), run before torch is imported, so a

@@ -226,7 +226,7 @@ def cmd_probe(a: argparse.Namespace) -> None:
     )
     if spec is not None:
         n_chunks = -(-a.n_prompt // a.ubatch)
-        flops = 6 * a.n_prompt * spec.n_expert_used * spec.n_embd * spec.n_ff_exp * spec.n_layer
+        flops = 6 * a.n_prompt * spec.n_expert_used * spec.n_embd * spec.n_ff_exp * len(spec.expert_layers)
         print(f"floors for pp{a.n_prompt} ub{a.ubatch} ncmoe {a.n_cpu_moe}:")
         print(
             f"  transfer: token-major {n_chunks * streamed / pinned * 1e3:.1f} ms "

@@ -70,6 +70,72 @@ if triton is not None:
         return q * f16_at(base, 0, ok)
 
     @triton.jit
+    def _nibble32(base, e, ok):
+        """Value e's nibble of the 16 bytes at base (low nibbles elements 0..15, high 16..31), as int32."""
+        return (tl.load(base + e % 16, mask=ok, other=0).to(tl.int32) >> ((e // 16) * 4)) & 15
+
+    @triton.jit
+    def _bit32(base, e, ok):
+        """Bit e of the little-endian 32-bit field at base, as int32."""
+        return (tl.load(base + e // 8, mask=ok, other=0).to(tl.int32) >> (e % 8)) & 1
+
+    @triton.jit
+    def q4_0_tile(base, e, ok):
+        return (_nibble32(base + 2, e, ok) - 8).to(tl.float32) * f16_at(base, 0, ok)
+
+    @triton.jit
+    def q4_1_tile(base, e, ok):
+        return _nibble32(base + 4, e, ok).to(tl.float32) * f16_at(base, 0, ok) + f16_at(base, 2, ok)
+
+    @triton.jit
+    def q5_0_tile(base, e, ok):
+        q = _nibble32(base + 6, e, ok) | (_bit32(base + 2, e, ok) << 4)
+        return (q - 16).to(tl.float32) * f16_at(base, 0, ok)
+
+    @triton.jit
+    def q5_1_tile(base, e, ok):
+        q = _nibble32(base + 8, e, ok) | (_bit32(base + 4, e, ok) << 4)
+        return q.to(tl.float32) * f16_at(base, 0, ok) + f16_at(base, 2, ok)
+
+    @triton.jit
+    def e8m0_half(e):
+        """Half the E8M0 scale of exponent byte(s) e (int32): 2**(e - 128), a subnormal for e 0 and 1."""
+        return tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def e2m1_pair(v, s: tl.constexpr):
+        """The two E2M1 codes at bits s..s + 3 and s + 16..s + 19 of the int32 v as a float16 pair: the sign to
+        bit 15, the 2-bit exponent and the mantissa bit to bits 10-11 and 9. Float16's exponent bias and
+        subnormals then give each code's value times 2**-14, exactly; split with f16_pair."""
+        mag = _shift(v, 9 - s) & 0x0E000E00
+        sign = _shift(v, 12 - s) & -2147450880  # 0x80008000: both halves' sign bits
+        return mag | sign
+
+    @triton.jit
+    def f16_pair(v):
+        """The float16 halves (low, high) of the int32 v, as float32."""
+        lo = v.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (v >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        return lo, hi
+
+    @triton.jit
+    def _shift(v, n: tl.constexpr):
+        """v shifted left by n bits, right (logically) for a negative n."""
+        if n >= 0:
+            r = v << n
+        else:
+            r = (v.to(tl.uint32, bitcast=True) >> -n).to(tl.int32, bitcast=True)
+        return r
+
+    @triton.jit
+    def mxfp4_tile(base, e, ok):
+        """MXFP4: e E8M0 at byte 0, then 16 bytes of E2M1 codes (low nibbles elements 0..15, high 16..31)."""
+        lo, _ = f16_pair(e2m1_pair(_nibble32(base + 1, e, ok), 0))
+        scale = e8m0_half(tl.load(base, mask=ok, other=0).to(tl.int32))
+        # The doubled code's value (exact) times the halved scale, as gguf forms it; + 0 makes code 8's -0 a 0
+        return (lo * 32768.0) * scale + 0.0
+
+    @triton.jit
     def _dequant_kernel(
         src, dst, n_blocks, TILE: tl.constexpr, ELEMS: tl.constexpr, SIZE: tl.constexpr, BLOCKS: tl.constexpr
     ):
@@ -88,9 +154,14 @@ def dequantize(
     raw: torch.Tensor, qtype: GGMLQuantizationType, shape: tuple[int, ...], dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """Like quants.dequantize; one Triton kernel where there is one for this type and device."""
-    tile = TILES.get(qtype)
-    if tile is None or not raw.is_cuda:
+    if qtype not in TILES or not raw.is_cuda:
         return quants.dequantize(raw, qtype, shape, dtype)
+    return tiled(raw, qtype, shape, dtype)
+
+
+def tiled(raw: torch.Tensor, qtype: GGMLQuantizationType, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """dequantize through qtype's tile on raw's device (the CPU only under Triton's interpreter)."""
+    tile = TILES[qtype]
     block, type_size = GGML_QUANT_SIZES[qtype]
     raw = raw.contiguous()
     n_blocks = raw.numel() // type_size

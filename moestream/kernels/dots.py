@@ -20,12 +20,13 @@ Q = GGMLQuantizationType
 # A float weight (the router, a shared-expert gate) is read in blocks of FLOAT_BLOCK values
 FLOAT_BLOCK = 32
 FLOAT_QTYPES = {torch.float32: Q.F32, torch.float16: Q.F16, torch.bfloat16: Q.BF16}
-WORD_BYTES = {Q.Q4_K: 4, Q.Q5_K: 4, Q.Q6_K: 2}  # the dots' word loads: their blocks must start this aligned
+# The dots' word loads: their blocks must start this aligned (_word_at reads words at any alignment)
+WORD_BYTES = {Q.Q4_K: 4, Q.Q5_K: 4, Q.Q6_K: 2, Q.Q4_0: 2, Q.Q4_1: 4, Q.Q5_0: 2, Q.Q5_1: 4}
 
 if triton is not None:
     import triton.language as tl
 
-    from moestream.kernels.dequant import f16_at
+    from moestream.kernels.dequant import e2m1_pair, e8m0_half, f16_at, f16_pair
 
     _FLOAT_BLOCK = tl.constexpr(FLOAT_BLOCK)
 
@@ -170,6 +171,121 @@ if triton is not None:
         lane = tl.arange(0, 32)[None, None, :]
         q = tl.load(base + 2 + lane, mask=ok, other=0).to(tl.int8, bitcast=True).to(tl.float32)
         return (q * f16_at(base, 0, ok)) * tl.load(xb + lane).to(tl.float32)
+
+    @triton.jit
+    def _word_at(p, ok):
+        """The int32 of the 4 bytes at p (any alignment): cut from the aligned word holding byte p and, when the
+        bytes straddle two, the next one (the only loads that touch a word the bytes do not need)."""
+        r = (p.to(tl.int64) & 3).to(tl.int32)
+        wp = (p - r).to(tl.pointer_type(tl.int32))
+        lo = tl.load(wp, mask=ok, other=0).to(tl.uint32, bitcast=True).to(tl.int64)
+        hi = tl.load(wp + 1, mask=ok & (r != 0), other=0).to(tl.int64)
+        return ((lo | (hi << 32)) >> (8 * r)).to(tl.int32)
+
+    @triton.jit
+    def _x_quads(xb, lane):
+        """The 4 bfloat16 values of x at 4 lane.. and at 16 + 4 lane.. of a 32-value block, an 8-byte load each
+        (x is 16-byte aligned: see matvec.aligned_x); unread (zeros) for a float32 x."""
+        if xb.dtype.element_ty == tl.bfloat16:
+            lo = tl.load((xb + 4 * lane).to(tl.pointer_type(tl.int64)))
+            hi = tl.load((xb + 16 + 4 * lane).to(tl.pointer_type(tl.int64)))
+        else:
+            lo = tl.zeros_like(lane).to(tl.int64)
+            hi = lo
+        return lo, hi
+
+    @triton.jit
+    def _x_at(xb, quad, at, b: tl.constexpr):
+        """x's value b of the quad at element `at` (b..b + 3 of it) as float32: from the packed bfloat16 quad, or
+        loaded (a float32 x)."""
+        if xb.dtype.element_ty == tl.bfloat16:
+            v = _bf16_of(quad, b)
+        else:
+            v = tl.load(xb + at + b).to(tl.float32)
+        return v
+
+    @triton.jit
+    def mxfp4_dot(base, xb, ok):
+        """An MXFP4 block (17 bytes, any alignment): lane l takes code bytes 4 l..4 l + 3 (elements 4 l + i and
+        16 + 4 l + i) as one word (_word_at). The codes become float16 pairs (e2m1_pair: each value times
+        2**-14, exactly), so one shift and mask makes two values; the scale multiplies once a block."""
+        lane = tl.arange(0, 4)[None, None, :]
+        u = _word_at(base + 1 + 4 * lane, ok)
+        e = tl.load(base, mask=ok, other=0).to(tl.int32)
+        x_lo, x_hi = _x_quads(xb, lane)
+        acc = tl.zeros_like(u.to(tl.float32))
+        for b in tl.static_range(2):  # bytes b and b + 2: each shift and mask makes their two codes' values
+            lo_b, lo_b2 = f16_pair(e2m1_pair(u, 8 * b))
+            hi_b, hi_b2 = f16_pair(e2m1_pair(u, 8 * b + 4))
+            acc += lo_b * _x_at(xb, x_lo, 4 * lane, b) + lo_b2 * _x_at(xb, x_lo, 4 * lane, b + 2)
+            acc += hi_b * _x_at(xb, x_hi, 16 + 4 * lane, b) + hi_b2 * _x_at(xb, x_hi, 16 + 4 * lane, b + 2)
+        return (acc * 32768.0) * e8m0_half(e)
+
+    @triton.jit
+    def _nibble_sums(u, h, xb, lane, FIFTH: tl.constexpr):
+        """For the word u of a 32-value block's nibble bytes 4 lane.. (element 4 lane + b low, 16 + 4 lane + b
+        high): A = the sum of (1 + q / 16) x over its 8 values q (with FIFTH, 5-bit q = nibble | bit b (low) or
+        16 + b (high) of h << 4, over 32) and X = the sum of x, as _k_dot forms them: q . x = 16 (32) (A - X)."""
+        x_lo, x_hi = _x_quads(xb, lane)
+        one = 0x3F800000
+        for b in tl.static_range(4):
+            xl = _x_at(xb, x_lo, 4 * lane, b)
+            xh = _x_at(xb, x_hi, 16 + 4 * lane, b)
+            if FIFTH:
+                f_lo = _bits_to(u, 8 * b, 18, 0x3C0000) | _bits_to(h, b, 22, 0x400000) | one
+                f_hi = _bits_to(u, 8 * b + 4, 18, 0x3C0000) | _bits_to(h, 16 + b, 22, 0x400000) | one
+            else:
+                f_lo = _bits_to(u, 8 * b, 19, 0x780000) | one
+                f_hi = _bits_to(u, 8 * b + 4, 19, 0x780000) | one
+            if b == 0:
+                a = f_lo.to(tl.float32, bitcast=True) * xl + f_hi.to(tl.float32, bitcast=True) * xh
+                x = xl + xh
+            else:
+                a += f_lo.to(tl.float32, bitcast=True) * xl + f_hi.to(tl.float32, bitcast=True) * xh
+                x += xl + xh
+        return a, x
+
+    @triton.jit
+    def _f16_word(base, offset: tl.constexpr, ok):
+        """The fp16 at byte offset (even) of 2-byte aligned blocks, as float32: one 16-bit load."""
+        return tl.load((base + offset).to(tl.pointer_type(tl.float16)), mask=ok, other=0).to(tl.float32)
+
+    @triton.jit
+    def q4_0_dot(base, xb, ok):
+        """A Q4_0 block (18 bytes, 2-byte aligned): d (q - 8) . x = 16 d A - 24 d X (_nibble_sums)."""
+        lane = tl.arange(0, 4)[None, None, :]
+        d = _f16_word(base, 0, ok)
+        a, x = _nibble_sums(_word_at(base + 2 + 4 * lane, ok), 0, xb, lane, False)
+        return (16.0 * d) * a - (24.0 * d) * x
+
+    @triton.jit
+    def q4_1_dot(base, xb, ok):
+        """A Q4_1 block (20 bytes, 4-byte aligned: word loads): (d q + m) . x = 16 d A + (m - 16 d) X."""
+        lane = tl.arange(0, 4)[None, None, :]
+        d, m = _f16_word(base, 0, ok), _f16_word(base, 2, ok)
+        u = tl.load((base + 4).to(tl.pointer_type(tl.int32)) + lane, mask=ok, other=0)
+        a, x = _nibble_sums(u, 0, xb, lane, False)
+        return (16.0 * d) * a + (m - 16.0 * d) * x
+
+    @triton.jit
+    def q5_0_dot(base, xb, ok):
+        """A Q5_0 block (22 bytes, 2-byte aligned): d (q - 16) . x = 32 d A - 48 d X, the fifth bits from the
+        32-bit qh (bit j: element j), shifted so that lane l's are bits 0-3 and 16-19."""
+        lane = tl.arange(0, 4)[None, None, :]
+        d = _f16_word(base, 0, ok)
+        h = _word_at(base + 2, ok) >> (4 * lane)
+        a, x = _nibble_sums(_word_at(base + 6 + 4 * lane, ok), h, xb, lane, True)
+        return (32.0 * d) * a - (48.0 * d) * x
+
+    @triton.jit
+    def q5_1_dot(base, xb, ok):
+        """A Q5_1 block (24 bytes, 4-byte aligned: word loads): (d q + m) . x = 32 d A + (m - 32 d) X."""
+        lane = tl.arange(0, 4)[None, None, :]
+        d, m = _f16_word(base, 0, ok), _f16_word(base, 2, ok)
+        wp = (base + 4).to(tl.pointer_type(tl.int32))
+        h = tl.load(wp, mask=ok, other=0) >> (4 * lane)
+        a, x = _nibble_sums(tl.load(wp + 1 + lane, mask=ok, other=0), h, xb, lane, True)
+        return (32.0 * d) * a + (m - 32.0 * d) * x
 
     @triton.jit
     def _float_dot(base, xb, ok, TY: tl.constexpr):

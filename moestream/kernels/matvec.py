@@ -14,7 +14,7 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, QK_K, GGMLQuantizationType
 
 from moestream.kernels import tuning
 from moestream.kernels.dots import DOTS, FLOAT_BLOCK, FLOAT_DOTS, FLOAT_QTYPES, WORD_BYTES
@@ -306,8 +306,9 @@ def layout(
     check_aligned(qtype, raw)
     if qtype in FLOAT_DOTS:  # a float weight, read in blocks of FLOAT_BLOCK values
         block, type_size, at_most = FLOAT_BLOCK, FLOAT_BLOCK * GGML_QUANT_SIZES[qtype][1], float_at_most
-    else:
+    else:  # blocks of 32 values come several at a time: at_most counts super-blocks' worth of them
         block, type_size = GGML_QUANT_SIZES[qtype]
+        at_most *= max(1, QK_K // block)
     dot = DOTS[qtype] if qtype in DOTS else FLOAT_DOTS[qtype]
     if n_in % block:
         raise ValueError(f"{qtype.name} rows of {n_in} values are not whole blocks of {block}")

@@ -24,6 +24,8 @@ class Weights(Protocol):
 
     def stored(self, name: str) -> Weight: ...
 
+    def __contains__(self, name: object) -> bool: ...  # whether the file has it (optional tensors)
+
 
 class Cache(Protocol):
     """A sequence's state between passes: `kv.update(il, pos0, k, v)` for attention layers and

@@ -159,15 +159,20 @@ class Model:
             return torch.cat([self.attend(il, q[i : i + 1], k[i : i + 1], v[i : i + 1], b, c) for i, (b, c) in rows])
         s, T = self.spec, q.shape[0]
         k, v = k.view(T, s.n_head_kv, s.head_dim), v.view(T, s.n_head_kv, s.head_dim)
-        norms = self.w(il, "attn_q_norm"), self.w(il, "attn_k_norm")
+        norms = self.qk_norms(il)
         if batch.n_keys is None:
-            q = rms_norm_rope(q, norms[0], s.rms_eps, batch.cos, batch.sin)
-            k = rms_norm_rope(k, norms[1], s.rms_eps, batch.cos, batch.sin)
+            q_norm, k_norm = norms or (None, None)
+            q = rms_norm_rope(q, q_norm, s.rms_eps, batch.cos, batch.sin)
+            k = rms_norm_rope(k, k_norm, s.rms_eps, batch.cos, batch.sin)
             k_all, v_all = cache.kv.update(il, batch.pos0, k, v)
             return causal_attention(q, k_all, v_all)  # [T, H, Dh]
         caches = cache.kv.k[il], cache.kv.v[il]  # a static batch writes its rows at device positions
         q = norm_rope_store(q, k, v, norms, s.rms_eps, (batch.cos, batch.sin), caches, batch.positions)
         return masked_attention(q, caches[0][: batch.n_keys], caches[1][: batch.n_keys], batch.positions)
+
+    def qk_norms(self, il: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Layer il's per-head RMSNorm weights of q and k, taken before RoPE (None: the layer has none)."""
+        return self.w(il, "attn_q_norm"), self.w(il, "attn_k_norm")
 
     def moe(
         self, il: int, x: torch.Tensor, experts: ExpertSource, residual: torch.Tensor | None = None

@@ -28,6 +28,8 @@ class ModelSpec:
     rms_eps: float
     n_rot: int = 0  # rotated channels per head; 0 means all of head_dim
     n_ff_shexp: int = 0  # shared expert FFN size; 0 when the architecture has none
+    n_layer_dense_lead: int = 0  # leading layers with a dense FFN instead of experts (glm4moe's first ones)
+    n_layer_nextn: int = 0  # NextN / MTP blocks the file carries after the n_layer trunk: read past, never run
     extra: dict[str, Any] = field(default_factory=dict)  # architecture-specific constants
 
     def __post_init__(self) -> None:
@@ -52,6 +54,11 @@ class ModelSpec:
                 f"{self.arch}.expert_count = {self.n_expert} (a token cannot use more experts than exist); convert "
                 "the model again (or generate it again, for a make-model file)"
             )
+        if not 0 <= self.n_layer_dense_lead < self.n_layer:
+            raise MoestreamError(
+                f"model metadata: {self.n_layer_dense_lead} leading dense layers leave none of the {self.n_layer} "
+                "layers with experts (a slice needs more layers: make-model --layers)"
+            )
         if not 0 <= self.n_rot <= self.head_dim or self.rot_dim % 2:
             raise MoestreamError(
                 f"model metadata: the rotated size (rope.dimension_count {self.n_rot}, else the head size "
@@ -63,6 +70,11 @@ class ModelSpec:
         """Layers with a KV cache: all of them, unless the architecture marks some recurrent."""
         recurrent = self.extra.get("recurrent_layers", (False,) * self.n_layer)
         return [il for il in range(self.n_layer) if not recurrent[il]]
+
+    @property
+    def expert_layers(self) -> list[int]:
+        """Layers with routed experts (what placement streams or keeps resident): all but leading dense ones."""
+        return list(range(self.n_layer_dense_lead, self.n_layer))
 
     @property
     def rot_dim(self) -> int:
@@ -78,8 +90,10 @@ class Preset:
     spec: ModelSpec
     n_ff: int = 0  # the dense FFN size the real config declares (written as metadata, unused by MoE layers)
     tied_output: bool = False
+    chat: str = "chatml"  # the test tokenizer's chat format (formats/tokenizer.tiny_tokenizer_metadata)
     gguf_keys: dict[str, Any] = field(default_factory=dict)  # architecture-specific metadata as stored, minus
     # the `{arch}.` prefix (a reader turns them into spec.extra)
+    omitted: tuple[str, ...] = ()  # optional layer tensors (the architecture's OPTIONAL) the file leaves out
 
 
 MISSING = object()

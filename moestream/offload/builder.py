@@ -145,9 +145,7 @@ def build_offload(
     placements (once its kernel failed, it is not retried); measured: what --small-batch auto timed."""
     pick = pick or RowGather()
     device = opts.model.torch_device
-    tensors = {
-        il: ExpertTensors(tuple(f.tensor(n) for n in arch.expert_tensor_names(il))) for il in range(spec.n_layer)
-    }
+    tensors = {il: ExpertTensors(tuple(f.tensor(n) for n in arch.expert_tensor_names(il))) for il in spec.expert_layers}
     check_expert_counts(opts, spec)
     # the ring of guesses is budgeted where small batches will gather, judged before page-locking is tried
     will_lock = device.type == "cpu" or (opts.placement.host_memory == "pinned" and opts.streaming.stream.page_locks)
@@ -155,7 +153,7 @@ def build_offload(
     fp = _footprint(arch, spec, opts, dense_bytes, tensors, expected)
     n_cpu_moe, note = streamed_layers(opts.placement.n_cpu_moe, spec.n_layer)
     budget = parse_size(opts.placement.vram_budget)
-    sizes = [tensors[il].nbytes for il in range(spec.n_layer)]
+    sizes = [tensors[il].nbytes if il in tensors else 0 for il in range(spec.n_layer)]  # 0: a dense layer
     placement = plan(
         sizes,
         n_cpu_moe,

@@ -110,8 +110,8 @@ class LayerExperts:
             self.prefetcher.prefetch(il, guess, self.counters, timeline)
 
     def streams(self, il: int, n_tokens: int) -> bool:
-        """Whether a micro-batch of n_tokens makes the streamer upload layer il."""
-        return il not in self.resident and n_tokens >= self.plan.min_batch
+        """Whether a micro-batch of n_tokens makes the streamer upload layer il (a layer without experts: no)."""
+        return il in self.tensors and il not in self.resident and n_tokens >= self.plan.min_batch
 
     def capturable(self, n_tokens: int, n_expert_used: int) -> bool:
         """Whether a static pass of n_tokens queues the same device work every time, with no host sync:

@@ -1,8 +1,9 @@
 """Placement: which layers' experts stay in host RAM (streamed) and which live on the GPU, within a budget.
 
-`n_cpu_moe` = N keeps the experts of layers 0..N-1 in the mapped file, as llama.cpp's --n-cpu-moe does;
-with `spread`, N layers spaced evenly through the model instead, so resident layers compute while streamed
-ones upload (with the first N, a one-micro-batch prompt computes every resident layer after the last upload).
+`n_cpu_moe` = N keeps the experts of layers 0..N-1 in the mapped file, as llama.cpp's --n-cpu-moe does (it
+counts blocks: a leading dense layer, which has no experts, counts too); with `spread`, N layers with experts
+spaced evenly through the model instead, so resident layers compute while streamed ones upload (with the first
+N, a one-micro-batch prompt computes every resident layer after the last upload).
 With a VRAM budget and N = "auto", the smallest N whose GPU footprint fits is chosen.
 """
 
@@ -31,21 +32,26 @@ class Footprint:
 @dataclass(frozen=True)
 class Placement:
     n_cpu_moe: int
-    expert_bytes: list[int]  # stored bytes of each layer's experts
+    expert_bytes: list[int]  # stored bytes of each layer's experts; 0 for a layer without (a dense one)
     n_slots: int  # staging slots allocated: Schedule.staging_slots
     spread: bool = False  # stream N evenly spaced layers rather than the first N
 
     @property
+    def expert_layers(self) -> list[int]:
+        return [il for il, n in enumerate(self.expert_bytes) if n]
+
+    @property
     def streamed(self) -> list[int]:
-        n, n_layer = self.n_cpu_moe, len(self.expert_bytes)
+        moe = self.expert_layers
         if not self.spread:
-            return list(range(n))
-        return [int((i + 0.5) * n_layer / n) for i in range(n)]
+            return [il for il in moe if il < self.n_cpu_moe]
+        n = min(self.n_cpu_moe, len(moe))
+        return [moe[int((i + 0.5) * len(moe) / n)] for i in range(n)]
 
     @property
     def resident(self) -> list[int]:
         streamed = set(self.streamed)
-        return [il for il in range(len(self.expert_bytes)) if il not in streamed]
+        return [il for il in self.expert_layers if il not in streamed]
 
     @property
     def slot_bytes(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +35,10 @@ def describe(f: GGUFFile):
     except (ValueError, TypeError) as e:  # a count that is no number, a list where a number belongs...
         raise MoestreamError(f"{f.path}: model metadata is malformed ({e}); the file is damaged") from None
     expected = arch.tensor_shapes(spec, tied_output="output.weight" not in f.tensors)
+    optional = getattr(arch, "OPTIONAL", ())  # a layer's tensors the file may lack (llama.cpp: not required)
     for name, shape in expected.items():
+        if name not in f.tensors and (_layer_part(name) in optional or _block(name) >= spec.n_layer):
+            continue  # an absent optional tensor, or a NextN block left out (a trunk-only conversion)
         t = f.tensor(name)  # a missing tensor is a named error
         if _squeezed(t.shape) != _squeezed(shape):  # {n, 1}, {n} and {n, 1, 1, 1} are the same tensor
             raise MoestreamError(
@@ -54,7 +58,33 @@ def describe(f: GGUFFile):
             f"{f.path}: {len(extra)} tensors are not part of a {spec.arch} model of {spec.n_layer} layers (first: "
             f"{extra[0]}); the metadata and the weights disagree (llama.cpp refuses such a file too)"
         )
+    _skip_nextn(f, spec)
     return arch, spec
+
+
+def _block(name: str) -> int:
+    """The block index of a `blk.N.*` tensor, -1 for the others."""
+    parts = name.split(".")
+    return int(parts[1]) if parts[0] == "blk" and parts[1].isdigit() else -1
+
+
+def _layer_part(name: str) -> str:
+    """`attn_q.bias` of `blk.3.attn_q.bias`."""
+    return name.split(".", 2)[2] if _block(name) >= 0 else name
+
+
+def _skip_nextn(f: GGUFFile, spec: ModelSpec) -> None:
+    """The NextN / MTP blocks after the trunk (their shapes checked above) leave the file's tensor map, so no
+    layer loads them: moestream runs the trunk (llama.cpp too, unless asked to draft tokens with them)."""
+    nextn = [name for name in f.tensors if _block(name) >= spec.n_layer]
+    for name in nextn:
+        del f.tensors[name]
+    if spec.n_layer_nextn:
+        warnings.warn(
+            f"{f.path}: skipping {spec.n_layer_nextn} NextN (multi-token prediction) layer(s) after the "
+            f"{spec.n_layer}-layer trunk ({len(nextn)} tensors): moestream runs the trunk and drafts no tokens",
+            stacklevel=3,
+        )
 
 
 def _squeezed(shape) -> tuple[int, ...]:
@@ -85,7 +115,7 @@ def load(
         if before_weights is not None:
             before_weights(tokenizer, opts.model.context(spec.n_ctx_train), spec)
         device, dtype = opts.model.torch_device, opts.model.torch_dtype
-        host = {n for il in range(spec.n_layer) for n in arch.expert_tensor_names(il)} | {"token_embd.weight"}
+        host = {n for il in spec.expert_layers for n in arch.expert_tensor_names(il)} | {"token_embd.weight"}
         dense = {name: t for name, t in f.tensors.items() if name not in host}
         if "output.weight" not in dense:  # tied: the head reads the embedding matrix, so it goes to the device
             dense["output.weight"] = f.tensor("token_embd.weight")
@@ -130,5 +160,9 @@ def load_tokenizer(f: GGUFFile):
 
 
 def expert_bytes_per_layer(f: GGUFFile, spec: ModelSpec) -> list[int]:
+    """Stored bytes of each layer's routed experts; 0 for a layer without (a leading dense one)."""
     arch = architecture(f.architecture, f.path)
-    return [sum(f.tensor(n).nbytes for n in arch.expert_tensor_names(il)) for il in range(spec.n_layer)]
+    sizes = [0] * spec.n_layer
+    for il in spec.expert_layers:
+        sizes[il] = sum(f.tensor(n).nbytes for n in arch.expert_tensor_names(il))
+    return sizes

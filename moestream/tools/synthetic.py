@@ -13,67 +13,39 @@ import zlib
 from collections import deque
 from typing import Any
 
-import gguf
 import numpy as np
 
 from moestream.errors import MoestreamError
-from moestream.formats.quantize import quantize
+from moestream.formats.quantize import QUANTIZABLE, quantize
 from moestream.formats.tokenizer import tiny_tokenizer_metadata
 from moestream.formats.writer import TensorPlan, write_gguf
 from moestream.models.registry import architecture
 from moestream.models.spec import Preset
-
-Q = gguf.GGMLQuantizationType
-QUANTS = ("F32", "BF16", "Q8_0", "Q4_K_M")
-FILE_TYPES = {"F32": 0, "BF16": 32, "Q8_0": 7, "Q4_K_M": 15}  # llama.cpp's general.file_type codes
-FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}  # rows not a multiple of 256, as llama.cpp does
+from moestream.tools.recipes import Facts, Recipe, recipe, tensor_types
 
 
-def preset_metadata(p: Preset, quant: str) -> dict[str, Any]:
-    """General keys, the architecture's `{arch}.*` keys and a test tokenizer."""
+def preset_metadata(p: Preset, r: Recipe, seed: int = 0) -> dict[str, Any]:
+    """General keys (what made the file among them), the architecture's `{arch}.*` keys and a test tokenizer."""
     meta: dict[str, Any] = {
         "general.architecture": p.spec.arch,
         "general.name": f"moestream-generated {p.name}",
-        "general.file_type": FILE_TYPES[quant],
+        "general.description": description(p, r, seed),
+        "general.file_type": int(r.file_type),
         "general.quantization_version": 2,
     }
-    return meta | architecture(p.spec.arch).metadata(p) | tiny_tokenizer_metadata(p.spec.n_vocab)
+    return meta | architecture(p.spec.arch).metadata(p) | tiny_tokenizer_metadata(p.spec.n_vocab, p.chat)
 
 
-def _use_more_bits(i: int, n: int) -> bool:
-    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
-
-
-def tensor_type(name: str, shape: tuple[int, ...], quant: str, n_layer: int) -> Q:
-    """The type a llama.cpp quantization of this preset gives the tensor."""
-    # the converter keeps routers, shared-expert gates, convolutions and non-weights (ssm_a, ssm_dt) in F32
-    if (
-        len(shape) == 1
-        or not name.endswith(".weight")
-        or "ffn_gate_inp" in name
-        or "ssm_conv1d" in name
-        or quant == "F32"
-    ):
-        return Q.F32
-    if quant == "BF16":
-        return Q.BF16
-    if quant == "Q8_0":
-        qtype = Q.Q8_0
-    else:  # Q4_K_M
-        il = int(name.split(".")[1]) if name.startswith("blk.") else -1
-        more = il >= 0 and _use_more_bits(il, n_layer)
-        if name == "output.weight" or (more and ("attn_v." in name or "ffn_down" in name)):
-            qtype = Q.Q6_K
-        elif "attn_qkv." in name:
-            qtype = Q.Q5_K
-        else:
-            qtype = Q.Q4_K
-    block = gguf.GGML_QUANT_SIZES[qtype][0]
-    if shape[-1] % block:
-        qtype = FALLBACK.get(qtype, qtype)
-    if shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:
-        qtype = Q.F16
-    return qtype
+def description(p: Preset, r: Recipe, seed: int) -> str:
+    """How the file was made: a reader must not take its blocks for a real quantization's."""
+    text = f"moestream make-model: random weights (preset {p.name}, seed {seed})"
+    if not r.quantized:
+        return f"{text}, stored in {r.name}"
+    imatrix = " (as with an importance matrix, which llama.cpp requires for it)" if r.imatrix else ""
+    return (
+        f"{text}; the tensor types of llama.cpp's {r.name} recipe{imatrix}; blocks from moestream's quick "
+        "quantizer (min/max scales, nearest grid points), no importance matrix"
+    )
 
 
 def init_std(name: str, shape: tuple[int, ...], n_layer: int) -> float:
@@ -96,6 +68,8 @@ def _float_rows(name: str, shape: tuple[int, ...], n_layer: int, seed: int, part
     size = (n_rows, shape[-1])
     if name.endswith(".ssm_a"):  # -exp(A_log): decay rates from slow to fast, as transformers initialises A
         return -rng.uniform(0.01, 16, size).astype(np.float32)
+    if name.endswith(".bias") or "attn_sinks" in name:  # biases and gpt-oss's sinks: around zero
+        return rng.standard_normal(size, dtype=np.float32)
     if len(shape) == 1:  # norm weights and dt bias: near one
         return (1.0 + 0.05 * rng.standard_normal(size, dtype=np.float32)).astype(np.float32)
     return init_std(name, shape, n_layer) * rng.standard_normal(size, dtype=np.float32)
@@ -118,16 +92,25 @@ def _chunks(p: TensorPlan, n_layer: int, seed: int) -> list[tuple]:
 def make_model(
     out: str | os.PathLike[str], preset: Preset, quant: str = "Q4_K_M", seed: int = 0, progress: bool = True
 ) -> None:
-    """Write a generated model of the preset to `out`, one tensor at a time."""
-    if quant not in QUANTS:
-        raise MoestreamError(f"--quant {quant}: choose from {', '.join(QUANTS)}")
+    """Write a generated model of the preset to `out` in a llama.cpp recipe (--quant), one tensor at a time."""
+    r = recipe(quant)
     if seed < 0:
         raise MoestreamError(f"--seed {seed}: give a seed of 0 or more")
     arch = architecture(preset.spec.arch)
-    meta = preset_metadata(preset, quant)
+    meta = preset_metadata(preset, r, seed)
     spec = arch.read_spec(meta, preset.spec.n_vocab)  # the spec a reader of the file will see
     shapes = arch.tensor_shapes(spec, tied_output=preset.tied_output)
-    plans = [TensorPlan(n, tensor_type(n, s, quant, preset.spec.n_layer), s) for n, s in shapes.items()]
+    types = tensor_types(shapes, r, Facts.of(spec, shapes))
+    if lacking := sorted({q for q in types.values() if q not in QUANTIZABLE}):
+        raise MoestreamError(
+            f"--quant {r.name}: moestream cannot write {', '.join(q.name for q in lacking)} blocks yet (no "
+            f"quantizer for that type); choose another recipe"
+        )
+    plans = [
+        TensorPlan(n, types[n], s)
+        for n, s in shapes.items()
+        if not (n.startswith("blk.") and n.split(".", 2)[2] in preset.omitted)
+    ]
 
     tasks = {p.name: _chunks(p, preset.spec.n_layer, seed) for p in plans}
     workers = min(os.cpu_count() or 1, 32)

@@ -78,3 +78,22 @@ def test_replays_in_a_cuda_graph():
         pos.copy_(torch.tensor(positions))
         graph.replay()
         assert worst_error(out, q, k, v, pos) < 2e-2
+
+
+SINK_CASES = [  # T, H, Hkv, Dh, S, positions, window: gpt-oss's sinks, alone and with a sliding window
+    (2, 8, 2, 64, 300, [5, 299], 0),  # one chunk
+    (3, 8, 2, 64, 300, [0, 130, 299], 128),  # one chunk, the window cutting blocks before it
+    (2, 16, 2, 64, 8192, [100, 8000], 0),  # several chunks: the sink joins the combine
+    (2, 16, 2, 64, 8192, [100, 8000], 128),  # several chunks, all but one or two before the window
+    (2, 12, 4, 32, 2048, [1000, 2047], 7),  # an odd window
+]
+
+
+@pytest.mark.parametrize("T,H,Hkv,Dh,S,positions,window", SINK_CASES)
+def test_sinks_and_window_match_masked_attention(T, H, Hkv, Dh, S, positions, window):
+    q, k, v, pos = inputs(T, H, Hkv, Dh, S, positions, torch.float32)
+    sinks = torch.randn(H, device=DEVICE) * 3  # some heads' sinks outweigh every key
+    got = attention(q, k, v, pos, sinks, window)
+    ref = masked_attention(q.cpu(), k.cpu(), v.cpu(), pos.cpu(), sinks.cpu(), window)  # SDPA with a float mask
+    err = float(((got.cpu() - ref).abs().amax(dim=(1, 2)) / ref.abs().amax(dim=(1, 2))).max())
+    assert err < 1e-4, f"{err:.2e}"

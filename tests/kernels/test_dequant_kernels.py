@@ -5,13 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from block_patterns import F16_FIELDS, bit_patterns
 from gguf import GGMLQuantizationType as Q
+from kernel_devices import DEVICE, gpu_or_interpreter
 
 from moestream.formats import quants
 from moestream.formats.quantize import quantize
-from moestream.kernels.dequant import TILES, dequantize
+from moestream.kernels.dequant import TILES, dequantize, tiled
 from moestream.kernels.launch import triton
 
+EXACT_TILES = {Q.MXFP4}
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -37,6 +40,21 @@ def test_kernel_matches_reference(qtype):
     got16 = dequantize(raw, qtype, x.shape, torch.bfloat16).float()
     assert float((got16 - ref16).abs().max() / ref16.abs().max()) < 1e-2
     assert float((got16 != ref16).float().mean()) < 1e-3  # only FMA-rounding ties may differ
+
+
+@pytest.mark.gpu
+@gpu_or_interpreter
+@pytest.mark.parametrize("qtype", sorted(F16_FIELDS), ids=lambda t: t.name)
+def test_tiles_read_every_bit_pattern(qtype):
+    """The other types' tiles against the reference over all their bit patterns: within float32 rounding (a
+    tile may fuse a multiply and an add), bit for bit where a tile has no sum to fuse (MXFP4)."""
+    shape = (5, 3, 512)
+    stored = torch.from_numpy(bit_patterns(np.random.default_rng(9), qtype, shape[:-1], shape[-1]))
+    ref = quants.dequantize(stored, qtype, shape, torch.float32)
+    got = tiled(stored.to(DEVICE), qtype, shape, torch.float32).cpu()
+    if qtype in EXACT_TILES:
+        assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), qtype.name
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-6, qtype.name
 
 
 def test_cpu_takes_the_reference_path():

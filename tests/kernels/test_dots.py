@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from block_patterns import F16_FIELDS, bit_patterns
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from kernel_devices import DEVICE, as_kernel_rounds, gpu_or_interpreter
 
@@ -46,10 +48,12 @@ def _k_bit_patterns(rng: np.random.Generator, rows: tuple[int, ...], n_in: int, 
 
 
 def _bit_patterns(rng: np.random.Generator, qtype: Q, rows: tuple[int, ...], n_in: int) -> np.ndarray:
-    """Rows of qtype (a K-quant) over all its bit patterns, as the two functions above make them."""
+    """Rows of qtype over all its bit patterns, as the two functions above (or block_patterns) make them."""
     if qtype == Q.Q6_K:
         return _q6_k_bit_patterns(rng, rows, n_in)
-    return _k_bit_patterns(rng, rows, n_in, {Q.Q4_K: 144, Q.Q5_K: 176}[qtype])
+    if qtype in (Q.Q4_K, Q.Q5_K):
+        return _k_bit_patterns(rng, rows, n_in, {Q.Q4_K: 144, Q.Q5_K: 176}[qtype])
+    return bit_patterns(rng, qtype, rows, n_in)
 
 
 @pytest.mark.gpu
@@ -78,10 +82,33 @@ def test_k_quant_dots_read_every_bit_pattern(qtype, n_in, stacked):
 
 @pytest.mark.gpu
 @gpu_or_interpreter
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K])
+@pytest.mark.parametrize("qtype", sorted(F16_FIELDS), ids=lambda t: t.name)
+@pytest.mark.parametrize("stacked", [False, True])
+@pytest.mark.parametrize("n_blocks", [3, 8, 16])  # one block at a time (rows off word boundaries); a tile; two
+def test_dots_read_every_bit_pattern(qtype, n_blocks, stacked):
+    """The other types' dots against the dequantized product, in float32, over all their bit patterns."""
+    n_in = n_blocks * GGML_QUANT_SIZES[qtype][0]
+    rng = np.random.default_rng(8)
+    stored = bit_patterns(rng, qtype, (3, 19) if stacked else (19,), n_in)  # 19: a partial tile
+    W = quants.dequantize(torch.from_numpy(stored), qtype, (*stored.shape[:-1], n_in), torch.float32).double()
+    raw = torch.from_numpy(stored).to(DEVICE)
+    x = torch.randn(2, n_in, generator=torch.Generator().manual_seed(n_in))
+    if stacked:
+        mats = torch.tensor([2, 0])
+        got = matvec(raw, qtype, 19, x.to(DEVICE), mats.to(DEVICE)).cpu()
+        ref = torch.einsum("pod,pd->po", W[mats], x.double())
+    else:
+        got = matvec(raw, qtype, 19, x.to(DEVICE)).cpu()
+        ref = x.double() @ W.T
+    assert float((got.double() - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
+@pytest.mark.gpu
+@gpu_or_interpreter
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, *sorted(F16_FIELDS)], ids=lambda t: t.name)
 def test_a_bfloat16_x_read_packed_gives_the_bits_of_reading_it_as_float32(qtype):
-    """The K-quant dots read a bfloat16 x 4 (Q6_K: 2) values a load and take each apart by shifts: the float32
-    sums must be those of the same values read one by one as float32, so the rounded results are equal."""
+    """The dots read a bfloat16 x 4 (Q6_K: 2) values a load and take each apart by shifts: the float32 sums
+    must be those of the same values read one by one as float32, so the rounded results are equal."""
     rng = np.random.default_rng(7)
     stored = _bit_patterns(rng, qtype, (4, 19), 2048)
     raw = torch.from_numpy(stored).to(DEVICE)

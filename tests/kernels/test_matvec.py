@@ -13,7 +13,7 @@ from moestream.formats import quants
 from moestream.formats.quantize import quantize
 from moestream.kernels import matvec as mv
 from moestream.kernels import tuning
-from moestream.kernels.dots import FLOAT_QTYPES
+from moestream.kernels.dots import DOTS, FLOAT_QTYPES
 from moestream.kernels.matvec import matvec
 from moestream.offload.host import PinnedRanges
 
@@ -49,7 +49,7 @@ def test_blocks_off_word_alignment_are_refused():
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0])
+@pytest.mark.parametrize("qtype", sorted(DOTS), ids=lambda t: t.name)
 @pytest.mark.parametrize("where", ["device", "host"])
 @pytest.mark.parametrize("n_in", [768, 2048])  # K-quants: 3 blocks a row, one at a time; 8, loaded together
 def test_matvec_matches_dequantized_product(qtype, where, n_in, own_pages):

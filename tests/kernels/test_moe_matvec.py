@@ -80,6 +80,27 @@ def test_each_token_of_a_launch_gets_the_bits_it_gets_alone(K):
         assert torch.equal(dense[t : t + 1], matvec(raws[0][0], Q.Q4_K, F, x[t : t + 1]))
 
 
+@pytest.mark.gpu
+@gpu_or_interpreter
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.MXFP4], ids=lambda t: t.name)
+def test_swiglu_picked_takes_each_types_experts(qtype):
+    """gate, up and down of every type with a dot through the three launches, against the dequantized experts."""
+    E, F_, D, T, K = 3, 256, 256, 2, 2
+    rng = np.random.default_rng(5)
+    shapes = ((E, F_, D), (E, F_, D), (E, D, F_))
+    stored = [quantize((rng.standard_normal(s) * 0.05).astype(np.float32), qtype) for s in shapes]
+    W = [quants.dequantize(torch.from_numpy(s), qtype, sh, torch.float32) for s, sh in zip(stored, shapes, strict=True)]
+    x = torch.randn(T, D)
+    ids = torch.tensor([[2, 0], [1, 2]])
+    weights = torch.rand(T, K)
+    mv = [lambda picks, rows, w=w: torch.einsum("pod,pd->po", w[picks], rows) for w in W]
+    ref = moe_swiglu_picked(x, weights, ids, *mv)
+    assert moe_matvec.fuses((qtype,) * 3)
+    raws = [torch.from_numpy(s).to(DEVICE) for s in stored]
+    got = moe_matvec.swiglu_picked(x.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE), raws, (qtype,) * 3, F_).cpu()
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
 def _experts_case(dtype: torch.dtype, seed: int, F: int, T: int, E: int = 4, D: int = 256, K: int = 2) -> tuple:
     """E experts (gate, up Q4_K; down Q6_K) of width F, T tokens routed to K of them, and a residual."""
     rng = np.random.default_rng(seed)

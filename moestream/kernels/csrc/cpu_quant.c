@@ -1,4 +1,4 @@
-/* Quantized matrix-vector products on the CPU, straight from GGUF blocks (Q4_K, Q6_K, Q8_0).
+/* Quantized matrix-vector products on the CPU, straight from GGUF blocks (the types block_bytes names).
  *
  * y[p][r] = sum_i W[mats[p]][r][i] * x[p][i], for the experts a small batch chose, read where they lie (the
  * memory-mapped file): no dequantized copy. Each block is unpacked to floats on the stack and multiplied in
@@ -8,7 +8,7 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { Q4_K = 12, Q6_K = 14, Q8_0 = 8 };
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q6_K = 14, MXFP4 = 39 };
 
 static float f16(const uint8_t *p) {
     uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
@@ -73,15 +73,96 @@ static void q8_0_block(const uint8_t *b, float *out) {
     for (int l = 0; l < 32; l++) out[l] = d * (int8_t)b[2 + l];
 }
 
+/* The 32-value blocks: d (and m) fp16, then for the _1 types' fifth bits a little-endian uint32 (bit j: value
+ * j), then 16 bytes of nibbles (low: values 0..15, high: 16..31). */
+static void q4_0_block(const uint8_t *b, float *out) {
+    const float d = f16(b);
+    for (int l = 0; l < 16; l++) {
+        out[l] = d * ((b[2 + l] & 15) - 8);
+        out[l + 16] = d * ((b[2 + l] >> 4) - 8);
+    }
+}
+
+static void q4_1_block(const uint8_t *b, float *out) {
+    const float d = f16(b), m = f16(b + 2);
+    for (int l = 0; l < 16; l++) {
+        out[l] = d * (b[4 + l] & 15) + m;
+        out[l + 16] = d * (b[4 + l] >> 4) + m;
+    }
+}
+
+static uint32_t fifth_bits(const uint8_t *p) { return p[0] | p[1] << 8 | p[2] << 16 | (uint32_t)p[3] << 24; }
+
+static void q5_0_block(const uint8_t *b, float *out) {
+    const float d = f16(b);
+    const uint32_t qh = fifth_bits(b + 2);
+    for (int l = 0; l < 16; l++) {
+        out[l] = d * (int)(((b[6 + l] & 15) | ((qh >> l) & 1) << 4) - 16);
+        out[l + 16] = d * (int)(((b[6 + l] >> 4) | ((qh >> (l + 16)) & 1) << 4) - 16);
+    }
+}
+
+static void q5_1_block(const uint8_t *b, float *out) {
+    const float d = f16(b), m = f16(b + 2);
+    const uint32_t qh = fifth_bits(b + 4);
+    for (int l = 0; l < 16; l++) {
+        out[l] = d * ((b[8 + l] & 15) | ((qh >> l) & 1) << 4) + m;
+        out[l + 16] = d * ((b[8 + l] >> 4) | ((qh >> (l + 16)) & 1) << 4) + m;
+    }
+}
+
+static const int8_t E2M1_DOUBLED[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+static float e8m0_half(uint8_t e) { /* half the scale 2^(e - 127): 2^(e - 128), a subnormal for e 0 and 1 */
+    uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static void mxfp4_block(const uint8_t *b, float *out) {
+    const float d = e8m0_half(b[0]);
+    for (int l = 0; l < 16; l++) {
+        out[l] = d * E2M1_DOUBLED[b[1 + l] & 15];
+        out[l + 16] = d * E2M1_DOUBLED[b[1 + l] >> 4];
+    }
+}
+
+/* Bytes a block of qtype takes (and *elems the values it holds); 0 for a type this file does not know. */
+static int block_bytes(int qtype, int *elems) {
+    switch (qtype) {
+    case Q4_K: *elems = 256; return 144;
+    case Q6_K: *elems = 256; return 210;
+    case Q4_0: *elems = 32; return 18;
+    case Q4_1: *elems = 32; return 20;
+    case Q5_0: *elems = 32; return 22;
+    case Q5_1: *elems = 32; return 24;
+    case Q8_0: *elems = 32; return 34;
+    case MXFP4: *elems = 32; return 17;
+    }
+    return 0;
+}
+
+static void expand(int qtype, const uint8_t *b, float *out) {
+    switch (qtype) {
+    case Q4_K: q4_k_block(b, out); break;
+    case Q6_K: q6_k_block(b, out); break;
+    case Q4_0: q4_0_block(b, out); break;
+    case Q4_1: q4_1_block(b, out); break;
+    case Q5_0: q5_0_block(b, out); break;
+    case Q5_1: q5_1_block(b, out); break;
+    case Q8_0: q8_0_block(b, out); break;
+    case MXFP4: mxfp4_block(b, out); break;
+    }
+}
+
 /* One row of n_blocks blocks against x. */
 static float row_dot(int qtype, const uint8_t *row, int64_t n_blocks, const float *x) {
     float w[256], acc = 0.0f;
-    const int elems = qtype == Q8_0 ? 32 : 256, size = qtype == Q4_K ? 144 : qtype == Q6_K ? 210 : 34;
+    int elems;
+    const int size = block_bytes(qtype, &elems);
     for (int64_t j = 0; j < n_blocks; j++) {
-        const uint8_t *b = row + j * size;
-        if (qtype == Q4_K) q4_k_block(b, w);
-        else if (qtype == Q6_K) q6_k_block(b, w);
-        else q8_0_block(b, w);
+        expand(qtype, row + j * size, w);
         const float *xs = x + j * elems;
         float part = 0.0f;
 #pragma omp simd reduction(+ : part)
@@ -94,8 +175,9 @@ static float row_dot(int qtype, const uint8_t *row, int64_t n_blocks, const floa
 /* Returns 0, or -1 for a type this file does not know. */
 int matvec_picked(const uint8_t *w, int qtype, int64_t n_out, int64_t n_in, int64_t row_bytes, const int64_t *mats,
                   int64_t n_pick, const float *x, float *y, int n_threads) {
-    if (qtype != Q4_K && qtype != Q6_K && qtype != Q8_0) return -1;
-    const int64_t elems = qtype == Q8_0 ? 32 : 256, n_blocks = n_in / elems;
+    int elems;
+    if (!block_bytes(qtype, &elems)) return -1;
+    const int64_t n_blocks = n_in / elems;
 #pragma omp parallel for collapse(2) schedule(static) num_threads(n_threads)
     for (int64_t p = 0; p < n_pick; p++) {
         for (int64_t r = 0; r < n_out; r++) {
