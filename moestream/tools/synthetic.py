@@ -6,6 +6,7 @@ sees distinct inputs per token and spreads them over all experts the way a train
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import os
 import signal
@@ -22,6 +23,8 @@ from moestream.formats.writer import TensorPlan, write_gguf
 from moestream.models.registry import architecture
 from moestream.models.spec import Preset
 from moestream.tools.recipes import Facts, Recipe, recipe, tensor_types
+
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent ends
 
 
 def preset_metadata(p: Preset, r: Recipe, seed: int = 0) -> dict[str, Any]:
@@ -116,7 +119,7 @@ def make_model(
     workers = min(os.cpu_count() or 1, 32)
     # big files: worker processes generate and quantize chunks (numpy holds the GIL too often for threads)
     many = workers > 1 and max(map(len, tasks.values())) > 1
-    pool = mp.get_context("fork").Pool(workers, initializer=_leave_interrupts) if many else None
+    pool = _worker_pool(workers) if many else None
     queued = iter([t for p in plans for t in tasks[p.name]])  # every chunk, in file order
     pending: deque = deque()  # chunks the workers are making, oldest first
 
@@ -142,6 +145,22 @@ def make_model(
             pool.join()
 
 
-def _leave_interrupts() -> None:
-    """A worker ignores Ctrl-C: the writing process stops them (else each prints its own traceback)."""
+def _worker_pool(workers: int) -> mp.pool.Pool:
+    """Worker processes that leave Ctrl-C to this one (it stops them: else each prints its own traceback) and
+    die with it. SIGINT is blocked while they fork, so none is born able to take it; a worker forked later (the
+    pool replaces one that dies) comes from the pool's own thread, which keeps that mask."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        return mp.get_context("fork").Pool(workers, initializer=_worker_start, initargs=(os.getpid(),))
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # a Ctrl-C that came meanwhile is delivered now
+
+
+def _worker_start(parent: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    # killed when the process that forked it ends, however it ends: a worker ignores Ctrl-C, and its siblings
+    # hold its task pipe open, so nothing else would end one left behind
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0 or os.getppid() != parent:
+        os._exit(1)  # no death signal, or the parent is already gone
