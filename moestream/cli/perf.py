@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from moestream.cli.args import at_least, check_engine, check_model_path, engine_options, writable
 from moestream.errors import MoestreamError
@@ -66,6 +67,7 @@ def cmd_bench(a: argparse.Namespace) -> None:
             engine,
             sweep,
             progress=(lambda r: print(report.md_row(r, info), flush=True)) if fmt == "md" else None,
+            say=lambda text: print(f"moestream: bench: {text}", file=sys.stderr, flush=True),
         )
     finally:
         engine.close()
@@ -137,7 +139,13 @@ def cmd_profile(a: argparse.Namespace) -> None:
     try:
         tokens = random_prompt(a.n_prompt, engine.spec.n_vocab)
         for schedule in a.stream or ["serial", "overlap"]:
-            r = profile_pass(engine, tokens, schedule, a.repetitions)
+            r = profile_pass(
+                engine,
+                tokens,
+                schedule,
+                a.repetitions,
+                say=lambda text: print(f"moestream: profile: {text}", file=sys.stderr, flush=True),
+            )
             results.append(r)
             print(
                 f"\n== {schedule}: pp{a.n_prompt} ub{opts.model.ubatch} ncmoe {engine.offload.placement.n_cpu_moe}: "

@@ -127,8 +127,9 @@ def _measure(engine, test: str, tokens: list[int], repeats: int) -> _Measured:
     )
 
 
-def run_bench(engine, sweep: Sweep, progress=None) -> tuple[list[BenchRow], float]:
-    """Every combination of the lists; returns the rows and the pinned link rate (bytes/s) measured first."""
+def run_bench(engine, sweep: Sweep, progress=None, say=None) -> tuple[list[BenchRow], float]:
+    """Every combination of the lists; returns the rows and the pinned link rate (bytes/s) measured first.
+    progress(row) is called as each row finishes, say(text) as each test starts (a row can take minutes)."""
     f = engine.source
     size = f.path.stat().st_size / 2**30
     name = f.metadata.get("general.name", f.path.name)
@@ -139,10 +140,14 @@ def run_bench(engine, sweep: Sweep, progress=None) -> tuple[list[BenchRow], floa
     compute_floor: dict[tuple[str, int], float] = {}
     w = sweep
     tests = [(f"pp{p}", p) for p in w.prompts if p > 0] + [(f"tg{n}", n) for n in w.gens if n > 0]
-    for placed in w.placements():
+    combos = w.placements()
+    for i, placed in enumerate(combos):
         engine.setup.reconfigure(**placed, progress=False)
         ub, stream, k, pick = (placed[key] for key in ("ubatch", "stream", "slots", "streamed_layers"))
         for test, n in tests:
+            if say:
+                shown = " ".join(f"{key} {value}" for key, value in placed.items() if value is not None)
+                say(f"placement {i + 1}/{len(combos)}, {test} x {w.repeats} after a warm-up: {shown}")
             tokens = random_prompt(n, engine.spec.n_vocab)
             m = _measure(engine, test, tokens, w.repeats)
             secs = statistics.mean(m.times)
