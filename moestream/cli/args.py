@@ -11,9 +11,6 @@ from moestream.errors import MoestreamError
 from moestream.formats.model_file import check_model_file
 from moestream.options import Options, SmallBatch
 
-# The help names the default itself (the flag's own default is None: "not given"). Formatting this renders
-# nothing, and its presence keeps argparse's "(default: None)" from being appended.
-OWN_DEFAULT = "%(default).0s"
 LISTS = ("ubatch", "n_cpu_moe", "streamed_layers", "stream", "slots", "prefetch", "expert_cache")  # bench's
 
 
@@ -47,9 +44,7 @@ def engine_flags(p: argparse.ArgumentParser, lists: tuple[str, ...] = ()) -> Non
     p.add_argument(
         "-ub", "--ubatch", "--ubatch-size", **typed("ubatch", int, int_list, 512), help="prefill micro-batch size"
     )
-    p.add_argument(
-        "-c", "--ctx", "--ctx-size", type=int, default=None, help="context size in tokens (default 4096)" + OWN_DEFAULT
-    )
+    p.add_argument("-c", "--ctx", "--ctx-size", type=int, default=None, help="context size in tokens (default 4096)")
     p.add_argument(
         "-ncmoe",
         "--n-cpu-moe",

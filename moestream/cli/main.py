@@ -17,7 +17,6 @@ from pathlib import Path
 
 from moestream.cli.args import (
     LISTS,
-    OWN_DEFAULT,
     at_least,
     check_engine,
     check_model_path,
@@ -53,6 +52,18 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"moestream: error: {message} (`{self.prog} --help` lists the flags)\n")
 
 
+class _Help(argparse.HelpFormatter):
+    """Each flag's default said once: appended unless the help names it already (a default that depends on the
+    machine or the environment) or there is none to say (unset, off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text, default = action.help or "", action.default
+        if "default" in text or default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        shown = ",".join(map(str, default)) if isinstance(default, list) else str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from moestream import __version__
 
@@ -62,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add = sub.add_parser
 
     def add_command(*args, **kwargs) -> argparse.ArgumentParser:
-        command = _add(*args, formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kwargs)
+        command = _add(*args, formatter_class=_Help, **kwargs)
         command.add_argument("--version", action="version", version=f"moestream {__version__}")
         return command
 
@@ -85,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--repeat-last-n", type=int, default=64, help="recent tokens the penalties look at (0: off)")
     run.add_argument("--presence-penalty", type=float, default=0.0, help="subtracted from each recent token")
     run.add_argument("--frequency-penalty", type=float, default=0.0, help="subtracted per use of a recent token")
-    run.add_argument("-s", "--seed", type=int, default=None, help="sampling seed (-1 or unset: random)" + OWN_DEFAULT)
+    run.add_argument("-s", "--seed", type=int, default=None, help="sampling seed (default -1: random)")
     run.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-text tokens")
     run.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     run.add_argument(
@@ -101,9 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="architecture, shapes, quant mix and expert bytes of a model file")
     model_path(info)
     info.add_argument("--routing", action="store_true", help="also print per-layer expert load on a random prompt")
-    info.add_argument(
-        "--tokens", type=int, default=None, help="prompt length for --routing (default 2048)" + OWN_DEFAULT
-    )
+    info.add_argument("--tokens", type=int, default=None, help="prompt length for --routing (default 2048)")
     info.add_argument("--device", default="auto", help="where --routing runs: cpu, cuda or cuda:N")
 
     bench = sub.add_parser("bench", help="prefill/decode tokens/s per placement and schedule, against the floors")
@@ -238,8 +247,8 @@ def cmd_run(a: argparse.Namespace) -> None:
 
 def _print_stats(gen) -> None:
     print(
-        f"prompt {len(gen.prompt_tokens)} tokens, {gen.prefill_tps:.1f} tok/s | "
-        f"generated {len(gen.tokens)} tokens, {gen.decode_tps:.1f} tok/s | stop: {gen.stop_reason}",
+        f"prompt {_count(len(gen.prompt_tokens), 'token')}, {gen.prefill_tps:.1f} tok/s | "
+        f"generated {_count(len(gen.tokens), 'token')}, {gen.decode_tps:.1f} tok/s | stop: {gen.stop_reason}",
         file=sys.stderr,
     )
 
@@ -392,7 +401,7 @@ def cmd_make_model(a: argparse.Namespace) -> None:
 
     preset = get_preset(a.preset, a.layers)
     make_model(a.out, preset, quant=a.quant, seed=a.seed)
-    print(f"wrote {a.out}: preset {preset.name}, {preset.spec.n_layer} layers, {recipe(a.quant).name}")
+    print(f"wrote {a.out}: preset {preset.name}, {_count(preset.spec.n_layer, 'layer')}, {recipe(a.quant).name}")
 
 
 # Each command: the check of every value (settling some into the namespace), run before torch is imported, so a
