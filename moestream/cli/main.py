@@ -109,11 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     refuse_llama_flags(run, "run")
 
-    info = sub.add_parser("info", help="architecture, shapes, quant mix and expert bytes of a model file")
+    info = sub.add_parser("info", help="architecture, shapes, tensor types and expert bytes of a model file")
     model_path(info)
     info.add_argument("--routing", action="store_true", help="also print per-layer expert load on a random prompt")
     info.add_argument("--tokens", type=int, default=None, help="prompt length for --routing (default 2048)")
-    info.add_argument("--device", default="auto", help="where --routing runs: cpu, cuda or cuda:N")
+    info.add_argument(
+        "--device", default="auto", help="whose kernels the tensor types are checked against; runs --routing's prompt"
+    )
 
     bench = sub.add_parser("bench", help="prefill/decode tokens/s per placement and schedule, against the floors")
     engine_flags(bench, lists=LISTS)
@@ -261,6 +263,41 @@ def _size(n: float) -> str:
     return ""
 
 
+def _print_types(metadata: dict, tensors: list) -> None:
+    """The file type and, like llama.cpp's loader, each tensor type's count (with its bytes), largest first."""
+    from moestream.tools.recipes import RECIPES
+
+    code = metadata.get("general.file_type")
+    name = next((r.name for r in RECIPES.values() if r.file_type == code), "not one of llama.cpp's recipes")
+    print(f"file type     {name} (general.file_type {code})" if code is not None else "file type     not recorded")
+    count, size = Counter(), Counter()
+    for t in tensors:
+        count[t.qtype.name] += 1
+        size[t.qtype.name] += t.nbytes
+    for i, (qtype, n) in enumerate(size.most_common()):
+        tensors = f"{count[qtype]} tensor" + ("s" if count[qtype] > 1 else "")
+        print(f"{'tensor types' if i == 0 else '':14}{qtype:8} {tensors:>12} {_size(n):>11}")
+
+
+def _warn_fallbacks(f, s, device: str) -> None:
+    """One warning per tensor type and kernel it lacks on device: which of the tensors that run, and what runs
+    instead."""
+    from moestream.kernels.types import FALLBACKS, fallbacks
+    from moestream.models.registry import architecture
+
+    arch = architecture(s.arch)
+    experts = {n for il in s.expert_layers for n in arch.expert_tensor_names(il)}
+    types = {name: t.qtype for name, t in f.tensors.items()}
+    for (qtype, kernel), names in fallbacks(types, experts, device).items():
+        where = "for experts computed on the CPU (--small-batch cpu)" if kernel == "CPU dot" else f"on {device}"
+        listed = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        print(
+            f"moestream: warning: {qtype.name} has no {kernel} {where}: {FALLBACKS[kernel]} "
+            f"({len(names)} tensors: {listed})",
+            file=sys.stderr,
+        )
+
+
 def check_info(a: argparse.Namespace) -> None:
     from moestream.options import Options
 
@@ -270,18 +307,18 @@ def check_info(a: argparse.Namespace) -> None:
         if not a.routing:
             raise MoestreamError(f"--tokens {a.tokens} is the prompt length of --routing: give --routing too")
     a.tokens = 2048 if a.tokens is None else a.tokens
-    if a.device != "auto":
-        if not a.routing:
-            raise MoestreamError(f"--device {a.device} runs --routing's prompt: give --routing too")
-        Options.check(device=a.device)  # a bad name now, not after the report
+    Options.check(device=a.device)  # a bad name now, not after the report
 
 
 def cmd_info(a: argparse.Namespace) -> None:
     from moestream.formats.gguf import GGUFFile
+    from moestream.options import Options
     from moestream.runtime.loader import describe, expert_bytes_per_layer
 
     tokens = a.tokens
+    device = Options.make(device=a.device).model.device
     with GGUFFile(a.model) as f:
+        stored = list(f.tensors.values())  # describe leaves out NextN blocks, which never run
         _, s = describe(f)
         if a.routing and tokens > s.n_ctx_train:
             raise MoestreamError(
@@ -292,10 +329,7 @@ def cmd_info(a: argparse.Namespace) -> None:
         print(f"layers        {s.n_layer}   hidden {s.n_embd}   vocab {s.n_vocab}   context {s.n_ctx_train}")
         print(f"attention     {s.n_head} heads / {s.n_head_kv} KV heads x {s.head_dim}   rope base {s.rope_base:g}")
         print(f"experts       {s.n_expert}, {s.n_expert_used} used per token, FFN {s.n_ff_exp}")
-        mix = Counter()
-        for t in f.tensors.values():
-            mix[t.qtype.name] += t.nbytes
-        print("quant mix     " + ", ".join(f"{k} {_size(v)}" for k, v in mix.most_common()))
+        _print_types(f.metadata, stored)
         per_layer = expert_bytes_per_layer(f, s)
         print(
             f"expert bytes  {_size(sum(per_layer))} total; per layer: "
@@ -303,6 +337,7 @@ def cmd_info(a: argparse.Namespace) -> None:
             + (" ..." if len(per_layer) > 8 else "")
         )
         print(f"other bytes   {_size(sum(t.nbytes for t in f.tensors.values()) - sum(per_layer))}")
+        _warn_fallbacks(f, s, device)
     if a.routing:
         from moestream.runtime.loader import load
         from moestream.tools.routing import routing_load

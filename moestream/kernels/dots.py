@@ -21,12 +21,27 @@ Q = GGMLQuantizationType
 FLOAT_BLOCK = 32
 FLOAT_QTYPES = {torch.float32: Q.F32, torch.float16: Q.F16, torch.bfloat16: Q.BF16}
 # The dots' word loads: their blocks must start this aligned (_word_at reads words at any alignment)
-WORD_BYTES = {Q.Q4_K: 4, Q.Q5_K: 4, Q.Q6_K: 2, Q.Q4_0: 2, Q.Q4_1: 4, Q.Q5_0: 2, Q.Q5_1: 4}
+WORD_BYTES = {Q.Q2_K: 4, Q.Q3_K: 2, Q.Q4_K: 4, Q.Q5_K: 4, Q.Q6_K: 2, Q.Q4_0: 2, Q.Q4_1: 4, Q.Q5_0: 2, Q.Q5_1: 4} | {
+    q: 2 for q in (Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M)
+}
 
 if triton is not None:
     import triton.language as tl
 
-    from moestream.kernels.dequant import e2m1_pair, e8m0_half, f16_at, f16_pair
+    from moestream.kernels.dequant import (
+        e2m1_pair,
+        e8m0_half,
+        f16_at,
+        f16_pair,
+        grid_word,
+        iq1_m_fields,
+        iq1_s_fields,
+        iq2_s_fields,
+        iq2_xs_fields,
+        iq2_xxs_fields,
+        iq3_s_fields,
+        iq3_xxs_fields,
+    )
 
     _FLOAT_BLOCK = tl.constexpr(FLOAT_BLOCK)
 
@@ -167,6 +182,109 @@ if triton is not None:
         return d * acc
 
     @triton.jit
+    def _words4_at(p, ok):
+        """The 4 int32 words of the 16 bytes at p (2-byte aligned): 5 aligned loads, the last only when the
+        bytes straddle them, each word cut from two (see _word_at)."""
+        r = (p.to(tl.int64) & 3).to(tl.int32)
+        wp = (p - r).to(tl.pointer_type(tl.int32))
+        w0 = tl.load(wp, mask=ok, other=0).to(tl.uint32, bitcast=True).to(tl.int64)
+        w1 = tl.load(wp + 1, mask=ok, other=0).to(tl.uint32, bitcast=True).to(tl.int64)
+        w2 = tl.load(wp + 2, mask=ok, other=0).to(tl.uint32, bitcast=True).to(tl.int64)
+        w3 = tl.load(wp + 3, mask=ok, other=0).to(tl.uint32, bitcast=True).to(tl.int64)
+        w4 = tl.load(wp + 4, mask=ok & (r != 0), other=0).to(tl.int64)
+        sh = 8 * r
+        return (
+            ((w0 | (w1 << 32)) >> sh).to(tl.int32),
+            ((w1 | (w2 << 32)) >> sh).to(tl.int32),
+            ((w2 | (w3 << 32)) >> sh).to(tl.int32),
+            ((w3 | (w4 << 32)) >> sh).to(tl.int32),
+        )
+
+    @triton.jit
+    def _low_k_sums(t0, t1, t2, t3, xp, SHIFT: tl.constexpr, MASK: tl.constexpr):
+        """A = the sum of f x and X = the sum of x over a lane's 16 values: value 4 w + b is the field at bit
+        8 b of word tw, moved under the exponent of 1.0 (bits SHIFT.., MASK) to make f = 1 + q / 2**bits; x's
+        16 values at xp, 4 to a load when bfloat16."""
+        one = 0x3F800000
+        for w in tl.static_range(4):
+            t = t0 if w == 0 else (t1 if w == 1 else (t2 if w == 2 else t3))
+            quad = _quad(xp + 4 * w)
+            for b in tl.static_range(4):
+                xv = _x4(xp + 4 * w, b, quad)
+                f = (_bits_to(t, 8 * b, SHIFT, MASK) | one).to(tl.float32, bitcast=True)
+                if w + b == 0:
+                    a = f * xv
+                    x = xv
+                else:
+                    a += f * xv
+                    x += xv
+        return a, x
+
+    @triton.jit
+    def _x4(xp, b: tl.constexpr, quad):
+        """x's value b of the 4 at xp: from quad (their packed bfloat16s) or loaded (a float32 x)."""
+        if xp.dtype.element_ty == tl.bfloat16:
+            v = _bf16_of(quad, b)
+        else:
+            v = tl.load(xp + b).to(tl.float32)
+        return v
+
+    @triton.jit
+    def _quad(xp):
+        """The 4 bfloat16 values at xp (8-byte aligned) as one 8-byte load (zeros, unread, for a float32 x)."""
+        if xp.dtype.element_ty == tl.bfloat16:
+            q = tl.load(xp.to(tl.pointer_type(tl.int64)))
+        else:
+            q = tl.zeros(xp.shape, tl.int64)
+        return q
+
+    @triton.jit
+    def q2_k_dot(base, xb, ok):
+        """A Q2_K block (84 bytes, 4-byte aligned: word loads). Lane s takes sub-block s of 16 values: bytes
+        l = 16 g.. (g = s % 2) of the 32-byte half h = s // 8 of the fields, field j = s // 2 % 4 of each
+        (values 128 h + 32 j + l), so each lane reads its scale byte once. As 1 + q / 4 (_k_dot's trick):
+        d sc q . x - dmin m X = 4 d sc A - (4 d sc + dmin m) X."""
+        s = tl.arange(0, 16)[None, None, :]
+        h, j, g = s // 8, s // 2 % 4, s % 2
+        wp = base.to(tl.pointer_type(tl.int32)) + 4 + 8 * h + 4 * g
+        sh = 2 * j
+        t0 = tl.load(wp, mask=ok, other=0) >> sh
+        t1 = tl.load(wp + 1, mask=ok, other=0) >> sh
+        t2 = tl.load(wp + 2, mask=ok, other=0) >> sh
+        t3 = tl.load(wp + 3, mask=ok, other=0) >> sh
+        a, x = _low_k_sums(t0, t1, t2, t3, xb + 128 * h + 32 * j + 16 * g, 21, 0x600000)
+        wb = base.to(tl.pointer_type(tl.int32))
+        sm = tl.load(wb + s // 4, mask=ok, other=0) >> (8 * (s % 4))  # scale | min << 4 (a word: see q3_k_dot)
+        dd = tl.load(wb + 20, mask=ok, other=0)
+        d = (dd & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        dmin = ((dd >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        c = (4.0 * d) * _exact_f32(sm & 15)
+        return c * a - (c + dmin * _exact_f32((sm >> 4) & 15)) * x
+
+    @triton.jit
+    def q3_k_dot(base, xb, ok):
+        """A Q3_K block (110 bytes, 2-byte aligned: _words4_at), lanes as in q2_k_dot. Value 128 h + 32 j + l
+        is u - 4, u its 2-bit field in qs | bit 4 h + j of hmask[l] << 2 (both joined a word at a time); as
+        1 + u / 8: d sc (u - 4) . x = d sc (8 A - 12 X). Sub-block s's 6-bit scale: nibble s // 8 of byte
+        96 + s % 8, bits 2 (s // 4).. of byte 104 + s % 4, less 32."""
+        s = tl.arange(0, 16)[None, None, :]
+        h, j, g = s // 8, s // 2 % 4, s % 2
+        q0, q1, q2, q3 = _words4_at(base + 32 + 32 * h + 16 * g, ok)
+        m0, m1, m2, m3 = _words4_at(base + 16 * g, ok)
+        qs, ms = 2 * j, 4 * h + j
+        t0 = ((q0 >> qs) & 0x03030303) | (((m0 >> ms) & 0x01010101) << 2)
+        t1 = ((q1 >> qs) & 0x03030303) | (((m1 >> ms) & 0x01010101) << 2)
+        t2 = ((q2 >> qs) & 0x03030303) | (((m2 >> ms) & 0x01010101) << 2)
+        t3 = ((q3 >> qs) & 0x03030303) | (((m3 >> ms) & 0x01010101) << 2)
+        a, x = _low_k_sums(t0, t1, t2, t3, xb + 128 * h + 32 * j + 16 * g, 20, 0x700000)
+        # words, not bytes a lane: a byte load along the lanes would be given a layout of its own (a conversion
+        # through shared memory every block)
+        lo = (_word_at(base + 96 + 4 * (s % 8 // 4), ok) >> (8 * (s % 4) + 4 * (s // 8))) & 15
+        hi = (_word_at(base + 104, ok) >> (8 * (s % 4) + 2 * (s // 4))) & 3
+        c = _f16_word(base, 108, ok) * _exact_f32((lo | (hi << 4)) - 32)
+        return (8.0 * c) * a - (12.0 * c) * x
+
+    @triton.jit
     def q8_0_dot(base, xb, ok):
         lane = tl.arange(0, 32)[None, None, :]
         q = tl.load(base + 2 + lane, mask=ok, other=0).to(tl.int8, bitcast=True).to(tl.float32)
@@ -286,6 +404,75 @@ if triton is not None:
         h = tl.load(wp, mask=ok, other=0) >> (4 * lane)
         a, x = _nibble_sums(tl.load(wp + 1 + lane, mask=ok, other=0), h, xb, lane, True)
         return (32.0 * d) * a + (m - 32.0 * d) * x
+
+    @triton.jit
+    def _x_pair(xb, at):
+        """x's values at at and at + 1 (at even) as float32; a bfloat16 pair as one 4-byte load."""
+        if xb.dtype.element_ty == tl.bfloat16:
+            x2 = tl.load((xb + at).to(tl.pointer_type(tl.int32)))
+            lo, hi = _bf16_of(x2, 0), _bf16_of(x2, 1)
+        else:
+            lo = tl.load(xb + at).to(tl.float32)
+            hi = tl.load(xb + at + 1).to(tl.float32)
+        return lo, hi
+
+    @triton.jit
+    def _grid_dot(base, xb, ok, table, FIELDS: tl.constexpr, SHIFTED: tl.constexpr):
+        """An IQ grid block (kernels/dequant.py's _fields) as [R, B, 32 groups of 8, 4 words]: each lane loads
+        its grid word and sign word from the L1-resident table (a group's 4 words are 16 contiguous bytes),
+        XORs the signs into the two bfloat16 halves, and takes each half apart with one shift or AND. IQ1's
+        shift adds delta times the sum of x over the word."""
+        base, xb, ok = base[:, :, :, None], xb[:, :, :, None], ok[:, :, :, None]
+        G = tl.arange(0, 32)[None, None, :, None]
+        j = tl.arange(0, 4)[None, None, None, :]
+        xl, xh = _x_pair(xb, 8 * G + 2 * j)
+        if SHIFTED:
+            scale, delta, gw = FIELDS(base, G, j, ok, True)
+            w = grid_word(table, gw, gw, False)
+        else:
+            scale, gw, sw = FIELDS(base, G, j, ok, True)
+            w = grid_word(table, gw, sw, True)
+        acc = (w << 16).to(tl.float32, bitcast=True) * xl + (w & -65536).to(tl.float32, bitcast=True) * xh
+        if SHIFTED:
+            acc += delta * (xl + xh)
+        return scale * acc
+
+    @triton.jit
+    def iq2_xxs_dot(base, xb, ok, table):
+        return _grid_dot(base, xb, ok, table, iq2_xxs_fields, False)
+
+    @triton.jit
+    def iq2_xs_dot(base, xb, ok, table):
+        return _grid_dot(base, xb, ok, table, iq2_xs_fields, False)
+
+    @triton.jit
+    def iq2_s_dot(base, xb, ok, table):
+        return _grid_dot(base, xb, ok, table, iq2_s_fields, False)
+
+    @triton.jit
+    def iq3_xxs_dot(base, xb, ok, table):
+        return _grid_dot(base, xb, ok, table, iq3_xxs_fields, False)
+
+    @triton.jit
+    def iq3_s_dot(base, xb, ok, table):
+        return _grid_dot(base, xb, ok, table, iq3_s_fields, False)
+
+    @triton.jit
+    def iq1_s_dot(base, xb, ok, table):
+        return _grid_dot(base, xb, ok, table, iq1_s_fields, True)
+
+    @triton.jit
+    def iq1_m_dot(base, xb, ok, table):
+        return _grid_dot(base, xb, ok, table, iq1_m_fields, True)
+
+    @triton.jit
+    def block_dot(DOT: tl.constexpr, base, xb, ok, table, TABLE: tl.constexpr):
+        """DOT's partial products; a type with a lookup table (TABLE) gets it as a fourth argument."""
+        if TABLE:
+            r = DOT(base, xb, ok, table)
+        else:
+            r = DOT(base, xb, ok)
+        return r
 
     @triton.jit
     def _float_dot(base, xb, ok, TY: tl.constexpr):

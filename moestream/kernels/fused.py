@@ -43,6 +43,21 @@ if triton is not None:
         tl.store(y + offs, v.to(y.dtype.element_ty), mask=ok)
 
     @triton.jit
+    def _rope_row(x, y, cos, sin, D: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr):
+        """NEOX RoPE of the D values at x by the HALF values at cos, sin (heads without a norm), stored at y."""
+        offs = tl.arange(0, BLOCK)
+        ok = offs < D
+        first = offs < HALF
+        turns = offs < 2 * HALF
+        mate = tl.where(first, offs + HALF, tl.where(turns, offs - HALF, offs))
+        v = tl.load(x + offs, mask=ok, other=0).to(tl.float32)
+        vm = tl.load(x + mate, mask=ok, other=0).to(tl.float32)
+        at = tl.where(first, offs, offs - HALF)
+        c = tl.where(turns, tl.load(cos + at, mask=ok & turns).to(tl.float32), 1.0)
+        s = tl.where(turns, tl.load(sin + at, mask=ok & turns).to(tl.float32), 0.0)
+        tl.store(y + offs, (v * c + tl.where(first, -vm, vm) * s).to(y.dtype.element_ty), mask=ok)
+
+    @triton.jit
     def _rms_norm_kernel(
         x,
         w,
@@ -95,21 +110,28 @@ if triton is not None:
         D: tl.constexpr,
         BLOCK: tl.constexpr,
         HALF: tl.constexpr,
+        NORM: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        """One program a head of token t: q heads normed and turned into q_out, k heads normed and turned into
-        the cache row at positions[t], v heads copied there."""
+        """One program a head of token t: q heads normed (NORM) and turned into q_out, k heads normed and turned
+        into the cache row at positions[t], v heads copied there."""
         pdl_start(PDL)
         t = tl.program_id(0).to(tl.int64) // (H + 2 * HKV)
         head = tl.program_id(0).to(tl.int64) % (H + 2 * HKV)
         at = tl.load(positions + t).to(tl.int64)
         if head < H:
             i = t * H + head
-            _norm_row(q + i * D, wq, q_out + i * D, cos + t * HALF, sin + t * HALF, eps, D, BLOCK, HALF, True)
+            if NORM:
+                _norm_row(q + i * D, wq, q_out + i * D, cos + t * HALF, sin + t * HALF, eps, D, BLOCK, HALF, True)
+            else:
+                _rope_row(q + i * D, q_out + i * D, cos + t * HALF, sin + t * HALF, D, BLOCK, HALF)
         elif head < H + HKV:
             i = head - H
             dst = k_cache + (at * HKV + i) * D
-            _norm_row(k + (t * HKV + i) * D, wk, dst, cos + t * HALF, sin + t * HALF, eps, D, BLOCK, HALF, True)
+            if NORM:
+                _norm_row(k + (t * HKV + i) * D, wk, dst, cos + t * HALF, sin + t * HALF, eps, D, BLOCK, HALF, True)
+            else:
+                _rope_row(k + (t * HKV + i) * D, dst, cos + t * HALF, sin + t * HALF, D, BLOCK, HALF)
         else:
             i = head - H - HKV
             offs = tl.arange(0, BLOCK)
@@ -211,15 +233,16 @@ def qkv_store(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    norms: tuple[torch.Tensor, torch.Tensor],
+    norms: tuple[torch.Tensor, torch.Tensor] | None,
     eps: float,
     rope: tuple[torch.Tensor, torch.Tensor],
     caches: tuple[torch.Tensor, torch.Tensor],
     positions: torch.Tensor,
 ) -> torch.Tensor:
-    """q, k [T, H|Hkv, Dh] each RMSNormed by norms and NEOX-turned by rope (cos, sin [T, half]); k and v
-    [T, Hkv, Dh] stored at rows positions [T] of caches (k, v [S, Hkv, Dh]). Returns q. One launch for the
-    four ops of a decode step's attention prologue, with the bits of rms_norm with RoPE and index_copy_."""
+    """q, k [T, H|Hkv, Dh] each RMSNormed by norms (None: heads without norms, gpt-oss) and NEOX-turned by rope
+    (cos, sin [T, half]); k and v [T, Hkv, Dh] stored at rows positions [T] of caches (k, v [S, Hkv, Dh]).
+    Returns q. One launch for the four ops of a decode step's attention prologue, with the bits of rms_norm
+    with RoPE and index_copy_ (without norms: RoPE in float32, rounded once)."""
     T, H, D = q.shape
     Hkv = k.shape[1]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -231,7 +254,7 @@ def qkv_store(
                 q,
                 k,
                 v,
-                *norms,
+                *(norms or (q, q)),  # unread without norms
                 out,
                 *caches,
                 cos,
@@ -241,6 +264,7 @@ def qkv_store(
                 Hkv,
                 eps,
                 HALF=cos.shape[-1],
+                NORM=norms is not None,
                 **_row_tile(D),
                 **pdl(q),
             )

@@ -57,6 +57,8 @@ def rope_store(
     """norm_rope_store for heads without q/k norms: q and k [T, H|Hkv, Dh] rotated, k and v stored in caches
     at the device positions [T]. Returns q."""
     cos, sin = rope
+    if fused.usable(q) and all(t.dtype == q.dtype for t in (k, v, cos, *caches)):  # one launch
+        return fused.qkv_store(q, k, v, None, 0.0, rope, caches, positions)
     caches[0].index_copy_(0, positions, rope_neox(k, cos, sin))
     caches[1].index_copy_(0, positions, v)
     return rope_neox(q, cos, sin)

@@ -77,11 +77,12 @@ def routed_swiglu(
     T = w.ids.shape[0]
     local = not (w.parts or w.on_host)
     fused = local and all(matvec.usable(q, x.device, T) for q in w.qtypes)
-    if fused and clamped is None and moe_matvec.fuses(w.qtypes):  # three launches for the whole layer
+    if fused and moe_matvec.fuses(w.qtypes):  # three launches for the whole layer
         args = x, weights, w.ids, list(w.raws), w.qtypes, w.shapes[0][1]
+        clamped = None if clamped is None else clamped.to(x.device, x.dtype)
         if all(t is None or t.dtype == x.dtype for t in (residual, shared and shared[0])):
-            return moe_matvec.swiglu_picked(*args, residual, shared)
-        out = moe_matvec.swiglu_picked(*args)
+            return moe_matvec.swiglu_picked(*args, residual, shared, clamped)
+        out = moe_matvec.swiglu_picked(*args, clamped=clamped)
     elif fused:
         out = moe_swiglu_picked(x, weights, w.ids, *matvecs(matvec, w), clamped)
     elif local and all(cpu_reads(x, q) for q in w.qtypes):  # the CPU device: from the blocks, as on the host

@@ -100,6 +100,19 @@ def _chunks(p: TensorPlan, n_layer: int, seed: int, real: int | None = None) -> 
     ]
 
 
+def tensor_plans(preset: Preset, r: Recipe) -> list[TensorPlan]:
+    """Each tensor of the preset's file, in the type the recipe gives it, in file order."""
+    arch = architecture(preset.spec.arch)
+    spec = arch.read_spec(preset_metadata(preset, r), preset.spec.n_vocab)  # the spec a reader of the file sees
+    shapes = {
+        n: s
+        for n, s in arch.tensor_shapes(spec, tied_output=preset.tied_output).items()
+        if not (n.startswith("blk.") and n.split(".", 2)[2] in preset.omitted)  # what llama.cpp also sees
+    }
+    types = tensor_types(shapes, r, Facts.of(spec, shapes))
+    return [TensorPlan(n, types[n], s) for n, s in shapes.items()]
+
+
 def make_model(
     out: str | os.PathLike[str], preset: Preset, quant: str = "Q4_K_M", seed: int = 0, progress: bool = True
 ) -> None:
@@ -107,21 +120,13 @@ def make_model(
     r = recipe(quant)
     if seed < 0:
         raise MoestreamError(f"--seed {seed}: give a seed of 0 or more")
-    arch = architecture(preset.spec.arch)
-    meta = preset_metadata(preset, r, seed)
-    spec = arch.read_spec(meta, preset.spec.n_vocab)  # the spec a reader of the file will see
-    shapes = arch.tensor_shapes(spec, tied_output=preset.tied_output)
-    types = tensor_types(shapes, r, Facts.of(spec, shapes))
-    if lacking := sorted({q for q in types.values() if q not in QUANTIZABLE}):
+    plans = tensor_plans(preset, r)
+    if lacking := sorted({p.qtype.name for p in plans if p.qtype not in QUANTIZABLE}):
         raise MoestreamError(
-            f"--quant {r.name}: moestream cannot write {', '.join(q.name for q in lacking)} blocks yet (no "
+            f"--quant {r.name}: moestream cannot write {', '.join(lacking)} blocks yet (no "
             f"quantizer for that type); choose another recipe"
         )
-    plans = [
-        TensorPlan(n, types[n], s)
-        for n, s in shapes.items()
-        if not (n.startswith("blk.") and n.split(".", 2)[2] in preset.omitted)
-    ]
+    meta = preset_metadata(preset, r, seed)
 
     types_of_tokens = meta["tokenizer.ggml.token_type"]
     real = types_of_tokens.index(UNUSED) if UNUSED in types_of_tokens else None  # padding follows the real ones

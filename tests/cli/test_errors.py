@@ -242,7 +242,6 @@ def test_make_model_layers_past_what_a_file_may_hold(tmp_path, capsys):
         (["--routing", "--tokens", "0"], ["--tokens 0", "at least 1"]),
         (["--tokens", "-5"], ["--tokens -5", "at least 1"]),  # passed silently
         (["--tokens", "16"], ["--tokens", "--routing"]),  # ignored without --routing
-        (["--device", "cpu"], ["--device cpu", "--routing"]),  # ignored without --routing
         (["--routing", "--device", "cudax"], ["--device cudax", "cuda:N"]),  # said after the whole report
     ],
 )

@@ -7,7 +7,8 @@ import pytest
 import torch
 from block_patterns import F16_FIELDS, bit_patterns
 from gguf import GGMLQuantizationType as Q
-from kernel_devices import DEVICE, gpu_or_interpreter
+from grid_patterns import GRID_TYPES, grid_blocks
+from kernel_devices import DEVICE, as_kernel_rounds, gpu_or_interpreter
 
 from moestream.formats import quants
 from moestream.formats.quantize import quantize
@@ -55,6 +56,20 @@ def test_tiles_read_every_bit_pattern(qtype):
     if qtype in EXACT_TILES:
         assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), qtype.name
     assert float((got - ref).abs().max() / ref.abs().max()) < 1e-6, qtype.name
+
+
+@pytest.mark.gpu
+@gpu_or_interpreter
+@pytest.mark.parametrize("qtype", GRID_TYPES, ids=lambda t: t.name)
+def test_grid_tiles_are_bit_exact(qtype):
+    """The IQ grid tiles form the reference's products (one multiply by the scale of a signed grid value, or of
+    grid value plus delta), so they match it bit for bit, over every grid row, sign pattern and scale."""
+    raw = torch.from_numpy(grid_blocks(qtype, 70)).to(DEVICE)  # 70: a partial program of 8 blocks
+    shape = (5, 14 * 256)
+    ref = quants.dequantize(raw.cpu(), qtype, shape)
+    got = tiled(raw, qtype, shape, torch.float32).cpu()
+    assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), f"{int((got != ref).sum())} differ"
+    assert torch.equal(tiled(raw, qtype, shape, torch.bfloat16).cpu(), as_kernel_rounds(ref))
 
 
 def test_cpu_takes_the_reference_path():

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from kernel_devices import gpu
+from kernel_devices import DEVICE, gpu, gpu_or_interpreter
 
 from moestream.formats import quants
 from moestream.formats.quantize import quantize
@@ -139,3 +139,19 @@ def test_matrices_of_one_x_in_one_launch_match_each_alone(types):
     for i in range(x.shape[0]):
         row = mv.matvecs(parts, x[i : i + 1])
         assert all(torch.equal(a[i : i + 1], b) for a, b in zip(together, row, strict=True)), f"row {i}"
+
+
+@pytest.mark.gpu
+@gpu_or_interpreter
+def test_matrices_with_and_without_lookup_tables_in_one_launch():
+    """matvecs passes each part its own table (IQ1_M's grid, none for Q4_K, IQ3_XXS's grid and signs)."""
+    rng = np.random.default_rng(5)
+    D, parts, refs = 256, [], []
+    for qtype, n_out in ((Q.IQ1_M, 24), (Q.Q4_K, 16), (Q.IQ3_XXS, 9)):
+        stored = quantize(rng.standard_normal((n_out, D)).astype(np.float32), qtype)
+        parts.append((torch.from_numpy(stored).to(DEVICE), qtype, n_out))
+        refs.append(quants.dequantize(torch.from_numpy(stored), qtype, (n_out, D)))
+    x = torch.randn(2, D)
+    for y, w in zip(mv.matvecs(parts, x.to(DEVICE)), refs, strict=True):
+        ref = x @ w.T
+        assert float((y.cpu() - ref).abs().max() / ref.abs().max()) < 1e-5

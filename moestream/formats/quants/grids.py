@@ -19,7 +19,7 @@ from moestream.formats.quants.fields import f16, split_bits
 from moestream.formats.quants.tensor_type import TensorType
 
 # The 7-bit sign indices of IQ2_XXS, IQ2_XS and IQ3_XXS name 8-bit patterns with an even count of minus signs
-_KSIGNS = np.frombuffer(gguf.quants.IQ2_XXS.ksigns, dtype=np.uint8)
+KSIGNS = np.frombuffer(gguf.quants.IQ2_XXS.ksigns, dtype=np.uint8)
 
 # kernel_table's layout, in int32 words: sign masks by byte (256 x 4), by 7-bit index (128 x 4), then the grid
 BYTE_SIGNS, INDEX_SIGNS, GRID = 0, 1024, 1536
@@ -44,7 +44,7 @@ def sign_bytes(device: torch.device) -> torch.Tensor:
     of the 7-bit indices, as rows 256.."""
     bits = (np.arange(256, dtype=np.uint8)[:, None] >> np.arange(8, dtype=np.uint8)) & 1
     table = np.where(bits == 0, np.float32(1), np.float32(-1))
-    return torch.from_numpy(np.concatenate([table, table[_KSIGNS]])).to(device)
+    return torch.from_numpy(np.concatenate([table, table[KSIGNS]])).to(device)
 
 
 @functools.cache
@@ -56,7 +56,7 @@ def kernel_table(qtype: Q, device: torch.device) -> torch.Tensor:
     bits = (np.arange(256, dtype=np.uint32)[:, None] >> np.arange(8, dtype=np.uint32)) & 1
     masks = (bits[:, 0::2] << 15) | (bits[:, 1::2] << 31)
     halves = (grid_values(qtype).view(np.uint32) >> 16).reshape(-1, 2)  # float32 -> bfloat16, exact here
-    words = np.concatenate([masks.ravel(), masks[_KSIGNS].ravel(), (halves[:, 0] | (halves[:, 1] << 16))])
+    words = np.concatenate([masks.ravel(), masks[KSIGNS].ravel(), (halves[:, 0] | (halves[:, 1] << 16))])
     return torch.from_numpy(words.view(np.int32).copy()).to(device)
 
 
@@ -158,12 +158,16 @@ def _iq1_m(b: torch.Tensor) -> torch.Tensor:
     return _shifted(Q.IQ1_M, dl, b[:, :32].to(torch.int32) | ((qh & 7) << 8), qh >> 3)
 
 
+def _entry(qtype: Q, reference, **kernels) -> TensorType:
+    return TensorType(qtype, reference, table=functools.partial(kernel_table, qtype), **kernels)
+
+
 TYPES = (
-    TensorType(Q.IQ2_XXS, _iq2_xxs),
-    TensorType(Q.IQ2_XS, _iq2_xs),
-    TensorType(Q.IQ2_S, _iq2_s),
-    TensorType(Q.IQ3_XXS, _iq3_xxs),
-    TensorType(Q.IQ3_S, _iq3_s),
-    TensorType(Q.IQ1_S, _iq1_s),
-    TensorType(Q.IQ1_M, _iq1_m),
+    _entry(Q.IQ2_XXS, _iq2_xxs, tile="iq2_xxs_tile", dot="iq2_xxs_dot", cpu_dot="iq2_xxs_block"),
+    _entry(Q.IQ2_XS, _iq2_xs, tile="iq2_xs_tile", dot="iq2_xs_dot", cpu_dot="iq2_xs_block"),
+    _entry(Q.IQ2_S, _iq2_s, tile="iq2_s_tile", dot="iq2_s_dot", cpu_dot="iq2_s_block"),
+    _entry(Q.IQ3_XXS, _iq3_xxs, tile="iq3_xxs_tile", dot="iq3_xxs_dot", cpu_dot="iq3_xxs_block"),
+    _entry(Q.IQ3_S, _iq3_s, tile="iq3_s_tile", dot="iq3_s_dot", cpu_dot="iq3_s_block"),
+    _entry(Q.IQ1_S, _iq1_s, tile="iq1_s_tile", dot="iq1_s_dot", cpu_dot="iq1_s_block"),
+    _entry(Q.IQ1_M, _iq1_m, tile="iq1_m_tile", dot="iq1_m_dot", cpu_dot="iq1_m_block"),
 )
