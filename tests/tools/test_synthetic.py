@@ -103,3 +103,23 @@ def test_a_recipe_name_in_any_case(model_file, tmp_path):
     with GGUFFile(tmp_path / "m.gguf") as f:
         assert f.metadata["general.file_type"] == gguf.LlamaFileType.MOSTLY_Q8_0
         assert {t.qtype for t in f.tensors.values()} == {Q.Q8_0, Q.F32}
+
+
+def test_the_head_favours_real_tokens_so_generated_text_shows(model_file):
+    """Padding tokens (the vocabulary past the tokenizer's real ones) decode to nothing: a head that sampled them
+    printed a blank line. Their rows are zero; the real ones still random."""
+    from moestream.formats.tokenizer import UNUSED
+
+    path = model_file("tiny", "F32")
+    with GGUFFile(path) as f:
+        real = list(f.metadata["tokenizer.ggml.token_type"]).index(UNUSED)
+        head = np.array(f.tensors["output.weight"].data).view(np.float32).reshape(f.tensors["output.weight"].shape)
+        assert real < head.shape[0] and not head[real:].any() and (head[:real] != 0).all(axis=1).all()
+    e = moestream.load(path, device="cpu", progress=False)
+    try:
+        greedy = e.generate("The", SamplingParams(max_tokens=16, stop_at_eos=False))
+        sampled = e.generate("The", SamplingParams(max_tokens=64, temperature=1.0, seed=0, stop_at_eos=False))
+    finally:
+        e.close()
+    assert all(t < real for t in greedy.tokens) and greedy.text.strip()
+    assert sum(t < real for t in sampled.tokens) > 0.8 * len(sampled.tokens)
