@@ -26,6 +26,7 @@ from moestream.kernels import matvec as mv
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 SIZES = {Q.Q4_K: (256, 144), Q.Q5_K: (256, 176), Q.Q6_K: (256, 210), Q.Q8_0: (32, 34)}
+GRIDS = {Q.IQ2_XXS: 66, Q.IQ2_XS: 74, Q.IQ2_S: 82, Q.IQ3_XXS: 98, Q.IQ3_S: 110, Q.IQ1_S: 50, Q.IQ1_M: 56}
 
 
 def build(label: str, fn, signature: dict, constexprs: dict, warps: int = 4, divisible: tuple = ()) -> None:
@@ -63,6 +64,7 @@ def _aligned(fn, signature: dict) -> dict:
 def main() -> None:
     t = tuning.current()
     matvec = {"w": "*u8", "x": "*bf16", "y": "*bf16", "mats": "*i64", "n_out": "i32", "row_bytes": "i32"}
+    matvec |= {"table": "*i32"}  # a grid type's lookup table (unread by the others)
     for qtype, n_blocks, stacked in (
         (Q.Q4_K, 8, False),
         (Q.Q4_K, 16, False),
@@ -75,6 +77,7 @@ def main() -> None:
         consts = dict(
             N_BLOCKS=n_blocks,
             DOT=dots.DOTS[qtype],
+            TABLE=False,
             ELEMS=elems,
             SIZE=size,
             STACKED=stacked,
@@ -84,10 +87,25 @@ def main() -> None:
         )
         div = ("n_out", "row_bytes") if n_blocks * size % 16 == 0 else ("n_out",)
         build(f"matvec {qtype.name}, {n_blocks} blocks a row", mv._matvec_kernel, dict(matvec), consts, divisible=div)
+    for qtype, size in GRIDS.items():  # the IQ grid types, rows of 2048 (8 blocks)
+        consts = dict(
+            N_BLOCKS=8,
+            DOT=dots.DOTS[qtype],
+            TABLE=True,
+            ELEMS=256,
+            SIZE=size,
+            STACKED=True,
+            ROWS=t.rows_per_program,
+            B=mv.blocks_at_once(8, t.blocks_at_once),
+            UNROLLED=t.unrolled,
+        )
+        div = ("n_out", "row_bytes") if 8 * size % 16 == 0 else ("n_out",)
+        build(f"matvec {qtype.name}, 8 blocks a row", mv._matvec_kernel, dict(matvec), consts, divisible=div)
     for dtype, qtype in dots.FLOAT_QTYPES.items():  # the router's product, 2048 wide
         consts = dict(
             N_BLOCKS=2048 // dots.FLOAT_BLOCK,
             DOT=dots.FLOAT_DOTS[qtype],
+            TABLE=False,
             ELEMS=dots.FLOAT_BLOCK,
             SIZE=dots.FLOAT_BLOCK * dtype.itemsize,
             STACKED=False,
@@ -100,13 +118,14 @@ def main() -> None:
     parts = {"x": "*bf16"}
     for i in range(4):
         parts |= {f"w{i}": "*u8", f"y{i}": "*bf16", f"n{i}": "i32", f"rb{i}": "i32"}
-    parts |= {f"end{i}": "i32" for i in range(3)}
+    parts |= {f"end{i}": "i32" for i in range(3)} | {f"t{i}": "*i32" for i in range(4)}
     qkv = [(Q.Q4_K, 8, 256, 144), (Q.Q4_K, 8, 256, 144), (Q.Q6_K, 8, 256, 210), (Q.Q6_K, 8, 256, 210)]
     consts = dict(D=2048, PARTS=3, ROWS=t.rows_per_program, UNROLLED=t.unrolled)
     for i, (qtype, n_blocks, elems, size) in enumerate(qkv):
         consts |= {
             f"N{i}": n_blocks,
             f"DOT{i}": dots.DOTS[qtype],
+            f"T{i}": False,
             f"E{i}": elems,
             f"S{i}": size,
             f"B{i}": mv.blocks_at_once(n_blocks, t.blocks_at_once),
@@ -122,10 +141,12 @@ def main() -> None:
         "n_out": "i32",
         "row_bytes": "i32",
         "K": "i32",
+        "table": "*i32",
     }
     consts = dict(
         N_BLOCKS=8,
         DOT=dots.DOTS[Q.Q4_K],
+        TABLE=False,
         ELEMS=256,
         SIZE=144,
         ROWS=t.rows_per_program,
