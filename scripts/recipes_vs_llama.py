@@ -1,7 +1,8 @@
-"""Check tools/recipes.py against llama.cpp itself: `llama-quantize --dry-run` on generated BF16 models (shapes
-that reach each rule: 48 and 40 layers, 8 experts or not, n_gqa under and over 4, rows that fit no 256-block, a
-tied output head), every recipe, every tensor's type compared. Recipes that llama.cpp makes only with an
-importance matrix get a stand-in one (the rules read only that it is there).
+"""Check tools/recipes.py against llama.cpp itself: `llama-quantize --dry-run` on generated BF16 models of every
+architecture, in shapes that reach each rule (48 and 40 layers, 8 experts or not, n_gqa under and over 4, rows that
+fit no 256-block, a tied output head, leading dense layers, a NextN block), every recipe, every tensor's type
+compared. Recipes that llama.cpp makes only with an importance matrix get a stand-in one (the rules read only
+that it is there).
 
     python scripts/recipes_vs_llama.py PATH/TO/llama-quantize [RECIPE ...]
 """
@@ -38,6 +39,9 @@ VARIANTS = [
     variant("tiny-odd"),  # rows of 160 and 96, tied output
     variant("tiny-qwen35moe", n_layer=40, n_expert=4, n_head=16, n_head_kv=2),  # qwen3.6-35b-a3b's rules
     variant("tiny-qwen35moe"),
+    variant("tiny-gpt-oss", n_layer=24, n_head_kv=1),  # n_gqa 6, rows of 160: the fallbacks
+    variant("tiny-glm4moe", n_layer=16),  # a leading dense layer and a NextN block (17 blocks)
+    variant("tiny-glm4moe-odd"),
 ]
 
 

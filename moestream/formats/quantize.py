@@ -3,7 +3,9 @@
 gguf 0.19 quantizes the 32-element types but none of the K-quants, so those are encoded here with simple
 scales (per-sub-block min/max for Q2_K/Q4_K/Q5_K, signed absmax for Q3_K/Q6_K) rather than llama.cpp's
 searched ones: any valid encoding serves test models, and the generator writes gigabytes, so speed wins.
-MXFP4 gives gguf's own bytes, computed here because gguf's quantizer is an order of magnitude slower.
+MXFP4 gives gguf's own bytes, computed here because gguf's quantizer is an order of magnitude slower. IQ4_NL
+and IQ4_XS (gguf has no quantizer for them) take each value's nearest code under a scale that puts the
+block's largest magnitude on the code -127.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from moestream.errors import MoestreamError
 from moestream.formats import grid_quantize
 from moestream.formats.quants import row_bytes
+from moestream.formats.quants.nonlinear import IQ4_VALUES
 
 Q = GGMLQuantizationType
 
-_BY_GGUF = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1})
+_BY_GGUF = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.TQ1_0, Q.TQ2_0})
 
 # Super-blocks encoded per step (4M floats): measured fastest of 1K/4K/16K, temporaries stay ~16 MiB.
 _CHUNK_BLOCKS = 16384
@@ -165,6 +168,53 @@ def _mxfp4(x: np.ndarray, out: np.ndarray) -> None:
     out[:, 1:17] = code[:, :16] | (code[:, 16:] << 4)
 
 
+# Halfway between neighbouring IQ4 values (nonlinear.IQ4_VALUES)
+_IQ4_VALUES = np.array(IQ4_VALUES, np.float32)
+_IQ4_MIDPOINTS = (_IQ4_VALUES[1:] + _IQ4_VALUES[:-1]) / 2
+
+
+def _signed_fp16(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """_fp16 for scales of either sign."""
+    h = np.clip(v, -_F16_MAX, _F16_MAX).astype(np.float16)
+    return h.view(np.uint8).reshape(-1, 2), h.astype(np.float32)
+
+
+def _iq4_codes(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """The nearest IQ4 value's code for each x / scale (scale broadcast over x; 0 for a zero scale)."""
+    return np.searchsorted(_IQ4_MIDPOINTS, x * _inv(scale)).astype(np.uint8)
+
+
+def _signed_absmax(xs: np.ndarray) -> np.ndarray:
+    """Each row's value of largest magnitude, sign kept: (..., m) -> (...)."""
+    lo, hi = xs.min(axis=-1), xs.max(axis=-1)
+    return np.where(hi >= -lo, hi, lo)
+
+
+def _iq4_nl(x: np.ndarray, out: np.ndarray) -> None:
+    """IQ4_NL (18 B / 32): d f16, qs[16] nibbles (low: values 0..15)."""
+    d_bytes, d = _signed_fp16(_signed_absmax(x)[:, None] / np.float32(-127))
+    codes = _iq4_codes(x, d)
+    out[:, 0:2] = d_bytes
+    out[:, 2:18] = codes[:, :16] | (codes[:, 16:] << 4)
+
+
+def _iq4_xs(x: np.ndarray, out: np.ndarray) -> None:
+    """IQ4_XS (136 B / 256): d f16, scales_h u16, scales_l[4], qs[128]; a sub-block of 32's scale is a 6-bit
+    multiple of d, less 32: the sub-block of largest scale takes -32 (as Q3_K's absmax scales)."""
+    n = len(x)
+    xs = x.reshape(n, 8, 32)
+    scale = _signed_absmax(xs) / np.float32(-127)
+    d_bytes, d = _signed_fp16(_signed_absmax(scale)[:, None] / np.float32(-32))
+    sc = np.clip(np.rint(scale * _inv(d)), -32, 31)
+    codes = _iq4_codes(xs, (d * sc)[..., None])
+    u = (sc + 32).astype(np.uint16)
+    out[:, 0:2] = d_bytes
+    high = ((u >> 4) << (2 * np.arange(8, dtype=np.uint16))).sum(axis=1, dtype=np.uint16)  # 2 bits a sub-block
+    out[:, 2:4] = high.astype("<u2").view(np.uint8).reshape(n, 2)
+    out[:, 4:8] = ((u[:, 0::2] & 15) | ((u[:, 1::2] & 15) << 4)).astype(np.uint8)
+    out[:, 8:136] = (codes[:, :, :16] | (codes[:, :, 16:] << 4)).reshape(n, 128)
+
+
 _OURS: dict[GGMLQuantizationType, Callable[[np.ndarray, np.ndarray], None]] = {
     Q.Q2_K: _q2_k,
     Q.Q3_K: _q3_k,
@@ -172,6 +222,8 @@ _OURS: dict[GGMLQuantizationType, Callable[[np.ndarray, np.ndarray], None]] = {
     Q.Q5_K: _q5_k,
     Q.Q6_K: _q6_k,
     Q.MXFP4: _mxfp4,
+    Q.IQ4_NL: _iq4_nl,
+    Q.IQ4_XS: _iq4_xs,
 } | {qtype: partial(grid_quantize.quantize_blocks, qtype) for qtype in grid_quantize.SPECS}
 
 QUANTIZABLE: frozenset[GGMLQuantizationType] = _BY_GGUF | frozenset(_OURS)

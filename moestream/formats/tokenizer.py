@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import codecs
 from collections import Counter
+from collections.abc import Sequence
 from functools import cache
 from itertools import pairwise
 from typing import Any
@@ -263,6 +264,7 @@ class TextStream:
 def _list_of(meta: dict[str, Any], key: str, kind: type, default: list) -> list:
     """A metadata list whose every entry has the given type, or one clear error."""
     value = meta.get(key, default)
+    value = list(value) if isinstance(value, Sequence) and not isinstance(value, str) else value  # decoded here
     if not isinstance(value, list) or not all(isinstance(v, kind) and not isinstance(v, bool) for v in value):
         raise MoestreamError(f"{key} must be a list of {kind.__name__} values; the file's tokenizer is damaged")
     return value

@@ -14,11 +14,60 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from moestream.formats import quants
 from moestream.formats.quants import grids
+from moestream.formats.quants.nonlinear import IQ4_VALUES
 from moestream.kernels import tuning
-from moestream.kernels.launch import on_device, triton
+from moestream.kernels.launch import INTERPRETED, on_device, triton
+
+
+def _iq4_words() -> tuple[int, ...]:
+    """IQ4_VALUES plus 128 (so unsigned bytes), 4 to an int32 word, little-endian."""
+    b = [v + 128 for v in IQ4_VALUES]
+    words = [b[i] | b[i + 1] << 8 | b[i + 2] << 16 | b[i + 3] << 24 for i in range(0, 16, 4)]
+    return tuple(w - (1 << 32) if w >= 1 << 31 else w for w in words)
+
 
 if triton is not None:
     import triton.language as tl
+
+    _INTERPRETED = tl.constexpr(INTERPRETED)
+    _IQ4_0, _IQ4_1, _IQ4_2, _IQ4_3 = (tl.constexpr(w) for w in _iq4_words())
+
+    @triton.jit
+    def byte_perm(a, b, s):
+        """PTX's prmt.b32: byte i of the result is byte (s >> 4 i) & 7 of the 8 bytes b:a (a's first); bit 3
+        of each selector must be clear (prmt would copy the byte's sign instead). One instruction on the GPU;
+        the same in plain operations under Triton's interpreter, which runs no PTX."""
+        if _INTERPRETED:
+            r = s & 0
+            for i in tl.static_range(4):
+                sel = (s >> (4 * i)) & 7
+                r |= ((tl.where(sel < 4, a, b) >> (8 * (sel & 3))) & 0xFF) << (8 * i)
+        else:
+            r = tl.inline_asm_elementwise(
+                "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, s], dtype=tl.int32, is_pure=True, pack=1
+            )
+        return r
+
+    @triton.jit
+    def iq4_bytes(u):
+        """The IQ4 values plus 128 of the 8 nibbles of the int32 u, by table lookups in registers: words (lo, hi),
+        byte i of lo that of the low nibble of u's byte i, of hi its high nibble's. The low 3 bits of each
+        nibble pick a byte of the table's first 8 and of its last 8 values, bit 3 between the two."""
+        t0, t1 = tl.full(u.shape, _IQ4_0, tl.int32), tl.full(u.shape, _IQ4_1, tl.int32)
+        t2, t3 = tl.full(u.shape, _IQ4_2, tl.int32), tl.full(u.shape, _IQ4_3, tl.int32)
+        s = u & 0x77777777
+        pick = 0x32103210 | ((u >> 1) & 0x44444444)
+        w0 = byte_perm(byte_perm(t0, t1, s), byte_perm(t2, t3, s), pick)  # bytes 0-1's low, high, low, high
+        s, pick = s >> 16, pick >> 16
+        w1 = byte_perm(byte_perm(t0, t1, s), byte_perm(t2, t3, s), pick)  # bytes 2-3's
+        lows, highs = tl.full(u.shape, 0x6420, tl.int32), tl.full(u.shape, 0x7531, tl.int32)
+        return byte_perm(w0, w1, lows), byte_perm(w0, w1, highs)
+
+    @triton.jit
+    def byte_value(w, k: tl.constexpr, offset: tl.constexpr):
+        """Byte k of the int32 w less offset, as float32, exactly and without I2F: the float 2**23 + byte (the
+        byte under the exponent of 2**23) less 2**23 + offset."""
+        return (((w >> (8 * k)) & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + offset)
 
     @triton.jit
     def f16_at(base, offset, ok):
@@ -28,6 +77,29 @@ if triton is not None:
 
     # Tiles: base [R, 1] points at R blocks, e [1, B] is the element index within a block, ok [R, 1] masks
     # blocks; each returns the [R, B] float32 values. The dequant and matvec kernels share them.
+
+    @triton.jit
+    def _low_k_field(base, e, ok):
+        """Value e's 2-bit field in the 64 bytes at base (Q2_K, Q3_K): half e // 128, byte e % 32, bits
+        2 (e % 128 // 32)."""
+        byte = tl.load(base + (e // 128) * 32 + e % 32, mask=ok, other=0).to(tl.int32)
+        return (byte >> ((e % 128 // 32) * 2)) & 3
+
+    @triton.jit
+    def q2_k_tile(base, e, ok):
+        s = tl.load(base + e // 16, mask=ok, other=0).to(tl.int32)  # sub-block of 16: scale | min << 4
+        dl = f16_at(base, 80, ok) * (s & 15).to(tl.float32)
+        ml = f16_at(base, 82, ok) * (s >> 4).to(tl.float32)
+        return _low_k_field(base + 16, e, ok).to(tl.float32) * dl - ml
+
+    @triton.jit
+    def q3_k_tile(base, e, ok):
+        s = e // 16
+        lo = (tl.load(base + 96 + s % 8, mask=ok, other=0).to(tl.int32) >> ((s // 8) * 4)) & 15
+        hi = (tl.load(base + 104 + s % 4, mask=ok, other=0).to(tl.int32) >> ((s // 4) * 2)) & 3
+        dl = f16_at(base, 108, ok) * ((lo | (hi << 4)) - 32).to(tl.float32)
+        bit = (tl.load(base + e % 32, mask=ok, other=0).to(tl.int32) >> (e // 32)) & 1  # clear: 4 less
+        return ((_low_k_field(base + 32, e, ok) | (bit << 2)) - 4).to(tl.float32) * dl
 
     @triton.jit
     def q4_k_tile(base, e, ok):
@@ -272,6 +344,41 @@ if triton is not None:
     @triton.jit
     def q4_0_tile(base, e, ok):
         return (_nibble32(base + 2, e, ok) - 8).to(tl.float32) * f16_at(base, 0, ok)
+
+    @triton.jit
+    def _iq4_value(n):
+        """The IQ4 value of nibble(s) n (int32), as float32."""
+        lo, _ = iq4_bytes(n)
+        return byte_value(lo, 0, 128)
+
+    @triton.jit
+    def iq4_nl_tile(base, e, ok):
+        return _iq4_value(_nibble32(base + 2, e, ok)) * f16_at(base, 0, ok)
+
+    @triton.jit
+    def iq4_xs_tile(base, e, ok):
+        """IQ4_XS: sub-block i = e // 32 has scale ((scales_l nibble i) | (scales_h bits 2 i) << 4) - 32."""
+        i = e // 32
+        lo = (tl.load(base + 4 + i // 2, mask=ok, other=0).to(tl.int32) >> ((i % 2) * 4)) & 15
+        hi = (tl.load(base + 2 + i // 4, mask=ok, other=0).to(tl.int32) >> ((i % 4) * 2)) & 3
+        dl = f16_at(base, 0, ok) * ((lo | (hi << 4)) - 32).to(tl.float32)
+        return dl * _iq4_value(_nibble32(base + 8 + i * 16, e % 32, ok))
+
+    @triton.jit
+    def tq1_0_tile(base, e, ok):
+        """TQ1_0: value e's byte and power of 3 (see formats/quants/ternary.py), the trit the top of
+        (byte * 3**k mod 256) * 3 / 256."""
+        a, b = e < 160, e < 240
+        at = tl.where(a, e % 32, tl.where(b, 32 + (e - 160) % 16, 48 + (e - 240) % 4))
+        k = tl.where(a, e // 32, tl.where(b, (e - 160) // 16, (e - 240) // 4))
+        pow3 = tl.where(k == 0, 1, tl.where(k == 1, 3, tl.where(k == 2, 9, tl.where(k == 3, 27, 81))))
+        v = tl.load(base + at, mask=ok, other=0).to(tl.int32)
+        q = (((v * pow3) & 0xFF) * 3) >> 8
+        return (q - 1).to(tl.float32) * f16_at(base, 52, ok)
+
+    @triton.jit
+    def tq2_0_tile(base, e, ok):
+        return (_low_k_field(base, e, ok) - 1).to(tl.float32) * f16_at(base, 64, ok)
 
     @triton.jit
     def q4_1_tile(base, e, ok):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from moestream.kernels import decode_attention, fused
 from moestream.ops.rope import rms_norm_rope, rope_neox
@@ -51,13 +50,18 @@ def rope_store(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     rope: tuple[torch.Tensor, torch.Tensor],
     caches: tuple[torch.Tensor, torch.Tensor],
     positions: torch.Tensor,
 ) -> torch.Tensor:
-    """norm_rope_store for heads without q/k norms: q and k [T, H|Hkv, Dh] rotated, k and v stored in caches
-    at the device positions [T]. Returns q."""
+    """norm_rope_store for heads without q/k norms but with biases (gpt-oss): q and k [T, H|Hkv, Dh] plus their
+    biases ([H*Dh], [Hkv*Dh]) rotated, k and v (plus its bias) stored in caches at the device positions [T].
+    Returns q."""
     cos, sin = rope
+    if fused.usable(q) and all(t.dtype == q.dtype for t in (k, v, *biases, cos, *caches)):  # one launch
+        return fused.qkv_store(q, k, v, None, 0.0, rope, caches, positions, biases)
+    q, k, v = (t + b.view(t.shape[1:]) for t, b in zip((q, k, v), biases, strict=True))
     caches[0].index_copy_(0, positions, rope_neox(k, cos, sin))
     caches[1].index_copy_(0, positions, v)
     return rope_neox(q, cos, sin)
@@ -69,8 +73,9 @@ def causal_attention(
     """Softmax attention of q [T, H, Dh] (the last T positions) over k, v [S, Hkv, Dh] (positions 0..S-1),
     with the heads' sinks [H] in each softmax if given and only the last `window` positions seen if nonzero.
 
-    The causal mask is aligned to the bottom right (query i sees keys up to S - T + i), passed as a bias
-    object rather than a dense mask so SDPA can pick its flash / memory-efficient kernels.
+    The causal mask is aligned to the bottom right (query i sees keys up to S - T + i): SDPA's own causal flag
+    when T == S, flash attention's (which aligns so) on a GPU, else a dense mask. Not torch's causal_lower_right:
+    its module imports torch._dynamo, seconds of start-up for every command.
     """
     T, H, _ = q.shape
     S, Hkv, _ = k.shape
@@ -86,7 +91,19 @@ def causal_attention(
         k = k.repeat_interleave(H // Hkv, dim=1)
         v = v.repeat_interleave(H // Hkv, dim=1)
     q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, T|S, Dh]: 4-D, as flash needs
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T, S))
+    if T == S:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    elif (
+        q.is_cuda
+        and q.shape[-1] % 8 == 0
+        and torch.backends.cuda.can_use_flash_attention(
+            torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, False, False)
+        )
+    ):
+        out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal=True)[0]
+    else:
+        visible = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
     return out[0].transpose(0, 1)  # [T, H, Dh]
 
 

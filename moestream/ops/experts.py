@@ -5,7 +5,8 @@ where they lie and how many tokens there are:
 
 - a token or few on a GPU: quantized matvecs straight from the blocks (`kernels/moe_matvec.py`), fused where
   the types allow;
-- on the host (`--small-batch cpu`): the compiled CPU matvec, or float32 dequantization without it;
+- on the host (`--small-batch cpu`), or a token or few on the CPU device: the compiled CPU matvec, or float32
+  dequantization without it;
 - split over several devices (`--devices`): each range of experts on its own;
 - otherwise the grouped SwiGLU over dequantized stacks, of just the picked rows when there are fewer picks
   than rows.
@@ -23,6 +24,7 @@ from typing import Protocol
 import torch
 
 from moestream.kernels import cpu_quant, matvec, moe_matvec
+from moestream.ops.linear import cpu_reads
 from moestream.ops.moe_swiglu import ClampedGlu, moe_swiglu, moe_swiglu_picked, moe_swiglu_sharded
 
 Dequantize = Callable[[int, torch.Tensor | None], torch.Tensor]
@@ -73,17 +75,21 @@ def routed_swiglu(
     tensors of x's dtype; inside the sum's launch where the kernels fuse, launches a layer fewer (there, on
     sm_90, the shared expert's product and sum round once, a bf16 FMA: a rounding step from torch's form)."""
     T = w.ids.shape[0]
-    fused = not (w.parts or w.on_host) and all(matvec.usable(q, x.device, T) for q in w.qtypes)
-    if fused and clamped is None and moe_matvec.fuses(w.qtypes):  # three launches for the whole layer
+    local = not (w.parts or w.on_host)
+    fused = local and all(matvec.usable(q, x.device, T) for q in w.qtypes)
+    if fused and moe_matvec.fuses(w.qtypes):  # three launches for the whole layer
         args = x, weights, w.ids, list(w.raws), w.qtypes, w.shapes[0][1]
+        clamped = None if clamped is None else clamped.to(x.device, x.dtype)
         if all(t is None or t.dtype == x.dtype for t in (residual, shared and shared[0])):
-            return moe_matvec.swiglu_picked(*args, residual, shared)
-        out = moe_matvec.swiglu_picked(*args)
+            return moe_matvec.swiglu_picked(*args, residual, shared, clamped)
+        out = moe_matvec.swiglu_picked(*args, clamped=clamped)
+    elif fused:
+        out = moe_swiglu_picked(x, weights, w.ids, *matvecs(matvec, w), clamped)
+    elif local and all(cpu_reads(x, q) for q in w.qtypes):  # the CPU device: from the blocks, as on the host
+        clamped = None if clamped is None else clamped.to("cpu", torch.float32)
+        out = moe_swiglu_picked(x.float(), weights.float(), w.ids, *matvecs(cpu_quant, w), clamped).to(x.dtype)
     else:
-        if fused:
-            out = moe_swiglu_picked(x, weights, w.ids, *matvecs(matvec, w), clamped)
-        else:
-            out = _unfused(x, weights, w, clamped)
+        out = _unfused(x, weights, w, clamped)
     if shared is not None:  # else torch's type promotion picks the dtypes, as the layers would
         out = out + torch.sigmoid(shared[1]) * shared[0]
     return out if residual is None else residual + out

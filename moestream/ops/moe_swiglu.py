@@ -28,30 +28,38 @@ class ClampedGlu(NamedTuple):
     The biases come per token-expert pair (pair t*K+k: token t's k-th expert), gathered by the router's ids,
     so they follow the pairs whatever rows of which stacks the experts' bytes are."""
 
-    gate_bias: torch.Tensor  # [P, F]
+    gate_bias: torch.Tensor  # [P, F], pair t*K+k (or the rows of the pairs being computed)
     up_bias: torch.Tensor  # [P, F]
     down_bias: torch.Tensor  # [P, D]
     alpha: float
     limit: float
 
-    def hidden(self, gate: torch.Tensor, up: torch.Tensor, pairs: torch.Tensor | slice) -> torch.Tensor:
-        """h [P', F] of the pairs' gate and up products [P', F]."""
-        g = (gate + self.gate_bias[pairs]).clamp(max=self.limit)
-        u = (up + self.up_bias[pairs]).clamp(-self.limit, self.limit)
+    def hidden(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """h [P, F] of the pairs' gate and up products [P, F]."""
+        g = (gate + self.gate_bias).clamp(max=self.limit)
+        u = (up + self.up_bias).clamp(-self.limit, self.limit)
         return g * torch.sigmoid(self.alpha * g) * (u + 1)
 
-    def to(self, device: torch.device | str, dtype: torch.dtype) -> ClampedGlu:
-        return self._replace(**{f: getattr(self, f).to(device, dtype) for f in ("gate_bias", "up_bias", "down_bias")})
+    def take(self, pairs: torch.Tensor) -> ClampedGlu:
+        """The biases of some pairs (indices into P, on any device), on the biases' device."""
+        return self._map(lambda b: b[pairs.to(b.device)])
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> ClampedGlu:
+        return self._map(lambda b: b.to(device, dtype or b.dtype))
+
+    def _map(self, f: Callable[[torch.Tensor], torch.Tensor]) -> ClampedGlu:
+        return self._replace(gate_bias=f(self.gate_bias), up_bias=f(self.up_bias), down_bias=f(self.down_bias))
 
 
-def glu(gate: torch.Tensor, up: torch.Tensor, clamped: ClampedGlu | None, pairs: torch.Tensor | slice):
-    """An expert's hidden activations from its gate and up products: SwiGLU, or clamped's."""
-    return F.silu(gate) * up if clamped is None else clamped.hidden(gate, up, pairs)
+def glu(gate: torch.Tensor, up: torch.Tensor, clamped: ClampedGlu | None) -> torch.Tensor:
+    """An expert's hidden activations from its gate and up products: SwiGLU, or clamped's (its biases the
+    products' rows')."""
+    return F.silu(gate) * up if clamped is None else clamped.hidden(gate, up)
 
 
-def down_out(y: torch.Tensor, clamped: ClampedGlu | None, pairs: torch.Tensor | slice) -> torch.Tensor:
+def down_out(y: torch.Tensor, clamped: ClampedGlu | None) -> torch.Tensor:
     """An expert's down product plus its bias where it has one."""
-    return y if clamped is None else y + clamped.down_bias[pairs]
+    return y if clamped is None else y + clamped.down_bias
 
 
 def expert_counts(ids: torch.Tensor, n_expert: int) -> torch.Tensor:
@@ -111,11 +119,11 @@ def moe_swiglu_sharded(
         def mm(a: torch.Tensor, w: torch.Tensor, offs=offs) -> torch.Tensor:
             return grouped_mm(a, w.transpose(1, 2), offs)
 
-        pairs = order[start:end].to(gate.device)  # the token-expert pairs of these rows
+        biases = None if clamped is None else clamped.take(order[start:end]).to(gate.device)  # these pairs'
         h = mm(part, gate)
         del gate
-        h = glu(h, mm(part, w_up() if callable(w_up) else w_up), clamped, pairs)
-        y_sorted[start:end] = down_out(mm(h, w_down() if callable(w_down) else w_down), clamped, pairs).to(x.device)
+        h = glu(h, mm(part, w_up() if callable(w_up) else w_up), biases)
+        y_sorted[start:end] = down_out(mm(h, w_down() if callable(w_down) else w_down), biases).to(x.device)
         start = end
     y = torch.empty_like(y_sorted)
     y[order] = y_sorted
@@ -136,6 +144,5 @@ def moe_swiglu_picked(
     T, K = ids.shape
     picks = ids.reshape(-1)  # pair t*K+k: token t, its k-th expert
     rows = x.repeat_interleave(K, dim=0)
-    every = slice(None)  # the pairs in order
-    h = glu(gate(picks, rows), up(picks, rows), clamped, every)
-    return (down_out(down(picks, h), clamped, every).view(T, K, -1) * weights[..., None]).sum(dim=1)
+    h = glu(gate(picks, rows), up(picks, rows), clamped)
+    return (down_out(down(picks, h), clamped).view(T, K, -1) * weights[..., None]).sum(dim=1)

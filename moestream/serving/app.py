@@ -179,6 +179,12 @@ def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None, 
                 max_tokens=n,
                 temperature=float(body.get("temperature", 1.0)),
                 top_p=float(body.get("top_p", 1.0)),
+                top_k=int(body.get("top_k", 0)),  # this and the rest below: llama-server's names and meanings
+                min_p=float(body.get("min_p", 0.0)),
+                repeat_penalty=float(body.get("repeat_penalty", 1.0)),
+                repeat_last_n=int(body.get("repeat_last_n", 64)),
+                presence_penalty=float(body.get("presence_penalty", 0.0)),
+                frequency_penalty=float(body.get("frequency_penalty", 0.0)),
                 seed=seed,
                 stop_at_eos=not body.get("ignore_eos", False),  # vLLM's extension, for benchmarks
             )

@@ -6,6 +6,7 @@ sees distinct inputs per token and spreads them over all experts the way a train
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import os
 import signal
@@ -17,11 +18,13 @@ import numpy as np
 
 from moestream.errors import MoestreamError
 from moestream.formats.quantize import QUANTIZABLE, quantize
-from moestream.formats.tokenizer import tiny_tokenizer_metadata
+from moestream.formats.tokenizer import UNUSED, tiny_tokenizer_metadata
 from moestream.formats.writer import TensorPlan, write_gguf
 from moestream.models.registry import architecture
 from moestream.models.spec import Preset
 from moestream.tools.recipes import Facts, Recipe, recipe, tensor_types
+
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent ends
 
 
 def preset_metadata(p: Preset, r: Recipe, seed: int = 0) -> dict[str, Any]:
@@ -61,8 +64,11 @@ def init_std(name: str, shape: tuple[int, ...], n_layer: int) -> float:
 CHUNK_ELEMENTS = 1 << 22  # generation unit: fixed, so a file does not depend on the number of workers
 
 
-def _float_rows(name: str, shape: tuple[int, ...], n_layer: int, seed: int, part: int, n_rows: int) -> np.ndarray:
-    """Rows [part * chunk, part * chunk + n_rows) of the tensor, flattened to [n_rows, shape[-1]]."""
+def _float_rows(
+    name: str, shape: tuple[int, ...], n_layer: int, seed: int, part: int, n_rows: int, real: int | None = None
+) -> np.ndarray:
+    """Rows [part * chunk, part * chunk + n_rows) of the tensor, flattened to [n_rows, shape[-1]]. real: the
+    output head's real tokens (the rest pad the vocabulary to the embedding's size)."""
     # crc32, not hash(): Python salts hash() per process
     rng = np.random.default_rng([seed, zlib.crc32(name.encode()), part])
     size = (n_rows, shape[-1])
@@ -72,21 +78,39 @@ def _float_rows(name: str, shape: tuple[int, ...], n_layer: int, seed: int, part
         return rng.standard_normal(size, dtype=np.float32)
     if len(shape) == 1:  # norm weights and dt bias: near one
         return (1.0 + 0.05 * rng.standard_normal(size, dtype=np.float32)).astype(np.float32)
-    return init_std(name, shape, n_layer) * rng.standard_normal(size, dtype=np.float32)
+    rows = init_std(name, shape, n_layer) * rng.standard_normal(size, dtype=np.float32)
+    if real is not None:  # the head favours real tokens, so greedy text (and most samples) can be read: a
+        # padding token's logit is 0, a real one's about N(0, 16), still random
+        first = part * max(1, CHUNK_ELEMENTS // shape[-1])
+        rows *= np.where(np.arange(first, first + n_rows) < real, 4.0, 0.0).astype(np.float32)[:, None]
+    return rows
 
 
 def _make_chunk(task: tuple) -> np.ndarray:
-    name, shape, qtype, n_layer, seed, part, n_rows = task
-    return quantize(_float_rows(name, shape, n_layer, seed, part, n_rows), qtype)
+    name, shape, qtype, n_layer, seed, part, n_rows, real = task
+    return quantize(_float_rows(name, shape, n_layer, seed, part, n_rows, real), qtype)
 
 
-def _chunks(p: TensorPlan, n_layer: int, seed: int) -> list[tuple]:
+def _chunks(p: TensorPlan, n_layer: int, seed: int, real: int | None = None) -> list[tuple]:
     n_rows = int(np.prod(p.shape[:-1]))
     step = max(1, CHUNK_ELEMENTS // p.shape[-1])
     return [
-        (p.name, p.shape, p.qtype, n_layer, seed, k, min(step, n_rows - start))
+        (p.name, p.shape, p.qtype, n_layer, seed, k, min(step, n_rows - start), real)
         for k, start in enumerate(range(0, n_rows, step))
     ]
+
+
+def tensor_plans(preset: Preset, r: Recipe) -> list[TensorPlan]:
+    """Each tensor of the preset's file, in the type the recipe gives it, in file order."""
+    arch = architecture(preset.spec.arch)
+    spec = arch.read_spec(preset_metadata(preset, r), preset.spec.n_vocab)  # the spec a reader of the file sees
+    shapes = {
+        n: s
+        for n, s in arch.tensor_shapes(spec, tied_output=preset.tied_output).items()
+        if not (n.startswith("blk.") and n.split(".", 2)[2] in preset.omitted)  # what llama.cpp also sees
+    }
+    types = tensor_types(shapes, r, Facts.of(spec, shapes))
+    return [TensorPlan(n, types[n], s) for n, s in shapes.items()]
 
 
 def make_model(
@@ -96,27 +120,21 @@ def make_model(
     r = recipe(quant)
     if seed < 0:
         raise MoestreamError(f"--seed {seed}: give a seed of 0 or more")
-    arch = architecture(preset.spec.arch)
-    meta = preset_metadata(preset, r, seed)
-    spec = arch.read_spec(meta, preset.spec.n_vocab)  # the spec a reader of the file will see
-    shapes = arch.tensor_shapes(spec, tied_output=preset.tied_output)
-    types = tensor_types(shapes, r, Facts.of(spec, shapes))
-    if lacking := sorted({q for q in types.values() if q not in QUANTIZABLE}):
+    plans = tensor_plans(preset, r)
+    if lacking := sorted({p.qtype.name for p in plans if p.qtype not in QUANTIZABLE}):
         raise MoestreamError(
-            f"--quant {r.name}: moestream cannot write {', '.join(q.name for q in lacking)} blocks yet (no "
+            f"--quant {r.name}: moestream cannot write {', '.join(lacking)} blocks yet (no "
             f"quantizer for that type); choose another recipe"
         )
-    plans = [
-        TensorPlan(n, types[n], s)
-        for n, s in shapes.items()
-        if not (n.startswith("blk.") and n.split(".", 2)[2] in preset.omitted)
-    ]
+    meta = preset_metadata(preset, r, seed)
 
-    tasks = {p.name: _chunks(p, preset.spec.n_layer, seed) for p in plans}
+    types_of_tokens = meta["tokenizer.ggml.token_type"]
+    real = types_of_tokens.index(UNUSED) if UNUSED in types_of_tokens else None  # padding follows the real ones
+    tasks = {p.name: _chunks(p, preset.spec.n_layer, seed, real if p.name == "output.weight" else None) for p in plans}
     workers = min(os.cpu_count() or 1, 32)
     # big files: worker processes generate and quantize chunks (numpy holds the GIL too often for threads)
     many = workers > 1 and max(map(len, tasks.values())) > 1
-    pool = mp.get_context("fork").Pool(workers, initializer=_leave_interrupts) if many else None
+    pool = _worker_pool(workers) if many else None
     queued = iter([t for p in plans for t in tasks[p.name]])  # every chunk, in file order
     pending: deque = deque()  # chunks the workers are making, oldest first
 
@@ -142,6 +160,22 @@ def make_model(
             pool.join()
 
 
-def _leave_interrupts() -> None:
-    """A worker ignores Ctrl-C: the writing process stops them (else each prints its own traceback)."""
+def _worker_pool(workers: int) -> mp.pool.Pool:
+    """Worker processes that leave Ctrl-C to this one (it stops them: else each prints its own traceback) and
+    die with it. SIGINT is blocked while they fork, so none is born able to take it; a worker forked later (the
+    pool replaces one that dies) comes from the pool's own thread, which keeps that mask."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        return mp.get_context("fork").Pool(workers, initializer=_worker_start, initargs=(os.getpid(),))
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # a Ctrl-C that came meanwhile is delivered now
+
+
+def _worker_start(parent: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    # killed when the process that forked it ends, however it ends: a worker ignores Ctrl-C, and its siblings
+    # hold its task pipe open, so nothing else would end one left behind
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0 or os.getppid() != parent:
+        os._exit(1)  # no death signal, or the parent is already gone

@@ -33,6 +33,10 @@ REL_RMS_BOUND = {
     Q.Q5_K: 0.045,  # measured 0.038: (max - min) / 31 step over 32, 6-bit scales and mins
     Q.Q6_K: 0.022,  # measured 0.0188: absmax / 32 step over 16, 8-bit signed scales
     Q.MXFP4: 0.13,  # measured 0.115: E2M1 codes, a power-of-two scale over 32 (gguf's choice)
+    Q.IQ4_NL: 0.09,  # measured 0.080: 16 non-linear values, the block's absmax on -127, over 32
+    Q.IQ4_XS: 0.09,  # measured 0.080: the same, with 6-bit sub-block scales of one fp16 d over 256
+    Q.TQ1_0: 0.85,  # measured 0.807: -1, 0 or 1 times the absmax over 256 (gguf's quantizer; fits ternary weights)
+    Q.TQ2_0: 0.85,  # measured 0.807: TQ1_0's values, 2 bits each
     # The grid types: absmax onto the grid's largest value per scale group, then the nearest grid row
     Q.IQ2_XXS: 0.42,  # measured 0.363: 3 magnitudes, 256 rows of 8, even-parity signs, a scale per 32
     Q.IQ2_XS: 0.36,  # measured 0.312: 512 rows, a scale per 16

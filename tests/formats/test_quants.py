@@ -31,6 +31,10 @@ F16_FIELDS = {
     Q.IQ3_S: (0,),
     Q.IQ1_S: (0,),
     Q.IQ1_M: (),  # its d is the top nibbles of its four 16-bit scale fields (set in random_bytes)
+    Q.IQ4_NL: (0,),
+    Q.IQ4_XS: (0,),
+    Q.TQ1_0: (52,),
+    Q.TQ2_0: (64,),
 }
 # Byte offsets of E8M0 exponents: random ones would reach 2**127 and overflow (edge exponents: their own test)
 E8M0_FIELDS = {Q.MXFP4: (0,)}
@@ -83,7 +87,7 @@ def assert_bit_exact(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 
 def test_supported_types():
     expected = "F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K MXFP4".split()
-    expected += "IQ2_XXS IQ2_XS IQ2_S IQ3_XXS IQ3_S IQ1_S IQ1_M".split()
+    expected += "IQ2_XXS IQ2_XS IQ2_S IQ3_XXS IQ3_S IQ1_S IQ1_M IQ4_NL IQ4_XS TQ1_0 TQ2_0".split()
     assert {t.name for t in SUPPORTED} == set(expected)
 
 

@@ -9,7 +9,21 @@ from gguf import GGMLQuantizationType as Q
 
 # Byte offsets of each type's scale fields: fp16 ones (random bytes there would be NaN or inf), E8M0 ones (kept
 # near 127: random ones reach 2**127 and overflow)
-F16_FIELDS = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.MXFP4: ()}
+F16_FIELDS = {
+    Q.Q8_0: (0,),
+    Q.Q4_0: (0,),
+    Q.Q4_1: (0, 2),
+    Q.Q5_0: (0,),
+    Q.Q5_1: (0, 2),
+    Q.Q2_K: (80, 82),
+    Q.Q3_K: (108,),
+    Q.Q5_K: (0, 2),
+    Q.MXFP4: (),
+    Q.IQ4_NL: (0,),
+    Q.IQ4_XS: (0,),
+    Q.TQ1_0: (52,),
+    Q.TQ2_0: (64,),
+}
 E8M0_FIELDS = {Q.MXFP4: (0,)}
 
 

@@ -110,9 +110,13 @@ def test_grid_dots_read_every_row_sign_and_scale(qtype, n_in, stacked):
 
 @pytest.mark.gpu
 @gpu_or_interpreter
-@pytest.mark.parametrize("qtype", sorted(F16_FIELDS), ids=lambda t: t.name)
 @pytest.mark.parametrize("stacked", [False, True])
-@pytest.mark.parametrize("n_blocks", [3, 8, 16])  # one block at a time (rows off word boundaries); a tile; two
+@pytest.mark.parametrize(
+    "qtype,n_blocks",
+    # 32-value blocks: one at a time (rows off word boundaries), a tile of 8, two tiles; super-blocks: 1 and 3
+    [(q, n) for q in sorted(F16_FIELDS) for n in ((3, 8, 16) if GGML_QUANT_SIZES[q][0] == 32 else (1, 3))],
+    ids=lambda v: getattr(v, "name", str(v)),
+)
 def test_dots_read_every_bit_pattern(qtype, n_blocks, stacked):
     """The other types' dots against the dequantized product, in float32, over all their bit patterns."""
     n_in = n_blocks * GGML_QUANT_SIZES[qtype][0]
@@ -133,15 +137,19 @@ def test_dots_read_every_bit_pattern(qtype, n_blocks, stacked):
 
 @pytest.mark.gpu
 @gpu_or_interpreter
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, *sorted(F16_FIELDS), *GRID_TYPES], ids=lambda t: t.name)
-def test_a_bfloat16_x_read_packed_gives_the_bits_of_reading_it_as_float32(qtype):
+@pytest.mark.parametrize(
+    "qtype,n_in",
+    [(Q.Q4_K, 2048), (Q.Q5_K, 2048), (Q.Q6_K, 2048)] + [(q, 512) for q in (*sorted(F16_FIELDS), *GRID_TYPES)],
+    ids=lambda v: getattr(v, "name", str(v)),
+)
+def test_a_bfloat16_x_read_packed_gives_the_bits_of_reading_it_as_float32(qtype, n_in):
     """The dots read a bfloat16 x 4 (Q6_K and the grid types: 2) values a load and take each apart by shifts:
     the float32 sums must be those of the same values read one by one as float32, so the rounded results are
     equal."""
     rng = np.random.default_rng(7)
-    stored = _bit_patterns(rng, qtype, (4, 19), 2048)
+    stored = _bit_patterns(rng, qtype, (4, 19), n_in)
     raw = torch.from_numpy(stored).to(DEVICE)
-    x = torch.randn(3, 2048, generator=torch.Generator().manual_seed(3)).bfloat16().to(DEVICE)
+    x = torch.randn(3, n_in, generator=torch.Generator().manual_seed(3)).bfloat16().to(DEVICE)
     mats = torch.tensor([3, 0, 3], device=DEVICE)
     for picks in (None, mats):
         packed = matvec(raw, qtype, 19, x, picks)

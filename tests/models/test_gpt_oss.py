@@ -13,13 +13,14 @@ from moestream.models.gpt_oss import read_spec
 from moestream.offload.device import CpuDevice
 from moestream.runtime.sampling import SamplingParams
 from moestream.tools.presets import get_preset
+from moestream.tools.recipes import recipe
 from moestream.tools.synthetic import preset_metadata
 
 PRESET = "tiny-gpt-oss"  # 3 layers (sliding, full, sliding) with a window of 8 positions
 N_VOCAB = get_preset(PRESET).spec.n_vocab
 
 
-@pytest.mark.parametrize("quant,tol", [("F32", 1e-4), ("Q8_0", 1e-3)])
+@pytest.mark.parametrize("quant,tol", [("F32", 1e-4), ("Q8_0", 1e-3), ("MXFP4_MOE", 1e-3)])
 def test_logits_match_transformers(model_file, quant, tol):
     """A 23-token prompt in micro-batches of 7: every position's logits, and its top token."""
     path = model_file(PRESET, quant)
@@ -47,7 +48,7 @@ def test_greedy_past_the_window_matches_transformers(model_file):
 
 @pytest.fixture(scope="module")
 def resident(model_file):
-    engine = moestream.load(model_file(PRESET, "Q8_0"), device="cpu", ubatch=16, progress=False)
+    engine = moestream.load(model_file(PRESET, "MXFP4_MOE"), device="cpu", ubatch=16, progress=False)
     tokens = prompt_tokens(40, N_VOCAB, seed=5)
     yield tokens, engine.logits(tokens), engine.generate(tokens[:12], GREEDY).tokens
     engine.close()
@@ -61,7 +62,7 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, stop_at_eos=False)
 def test_every_schedule_is_bit_identical_to_resident(model_file, resident, stream, n_cpu_moe, slots):
     tokens, logits, _ = resident
     engine = moestream.load(
-        model_file(PRESET, "Q8_0"),
+        model_file(PRESET, "MXFP4_MOE"),
         device="cpu",
         ubatch=16,
         stream_min_batch=8,
@@ -82,7 +83,7 @@ def test_small_batch_ways_give_the_resident_tokens(model_file, resident, small_b
     follow the router's ids whatever rows the experts' bytes are)."""
     tokens, _, want = resident
     engine = moestream.load(
-        model_file(PRESET, "Q8_0"),
+        model_file(PRESET, "MXFP4_MOE"),
         device="cpu",
         ubatch=3,
         stream_min_batch=32,
@@ -97,7 +98,7 @@ def test_small_batch_ways_give_the_resident_tokens(model_file, resident, small_b
 
 
 def test_reads_the_window_pattern_and_yarn_as_llama_cpp():
-    meta = preset_metadata(get_preset("gpt-oss-20b"), "F32")
+    meta = preset_metadata(get_preset("gpt-oss-20b"), recipe("F32"))
     spec = read_spec(meta, N_VOCAB)
     assert spec.extra["sliding_layers"][:4] == (True, False, True, False) and spec.extra["sliding_window"] == 128
     yarn = spec.extra["yarn"]

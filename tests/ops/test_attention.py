@@ -39,6 +39,37 @@ def test_norm_rope_store_writes_k_and_v_at_the_positions():
     assert not caches[0][others].any() and not caches[1][others].any()
 
 
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Softmax attention in float64, query t (of the last T positions) seeing keys 0..S-T+t, GQA by repeat."""
+    T, H, Dh = q.shape
+    S, Hkv, _ = k.shape
+    k, v = (x.double().repeat_interleave(H // Hkv, dim=1) for x in (k, v))
+    scores = torch.einsum("thd,shd->hts", q.double(), k) / Dh**0.5
+    visible = torch.arange(S)[None, :] <= torch.arange(S - T, S)[:, None]
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return torch.einsum("hts,shd->thd", probs, v)
+
+
+def test_causal_attention_aligns_the_mask_bottom_right():
+    """A whole prompt (T == S) and a chunk after cached positions (T < S), against float64 math."""
+    g = torch.Generator().manual_seed(2)
+    for T, S in ((7, 7), (3, 11), (1, 5)):
+        q = torch.randn(T, 8, 16, generator=g)
+        k, v = (torch.randn(S, 2, 16, generator=g) for _ in range(2))
+        torch.testing.assert_close(causal_attention(q, k, v).double(), _reference(q, k, v), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_causal_attention_on_a_gpu_chunk_takes_flash_with_the_same_mask():
+    g = torch.Generator().manual_seed(3)
+    T, S = 64, 192
+    q = torch.randn(T, 8, 128, generator=g)
+    k, v = (torch.randn(S, 2, 128, generator=g) for _ in range(2))
+    got = causal_attention(*(x.cuda().bfloat16() for x in (q, k, v)))
+    torch.testing.assert_close(got.double().cpu(), _reference(q, k, v), rtol=2e-2, atol=2e-2)
+
+
 def written_out(q, k, v, positions, sinks, window):
     """Each query head's softmax over its visible keys' scores and its sink, in float64, head by head."""
     T, H, Dh = q.shape
@@ -76,6 +107,8 @@ def test_rope_store_rotates_q_and_k_and_writes_the_cache():
     positions = torch.tensor([6, 2])
     cos, sin = rope_cos_sin(positions, Dh, 1e4, torch.float32)
     caches = (torch.zeros(S, Hkv, Dh), torch.zeros(S, Hkv, Dh))
-    got = rope_store(q, k, v, (cos, sin), caches, positions)
+    biases = tuple(torch.randn(h * Dh, generator=g) for h in (H, Hkv, Hkv))
+    got = rope_store(q, k, v, biases, (cos, sin), caches, positions)
+    q, k, v = (t + b.view(-1, Dh) for t, b in zip((q, k, v), biases, strict=True))
     assert torch.equal(got, rope_neox(q, cos, sin))
     assert torch.equal(caches[0][positions], rope_neox(k, cos, sin)) and torch.equal(caches[1][positions], v)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from gguf import GGMLQuantizationType
 
 from moestream.errors import MoestreamError
-from moestream.formats.quants import floats, grids, k_quants, legacy, microscaling
+from moestream.formats.quants import floats, grids, k_quants, legacy, microscaling, nonlinear, ternary
 from moestream.formats.quants.tensor_type import TensorType
 
 FAMILIES = (
@@ -14,6 +14,8 @@ FAMILIES = (
     k_quants,
     microscaling,
     grids,
+    nonlinear,
+    ternary,
 )
 TYPES: dict[GGMLQuantizationType, TensorType] = {t.qtype: t for f in FAMILIES for t in f.TYPES}
 SUPPORTED: frozenset[GGMLQuantizationType] = frozenset(TYPES)

@@ -10,8 +10,9 @@
 
 #include "iq_grids.h" /* the IQ grids and 7-bit sign patterns, generated from gguf's by kernels/cpu_quant.py */
 
-enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q6_K = 14, MXFP4 = 39 };
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, MXFP4 = 39 };
 enum { IQ2_XXS = 16, IQ2_XS = 17, IQ3_XXS = 18, IQ1_S = 19, IQ3_S = 21, IQ2_S = 22, IQ1_M = 29 };
+enum { IQ4_NL = 20, IQ4_XS = 23, TQ1_0 = 34, TQ2_0 = 35 };
 
 static float f16(const uint8_t *p) {
     uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
@@ -34,21 +35,66 @@ static float f16(const uint8_t *p) {
     return f;
 }
 
+/* Q2_K and Q3_K: value 128 h + 32 j + l is the 2-bit field j of byte 32 h + l, in sub-block 8 h + 2 j + l / 16. */
+static void q2_k_block(const uint8_t *b, float *out) {
+    const float d = f16(b + 80), dmin = f16(b + 82);
+    const uint8_t *qs = b + 16;
+    for (int s = 0; s < 16; s++) {
+        const float dl = d * (b[s] & 15), ml = dmin * (b[s] >> 4);
+        const int h = s / 8, j = s % 8 / 2, l0 = 16 * (s % 2);
+        for (int l = l0; l < l0 + 16; l++) out[128 * h + 32 * j + l] = dl * ((qs[32 * h + l] >> (2 * j)) & 3) - ml;
+    }
+}
+
+static void q3_k_block(const uint8_t *b, float *out) {
+    const float d = f16(b + 108);
+    const uint8_t *hmask = b, *qs = b + 32, *sc = b + 96;
+    for (int s = 0; s < 16; s++) {
+        const int scale = (((sc[s % 8] >> (4 * (s / 8))) & 15) | (((sc[8 + s % 4] >> (2 * (s / 4))) & 3) << 4)) - 32;
+        const float dl = d * scale;
+        const int h = s / 8, j = s % 8 / 2, l0 = 16 * (s % 2);
+        for (int l = l0; l < l0 + 16; l++) { /* a clear hmask bit takes 4 off */
+            const int q = ((qs[32 * h + l] >> (2 * j)) & 3) | (((hmask[l] >> (4 * h + j)) & 1) << 2);
+            out[128 * h + 32 * j + l] = dl * (q - 4);
+        }
+    }
+}
+
+/* Q4_K and Q5_K: sub-block k of 32 has a 6-bit scale and min; its values are nibbles of bytes 32 (k / 2) + l
+ * (low for even k), with Q5_K's fifth bit k of qh[l]. */
+static void k_scale_min(const uint8_t *s, int k, int *sc, int *mn) {
+    *sc = k < 4 ? (s[k] & 63) : ((s[k + 4] & 15) | ((s[k - 4] >> 6) << 4));
+    *mn = k < 4 ? (s[k + 4] & 63) : ((s[k + 4] >> 4) | ((s[k] >> 6) << 4));
+}
+
 static void q4_k_block(const uint8_t *b, float *out) {
     const float d = f16(b), dmin = f16(b + 2);
     const uint8_t *s = b + 4, *qs = b + 16;
     for (int j = 0; j < 4; j++) {
         float sc[2], mn[2];
         for (int h = 0; h < 2; h++) {
-            int k = 2 * j + h;
-            int a = k < 4 ? (s[k] & 63) : ((s[k + 4] & 15) | ((s[k - 4] >> 6) << 4));
-            int m = k < 4 ? (s[k + 4] & 63) : ((s[k + 4] >> 4) | ((s[k] >> 6) << 4));
+            int a, m;
+            k_scale_min(s, 2 * j + h, &a, &m);
             sc[h] = d * a;
             mn[h] = dmin * m;
         }
         for (int l = 0; l < 32; l++) {
             out[64 * j + l] = sc[0] * (qs[32 * j + l] & 15) - mn[0];
             out[64 * j + 32 + l] = sc[1] * (qs[32 * j + l] >> 4) - mn[1];
+        }
+    }
+}
+
+static void q5_k_block(const uint8_t *b, float *out) {
+    const float d = f16(b), dmin = f16(b + 2);
+    const uint8_t *s = b + 4, *qh = b + 16, *qs = b + 48;
+    for (int k = 0; k < 8; k++) {
+        int a, m;
+        k_scale_min(s, k, &a, &m);
+        const float sc = d * a, mn = dmin * m;
+        for (int l = 0; l < 32; l++) {
+            const int q = ((qs[32 * (k / 2) + l] >> (4 * (k % 2))) & 15) | (((qh[l] >> k) & 1) << 4);
+            out[32 * k + l] = sc * q - mn;
         }
     }
 }
@@ -231,10 +277,60 @@ static void iq1_m_block(const uint8_t *b, float *out) {
     }
 }
 
+static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+/* IQ4_NL: d fp16, then 16 bytes of codes laid out as Q4_0's. */
+static void iq4_nl_block(const uint8_t *b, float *out) {
+    const float d = f16(b);
+    for (int l = 0; l < 16; l++) {
+        out[l] = d * IQ4_VALUES[b[2 + l] & 15];
+        out[l + 16] = d * IQ4_VALUES[b[2 + l] >> 4];
+    }
+}
+
+/* IQ4_XS: d fp16, scales_h (2 bits a sub-block), scales_l[4] (4 bits a sub-block), then 8 sub-blocks of 32
+ * codes as IQ4_NL's, each scaled by d (6-bit scale - 32). */
+static void iq4_xs_block(const uint8_t *b, float *out) {
+    const float d = f16(b);
+    const int high = b[2] | b[3] << 8;
+    for (int i = 0; i < 8; i++) {
+        const float dl = d * ((((b[4 + i / 2] >> (4 * (i % 2))) & 15) | (((high >> (2 * i)) & 3) << 4)) - 32);
+        const uint8_t *qs = b + 8 + 16 * i;
+        for (int l = 0; l < 16; l++) {
+            out[32 * i + l] = dl * IQ4_VALUES[qs[l] & 15];
+            out[32 * i + 16 + l] = dl * IQ4_VALUES[qs[l] >> 4];
+        }
+    }
+}
+
+/* TQ1_0: qs[48] of 5 trits, qh[4] of 4 trits, d fp16. Trit k of byte v is the top of (v 3^k mod 256) 3 / 256. */
+static int trit(uint8_t v, int pow3) { return (((uint8_t)(v * pow3)) * 3 >> 8) - 1; }
+
+static void tq1_0_block(const uint8_t *b, float *out) {
+    const float d = f16(b + 52);
+    for (int k = 0, p = 1; k < 5; k++, p *= 3) {
+        for (int l = 0; l < 32; l++) out[32 * k + l] = d * trit(b[l], p);
+        for (int l = 0; l < 16; l++) out[160 + 16 * k + l] = d * trit(b[32 + l], p);
+        if (k < 4)
+            for (int l = 0; l < 4; l++) out[240 + 4 * k + l] = d * trit(b[48 + l], p);
+    }
+}
+
+/* TQ2_0: qs[64] of 2-bit fields laid out as Q2_K's, d fp16; x = d (q - 1). */
+static void tq2_0_block(const uint8_t *b, float *out) {
+    const float d = f16(b + 64);
+    for (int h = 0; h < 2; h++)
+        for (int j = 0; j < 4; j++)
+            for (int l = 0; l < 32; l++) out[128 * h + 32 * j + l] = d * (((b[32 * h + l] >> (2 * j)) & 3) - 1);
+}
+
 /* Bytes a block of qtype takes (and *elems the values it holds); 0 for a type this file does not know. */
 static int block_bytes(int qtype, int *elems) {
     switch (qtype) {
+    case Q2_K: *elems = 256; return 84;
+    case Q3_K: *elems = 256; return 110;
     case Q4_K: *elems = 256; return 144;
+    case Q5_K: *elems = 256; return 176;
     case Q6_K: *elems = 256; return 210;
     case Q4_0: *elems = 32; return 18;
     case Q4_1: *elems = 32; return 20;
@@ -249,13 +345,20 @@ static int block_bytes(int qtype, int *elems) {
     case IQ3_S: *elems = 256; return 110;
     case IQ1_S: *elems = 256; return 50;
     case IQ1_M: *elems = 256; return 56;
+    case IQ4_NL: *elems = 32; return 18;
+    case IQ4_XS: *elems = 256; return 136;
+    case TQ1_0: *elems = 256; return 54;
+    case TQ2_0: *elems = 256; return 66;
     }
     return 0;
 }
 
 static void expand(int qtype, const uint8_t *b, float *out) {
     switch (qtype) {
+    case Q2_K: q2_k_block(b, out); break;
+    case Q3_K: q3_k_block(b, out); break;
     case Q4_K: q4_k_block(b, out); break;
+    case Q5_K: q5_k_block(b, out); break;
     case Q6_K: q6_k_block(b, out); break;
     case Q4_0: q4_0_block(b, out); break;
     case Q4_1: q4_1_block(b, out); break;
@@ -270,6 +373,10 @@ static void expand(int qtype, const uint8_t *b, float *out) {
     case IQ3_S: iq3_s_block(b, out); break;
     case IQ1_S: iq1_s_block(b, out); break;
     case IQ1_M: iq1_m_block(b, out); break;
+    case IQ4_NL: iq4_nl_block(b, out); break;
+    case IQ4_XS: iq4_xs_block(b, out); break;
+    case TQ1_0: tq1_0_block(b, out); break;
+    case TQ2_0: tq2_0_block(b, out); break;
     }
 }
 
