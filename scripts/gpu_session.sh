@@ -18,6 +18,8 @@
 #   small    an 8-layer slice of the benchmark model ($SMALL_PRESET to slice another preset): decode_diag.py (tile settings, kernel table) + cpuexp
 #   loadtest the server load test (issue 13) with the benchmark model (batched, then each sequence alone),
 #            serving wheels from .whl/serve
+#   compare  issues 32/33: $COMPARE models (preset:recipe:streamed:budget) generated, moestream and llama-bench
+#            pp2048 + tg128 resident and streamed, each deleted after
 #   lbuild llamacpp   build llama.cpp's llama-bench (background) / wait and run tg128 at -ncmoe 0,26 on each
 #            benchmark model generated so far (qwen3-30b, and qwen3.6-35b after decode35 or qwen35)
 #   model35  generate the qwen3.6-35b-a3b model alone
@@ -139,6 +141,21 @@ for step in "$@"; do
                 [[ -f $m ]] && /tmp/lcpp/build/bin/llama-bench -m $m -ngl 99 -fa 1 -p 0 -n 128 -r 3 -ncmoe 0,26 2>&1 \
                   | grep -v '^ggml\|^load' | tee -a "$OUT/bench.txt"
               done ;;
+    compare) # issues 32/33: each $COMPARE entry preset:recipe:streamed:budget (e.g. gpt-oss-20b:MXFP4_MOE:24:8GiB) is
+             # generated, run by moestream (resident, then -ncmoe streamed within the budget) and by llama-bench
+             # (-lm none: llama.cpp's pinned copy; built by lbuild), then deleted to leave the disk for the next
+             [[ -n ${LBUILD:-} ]] && wait $LBUILD; tail -1 /tmp/lcpp.log | tee -a "$OUT/gpu.txt"
+             for c in ${COMPARE:-}; do
+               IFS=: read -r preset recipe n budget <<< "$c"; m=/tmp/$preset-$recipe.gguf
+               /usr/bin/time -f "make-model $preset $recipe: %e s" $MS make-model $m --preset $preset --quant $recipe 2>&1 \
+                 | quiet | tail -2 | tee -a "$OUT/bench.txt"
+               $MS bench -m $m -p 2048 -n 128 -ub 2048 -r 3 -ncmoe 0 --no-floors 2>&1 | quiet | tee -a "$OUT/bench.txt"
+               $MS bench -m $m -p 2048 -n 128 -ub 2048 -r 3 -ncmoe $n --vram-budget $budget --no-floors 2>&1 | quiet \
+                 | tee -a "$OUT/bench.txt"
+               /tmp/lcpp/build/bin/llama-bench -m $m -ngl 99 -fa 1 -p 2048 -n 128 -ub 2048 -r 3 -ncmoe 0,$n -lm none 2>&1 \
+                 | grep -v '^ggml\|^load' | tee -a "$OUT/bench.txt"
+               rm -f $m
+             done ;;
     loadtest) # issue 13 on the GPU: the server under 16 streaming clients for 60 s with the benchmark model. The
               # image lacks the serving packages: carry their wheels in .whl/serve, fetched here with
               # pip download --only-binary=:all: --python-version 3.12 --implementation cp --platform
