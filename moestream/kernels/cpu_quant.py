@@ -16,6 +16,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import warnings
 from functools import cache
@@ -90,6 +91,7 @@ def _build_and_load(lib: Path, header: bytes) -> ctypes.CDLL | None:
             warnings.warn("no C compiler found: CPU expert matvecs dequantize in torch instead (slower)", stacklevel=3)
             return None
         lib.parent.mkdir(parents=True, exist_ok=True)
+        print(f"moestream: compiling the CPU matvec for this machine (once; kept in {lib.parent})", file=sys.stderr)
         with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:  # built aside, then moved: no half-written .so
             out = Path(tmp) / lib.name
             (Path(tmp) / "iq_grids.h").write_bytes(header)
