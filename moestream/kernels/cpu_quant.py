@@ -30,6 +30,8 @@ from moestream.errors import MoestreamError
 from moestream.formats import quants
 from moestream.formats.quants import grids
 
+PARALLEL_WEIGHTS = 1 << 20  # below this many products, threads cost more than they save (a busy machine's
+# threads wait for each other at the end of each call); every output is one thread's either way: the same bits
 SOURCE = Path(__file__).with_name("csrc") / "cpu_quant.c"
 TYPES = frozenset(t.qtype for t in quants.TYPES.values() if t.cpu_dot)
 
@@ -157,7 +159,7 @@ def matvec(
         x.shape[0],
         x.data_ptr(),
         y.data_ptr(),
-        torch.get_num_threads(),
+        torch.get_num_threads() if x.shape[0] * n_out * n_in >= PARALLEL_WEIGHTS else 1,
     )
     if err:
         raise ValueError(f"CPU matvec: type {qtype.name} is not supported")
