@@ -328,9 +328,15 @@ def cmd_info(a: argparse.Namespace) -> None:
             )
         print(f"file          {f.path} ({_size(f.path.stat().st_size)})")
         print(f"architecture  {s.arch}   name: {f.metadata.get('general.name', '?')}")
-        print(f"layers        {s.n_layer}   hidden {s.n_embd}   vocab {s.n_vocab}   context {s.n_ctx_train}")
+        kinds = [f"{s.n_layer_dense_lead} dense first"] if s.n_layer_dense_lead else []
+        kinds += [f"{s.n_layer_nextn} NextN after them, skipped"] if s.n_layer_nextn else []
+        kinds_note = f" ({', '.join(kinds)})" if kinds else ""
+        print(
+            f"layers        {s.n_layer}{kinds_note}   hidden {s.n_embd}   vocab {s.n_vocab}   context {s.n_ctx_train}"
+        )
         print(f"attention     {s.n_head} heads / {s.n_head_kv} KV heads x {s.head_dim}   rope base {s.rope_base:g}")
-        print(f"experts       {s.n_expert}, {s.n_expert_used} used per token, FFN {s.n_ff_exp}")
+        shared = f", a shared expert of FFN {s.n_ff_shexp}" if s.n_ff_shexp else ""
+        print(f"experts       {s.n_expert}, {s.n_expert_used} used per token, FFN {s.n_ff_exp}{shared}")
         _print_types(f.metadata, stored)
         per_layer = expert_bytes_per_layer(f, s)
         print(
@@ -350,7 +356,8 @@ def cmd_info(a: argparse.Namespace) -> None:
         finally:
             engine.close()
         print(f"routing on {tokens} random tokens: per layer min / mean / max load, max/mean, idle experts")
-        for il, (row, ratio) in enumerate(zip(counter.counts, counter.imbalance(), strict=True)):
+        for il in s.expert_layers:  # a dense layer routes nothing
+            row, ratio = counter.counts[il], counter.imbalance()[il]
             idle = int((row == 0).sum())
             print(
                 f"  layer {il:3d}  {int(row.min()):6d} {row.float().mean():8.1f} {int(row.max()):6d}"

@@ -193,8 +193,10 @@ def attention(
     G = H // Hkv
     t = tuning.current()
     block = min(64, 16384 // (Dh * q.element_size()))  # K and V tiles of at most 16 KiB: no register spills
-    chunk = chunk_size(S, T * Hkv, block, t)
-    n_chunks = triton.cdiv(S, chunk)
+    # chunks sized for a power of two of keys, those past S empty: a prompt's any length compiles few kernels
+    bucket = triton.next_power_of_2(S)
+    chunk = chunk_size(bucket, T * Hkv, block, t)
+    n_chunks = triton.cdiv(bucket, chunk)
     out = torch.empty((T, H, Dh), dtype=q.dtype, device=q.device)
     if n_chunks == 1:  # the chunk kernel normalises: no partials, no combine
         part, stats = out, (out, out)

@@ -14,11 +14,60 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from moestream.formats import quants
 from moestream.formats.quants import grids
+from moestream.formats.quants.nonlinear import IQ4_VALUES
 from moestream.kernels import tuning
-from moestream.kernels.launch import on_device, triton
+from moestream.kernels.launch import INTERPRETED, on_device, triton
+
+
+def _iq4_words() -> tuple[int, ...]:
+    """IQ4_VALUES plus 128 (so unsigned bytes), 4 to an int32 word, little-endian."""
+    b = [v + 128 for v in IQ4_VALUES]
+    words = [b[i] | b[i + 1] << 8 | b[i + 2] << 16 | b[i + 3] << 24 for i in range(0, 16, 4)]
+    return tuple(w - (1 << 32) if w >= 1 << 31 else w for w in words)
+
 
 if triton is not None:
     import triton.language as tl
+
+    _INTERPRETED = tl.constexpr(INTERPRETED)
+    _IQ4_0, _IQ4_1, _IQ4_2, _IQ4_3 = (tl.constexpr(w) for w in _iq4_words())
+
+    @triton.jit
+    def byte_perm(a, b, s):
+        """PTX's prmt.b32: byte i of the result is byte (s >> 4 i) & 7 of the 8 bytes b:a (a's first); bit 3
+        of each selector must be clear (prmt would copy the byte's sign instead). One instruction on the GPU;
+        the same in plain operations under Triton's interpreter, which runs no PTX."""
+        if _INTERPRETED:
+            r = s & 0
+            for i in tl.static_range(4):
+                sel = (s >> (4 * i)) & 7
+                r |= ((tl.where(sel < 4, a, b) >> (8 * (sel & 3))) & 0xFF) << (8 * i)
+        else:
+            r = tl.inline_asm_elementwise(
+                "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, s], dtype=tl.int32, is_pure=True, pack=1
+            )
+        return r
+
+    @triton.jit
+    def iq4_bytes(u):
+        """The IQ4 values plus 128 of the 8 nibbles of the int32 u, by table lookups in registers: words (lo, hi),
+        byte i of lo that of the low nibble of u's byte i, of hi its high nibble's. The low 3 bits of each
+        nibble pick a byte of the table's first 8 and of its last 8 values, bit 3 between the two."""
+        t0, t1 = tl.full(u.shape, _IQ4_0, tl.int32), tl.full(u.shape, _IQ4_1, tl.int32)
+        t2, t3 = tl.full(u.shape, _IQ4_2, tl.int32), tl.full(u.shape, _IQ4_3, tl.int32)
+        s = u & 0x77777777
+        pick = 0x32103210 | ((u >> 1) & 0x44444444)
+        w0 = byte_perm(byte_perm(t0, t1, s), byte_perm(t2, t3, s), pick)  # bytes 0-1's low, high, low, high
+        s, pick = s >> 16, pick >> 16
+        w1 = byte_perm(byte_perm(t0, t1, s), byte_perm(t2, t3, s), pick)  # bytes 2-3's
+        lows, highs = tl.full(u.shape, 0x6420, tl.int32), tl.full(u.shape, 0x7531, tl.int32)
+        return byte_perm(w0, w1, lows), byte_perm(w0, w1, highs)
+
+    @triton.jit
+    def byte_value(w, k: tl.constexpr, offset: tl.constexpr):
+        """Byte k of the int32 w less offset, as float32, exactly and without I2F: the float 2**23 + byte (the
+        byte under the exponent of 2**23) less 2**23 + offset."""
+        return (((w >> (8 * k)) & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + offset)
 
     @triton.jit
     def f16_at(base, offset, ok):
@@ -93,14 +142,16 @@ if triton is not None:
         q = tl.load(base + 2 + e, mask=ok, other=0).to(tl.int8, bitcast=True).to(tl.float32)
         return q * f16_at(base, 0, ok)
 
-    # The IQ grid types (formats/quants/grids.py). Each group of 8 values (G, 0..31 in a block) has a scale, a
-    # grid row and a sign row in the type's kernel_table; word j of a row covers values 2 j and 2 j + 1. The
-    # _fields functions give, for tensors G and j (broadcast against base), the group's scale and the table
-    # offsets of word j of its grid row and sign row. WORDS loads 16-bit fields as such (the dots: blocks
-    # 2-byte aligned), otherwise as two bytes (the tiles, which take any buffer).
-    _SIGNS_BY_BYTE = tl.constexpr(grids.BYTE_SIGNS)
-    _SIGNS_BY_INDEX = tl.constexpr(grids.INDEX_SIGNS)
-    _GRID = tl.constexpr(grids.GRID)
+    # The IQ grid types (formats/quants/grids.py). Group g (0..3) of 8 values of sub-block s (0..7) of 32 has
+    # a scale, a grid row and a sign row in the type's kernel_table, read as 8-byte quads: quad q of a row holds
+    # values 4 q .. 4 q + 3 as bfloat16. The _fields functions give, for tensors s, g and q (broadcast against
+    # base), the group's scale and the table offsets, in quads, of quad q of its grid row and sign row. They
+    # load whole 16- and 32-bit fields of the sub-block and shift the group's bits out, so the dots' loads
+    # are per sub-block. WORDS loads a 16-bit field as such (the dots: blocks 2-byte aligned), otherwise as
+    # two bytes (the tiles: any buffer).
+    _SIGNS_BY_BYTE = tl.constexpr(grids.BYTE_SIGNS // 2)
+    _SIGNS_BY_INDEX = tl.constexpr(grids.INDEX_SIGNS // 2)
+    _GRID = tl.constexpr(grids.GRID // 2)
 
     @triton.jit
     def _byte(base, offset, ok):
@@ -116,99 +167,132 @@ if triton is not None:
         return v
 
     @triton.jit
+    def _u32(base, offset, ok, WORDS: tl.constexpr):
+        """The little-endian 32-bit field at an even byte offset, as int32."""
+        return _u16(base, offset, ok, WORDS) | (_u16(base, offset + 2, ok, WORDS) << 16)
+
+    @triton.jit
+    def _byte_of(base, offset, i, ok, WORDS: tl.constexpr):
+        """Byte offset + i (offset even) through the 16-bit field holding it."""
+        return (_u16(base, offset + 2 * (i // 2), ok, WORDS) >> (8 * (i % 2))) & 255
+
+    @triton.jit
+    def _half_of(base, offset, g, ok, WORDS: tl.constexpr):
+        """16-bit field g (0..3) of the 8 bytes at offset, through the two 32-bit fields there."""
+        w = tl.where(g < 2, _u32(base, offset, ok, WORDS), _u32(base, offset + 4, ok, WORDS))
+        return (w >> (16 * (g % 2))) & 0xFFFF
+
+    @triton.jit
+    def _f16(base, ok, WORDS: tl.constexpr):
+        """The fp16 d at byte 0, as float32."""
+        return _u16(base, 0, ok, WORDS).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
     def _quarter(d, sc):
         """d (1/2 + sc) / 4, the IQ2 scale, in the reference's order of products."""
         return d * (0.5 + sc.to(tl.float32)) * 0.25
 
     @triton.jit
-    def iq2_xxs_fields(base, G, j, ok, WORDS: tl.constexpr):
-        """Per 32 values (s = G // 4) 4 index bytes, then a word of 4 7-bit sign indices and a scale (top 4)."""
-        at = 2 + 8 * (G // 4)
-        aux = _u16(base, at + 4, ok, WORDS) | (_u16(base, at + 6, ok, WORDS) << 16)
-        index = _byte(base, at + G % 4, ok)
-        db = _quarter(f16_at(base, 0, ok), (aux >> 28) & 15)
-        return db, _GRID + index * 4 + j, _SIGNS_BY_INDEX + ((aux >> (7 * (G % 4))) & 127) * 4 + j
+    def iq2_xxs_fields(base, s, g, q, ok, WORDS: tl.constexpr):
+        """Per sub-block two 32-bit fields at 2 + 8 s: 4 index bytes; 4 7-bit sign indices and the scale."""
+        index = (_u32(base, 2 + 8 * s, ok, WORDS) >> (8 * g)) & 255
+        aux = _u32(base, 6 + 8 * s, ok, WORDS)
+        db = _quarter(_f16(base, ok, WORDS), (aux >> 28) & 15)
+        return db, _GRID + index * 2 + q, _SIGNS_BY_INDEX + ((aux >> (7 * g)) & 127) * 2 + q
 
     @triton.jit
-    def iq2_xs_fields(base, G, j, ok, WORDS: tl.constexpr):
-        """A 16-bit field a group (9-bit grid index, 7-bit sign index); 4-bit scales per 16 from byte 66."""
-        q = _u16(base, 2 + 2 * G, ok, WORDS)
-        db = _quarter(f16_at(base, 0, ok), (_byte(base, 66 + G // 4, ok) >> (4 * ((G // 2) % 2))) & 15)
-        return db, _GRID + (q & 511) * 4 + j, _SIGNS_BY_INDEX + (q >> 9) * 4 + j
+    def iq2_xs_fields(base, s, g, q, ok, WORDS: tl.constexpr):
+        """A 16-bit field a group at 2 (9-bit grid index, 7-bit sign index); a byte of two 4-bit scales per
+        sub-block at 66."""
+        v = _half_of(base, 2 + 8 * s, g, ok, WORDS)
+        db = _quarter(_f16(base, ok, WORDS), (_byte_of(base, 66, s, ok, WORDS) >> (4 * (g // 2))) & 15)
+        return db, _GRID + (v & 511) * 2 + q, _SIGNS_BY_INDEX + (v >> 9) * 2 + q
 
     @triton.jit
-    def iq2_s_fields(base, G, j, ok, WORDS: tl.constexpr):
-        """Index low bytes at 2, sign bytes at 34, 2 high index bits a group at 66, 4-bit scales at 74."""
-        high = (_byte(base, 66 + G // 4, ok) >> (2 * (G % 4))) & 3
-        db = _quarter(f16_at(base, 0, ok), (_byte(base, 74 + G // 4, ok) >> (4 * ((G // 2) % 2))) & 15)
-        index = _byte(base, 2 + G, ok) | (high << 8)
-        return db, _GRID + index * 4 + j, _SIGNS_BY_BYTE + _byte(base, 34 + G, ok) * 4 + j
+    def iq2_s_fields(base, s, g, q, ok, WORDS: tl.constexpr):
+        """Index low bytes at 2, sign bytes at 34 (4 a sub-block), a byte of 2 high index bits a group per
+        sub-block at 66, one of two 4-bit scales at 74."""
+        high = (_byte_of(base, 66, s, ok, WORDS) >> (2 * g)) & 3
+        db = _quarter(_f16(base, ok, WORDS), (_byte_of(base, 74, s, ok, WORDS) >> (4 * (g // 2))) & 15)
+        index = ((_u32(base, 2 + 4 * s, ok, WORDS) >> (8 * g)) & 255) | (high << 8)
+        signs = (_u32(base, 34 + 4 * s, ok, WORDS) >> (8 * g)) & 255
+        return db, _GRID + index * 2 + q, _SIGNS_BY_BYTE + signs * 2 + q
 
     @triton.jit
-    def iq3_xxs_fields(base, G, j, ok, WORDS: tl.constexpr):
-        """Two index bytes a group (rows of 4 values: words 0-1, 2-3) at 2; per 32 values a word at 66 of 4
-        7-bit sign indices and a scale."""
-        pair = _u16(base, 2 + 2 * G, ok, WORDS)
-        at = 66 + 4 * (G // 4)
-        aux = _u16(base, at, ok, WORDS) | (_u16(base, at + 2, ok, WORDS) << 16)
-        db = f16_at(base, 0, ok) * (0.5 + ((aux >> 28) & 15).to(tl.float32)) * 0.5
-        row = tl.where(j < 2, pair & 255, pair >> 8)
-        return db, _GRID + row * 2 + j % 2, _SIGNS_BY_INDEX + ((aux >> (7 * (G % 4))) & 127) * 4 + j
+    def _split_quads(at, q):
+        """at + q, as two 8-byte loads rather than one of 16: an IQ3 group's two grid rows lie apart, and loads
+        of one shape keep one layout (a dot would otherwise move one through shared memory)."""
+        return tl.where(q == 0, at, at + 1)
 
     @triton.jit
-    def iq3_s_fields(base, G, j, ok, WORDS: tl.constexpr):
-        """Two index low bytes a group at 2, their ninth bits at 66, sign bytes at 74, 4-bit scales at 106."""
-        pair = _u16(base, 2 + 2 * G, ok, WORDS)
-        high = _byte(base, 66 + G // 4, ok) >> (2 * (G % 4))
-        sc = (_byte(base, 106 + G // 8, ok) >> (4 * ((G // 4) % 2))) & 15
-        row = tl.where(j < 2, (pair & 255) | ((high & 1) << 8), (pair >> 8) | ((high & 2) << 7))
-        db = f16_at(base, 0, ok) * (1 + 2 * sc).to(tl.float32)
-        return db, _GRID + row * 2 + j % 2, _SIGNS_BY_BYTE + _byte(base, 74 + G, ok) * 4 + j
+    def iq3_xxs_fields(base, s, g, q, ok, WORDS: tl.constexpr):
+        """Two index bytes a group (rows of 4 values: quads 0 and 1) at 2; per sub-block a 32-bit field at 66
+        of 4 7-bit sign indices and the scale."""
+        pair = _half_of(base, 2 + 8 * s, g, ok, WORDS)
+        aux = _u32(base, 66 + 4 * s, ok, WORDS)
+        db = _f16(base, ok, WORDS) * (0.5 + ((aux >> 28) & 15).to(tl.float32)) * 0.5
+        row = tl.where(q == 0, pair & 255, pair >> 8)
+        return db, _GRID + row, _split_quads(_SIGNS_BY_INDEX + ((aux >> (7 * g)) & 127) * 2, q)
 
     @triton.jit
-    def iq1_s_fields(base, G, j, ok, WORDS: tl.constexpr):
-        """Index low bytes at 2; per 32 values a 16-bit field at 34: 3 high index bits a group, a 3-bit scale,
-        the delta's sign. Returns the scale d (2 s + 1), the delta and the grid word."""
-        qh = _u16(base, 34 + 2 * (G // 4), ok, WORDS)
-        index = _byte(base, 2 + G, ok) | (((qh >> (3 * (G % 4))) & 7) << 8)
-        dl = f16_at(base, 0, ok) * (2 * ((qh >> 12) & 7) + 1).to(tl.float32)
-        return dl, tl.where(qh >> 15 == 0, 0.125, -0.125), _GRID + index * 4 + j
+    def iq3_s_fields(base, s, g, q, ok, WORDS: tl.constexpr):
+        """Two index low bytes a group at 2, a byte of their ninth bits per sub-block at 66, sign bytes at 74,
+        4-bit scales at 106 (one per sub-block)."""
+        pair = _half_of(base, 2 + 8 * s, g, ok, WORDS)
+        high = _byte_of(base, 66, s, ok, WORDS) >> (2 * g)
+        sc = (_byte_of(base, 106, s // 2, ok, WORDS) >> (4 * (s % 2))) & 15
+        row = tl.where(q == 0, (pair & 255) | ((high & 1) << 8), (pair >> 8) | ((high & 2) << 7))
+        db = _f16(base, ok, WORDS) * (1 + 2 * sc).to(tl.float32)
+        signs = (_u32(base, 74 + 4 * s, ok, WORDS) >> (8 * g)) & 255
+        return db, _GRID + row, _split_quads(_SIGNS_BY_BYTE + signs * 2, q)
 
     @triton.jit
-    def iq1_m_fields(base, G, j, ok, WORDS: tl.constexpr):
-        """Index low bytes at 0, a nibble a group at 32 (3 high index bits, the delta's sign), 3-bit scales
-        per 16 in 4 16-bit fields at 48 whose top nibbles make d."""
-        nibble = _byte(base, 32 + G // 2, ok) >> (4 * (G % 2))
-        sc = _u16(base, 48 + 2 * (G // 8), ok, WORDS) >> (3 * ((G // 2) % 4))
+    def iq1_s_fields(base, s, g, q, ok, WORDS: tl.constexpr):
+        """Index low bytes at 2; per sub-block a 16-bit field at 34: 3 high index bits a group, a 3-bit scale,
+        the delta's sign. Returns the scale d (2 s + 1), the delta and the grid quad."""
+        qh = _u16(base, 34 + 2 * s, ok, WORDS)
+        index = ((_u32(base, 2 + 4 * s, ok, WORDS) >> (8 * g)) & 255) | (((qh >> (3 * g)) & 7) << 8)
+        dl = _f16(base, ok, WORDS) * (2 * ((qh >> 12) & 7) + 1).to(tl.float32)
+        return dl, tl.where(qh >> 15 == 0, 0.125, -0.125), _GRID + index * 2 + q
+
+    @triton.jit
+    def iq1_m_fields(base, s, g, q, ok, WORDS: tl.constexpr):
+        """Index low bytes at 0, per sub-block 16 bits at 32 of a nibble a group (3 high index bits, the
+        delta's sign), 3-bit scales per 16 in 4 16-bit fields at 48 whose top nibbles make d."""
+        nibble = _u16(base, 32 + 2 * s, ok, WORDS) >> (4 * g)
+        sc = _u16(base, 48 + 2 * (s // 2), ok, WORDS) >> (6 * (s % 2) + 3 * (g // 2))
         bits = (_u16(base, 48, ok, WORDS) >> 12) | ((_u16(base, 50, ok, WORDS) >> 12) << 4)
         bits |= ((_u16(base, 52, ok, WORDS) >> 12) << 8) | ((_u16(base, 54, ok, WORDS) >> 12) << 12)
         d = bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
         dl = d * (2 * (sc & 7) + 1).to(tl.float32)
-        index = _byte(base, G, ok) | ((nibble & 7) << 8)
-        return dl, tl.where((nibble & 8) == 0, 0.125, -0.125), _GRID + index * 4 + j
+        index = ((_u32(base, 4 * s, ok, WORDS) >> (8 * g)) & 255) | ((nibble & 7) << 8)
+        return dl, tl.where((nibble & 8) == 0, 0.125, -0.125), _GRID + index * 2 + q
 
     @triton.jit
-    def grid_word(table, grid_word, sign_word, SIGNED: tl.constexpr):
-        """Two values as bfloat16 halves of one int32 (low: the even one), signs applied (an XOR of the bits)."""
-        w = tl.load(table + grid_word)
+    def grid_quad(table, grid_quad, sign_quad, SIGNED: tl.constexpr):
+        """Four values as the bfloat16 quarters of an int64 (lowest: the first), signs applied (an XOR of the
+        bits)."""
+        t = table.to(tl.pointer_type(tl.int64))
+        w = tl.load(t + grid_quad)
         if SIGNED:
-            w ^= tl.load(table + sign_word)
+            w ^= tl.load(t + sign_quad)
         return w
 
     @triton.jit
-    def _half(w, e):
-        """The float32 of element e's bfloat16 half of w (the high half for odd e)."""
-        return tl.where(e % 2 == 1, w & -65536, w << 16).to(tl.float32, bitcast=True)
+    def _quarter_of(w, e):
+        """The float32 of element e's bfloat16 quarter of the int64 w (quarter e % 4)."""
+        half = tl.where(e % 4 < 2, w, w >> 32).to(tl.int32)
+        return tl.where(e % 2 == 1, half & -65536, half << 16).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _signed_tile(base, e, ok, table, FIELDS: tl.constexpr):
-        db, gw, sw = FIELDS(base, e // 8, (e % 8) // 2, ok, False)
-        return db * _half(grid_word(table, gw, sw, True), e)
+        db, gq, sq = FIELDS(base, e // 32, (e // 8) % 4, (e % 8) // 4, ok, False)
+        return db * _quarter_of(grid_quad(table, gq, sq, True), e)
 
     @triton.jit
     def _shifted_tile(base, e, ok, table, FIELDS: tl.constexpr):
-        dl, delta, gw = FIELDS(base, e // 8, (e % 8) // 2, ok, False)
-        return dl * (_half(grid_word(table, gw, gw, False), e) + delta)
+        dl, delta, gq = FIELDS(base, e // 32, (e // 8) % 4, (e % 8) // 4, ok, False)
+        return dl * (_quarter_of(grid_quad(table, gq, gq, False), e) + delta)
 
     @triton.jit
     def iq2_xxs_tile(base, e, ok, table):
@@ -260,6 +344,41 @@ if triton is not None:
     @triton.jit
     def q4_0_tile(base, e, ok):
         return (_nibble32(base + 2, e, ok) - 8).to(tl.float32) * f16_at(base, 0, ok)
+
+    @triton.jit
+    def _iq4_value(n):
+        """The IQ4 value of nibble(s) n (int32), as float32."""
+        lo, _ = iq4_bytes(n)
+        return byte_value(lo, 0, 128)
+
+    @triton.jit
+    def iq4_nl_tile(base, e, ok):
+        return _iq4_value(_nibble32(base + 2, e, ok)) * f16_at(base, 0, ok)
+
+    @triton.jit
+    def iq4_xs_tile(base, e, ok):
+        """IQ4_XS: sub-block i = e // 32 has scale ((scales_l nibble i) | (scales_h bits 2 i) << 4) - 32."""
+        i = e // 32
+        lo = (tl.load(base + 4 + i // 2, mask=ok, other=0).to(tl.int32) >> ((i % 2) * 4)) & 15
+        hi = (tl.load(base + 2 + i // 4, mask=ok, other=0).to(tl.int32) >> ((i % 4) * 2)) & 3
+        dl = f16_at(base, 0, ok) * ((lo | (hi << 4)) - 32).to(tl.float32)
+        return dl * _iq4_value(_nibble32(base + 8 + i * 16, e % 32, ok))
+
+    @triton.jit
+    def tq1_0_tile(base, e, ok):
+        """TQ1_0: value e's byte and power of 3 (see formats/quants/ternary.py), the trit the top of
+        (byte * 3**k mod 256) * 3 / 256."""
+        a, b = e < 160, e < 240
+        at = tl.where(a, e % 32, tl.where(b, 32 + (e - 160) % 16, 48 + (e - 240) % 4))
+        k = tl.where(a, e // 32, tl.where(b, (e - 160) // 16, (e - 240) // 4))
+        pow3 = tl.where(k == 0, 1, tl.where(k == 1, 3, tl.where(k == 2, 9, tl.where(k == 3, 27, 81))))
+        v = tl.load(base + at, mask=ok, other=0).to(tl.int32)
+        q = (((v * pow3) & 0xFF) * 3) >> 8
+        return (q - 1).to(tl.float32) * f16_at(base, 52, ok)
+
+    @triton.jit
+    def tq2_0_tile(base, e, ok):
+        return (_low_k_field(base, e, ok) - 1).to(tl.float32) * f16_at(base, 64, ok)
 
     @triton.jit
     def q4_1_tile(base, e, ok):

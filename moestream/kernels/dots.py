@@ -3,8 +3,11 @@ tile of stored blocks in registers and multiplies it by x's matching slices. for
 dot; the tables below look the names up, so a new type's dot is a function here and a name there.
 
 A dot takes base [R, B, 1] pointing at B consecutive blocks of each of R rows, xb [1, B, 1] at the blocks'
-slices of x, ok [R, 1, 1] masking rows, and returns [R, B, W] partial products (summed by the caller). The
-dots load the packed bytes as contiguous runs (K-quants as 32- or 16-bit words) and each scale once per row.
+slices of x, ok [R, 1, 1] masking rows, and returns [R, B, W] or [R, B, W, V] partial products (summed by the
+caller). The dots load the packed bytes as 32- or 16-bit words (blocks off a word boundary, such as MXFP4's 17
+bytes, through _word_at), a bfloat16 x 2 or 4 values a load, and each scale once per row; small integers become
+floats without I2F (1 + q / 2**bits under the exponent of 1.0, or 2**23 + q), and IQ4's table is looked up in
+registers (prmt).
 """
 
 from __future__ import annotations
@@ -24,16 +27,18 @@ FLOAT_QTYPES = {torch.float32: Q.F32, torch.float16: Q.F16, torch.bfloat16: Q.BF
 WORD_BYTES = {Q.Q2_K: 4, Q.Q3_K: 2, Q.Q4_K: 4, Q.Q5_K: 4, Q.Q6_K: 2, Q.Q4_0: 2, Q.Q4_1: 4, Q.Q5_0: 2, Q.Q5_1: 4} | {
     q: 2 for q in (Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M)
 }
+WORD_BYTES |= {Q.IQ4_NL: 2, Q.IQ4_XS: 4, Q.TQ1_0: 2, Q.TQ2_0: 2}
 
 if triton is not None:
     import triton.language as tl
 
     from moestream.kernels.dequant import (
+        byte_value,
         e2m1_pair,
         e8m0_half,
         f16_at,
         f16_pair,
-        grid_word,
+        grid_quad,
         iq1_m_fields,
         iq1_s_fields,
         iq2_s_fields,
@@ -41,6 +46,7 @@ if triton is not None:
         iq2_xxs_fields,
         iq3_s_fields,
         iq3_xxs_fields,
+        iq4_bytes,
     )
 
     _FLOAT_BLOCK = tl.constexpr(FLOAT_BLOCK)
@@ -180,6 +186,82 @@ if triton is not None:
                 acc += _exact_f32(((q & 0xFF) - 32) * sc) * x0
                 acc += _exact_f32(((q >> 8) - 32) * sc) * x1
         return d * acc
+
+    @triton.jit
+    def _iq4_sums(u, xb, lane):
+        """The sum of value x over the 8 IQ4 codes of the word u of a 32-value block's nibble bytes 4 lane..
+        (element 4 lane + k low, 16 + 4 lane + k high): each code's value from iq4_bytes, exact (byte_value)."""
+        lo, hi = iq4_bytes(u)
+        x_lo, x_hi = _x_quads(xb, lane)
+        acc = tl.zeros(u.shape, tl.float32)
+        for k in tl.static_range(4):
+            acc += byte_value(lo, k, 128) * _x_at(xb, x_lo, 4 * lane, k)
+            acc += byte_value(hi, k, 128) * _x_at(xb, x_hi, 16 + 4 * lane, k)
+        return acc
+
+    @triton.jit
+    def iq4_nl_dot(base, xb, ok):
+        """An IQ4_NL block (18 bytes, 2-byte aligned): d times _iq4_sums over its four words (_word_at)."""
+        lane = tl.arange(0, 4)[None, None, :]
+        return _f16_word(base, 0, ok) * _iq4_sums(_word_at(base + 2 + 4 * lane, ok), xb, lane)
+
+    @triton.jit
+    def iq4_xs_dot(base, xb, ok):
+        """An IQ4_XS block (136 bytes, 4-byte aligned: word loads): lane 4 i + l takes word l of sub-block i's
+        16 nibble bytes, scaled by d ((scales_l nibble i | scales_h bits 2 i << 4) - 32)."""
+        lane = tl.arange(0, 32)[None, None, :]
+        i = lane // 4
+        wp = base.to(tl.pointer_type(tl.int32))
+        w0 = tl.load(wp, mask=ok, other=0)  # d, then scales_h
+        d = (w0 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        lo = (tl.load(wp + 1, mask=ok, other=0) >> (4 * i)) & 15
+        sc = _exact_f32((lo | (((w0 >> (16 + 2 * i)) & 3) << 4)) - 32)
+        u = tl.load(wp + 2 + lane, mask=ok, other=0)
+        return (d * sc) * _iq4_sums(u, xb + 32 * i, lane % 4)
+
+    @triton.jit
+    def tq2_0_dot(base, xb, ok):
+        """A TQ2_0 block (66 bytes, 2-byte aligned: _words4_at), lanes as in q2_k_dot: (q - 1) . x = 4 A - 5 X
+        with q as 1 + q / 4 (_low_k_sums), times d."""
+        s = tl.arange(0, 16)[None, None, :]
+        h, j, g = s // 8, s // 2 % 4, s % 2
+        w0, w1, w2, w3 = _words4_at(base + 32 * h + 16 * g, ok)
+        sh = 2 * j
+        a, x = _low_k_sums(w0 >> sh, w1 >> sh, w2 >> sh, w3 >> sh, xb + 128 * h + 32 * j + 16 * g, 21, 0x600000)
+        return _f16_word(base, 64, ok) * (4.0 * a - 5.0 * x)
+
+    @triton.jit
+    def tq1_0_dot(base, xb, ok):
+        """A TQ1_0 block (54 bytes, 2-byte aligned): lane w < 12 takes qs word w (5 trits a byte), lane 12 the
+        qh word (4 trits), lanes 13-15 nothing. Trit k of byte v is the top of (v 3**k mod 256) 3 / 256,
+        worked out for two bytes at once in the 16-bit halves of a word; values 32 k + l (qs[l], l < 32),
+        160 + 16 k + l (qs[32 + l]), 240 + 4 k + l (qh[l]); each (q - 1) exact (byte_value), times d."""
+        w = tl.arange(0, 16)[None, None, :]
+        ok_w = ok & (w < 13)
+        u = _word_at(base + 4 * tl.minimum(w, 12), ok_w)
+        at = tl.where(w < 8, 4 * w, tl.where(w < 12, 160 + 4 * (w - 8), 240))  # x of the word's trit 0
+        step = tl.where(w < 8, 32, tl.where(w < 12, 16, 4))  # x between its trits
+        even, odd = u & 0x00FF00FF, (u >> 8) & 0x00FF00FF  # bytes 0 and 2, 1 and 3
+        acc = tl.zeros(u.shape, tl.float32)
+        for k in tl.static_range(5):
+            xp = xb + at + step * k
+            used = (w < 12) if k == 4 else (w < 13)  # qh has 4 trits
+            if xb.dtype.element_ty == tl.bfloat16:
+                quad = tl.load(xp.to(tl.pointer_type(tl.int64)), mask=used, other=0)
+            else:
+                quad = tl.zeros(xp.shape, tl.int64)
+            p = 3**k
+            te = ((((even * p) & 0x00FF00FF) * 3) >> 8) & 0x00030003  # trits of bytes 0 (bits 0-1), 2 (16-17)
+            to = ((((odd * p) & 0x00FF00FF) * 3) >> 8) & 0x00030003
+            for b in tl.static_range(4):
+                t = te if b % 2 == 0 else to
+                v = byte_value(t, 2 * (b // 2), 1)  # the trit less 1
+                if xb.dtype.element_ty == tl.bfloat16:
+                    xv = _bf16_of(quad, b)
+                else:
+                    xv = tl.load(xp + b, mask=used, other=0).to(tl.float32)
+                acc += v * xv
+        return _f16_word(base, 52, ok) * acc
 
     @triton.jit
     def _words4_at(p, ok):
@@ -406,36 +488,33 @@ if triton is not None:
         return (32.0 * d) * a + (m - 32.0 * d) * x
 
     @triton.jit
-    def _x_pair(xb, at):
-        """x's values at at and at + 1 (at even) as float32; a bfloat16 pair as one 4-byte load."""
-        if xb.dtype.element_ty == tl.bfloat16:
-            x2 = tl.load((xb + at).to(tl.pointer_type(tl.int32)))
-            lo, hi = _bf16_of(x2, 0), _bf16_of(x2, 1)
-        else:
-            lo = tl.load(xb + at).to(tl.float32)
-            hi = tl.load(xb + at + 1).to(tl.float32)
-        return lo, hi
-
-    @triton.jit
     def _grid_dot(base, xb, ok, table, FIELDS: tl.constexpr, SHIFTED: tl.constexpr):
-        """An IQ grid block (kernels/dequant.py's _fields) as [R, B, 32 groups of 8, 4 words]: each lane loads
-        its grid word and sign word from the L1-resident table (a group's 4 words are 16 contiguous bytes),
-        XORs the signs into the two bfloat16 halves, and takes each half apart with one shift or AND. IQ1's
-        shift adds delta times the sum of x over the word."""
-        base, xb, ok = base[:, :, :, None], xb[:, :, :, None], ok[:, :, :, None]
-        G = tl.arange(0, 32)[None, None, :, None]
-        j = tl.arange(0, 4)[None, None, None, :]
-        xl, xh = _x_pair(xb, 8 * G + 2 * j)
-        if SHIFTED:
-            scale, delta, gw = FIELDS(base, G, j, ok, True)
-            w = grid_word(table, gw, gw, False)
+        """An IQ grid block (kernels/dequant.py's _fields) as [R, B, 8 sub-blocks, 4 groups, 2 quads]: the
+        fields load once a sub-block; each lane loads a quad of its grid row and of its sign row from the
+        L1-resident table (a row's 2 quads are 16 contiguous bytes), XORs the signs into the four bfloat16
+        values and takes each apart with a shift or an AND, against x's matching quad (one 8-byte load of a
+        bfloat16 x). IQ1's delta multiplies the sum of x. Returns [R, B, 8, 4]."""
+        base, xb, ok = base[:, :, :, None, None], xb[:, :, :, None, None], ok[:, :, :, None, None]
+        s = tl.arange(0, 8)[None, None, :, None, None]
+        g = tl.arange(0, 4)[None, None, None, :, None]
+        q = tl.arange(0, 2)[None, None, None, None, :]
+        if xb.dtype.element_ty == tl.bfloat16:
+            x4 = tl.load(xb.to(tl.pointer_type(tl.int64)) + 8 * s + 2 * g + q)
+            x0, x1, x2, x3 = _bf16_of(x4, 0), _bf16_of(x4, 1), _bf16_of(x4, 2), _bf16_of(x4, 3)
         else:
-            scale, gw, sw = FIELDS(base, G, j, ok, True)
-            w = grid_word(table, gw, sw, True)
-        acc = (w << 16).to(tl.float32, bitcast=True) * xl + (w & -65536).to(tl.float32, bitcast=True) * xh
+            at = xb + 32 * s + 8 * g + 4 * q
+            x0, x1 = tl.load(at).to(tl.float32), tl.load(at + 1).to(tl.float32)
+            x2, x3 = tl.load(at + 2).to(tl.float32), tl.load(at + 3).to(tl.float32)
         if SHIFTED:
-            acc += delta * (xl + xh)
-        return scale * acc
+            scale, delta, gq = FIELDS(base, s, g, q, ok, True)
+            w = grid_quad(table, gq, gq, False)
+        else:
+            scale, gq, sq = FIELDS(base, s, g, q, ok, True)
+            w = grid_quad(table, gq, sq, True)
+        acc = _bf16_of(w, 0) * x0 + _bf16_of(w, 1) * x1 + _bf16_of(w, 2) * x2 + _bf16_of(w, 3) * x3
+        if SHIFTED:
+            acc += delta * (x0 + x1 + x2 + x3)
+        return tl.sum(scale * acc, axis=4)
 
     @triton.jit
     def iq2_xxs_dot(base, xb, ok, table):

@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 ARCH = "glm4moe"
 expert_tensor_names = qwen3moe.expert_tensor_names  # the same routed expert stacks, under the same names
 GATING = {0: "sigmoid", 1: "softmax", 2: "sigmoid"}  # expert_gating_func: llama.cpp reads none as sigmoid here
+# The router's weights and correction bias, kept float32 whatever the compute dtype (llama.cpp keeps them F32):
+# the choice ranks sigmoid scores plus a bias, where bf16 rounding would pick other experts.
+FLOAT32 = ("ffn_gate_inp.weight", "exp_probs_b.bias")
 OPTIONAL = (  # a layer's tensors a file may lack: GLM-4.5 has q/k norms, GLM-4.5-Air none
     "attn_q.bias",
     "attn_k.bias",
@@ -239,6 +242,8 @@ class Model(qwen3moe.Model):
 
     def guess_experts(self, il: int, x: torch.Tensor, n: int) -> torch.Tensor:
         """The n experts layer il's router would choose first for x, the residual before an earlier layer."""
-        logits = F.linear(rms_norm(x, self.w(il, self.MOE_NORM), self.spec.rms_eps), self.w(il, "ffn_gate_inp"))
+        normed = rms_norm(x, self.w(il, self.MOE_NORM), self.spec.rms_eps)
+        router = self.w(il, "ffn_gate_inp")
+        logits = F.linear(normed.to(router.dtype), router)
         bias = self.weights[f"blk.{il}.exp_probs_b.bias"]
         return biased_topk(logits, bias, replace(self.routing, k=n), x.dtype)[1]

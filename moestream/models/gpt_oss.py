@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 ARCH = "gpt-oss"
 EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+QKV = ("attn_q", "attn_k", "attn_v")
 SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # llama.cpp's gpt-oss constants: it reads none from the file
 SWA_PATTERN = 2  # llama.cpp's default for gpt-oss: of each 2 layers, the first slides
 
@@ -207,29 +208,29 @@ class Model:
 
     def attention(self, il: int, x: torch.Tensor, batch: Batch, cache: Cache) -> torch.Tensor:
         s, T = self.spec, x.shape[0]
-        names = ("attn_q", "attn_k", "attn_v")
-        q, k, v = (
-            y + self.b(il, n) for y, n in zip(linears(x, [self.stored(il, n) for n in names]), names, strict=True)
-        )
+        q, k, v = linears(x, [self.stored(il, n) for n in QKV])  # their biases are added in attend
         out = self.attend(il, q.view(T, s.n_head, s.head_dim), k, v, batch, cache)  # [T, H, Dh]
         return linear(out.reshape(T, -1), self.stored(il, "attn_output")) + self.b(il, "attn_output")
 
     def attend(
         self, il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch, cache: Cache
     ) -> torch.Tensor:
-        """Heads q [T, H, Dh] attend to keys and values k, v [T, Hkv * Dh] (RoPE, KV cache, sinks, window)."""
+        """Heads q [T, H, Dh] attend to keys and values k, v [T, Hkv * Dh] (biases, RoPE, KV cache, sinks,
+        window)."""
         if batch.rows:  # tokens of different sequences: each attends within its own cache
             rows = enumerate(zip(batch.rows, cache, strict=True))
             return torch.cat([self.attend(il, q[i : i + 1], k[i : i + 1], v[i : i + 1], b, c) for i, (b, c) in rows])
         s, T = self.spec, q.shape[0]
         k, v = k.view(T, s.n_head_kv, s.head_dim), v.view(T, s.n_head_kv, s.head_dim)
+        biases = tuple(self.b(il, n) for n in QKV)
         sinks, window = self.w(il, "attn_sinks"), self.window(il)
         if batch.n_keys is None:
+            q, k, v = (t + b.view(t.shape[1:]) for t, b in zip((q, k, v), biases, strict=True))
             q, k = rope_neox(q, batch.cos, batch.sin), rope_neox(k, batch.cos, batch.sin)
             k_all, v_all = cache.kv.update(il, batch.pos0, k, v)
             return causal_attention(q, k_all, v_all, sinks, window)  # [T, H, Dh]
         caches = cache.kv.k[il], cache.kv.v[il]  # a static batch writes its rows at device positions
-        q = rope_store(q, k, v, (batch.cos, batch.sin), caches, batch.positions)
+        q = rope_store(q, k, v, biases, (batch.cos, batch.sin), caches, batch.positions)
         keys = caches[0][: batch.n_keys], caches[1][: batch.n_keys]
         return masked_attention(q, *keys, batch.positions, sinks, window)
 

@@ -22,16 +22,24 @@ FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
 
 
 class DenseWeights(Mapping[str, torch.Tensor]):
-    """name -> tensor in the compute dtype, as a model reads it."""
+    """name -> tensor in the compute dtype (float32 for the names in `float32`), as a model reads it."""
 
-    def __init__(self, views: dict[str, TensorView], device: torch.device, dtype: torch.dtype, progress: bool = False):
+    def __init__(
+        self,
+        views: dict[str, TensorView],
+        device: torch.device,
+        dtype: torch.dtype,
+        progress: bool = False,
+        float32: frozenset[str] = frozenset(),
+    ):
         self.device, self.dtype = torch.device(device), dtype
         self._floats: dict[str, torch.Tensor] = {}
         self._blocks: dict[str, Stored] = {}
         for name, v in tqdm(views.items(), desc="load", unit="tensor", disable=not progress, leave=False):
             raw = torch_bytes(v).to(device)  # upload the stored bytes; any dequantization happens on the device
             if v.qtype in FLOAT_TYPES:
-                self._floats[name] = quants.dequantize(raw, v.qtype, v.shape, dtype)
+                out = torch.float32 if name in float32 else dtype
+                self._floats[name] = quants.dequantize(raw, v.qtype, v.shape, out)
             else:
                 self._blocks[name] = Stored(raw, v.qtype, v.shape)
 

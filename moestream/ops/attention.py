@@ -50,15 +50,18 @@ def rope_store(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     rope: tuple[torch.Tensor, torch.Tensor],
     caches: tuple[torch.Tensor, torch.Tensor],
     positions: torch.Tensor,
 ) -> torch.Tensor:
-    """norm_rope_store for heads without q/k norms: q and k [T, H|Hkv, Dh] rotated, k and v stored in caches
-    at the device positions [T]. Returns q."""
+    """norm_rope_store for heads without q/k norms but with biases (gpt-oss): q and k [T, H|Hkv, Dh] plus their
+    biases ([H*Dh], [Hkv*Dh]) rotated, k and v (plus its bias) stored in caches at the device positions [T].
+    Returns q."""
     cos, sin = rope
-    if fused.usable(q) and all(t.dtype == q.dtype for t in (k, v, cos, *caches)):  # one launch
-        return fused.qkv_store(q, k, v, None, 0.0, rope, caches, positions)
+    if fused.usable(q) and all(t.dtype == q.dtype for t in (k, v, *biases, cos, *caches)):  # one launch
+        return fused.qkv_store(q, k, v, None, 0.0, rope, caches, positions, biases)
+    q, k, v = (t + b.view(t.shape[1:]) for t, b in zip((q, k, v), biases, strict=True))
     caches[0].index_copy_(0, positions, rope_neox(k, cos, sin))
     caches[1].index_copy_(0, positions, v)
     return rope_neox(q, cos, sin)

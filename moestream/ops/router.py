@@ -52,8 +52,9 @@ class BiasedTopK:
 
 
 def route_biased_topk(x: torch.Tensor, w_router: torch.Tensor, bias: torch.Tensor, r: BiasedTopK):
-    """x [T, D] routed by w_router [E, D] and the correction bias [E] as r says: weights [T, K], ids [T, K]."""
-    return biased_topk(matvec.linear_each_row(x, w_router), bias, r, x.dtype)
+    """x [T, D] routed by w_router [E, D] and the correction bias [E] as r says: weights [T, K] in x's dtype,
+    ids [T, K]. The logits are computed in w_router's dtype (a float32 router routes as llama.cpp does)."""
+    return biased_topk(matvec.linear_each_row(x.to(w_router.dtype), w_router), bias, r, x.dtype)
 
 
 def biased_topk(logits: torch.Tensor, bias: torch.Tensor, r: BiasedTopK, dtype: torch.dtype):

@@ -121,7 +121,9 @@ def load(
             dense["output.weight"] = f.tensor("token_embd.weight")
         # before the first upload: dense weights count too
         cap_vram(device, parse_size(opts.placement.vram_budget), opts.placement.expandable_segments)
-        weights = DenseWeights(dense, device, dtype, progress=opts.model.progress)
+        exact = getattr(arch, "FLOAT32", ())  # a layer's tensors the model reads in float32 whatever the dtype
+        float32 = frozenset(name for name in dense if _layer_part(name) in exact)
+        weights = DenseWeights(dense, device, dtype, progress=opts.model.progress, float32=float32)
         dense_bytes = weights.nbytes
 
         pick = RowGather()  # the engine's expert picker: every placement it builds shares its kernel failure

@@ -45,6 +45,21 @@ def test_bench_json_rows_and_invariants(model_file, capsys):
     assert all(r["compute_floor_s"] > 0 for r in rows)
 
 
+def test_info_and_bench_on_a_glm4moe_file(model_file, capsys):
+    """A dense first layer and a NextN block: info names them and reports routing of the layers with experts;
+    bench streams the others (-ncmoe 2 streams block 1: block 0 has no experts) with the resident tokens."""
+    path = model_file("tiny-glm4moe", "Q4_K_M")
+    assert main(["info", path, "--routing", "--tokens", "64", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "3 (1 dense first, 1 NextN after them, skipped)" in out and "a shared expert of FFN 256" in out
+    assert re.findall(r"layer +(\d+) ", out) == ["1", "2"]
+    argv = ["bench", "-m", path, "--device", "cpu", "-p", "24", "-n", "2", "-ub", "8", "-ncmoe", "0,2,all"]
+    assert main([*argv, "--stream", "layer-major", "-r", "1", "--stream-min-batch", "4", "-o", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == 3 * 2 and all(r["same_tokens"] for r in rows)
+    assert all(r["experts_used"] > 0 for r in rows if r["n_cpu_moe"] > 0 and r["test"] == "pp24")
+
+
 def test_profile_writes_trace_and_plot(model_file, tmp_path, capsys):
     trace, plot = tmp_path / "t.json", tmp_path / "t.png"
     argv = [

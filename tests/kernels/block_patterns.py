@@ -19,6 +19,10 @@ F16_FIELDS = {
     Q.Q3_K: (108,),
     Q.Q5_K: (0, 2),
     Q.MXFP4: (),
+    Q.IQ4_NL: (0,),
+    Q.IQ4_XS: (0,),
+    Q.TQ1_0: (52,),
+    Q.TQ2_0: (64,),
 }
 E8M0_FIELDS = {Q.MXFP4: (0,)}
 

@@ -33,6 +33,7 @@ CASES = [  # T, H, Hkv, Dh, S, positions
     (1, 32, 4, 128, 256, [100]),  # qwen3-30b's first bucket: one chunk, which normalises itself (no combine)
     (3, 12, 4, 256, 300, [0, 1, 299]),  # one chunk: G = 3 padded to 16, Dh 256, a bucket of partial blocks
     (4, 16, 2, 128, 100, [0, 2, 50, 99]),  # one chunk, tokens seeing one to a hundred keys
+    (1, 32, 4, 128, 5000, [4999]),  # chunks sized for 8192 keys: those past the 5000 hold none
 ]
 
 
@@ -86,6 +87,7 @@ SINK_CASES = [  # T, H, Hkv, Dh, S, positions, window: gpt-oss's sinks, alone an
     (2, 16, 2, 64, 8192, [100, 8000], 0),  # several chunks: the sink joins the combine
     (2, 16, 2, 64, 8192, [100, 8000], 128),  # several chunks, all but one or two before the window
     (2, 12, 4, 32, 2048, [1000, 2047], 7),  # an odd window
+    (12, 8, 2, 64, 1000, list(range(988, 1000)), 128),  # a prompt's queries at the last positions of 1000 keys
 ]
 
 

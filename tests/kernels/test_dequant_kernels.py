@@ -15,7 +15,7 @@ from moestream.formats.quantize import quantize
 from moestream.kernels.dequant import TILES, dequantize, tiled
 from moestream.kernels.launch import triton
 
-EXACT_TILES = {Q.MXFP4}
+EXACT_TILES = {Q.MXFP4, Q.IQ4_NL, Q.IQ4_XS, Q.TQ1_0, Q.TQ2_0, Q.Q4_0, Q.Q5_0, Q.Q3_K}
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -48,7 +48,7 @@ def test_kernel_matches_reference(qtype):
 @pytest.mark.parametrize("qtype", sorted(F16_FIELDS), ids=lambda t: t.name)
 def test_tiles_read_every_bit_pattern(qtype):
     """The other types' tiles against the reference over all their bit patterns: within float32 rounding (a
-    tile may fuse a multiply and an add), bit for bit where a tile has no sum to fuse (MXFP4)."""
+    tile may fuse a multiply and an add), bit for bit where a tile has no sum to fuse (EXACT_TILES)."""
     shape = (5, 3, 512)
     stored = torch.from_numpy(bit_patterns(np.random.default_rng(9), qtype, shape[:-1], shape[-1]))
     ref = quants.dequantize(stored, qtype, shape, torch.float32)

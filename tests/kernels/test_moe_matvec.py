@@ -102,7 +102,9 @@ def test_grid_type_experts_match_dequantized_experts():
 
 @pytest.mark.gpu
 @gpu_or_interpreter
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.MXFP4], ids=lambda t: t.name)
+@pytest.mark.parametrize(
+    "qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.MXFP4, Q.IQ4_NL, Q.IQ4_XS, Q.TQ1_0, Q.TQ2_0]
+)
 def test_swiglu_picked_takes_each_types_experts(qtype):
     """gate, up and down of every type with a dot through the three launches, against the dequantized experts."""
     E, F_, D, T, K = 3, 256, 256, 2, 2

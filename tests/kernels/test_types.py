@@ -7,7 +7,8 @@ from gguf import GGMLQuantizationType as Q
 from grid_patterns import GRID_TYPES
 
 from moestream.errors import MoestreamError
-from moestream.kernels import types
+from moestream.formats import quants
+from moestream.kernels import cpu_quant, dequant, dots, types
 from moestream.kernels.launch import triton
 
 
@@ -26,21 +27,26 @@ def test_types_name_what_they_lack_on_a_gpu():
         assert types.missing(qtype, "cuda") == [], qtype.name
 
 
-@pytest.mark.skipif(triton is None, reason="needs Triton")
-@pytest.mark.parametrize(
-    "qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q5_K, Q.MXFP4], ids=lambda t: t.name
-)
-def test_finished_types_lack_nothing(qtype):
-    assert types.missing(qtype, "cpu") == [] and types.missing(qtype, "cuda") == []
+def test_every_supported_type_has_its_kernels():
+    """No tensor type of a supported file falls back to torch: each block type has its tile, dot and C block."""
+    model = {q.name: q for q in quants.SUPPORTED}
+    assert types.fallbacks(model, set(model), "cpu") == {}
+    if triton is not None:
+        assert types.fallbacks(model, set(model), "cuda") == {}
 
 
-def test_fallbacks_on_the_cpu_are_expert_stacks_without_a_cpu_dot():
+# Every supported type has its kernels (above), so the two tests below take one away to see it reported
+def test_fallbacks_on_the_cpu_are_expert_stacks_without_a_cpu_dot(monkeypatch):
+    monkeypatch.setattr(cpu_quant, "TYPES", cpu_quant.TYPES - {Q.Q5_K})
     qtypes = {"a.weight": Q.Q5_K, "e.weight": Q.Q5_K, "f.weight": Q.Q4_K, "n.weight": Q.F32, "g.weight": Q.F32}
     assert types.fallbacks(qtypes, {"e.weight", "f.weight", "g.weight"}, "cpu") == {(Q.Q5_K, "CPU dot"): ["e.weight"]}
 
 
 @pytest.mark.skipif(triton is None, reason="needs Triton")
-def test_fallbacks_on_a_gpu_are_every_tensor_without_its_kernels():
+def test_fallbacks_on_a_gpu_are_every_tensor_without_its_kernels(monkeypatch):
+    monkeypatch.setattr(cpu_quant, "TYPES", cpu_quant.TYPES - {Q.Q3_K})
+    monkeypatch.setattr(dequant, "TILES", {q: t for q, t in dequant.TILES.items() if q != Q.Q3_K})
+    monkeypatch.setattr(dots, "DOTS", {q: d for q, d in dots.DOTS.items() if q != Q.Q3_K})
     qtypes = {"q.weight": Q.Q3_K, "k.weight": Q.Q4_K, "exps.weight": Q.Q3_K, "b.weight": Q.BF16}
     assert types.fallbacks(qtypes, {"exps.weight"}, "cuda") == {
         (Q.Q3_K, "Triton dequant tile"): ["q.weight", "exps.weight"],

@@ -21,3 +21,14 @@ def test_stored_keeps_quantized_blocks(model_file, quant):
     else:
         assert isinstance(w, Stored) and torch.equal(w.dequantize(torch.float32), dense["output.weight"])
     assert dense.nbytes == f.tensors["output.weight"].nbytes
+
+
+def test_named_floats_stay_float32(model_file):
+    """A model's exact tensors (glm4moe's router and correction bias) keep float32 under a bf16 compute dtype."""
+    f = GGUFFile(model_file("tiny-glm4moe", "Q4_K_M"))
+    names = ("blk.1.ffn_gate_inp.weight", "blk.1.exp_probs_b.bias", "blk.1.post_attention_norm.weight")
+    views = {n: f.tensors[n] for n in names}
+    dense = DenseWeights(views, torch.device("cpu"), torch.bfloat16, float32=frozenset(names[:2]))
+    assert [dense[n].dtype for n in names] == [torch.float32, torch.float32, torch.bfloat16]
+    assert torch.equal(dense[names[1]], torch.from_numpy(views[names[1]].data.copy()).view(torch.float32))
+    assert dense.nbytes == views[names[0]].nbytes + views[names[1]].nbytes + views[names[2]].nbytes // 2  # F32 file

@@ -29,7 +29,7 @@ def run(path, tokens=TOKENS, device_impl=None, **opts):
 
 @pytest.fixture(scope="module")
 def reference(model_file):
-    return {p: run(model_file(p, "Q4_K_M"), n_cpu_moe=0)[0] for p in ("tiny", "tiny-qwen35moe")}
+    return {p: run(model_file(p, "Q4_K_M"), n_cpu_moe=0)[0] for p in ("tiny", "tiny-qwen35moe", "tiny-glm4moe")}
 
 
 @pytest.mark.parametrize("stream", ["serial", "pinned", "overlap", "layer-major"])
@@ -42,10 +42,13 @@ def reference(model_file):
         ("tiny", "all", 4),
         ("tiny-qwen35moe", 3, 2),
         ("tiny-qwen35moe", "all", 3),
+        ("tiny-glm4moe", 2, 2),
+        ("tiny-glm4moe", "all", 2),
     ],
 )
 def test_bit_identical_to_resident(model_file, reference, stream, preset, n_cpu_moe, slots):
-    """Layer-major must also carry qwen35moe's delta-net state across micro-batches exactly."""
+    """Layer-major must also carry qwen35moe's delta-net state across micro-batches exactly; glm4moe's first
+    layer has no experts to stream (-ncmoe 2 streams its second)."""
     logits, _ = run(
         model_file(preset, "Q4_K_M"),
         n_cpu_moe=n_cpu_moe,
@@ -142,6 +145,19 @@ def test_spread_streams_evenly_spaced_layers_with_the_same_bits(model_file, refe
     assert Placement(2, [1] * 4, 3, spread=True).streamed == [1, 3]
     assert Placement(26, [1] * 48, 3, spread=True).streamed == sorted(set(Placement(26, [1] * 48, 3, True).streamed))
     assert Placement(3, [1] * 4, 3, spread=True).resident == [1]
+
+
+def test_layers_without_experts_are_neither_streamed_nor_resident(model_file):
+    """-ncmoe N keeps the experts of blocks 0..N-1 in host RAM, as llama.cpp's does: a leading dense block
+    counts and streams nothing; spread spaces N layers with experts."""
+    dense_first = [0, 5, 5, 5]
+    assert Placement(1, dense_first, 2).streamed == [] and Placement(1, dense_first, 2).resident == [1, 2, 3]
+    assert Placement(2, dense_first, 2).streamed == [1] and Placement(4, dense_first, 2).resident == []
+    assert Placement(2, dense_first, 2, spread=True).streamed == [1, 3]
+    assert Placement(4, dense_first, 2, spread=True).streamed == [1, 2, 3]
+    e = moestream.load(model_file("tiny-glm4moe", "Q4_K_M"), device="cpu", progress=False, n_cpu_moe=1)
+    assert e.offload.placement.streamed == [] and e.experts.streamer is None
+    e.close()
 
 
 def test_auto_budgets_the_one_slot_serial_and_pinned_use(model_file):

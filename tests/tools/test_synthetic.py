@@ -84,7 +84,7 @@ def test_every_schedule_and_way_gives_the_resident_tokens(model_file, tmp_path, 
         streamed, streamed_tokens = run(n_cpu_moe=3, stream=stream, slots=2, device_impl=CpuDevice(copy_delay_s=0.001))
         assert torch.equal(streamed, resident), f"{quant} --stream {stream}: {(streamed - resident).abs().max():.2e}"
         assert streamed_tokens == tokens, f"{quant} --stream {stream}"
-    for way in ("cpu", "gather", "upload"):
+    for way in ("cpu", "gather"):  # the streamed runs' decode took auto's upload
         assert run(n_cpu_moe="all", small_batch=way)[1] == tokens, f"{quant} --small-batch {way}"
 
 

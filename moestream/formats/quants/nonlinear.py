@@ -35,6 +35,6 @@ def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
 
 
 TYPES = (
-    TensorType(Q.IQ4_NL, _iq4_nl),
-    TensorType(Q.IQ4_XS, _iq4_xs),
+    TensorType(Q.IQ4_NL, _iq4_nl, tile="iq4_nl_tile", dot="iq4_nl_dot", cpu_dot="iq4_nl_block"),
+    TensorType(Q.IQ4_XS, _iq4_xs, tile="iq4_xs_tile", dot="iq4_xs_dot", cpu_dot="iq4_xs_block"),
 )

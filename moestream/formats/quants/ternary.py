@@ -33,6 +33,6 @@ def _tq2_0(b: torch.Tensor) -> torch.Tensor:
 
 
 TYPES = (
-    TensorType(Q.TQ1_0, _tq1_0),
-    TensorType(Q.TQ2_0, _tq2_0),
+    TensorType(Q.TQ1_0, _tq1_0, tile="tq1_0_tile", dot="tq1_0_dot", cpu_dot="tq1_0_block"),
+    TensorType(Q.TQ2_0, _tq2_0, tile="tq2_0_tile", dot="tq2_0_dot", cpu_dot="tq2_0_block"),
 )

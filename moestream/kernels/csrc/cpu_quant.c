@@ -12,6 +12,7 @@
 
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, MXFP4 = 39 };
 enum { IQ2_XXS = 16, IQ2_XS = 17, IQ3_XXS = 18, IQ1_S = 19, IQ3_S = 21, IQ2_S = 22, IQ1_M = 29 };
+enum { IQ4_NL = 20, IQ4_XS = 23, TQ1_0 = 34, TQ2_0 = 35 };
 
 static float f16(const uint8_t *p) {
     uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
@@ -276,6 +277,53 @@ static void iq1_m_block(const uint8_t *b, float *out) {
     }
 }
 
+static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+/* IQ4_NL: d fp16, then 16 bytes of codes laid out as Q4_0's. */
+static void iq4_nl_block(const uint8_t *b, float *out) {
+    const float d = f16(b);
+    for (int l = 0; l < 16; l++) {
+        out[l] = d * IQ4_VALUES[b[2 + l] & 15];
+        out[l + 16] = d * IQ4_VALUES[b[2 + l] >> 4];
+    }
+}
+
+/* IQ4_XS: d fp16, scales_h (2 bits a sub-block), scales_l[4] (4 bits a sub-block), then 8 sub-blocks of 32
+ * codes as IQ4_NL's, each scaled by d (6-bit scale - 32). */
+static void iq4_xs_block(const uint8_t *b, float *out) {
+    const float d = f16(b);
+    const int high = b[2] | b[3] << 8;
+    for (int i = 0; i < 8; i++) {
+        const float dl = d * ((((b[4 + i / 2] >> (4 * (i % 2))) & 15) | (((high >> (2 * i)) & 3) << 4)) - 32);
+        const uint8_t *qs = b + 8 + 16 * i;
+        for (int l = 0; l < 16; l++) {
+            out[32 * i + l] = dl * IQ4_VALUES[qs[l] & 15];
+            out[32 * i + 16 + l] = dl * IQ4_VALUES[qs[l] >> 4];
+        }
+    }
+}
+
+/* TQ1_0: qs[48] of 5 trits, qh[4] of 4 trits, d fp16. Trit k of byte v is the top of (v 3^k mod 256) 3 / 256. */
+static int trit(uint8_t v, int pow3) { return (((uint8_t)(v * pow3)) * 3 >> 8) - 1; }
+
+static void tq1_0_block(const uint8_t *b, float *out) {
+    const float d = f16(b + 52);
+    for (int k = 0, p = 1; k < 5; k++, p *= 3) {
+        for (int l = 0; l < 32; l++) out[32 * k + l] = d * trit(b[l], p);
+        for (int l = 0; l < 16; l++) out[160 + 16 * k + l] = d * trit(b[32 + l], p);
+        if (k < 4)
+            for (int l = 0; l < 4; l++) out[240 + 4 * k + l] = d * trit(b[48 + l], p);
+    }
+}
+
+/* TQ2_0: qs[64] of 2-bit fields laid out as Q2_K's, d fp16; x = d (q - 1). */
+static void tq2_0_block(const uint8_t *b, float *out) {
+    const float d = f16(b + 64);
+    for (int h = 0; h < 2; h++)
+        for (int j = 0; j < 4; j++)
+            for (int l = 0; l < 32; l++) out[128 * h + 32 * j + l] = d * (((b[32 * h + l] >> (2 * j)) & 3) - 1);
+}
+
 /* Bytes a block of qtype takes (and *elems the values it holds); 0 for a type this file does not know. */
 static int block_bytes(int qtype, int *elems) {
     switch (qtype) {
@@ -297,6 +345,10 @@ static int block_bytes(int qtype, int *elems) {
     case IQ3_S: *elems = 256; return 110;
     case IQ1_S: *elems = 256; return 50;
     case IQ1_M: *elems = 256; return 56;
+    case IQ4_NL: *elems = 32; return 18;
+    case IQ4_XS: *elems = 256; return 136;
+    case TQ1_0: *elems = 256; return 54;
+    case TQ2_0: *elems = 256; return 66;
     }
     return 0;
 }
@@ -321,6 +373,10 @@ static void expand(int qtype, const uint8_t *b, float *out) {
     case IQ3_S: iq3_s_block(b, out); break;
     case IQ1_S: iq1_s_block(b, out); break;
     case IQ1_M: iq1_m_block(b, out); break;
+    case IQ4_NL: iq4_nl_block(b, out); break;
+    case IQ4_XS: iq4_xs_block(b, out); break;
+    case TQ1_0: tq1_0_block(b, out); break;
+    case TQ2_0: tq2_0_block(b, out); break;
     }
 }
 
