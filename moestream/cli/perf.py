@@ -76,7 +76,10 @@ def cmd_bench(a: argparse.Namespace) -> None:
         return
     print(f"\npinned host-to-device link: {link / 1e9:.1f} GB/s (measured now)")
     if not a.no_floors:
-        print("floors per row: transfer = bytes up / link, compute = same test with every expert resident")
+        print(
+            "floors per row: transfer = bytes up / link, compute = the best run of the same test with every expert "
+            "resident; the time is the rows' mean, so on a busy machine time / max(floors) may fall under 1"
+        )
         for r in rows:
             bound = max(r.transfer_floor_s, r.compute_floor_s)
             print(

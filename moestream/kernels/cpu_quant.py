@@ -16,6 +16,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import warnings
 from functools import cache
@@ -29,6 +30,8 @@ from moestream.errors import MoestreamError
 from moestream.formats import quants
 from moestream.formats.quants import grids
 
+PARALLEL_WEIGHTS = 1 << 20  # below this many products, threads cost more than they save (a busy machine's
+# threads wait for each other at the end of each call); every output is one thread's either way: the same bits
 SOURCE = Path(__file__).with_name("csrc") / "cpu_quant.c"
 TYPES = frozenset(t.qtype for t in quants.TYPES.values() if t.cpu_dot)
 
@@ -90,6 +93,7 @@ def _build_and_load(lib: Path, header: bytes) -> ctypes.CDLL | None:
             warnings.warn("no C compiler found: CPU expert matvecs dequantize in torch instead (slower)", stacklevel=3)
             return None
         lib.parent.mkdir(parents=True, exist_ok=True)
+        print(f"moestream: compiling the CPU matvec for this machine (once; kept in {lib.parent})", file=sys.stderr)
         with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:  # built aside, then moved: no half-written .so
             out = Path(tmp) / lib.name
             (Path(tmp) / "iq_grids.h").write_bytes(header)
@@ -155,7 +159,7 @@ def matvec(
         x.shape[0],
         x.data_ptr(),
         y.data_ptr(),
-        torch.get_num_threads(),
+        torch.get_num_threads() if x.shape[0] * n_out * n_in >= PARALLEL_WEIGHTS else 1,
     )
     if err:
         raise ValueError(f"CPU matvec: type {qtype.name} is not supported")

@@ -181,6 +181,13 @@ def build_offload(
             made = [] if len(given) > 1 else [make_device(torch.device(d)) for d in opts.placement.devices[1:]]
             devs += given[1:] or made
         streamer, bounce = _streamer(tensors, placement, spec, opts, devs, pinned)
+        asked = opts.streaming.stream.staging_slots(opts.streaming.slots)
+        if streamer is not None and len(streamer.slots) < asked and opts.model.progress:
+            print(
+                f"moestream: note: --slots {opts.streaming.slots}: {len(streamer.slots)} staging slots, as many as "
+                "layers stream (more would hold nothing)",
+                file=sys.stderr,
+            )
         readable = device.type == "cpu" or (pinned is not None and pinned.nbytes > 0)  # page-locked: kernels read it
         decode = decode_plan(opts, spec.n_expert_used, _access(opts, pick, readable, streamer is not None), measured)
         decode.warn()

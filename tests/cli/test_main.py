@@ -82,3 +82,12 @@ def test_the_stats_line_gives_no_rate_for_no_decode_step(model_file, capsys):
     assert main(["run", "-m", path, "-p", "hi", "-n", "3", "--device", "cpu", "--ignore-eos"]) == 0
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert "generated 3 tokens, " in line and "tok/s over 2 steps" in line
+
+
+def test_fewer_slots_than_asked_are_said(model_file, capsys):
+    """--slots 5 with two streamed layers makes two slots: said, not silent."""
+    from moestream.cli.main import main
+
+    argv = ["run", "-m", model_file("tiny", "F32"), "-p", "hi", "-n", "1", "--device", "cpu", "-ncmoe", "all"]
+    assert main([*argv, "--slots", "5"]) == 0
+    assert "--slots 5: 2 staging slots, as many as layers stream" in capsys.readouterr().err
