@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 MAX_THREADS_PER_CORE = 4  # --threads above this many a core only slows (and past ~30000 threads cannot start)
 DTYPES = ("float32", "bfloat16", "float16")  # torch's names (torch is imported when options are settled)
+STREAM_ENV = "MOESTREAM_STREAM"  # the default --stream
 DELTANET_ENV = "MOESTREAM_DELTANET"  # torch | fla | auto (default): qwen35moe's prefill delta rule
 DELTANET_MODES = ("auto", "torch", "fla")
 
@@ -43,13 +44,14 @@ class Schedule(enum.Enum):
         return self.value  # as the CLI spells it, in messages and reports
 
     @classmethod
-    def parse(cls, text: str | Schedule) -> Schedule:
-        """A --stream value (or $MOESTREAM_STREAM); anything else is a one-line error."""
+    def parse(cls, text: str | Schedule, env: str | None = None) -> Schedule:
+        """A --stream value (or, named by env, that variable's); anything else is a one-line error."""
         try:
             return cls(text)
         except ValueError:
             choices = ", ".join(m.value for m in cls)
-            raise MoestreamError(f"--stream {text}: expected one of {choices}") from None
+            given = f"{env}={text}" if env else f"--stream {text}"
+            raise MoestreamError(f"{given}: expected one of {choices}") from None
 
     @property
     def overlaps(self) -> bool:
@@ -234,139 +236,135 @@ class Options:
         """A copy with the flat-named options changed, settled again (a settled value is not read again)."""
         return replace(self, **{g: replace(getattr(self, g), **c) for g, c in _grouped(flat).items() if c})
 
-    def __post_init__(self) -> None:
-        import torch  # here, not at import: the CLI reads the enums above before it needs torch
+    @classmethod
+    def check(cls, **flat: Any) -> None:
+        """Every check of flat-named options that needs no torch: the CLI answers a bad value before the slow
+        imports. (make runs the same checks, then settles the device.)"""
+        _settled(**{g: GROUPS[g](**c) for g, c in _grouped(flat).items()})
 
+    def __post_init__(self) -> None:
         def resolve(name: str, value) -> None:  # frozen: fields are settled here, once
             group = GROUP_OF[name]
             object.__setattr__(self, group, replace(getattr(self, group), **{name: value}))
 
-        if self.placement.devices is not None:
-            self._resolve_devices(resolve)
-        elif self.placement.tensor_split is not None:
-            raise MoestreamError("--tensor-split splits experts over --devices: give --devices too")
+        for name, value in _settled(**{g: getattr(self, g) for g in GROUPS}).items():
+            resolve(name, value)
+        import torch  # here, not at import, and only once every value is known good
+
         if self.model.device == "auto":
             resolve("device", "cuda" if torch.cuda.is_available() else "cpu")
-        if self.model.device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", self.model.device):
-            raise MoestreamError(f"--device {self.model.device}: expected cpu, cuda or cuda:N")
+        if self.placement.devices is not None and self.placement.devices[0] != "cpu":
+            _visible("--devices", ",".join(self.placement.devices), self.placement.devices)
         if self.model.device != "cpu" and not torch.cuda.is_available():
             raise MoestreamError(f"--device {self.model.device}: no CUDA GPU is visible to torch; use --device cpu")
-        if self.model.device.startswith("cuda:"):
+        if self.model.device.startswith("cuda:") and self.placement.devices is None:
             _visible("--device", self.model.device, [self.model.device])
         if self.model.dtype == "auto":
             resolve("dtype", "float32" if self.model.device == "cpu" else "bfloat16")
-        if self.model.dtype not in DTYPES:
-            raise MoestreamError(f"--dtype {self.model.dtype}: expected one of {', '.join(DTYPES)}")
-        if self.model.ubatch < 1:
-            raise MoestreamError(f"--ubatch {self.model.ubatch}: must be at least 1")
-        if self.serving.n_seqs < 1:
-            raise MoestreamError(f"--max-seqs {self.serving.n_seqs}: must be at least 1")
-        if self.model.n_ctx < 0:
-            raise MoestreamError(f"--ctx {self.model.n_ctx}: must be at least 1 (or 0 for the model's own context)")
-        resolve(
-            "stream",
-            Schedule.parse(
-                (os.environ.get("MOESTREAM_STREAM", "").strip() or "overlap")
-                if self.streaming.stream is None
-                else self.streaming.stream
-            ),
-        )
-        if self.streaming.slots < 2 and self.streaming.stream.overlaps:
-            raise MoestreamError(
-                f"--slots {self.streaming.slots}: {self.streaming.stream} needs at least 2 staging slots"
+        if self.placement.vram_budget is not None and self.model.device == "cpu":
+            warnings.warn(
+                "--vram-budget with --device cpu only decides which layers stream (as if the CPU were the "
+                "GPU); no memory is capped",
+                stacklevel=3,
             )
-        if self.placement.streamed_layers not in ("first", "spread"):
-            raise MoestreamError(f"--streamed-layers {self.placement.streamed_layers}: expected first or spread")
-        resolve("small_batch", SmallBatch.parse(self.decode.small_batch, len(self.placement.devices or ())))
-        if self.decode.prefetch is not None and self.decode.prefetch < 0:
-            raise MoestreamError(f"--prefetch {self.decode.prefetch}: must be 0 (off) or more experts a layer")
-        if self.decode.expert_cache != "auto":
-            try:
-                resolve("expert_cache", int(self.decode.expert_cache))
-            except ValueError:
-                raise MoestreamError(
-                    f"--expert-cache {self.decode.expert_cache}: expected an expert count or auto"
-                ) from None
-            if self.decode.expert_cache < 0:
-                raise MoestreamError(
-                    f"--expert-cache {self.decode.expert_cache}: must be 0 (off), more experts or auto"
-                )
-        if self.placement.host_memory not in ("pinned", "pageable"):
-            raise MoestreamError(f"--host-memory {self.placement.host_memory}: expected pinned or pageable")
-        if self.placement.expandable_segments is None:
-            resolve("expandable_segments", not {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"} & os.environ.keys())
-        resolve(
-            "deltanet",
-            deltanet_mode(os.environ.get(DELTANET_ENV) if self.model.deltanet is None else self.model.deltanet),
-        )
-        if self.model.threads is not None and not 1 <= self.model.threads <= MAX_THREADS_PER_CORE * (
-            os.cpu_count() or 1
-        ):
-            raise MoestreamError(
-                f"--threads {self.model.threads}: give 1 to {MAX_THREADS_PER_CORE * (os.cpu_count() or 1)} "
-                f"({os.cpu_count()} cores here)"
-            )
-        if self.streaming.stream_min_batch < 1:
-            raise MoestreamError(f"--stream-min-batch {self.streaming.stream_min_batch}: must be at least 1")
-        if isinstance(self.placement.n_cpu_moe, str) and self.placement.n_cpu_moe not in ("auto", "all"):
-            try:
-                resolve("n_cpu_moe", int(self.placement.n_cpu_moe))
-            except ValueError:
-                raise MoestreamError(
-                    f"--n-cpu-moe {self.placement.n_cpu_moe}: expected a layer count, all or auto"
-                ) from None
 
-        if isinstance(self.placement.n_cpu_moe, int) and self.placement.n_cpu_moe < 0:
-            raise MoestreamError(
-                f"--n-cpu-moe {self.placement.n_cpu_moe}: must be 0 or more (a layer count), all or auto"
-            )
-        if (
-            self.placement.n_cpu_moe == "auto" and self.placement.vram_budget is None
-        ):  # now, not after the dense weights (or a bench row)
-            raise MoestreamError("--n-cpu-moe auto needs --vram-budget SIZE to know what fits")
-        if self.placement.vram_budget is not None:
-            parse_size(self.placement.vram_budget)  # a bad size is an error now, not after loading the model
-            if self.model.device == "cpu":
-                warnings.warn(
-                    "--vram-budget with --device cpu only decides which layers stream (as if the CPU were the "
-                    "GPU); no memory is capped",
-                    stacklevel=3,
-                )
 
-    def _resolve_devices(self, resolve) -> None:
-        """--devices and --tensor-split: one kind of device, each once, as many weights as devices."""
-        names = (
-            tuple(d.strip() for d in self.placement.devices.split(","))
-            if isinstance(self.placement.devices, str)
-            else self.placement.devices
-        )
-        names = tuple(re.sub(r"^cuda(\d+)$", r"cuda:\1", d.lower()) for d in names)  # llama.cpp says CUDA0
-        shown = ",".join(names)
-        if not names or any(d != "cpu" and not re.fullmatch(r"cuda:\d+", d) for d in names):
-            raise MoestreamError(f"--devices {shown}: expected a comma list of cuda:N (or cpu, to simulate)")
-        cpus = names.count("cpu")  # cpu,cpu simulates two devices; GPUs must differ and not mix with cpu
-        if cpus != len(names) and (cpus or len(set(names)) < len(names)):
-            raise MoestreamError(f"--devices {shown}: give distinct GPUs (cuda:0,cuda:1), or only cpu")
-        if names[0] != "cpu":
-            _visible("--devices", shown, names)
-        if self.model.device not in ("auto", names[0]):
-            raise MoestreamError(f"--device {self.model.device} and --devices {shown}: the first of --devices computes")
-        split = self.placement.tensor_split
+def _settled(
+    model: ModelOptions,
+    placement: PlacementOptions,
+    streaming: StreamingOptions,
+    decode: DecodeOptions,
+    serving: ServingOptions,
+) -> dict[str, Any]:
+    """Check every value that needs no torch; give the settled form of those that have one (by flat name)."""
+    settled: dict[str, Any] = {}
+    if placement.devices is not None:
+        settled.update(_devices(placement, model.device))
+    elif placement.tensor_split is not None:
+        raise MoestreamError("--tensor-split splits experts over --devices: give --devices too")
+    device = settled.get("device", model.device)
+    if device not in ("auto", "cpu") and not re.fullmatch(r"cuda(:\d+)?", device):
+        raise MoestreamError(f"--device {device}: expected cpu, cuda or cuda:N")
+    if model.dtype not in ("auto", *DTYPES):
+        raise MoestreamError(f"--dtype {model.dtype}: expected one of {', '.join(DTYPES)}")
+    if model.ubatch < 1:
+        raise MoestreamError(f"--ubatch {model.ubatch}: must be at least 1")
+    if serving.n_seqs < 1:
+        raise MoestreamError(f"--max-seqs {serving.n_seqs}: must be at least 1")
+    if model.n_ctx < 0:
+        raise MoestreamError(f"--ctx {model.n_ctx}: must be at least 1 (or 0 for the model's own context)")
+    stream = (
+        Schedule.parse(os.environ.get(STREAM_ENV, "").strip() or "overlap", STREAM_ENV)
+        if streaming.stream is None
+        else Schedule.parse(streaming.stream)
+    )
+    settled["stream"] = stream
+    if streaming.slots < 2 and stream.overlaps:
+        raise MoestreamError(f"--slots {streaming.slots}: {stream} needs at least 2 staging slots")
+    if placement.streamed_layers not in ("first", "spread"):
+        raise MoestreamError(f"--streamed-layers {placement.streamed_layers}: expected first or spread")
+    settled["small_batch"] = SmallBatch.parse(decode.small_batch, len(settled.get("devices") or ()))
+    if decode.prefetch is not None and decode.prefetch < 0:
+        raise MoestreamError(f"--prefetch {decode.prefetch}: must be 0 (off) or more experts a layer")
+    if decode.expert_cache != "auto":
         try:
-            split = tuple(float(w) for w in split.split(",")) if isinstance(split, str) else split
+            settled["expert_cache"] = int(decode.expert_cache)
         except ValueError:
-            raise MoestreamError(
-                f"--tensor-split {self.placement.tensor_split}: expected comma-separated weights"
-            ) from None
-        split = split or (1.0,) * len(names)
-        if len(split) != len(names) or not all(0 <= w < math.inf for w in split) or not 0 < sum(split) < math.inf:
-            raise MoestreamError(
-                f"--tensor-split {','.join(map(str, split))}: expected {len(names)} non-negative weights, finite and "
-                "not all 0 (one a device of --devices)"
-            )
-        resolve("devices", names)
-        resolve("tensor_split", split)
-        resolve("device", names[0])
+            raise MoestreamError(f"--expert-cache {decode.expert_cache}: expected an expert count or auto") from None
+        if settled["expert_cache"] < 0:
+            raise MoestreamError(f"--expert-cache {decode.expert_cache}: must be 0 (off), more experts or auto")
+    if placement.host_memory not in ("pinned", "pageable"):
+        raise MoestreamError(f"--host-memory {placement.host_memory}: expected pinned or pageable")
+    if placement.expandable_segments is None:
+        settled["expandable_segments"] = not {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"} & os.environ.keys()
+    settled["deltanet"] = deltanet_mode(os.environ.get(DELTANET_ENV) if model.deltanet is None else model.deltanet)
+    most = MAX_THREADS_PER_CORE * (os.cpu_count() or 1)
+    if model.threads is not None and not 1 <= model.threads <= most:
+        raise MoestreamError(f"--threads {model.threads}: give 1 to {most} ({os.cpu_count()} cores here)")
+    if streaming.stream_min_batch < 1:
+        raise MoestreamError(f"--stream-min-batch {streaming.stream_min_batch}: must be at least 1")
+    n_cpu_moe = placement.n_cpu_moe
+    if isinstance(n_cpu_moe, str) and n_cpu_moe not in ("auto", "all"):
+        try:
+            n_cpu_moe = settled["n_cpu_moe"] = int(n_cpu_moe)
+        except ValueError:
+            raise MoestreamError(f"--n-cpu-moe {n_cpu_moe}: expected a layer count, all or auto") from None
+    if isinstance(n_cpu_moe, int) and n_cpu_moe < 0:
+        raise MoestreamError(f"--n-cpu-moe {n_cpu_moe}: must be 0 or more (a layer count), all or auto")
+    if n_cpu_moe == "auto" and placement.vram_budget is None:  # now, not after the dense weights (or a bench row)
+        raise MoestreamError("--n-cpu-moe auto needs --vram-budget SIZE to know what fits")
+    parse_size(placement.vram_budget)  # a bad size is an error now, not after loading the model
+    return settled
+
+
+def _devices(placement: PlacementOptions, device: str) -> dict[str, Any]:
+    """--devices and --tensor-split: one kind of device, each once, as many weights as devices."""
+    names = (
+        tuple(d.strip() for d in placement.devices.split(","))
+        if isinstance(placement.devices, str)
+        else placement.devices
+    )
+    names = tuple(re.sub(r"^cuda(\d+)$", r"cuda:\1", d.lower()) for d in names)  # llama.cpp says CUDA0
+    shown = ",".join(names)
+    if not names or any(d != "cpu" and not re.fullmatch(r"cuda:\d+", d) for d in names):
+        raise MoestreamError(f"--devices {shown}: expected a comma list of cuda:N (or cpu, to simulate)")
+    cpus = names.count("cpu")  # cpu,cpu simulates two devices; GPUs must differ and not mix with cpu
+    if cpus != len(names) and (cpus or len(set(names)) < len(names)):
+        raise MoestreamError(f"--devices {shown}: give distinct GPUs (cuda:0,cuda:1), or only cpu")
+    if device not in ("auto", names[0]):
+        raise MoestreamError(f"--device {device} and --devices {shown}: the first of --devices computes")
+    split = placement.tensor_split
+    try:
+        split = tuple(float(w) for w in split.split(",")) if isinstance(split, str) else split
+    except ValueError:
+        raise MoestreamError(f"--tensor-split {placement.tensor_split}: expected comma-separated weights") from None
+    split = split or (1.0,) * len(names)
+    if len(split) != len(names) or not all(0 <= w < math.inf for w in split) or not 0 < sum(split) < math.inf:
+        raise MoestreamError(
+            f"--tensor-split {','.join(map(str, split))}: expected {len(names)} non-negative weights, finite and "
+            "not all 0 (one a device of --devices)"
+        )
+    return {"devices": names, "tensor_split": split, "device": names[0]}
 
 
 def _grouped(flat: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -15,7 +15,9 @@ import subprocess
 import tempfile
 import time
 
+import torch
 import triton
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -25,7 +27,6 @@ from moestream.kernels import matvec as mv
 
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-SIZES = {Q.Q4_K: (256, 144), Q.Q5_K: (256, 176), Q.Q6_K: (256, 210), Q.Q8_0: (32, 34)}
 
 
 def build(label: str, fn, signature: dict, constexprs: dict, warps: int = 4, divisible: tuple = ()) -> None:
@@ -63,25 +64,14 @@ def _aligned(fn, signature: dict) -> dict:
 def main() -> None:
     t = tuning.current()
     matvec = {"w": "*u8", "x": "*bf16", "y": "*bf16", "mats": "*i64", "n_out": "i32", "row_bytes": "i32"}
-    for qtype, n_blocks, stacked in (
-        (Q.Q4_K, 8, False),
-        (Q.Q4_K, 16, False),
-        (Q.Q5_K, 8, False),
-        (Q.Q6_K, 8, False),
-        (Q.Q6_K, 3, True),
-        (Q.Q8_0, 64, False),
-    ):
-        elems, size = SIZES[qtype]
-        consts = dict(
-            N_BLOCKS=n_blocks,
-            DOT=dots.DOTS[qtype],
-            ELEMS=elems,
-            SIZE=size,
-            STACKED=stacked,
-            ROWS=t.rows_per_program,
-            B=mv.blocks_at_once(n_blocks, t.blocks_at_once),
-            UNROLLED=t.unrolled,
-        )
+    rows = [(Q.Q4_K, 8, False), (Q.Q4_K, 16, False), (Q.Q5_K, 8, False), (Q.Q6_K, 8, False), (Q.Q6_K, 3, True)]
+    rows += [(q, 2048 // GGML_QUANT_SIZES[q][0], False) for q in dots.DOTS if q not in (Q.Q4_K, Q.Q5_K, Q.Q6_K)]
+    rows += [(Q.MXFP4, 90, True)]  # gpt-oss's experts: rows of 2880, 2-byte aligned
+    for qtype, n_blocks, stacked in rows:
+        elems, size = GGML_QUANT_SIZES[qtype]
+        nothing = torch.empty(0, dtype=torch.uint8)  # layout checks alignment only
+        _, consts = mv.layout(qtype, n_blocks * elems, nothing, t.blocks_at_once, t.float_blocks_at_once)
+        consts |= dict(STACKED=stacked, ROWS=t.rows_per_program, UNROLLED=t.unrolled)
         div = ("n_out", "row_bytes") if n_blocks * size % 16 == 0 else ("n_out",)
         build(f"matvec {qtype.name}, {n_blocks} blocks a row", mv._matvec_kernel, dict(matvec), consts, divisible=div)
     for dtype, qtype in dots.FLOAT_QTYPES.items():  # the router's product, 2048 wide

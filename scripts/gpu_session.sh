@@ -3,6 +3,7 @@
 # Usage (on the GPU machine): bash scripts/gpu_session.sh STEP... with STEP one of
 #   tests    pytest -m gpu (without fla's kernels: `fla` runs those, ~100 s of autotuning; tests/serving/test_app.py
 #            needs httpx2/openai, which the GPU image lacks)
+#   types    each tensor type's decode matvec and picked-expert launch beside Q4_K's (scripts/type_rates.py)
 #   quick    the matvec, fused-kernel, decode-attention and decode GPU tests alone (~2 min)
 #   model    generate the qwen3-30b-a3b Q4_K_M model (skipped when a warm machine still has it) + routing
 #   pp512 pp2048 long profile decode decodediag prefetch cachediag cpuexp alloc   issue-3/4/10 benches on it
@@ -53,6 +54,7 @@ for step in "$@"; do
     tests) python3 -m pytest -m gpu -q -p no:cacheprovider tests --deselect tests/ops/test_delta_rule_gpu.py \
              --ignore tests/serving/test_app.py 2>&1 \
              | tee -a "$OUT/gpu_tests.txt" | tail -25 ;;
+    types) python3 scripts/type_rates.py 2>&1 | tee -a "$OUT/bench.txt" ;;  # issue 32: each type's decode kernels
     quick) python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_matvec.py tests/kernels/test_dots.py \
              tests/kernels/test_moe_matvec.py tests/kernels/test_fused.py tests/kernels/test_deltanet_step.py \
              tests/kernels/test_decode_attention.py tests/runtime/test_step_gpu.py 2>&1 | tee -a "$OUT/gpu_tests.txt" | tail -8 ;;

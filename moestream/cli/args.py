@@ -6,12 +6,11 @@ import argparse
 import sys
 from pathlib import Path
 
+from moestream.cli.llama import LOAD_MODES, add_llama_flags, llama_notes
 from moestream.errors import MoestreamError
+from moestream.formats.model_file import check_model_file
 from moestream.options import Options, SmallBatch
 
-# The help names the default itself (the flag's own default is None: "not given"). Formatting this renders
-# nothing, and its presence keeps argparse's "(default: None)" from being appended.
-OWN_DEFAULT = "%(default).0s"
 LISTS = ("ubatch", "n_cpu_moe", "streamed_layers", "stream", "slots", "prefetch", "expert_cache")  # bench's
 
 
@@ -42,17 +41,17 @@ def engine_flags(p: argparse.ArgumentParser, lists: tuple[str, ...] = ()) -> Non
         help="weights of the experts each of --devices gets, as llama.cpp: 3,1 (or 3/1); default even",
     )
     p.add_argument("--dtype", default="auto", help="float32, bfloat16 or float16 (default: bf16 on GPU, f32 on CPU)")
-    p.add_argument("-ub", "--ubatch", **typed("ubatch", int, int_list, 512), help="prefill micro-batch size")
     p.add_argument(
-        "-c", "--ctx", "--ctx-size", type=int, default=None, help="context size in tokens (default 4096)" + OWN_DEFAULT
+        "-ub", "--ubatch", "--ubatch-size", **typed("ubatch", int, int_list, 512), help="prefill micro-batch size"
     )
+    p.add_argument("-c", "--ctx", "--ctx-size", type=int, default=None, help="context size in tokens (default 4096)")
     p.add_argument(
         "-ncmoe",
         "--n-cpu-moe",
-        **typed("n_cpu_moe", _ncmoe, _ncmoe_list, 0),
+        **typed("n_cpu_moe", ncmoe, _ncmoe_list, 0),
         help="keep the experts of the first N layers in host RAM and stream them; all or auto",
     )
-    p.add_argument("--cpu-moe", action="store_true", help="keep every layer's experts in host RAM")
+    p.add_argument("-cmoe", "--cpu-moe", action="store_true", help="keep every layer's experts in host RAM")
     p.add_argument(
         "--streamed-layers",
         **typed("streamed_layers", str, _str_list, "first"),
@@ -103,89 +102,28 @@ def engine_flags(p: argparse.ArgumentParser, lists: tuple[str, ...] = ()) -> Non
         choices=("pinned", "pageable"),
         help="streamed experts: page-locked in place (pinned, default) or copied from the pageable map",
     )
-    llama_flags(p)
+    add_llama_flags(p)
 
 
-LOAD_MODES = {"none": "pinned", "mmap": "pageable"}  # llama.cpp --load-mode -> --host-memory
-
-# llama.cpp flags with no moestream counterpart, and what to use instead (one line each on exit 2)
-REJECTED = {
-    ("--no-mmap",): "moestream always maps the file; streamed experts are page-locked in place (-lm none)",
-    ("--mlock",): "streamed experts are page-locked in place by default (--host-memory pinned)",
-    ("-ot", "--override-tensor", "-cmoe"): "use -ncmoe N (or --cpu-moe) to keep experts in host RAM",
-    ("-sm", "--split-mode"): "moestream splits each streamed layer's experts over --devices (expert parallel)",
-    ("-mg", "--main-gpu"): "the first of --devices (or --device) runs attention and the dense weights",
-    ("-ctk", "--cache-type-k", "-ctv", "--cache-type-v"): "the KV cache is kept in --dtype",
-    ("-nkvo", "--no-kv-offload"): "the KV cache lives on the compute device (--device)",
-    ("-np", "--parallel"): "moestream serve --max-seqs N serves N sequences at once",
-    ("-hf", "--hf-repo", "-hff", "--hf-file", "-mu", "--model-url"): "download the GGUF file and pass -m FILE",
-    ("-cnv", "--conversation", "-i", "--interactive", "--jinja", "-sys", "--system-prompt"): (
-        "moestream run --chat wraps the prompt in the file's chat template"
-    ),
-    ("-d", "--n-depth", "-pg"): "moestream bench has no equivalent yet: run -p and -n tests",
-    ("--numa",): "moestream has no equivalent",
-}
+def model_path(p: argparse.ArgumentParser, required: bool = True, what: str = "the GGUF model file") -> None:
+    """A model file as a positional path or as -m (llama.cpp's spelling); check_model_path says if both are given."""
+    p.add_argument("path", nargs="?", default=None, help=what)
+    p.add_argument("-m", "--model", default=None, help=f"{what} (instead of the path)")
+    p.set_defaults(model_required=required)
 
 
-class _Rejected(argparse.Action):
-    """A llama.cpp flag we do not take (hidden from --help): exit 2 with one line naming what to use instead."""
-
-    def __init__(self, option_strings, dest, instead: str = "", **kwargs):
-        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS)
-        self.instead = instead
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        parser.exit(
-            2, f"moestream: error: {option_string} is a llama.cpp flag moestream does not take; {self.instead}\n"
-        )
+def check_model_path(a: argparse.Namespace) -> None:
+    """a.model from the path or -m: one of them (or neither, where optional), not two."""
+    if a.path is not None and a.model is not None:
+        raise MoestreamError(f"{a.path} and -m {a.model}: give the model file once")
+    a.model = a.model if a.model is not None else a.path
+    if a.model is None and a.model_required:
+        raise MoestreamError(f"`moestream {a.command}` needs a model file: give its path (or -m FILE)")
+    if a.model is not None:
+        check_model_file(a.model)
 
 
-def llama_flags(p: argparse.ArgumentParser) -> None:
-    """llama.cpp's flags for the same job: accepted with their meaning where moestream has one, else exit 2."""
-    p.add_argument(
-        "-ngl",
-        "--n-gpu-layers",
-        "--gpu-layers",
-        default=None,
-        help="accepted for llama.cpp command lines: the dense part of every layer runs on --device",
-    )
-    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for CPU work (default: torch's)")
-    p.add_argument(
-        "-fa",
-        "--flash-attn",
-        nargs="?",
-        const="on",
-        default=None,
-        choices=("on", "off", "auto", "1", "0", "-1"),
-        help="accepted for llama.cpp command lines: attention always uses PyTorch's fused kernels",
-    )
-    p.add_argument("-b", "--batch-size", type=int, default=None, help="logical batch: caps -ub, as in llama.cpp")
-    p.add_argument(
-        "-lm",
-        "--load-mode",
-        default=None,
-        choices=tuple(LOAD_MODES),
-        help="llama.cpp's load mode: none = --host-memory pinned (default), mmap = --host-memory pageable",
-    )
-    for flags, instead in REJECTED.items():
-        p.add_argument(*flags, action=_Rejected, instead=instead)
-
-
-def llama_notes(a: argparse.Namespace) -> list[str]:
-    """What the accepted llama.cpp flags do here, where that is not what a llama.cpp user would expect."""
-    notes = []
-    for value in _str_list(a.n_gpu_layers) if a.n_gpu_layers is not None else []:
-        if value not in ("all", "auto", "-1") and not (value.lstrip("-").isdigit() and int(value) >= 99):
-            notes.append(
-                f"-ngl {value} is ignored: every layer's attention and dense weights run on --device; use "
-                "--n-cpu-moe to keep experts in host RAM, or --device cpu to run on the CPU"
-            )
-    if a.flash_attn in ("off", "0"):
-        notes.append("-fa off is ignored: attention always uses PyTorch's fused kernels")
-    return notes
-
-
-def _ncmoe(text: str) -> int | str:
+def ncmoe(text: str) -> int | str:
     return text if text in ("all", "auto") else _int(text)
 
 
@@ -209,16 +147,16 @@ def int_list(text: str) -> list[int]:
 
 
 def _ncmoe_list(text: str) -> list[int | str]:
-    return [_ncmoe(t) for t in text.split(",")]
+    return [ncmoe(t) for t in text.split(",")]
 
 
 def _str_list(text: str) -> list[str]:
     return [t.strip() for t in text.split(",")]
 
 
-def engine_options(a: argparse.Namespace, ctx: int | None = None) -> Options:
-    """The options every command shares; list-valued flags (bench) give their first value here. ctx: the
-    context when -c is not given (bench and profile size it to the test)."""
+def engine_flat(a: argparse.Namespace, ctx: int | None = None) -> dict:
+    """The options every command shares, by flat name; list-valued flags (bench) give their first value here.
+    ctx: the context when -c is not given (bench and profile size it to the test)."""
 
     def first(v):
         return v[0] if isinstance(v, list) else v
@@ -258,9 +196,23 @@ def engine_options(a: argparse.Namespace, ctx: int | None = None) -> Options:
         opts["host_memory"] = host_memory
     if a.ctx is not None or ctx is not None:
         opts["n_ctx"] = a.ctx if a.ctx is not None else ctx
+    return opts
+
+
+def check_engine(a: argparse.Namespace, ctx: int | None = None, rows: list[dict] = ()) -> None:
+    """Every engine flag checked before torch is imported (rows: each bench row's changes, checked too), and the
+    notes on llama.cpp flags said once."""
+    check_model_file(a.model)
+    flat = engine_flat(a, ctx)
+    for row in rows or [{}]:
+        Options.check(**flat | row)
     for note in llama_notes(a):
         print(f"moestream: note: {note}", file=sys.stderr)
-    return Options.make(**opts)
+
+
+def engine_options(a: argparse.Namespace, ctx: int | None = None) -> Options:
+    """The options every command shares, settled (torch imported): check_engine has said what is wrong."""
+    return Options.make(**engine_flat(a, ctx))
 
 
 def writable(path: str | None, flag: str) -> None:

@@ -13,55 +13,115 @@ import sys
 import threading
 import warnings
 from collections import Counter
+from pathlib import Path
 
-from moestream.cli.args import LISTS, OWN_DEFAULT, at_least, engine_flags, engine_options, int_list, writable
-from moestream.cli.perf import cmd_bench, cmd_probe, cmd_profile
+from moestream.cli.args import (
+    LISTS,
+    at_least,
+    check_engine,
+    check_model_path,
+    engine_flags,
+    engine_options,
+    int_list,
+    model_path,
+    ncmoe,
+    writable,
+)
+from moestream.cli.llama import refuse_llama_flags
+from moestream.cli.perf import check_bench, check_probe, check_profile, cmd_bench, cmd_probe, cmd_profile, sweep_of
 from moestream.errors import MoestreamError, is_out_of_memory
+from moestream.tools.presets import PRESETS
 
 
 class _Parser(argparse.ArgumentParser):
-    """Flag errors in one line, as every other bad input (not argparse's usage block first)."""
+    """Flags taken only as spelled, and flag errors in one line, as every other bad input."""
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, allow_abbrev=False, **kwargs)
         # A word of a dash and a digit is a value (--vram-budget -1G, --temp -1e-3), not an unknown flag, so the
         # flag's own check names its range. argparse takes only -5 and -.5 so ("expected one argument" for the
         # rest); no flag here starts with a digit. Subcommands are made of this class too.
         self._negative_number_matcher = re.compile(r"^-\.?\d")
 
+    def _get_option_tuples(self, option_string: str) -> list:
+        """No prefixes and no value glued to a short flag (-n5): allow_abbrev=False alone still reads -f as -fa,
+        -co as -c o and -mli as -m li, so a llama.cpp flag we lack would land on one of ours."""
+        return []
+
     def error(self, message: str):
         self.exit(2, f"moestream: error: {message} (`{self.prog} --help` lists the flags)\n")
 
 
+class _Help(argparse.HelpFormatter):
+    """Each flag's default said once: appended unless the help names it already (a default that depends on the
+    machine or the environment) or there is none to say (unset, off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text, default = action.help or "", action.default
+        if "default" in text or default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        shown = ",".join(map(str, default)) if isinstance(default, list) else str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})"
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from moestream import __version__
+
     parser = _Parser(prog="moestream", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"moestream {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add = sub.add_parser
-    sub.add_parser = lambda *a, **k: _add(*a, formatter_class=argparse.ArgumentDefaultsHelpFormatter, **k)
+
+    def add_command(*args, **kwargs) -> argparse.ArgumentParser:
+        command = _add(*args, formatter_class=_Help, **kwargs)
+        command.add_argument("--version", action="version", version=f"moestream {__version__}")
+        return command
+
+    sub.add_parser = add_command
 
     run = sub.add_parser("run", help="generate text from a prompt")
     engine_flags(run)
-    run.add_argument("-p", "--prompt", required=True)
-    run.add_argument("-n", "--n-predict", type=int, default=64, help="tokens to generate")
-    run.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy")
-    run.add_argument("--top-k", type=int, default=0)
-    run.add_argument("--top-p", type=float, default=1.0)
-    run.add_argument("--seed", type=int, default=None)
-    run.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-
-    info = sub.add_parser("info", help="architecture, shapes, quant mix and expert bytes of a model file")
-    info.add_argument("model")
-    info.add_argument("--routing", action="store_true", help="also print per-layer expert load on a random prompt")
-    info.add_argument(
-        "--tokens", type=int, default=None, help="prompt length for --routing (default 2048)" + OWN_DEFAULT
+    run.add_argument("-p", "--prompt", default=None, help="the prompt text")
+    run.add_argument("-f", "--file", default=None, help="read the prompt from this file (instead of -p)")
+    run.add_argument(
+        "-n", "--n-predict", "--predict", type=int, default=64, help="tokens to generate (-1: until the end of text)"
     )
-    info.add_argument("--device", default="auto")
+    run.add_argument("--temp", "--temperature", type=float, default=0.0, help="temperature; 0 = greedy")
+    run.add_argument("--top-k", type=int, default=0, help="sample from the K most likely tokens (0: all)")
+    run.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set this likely (1: all)")
+    run.add_argument(
+        "--min-p", type=float, default=0.0, help="drop tokens below this fraction of the top one's probability (0: off)"
+    )
+    run.add_argument("--repeat-penalty", type=float, default=1.0, help="penalise recent tokens' logits (1: off)")
+    run.add_argument("--repeat-last-n", type=int, default=64, help="recent tokens the penalties look at (0: off)")
+    run.add_argument("--presence-penalty", type=float, default=0.0, help="subtracted from each recent token")
+    run.add_argument("--frequency-penalty", type=float, default=0.0, help="subtracted per use of a recent token")
+    run.add_argument("-s", "--seed", type=int, default=None, help="sampling seed (default -1: random)")
+    run.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-text tokens")
+    run.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    run.add_argument(
+        "-no-cnv",
+        "--no-conversation",
+        "-st",
+        "--single-turn",
+        action="store_true",
+        help="accepted for llama.cpp command lines: run generates once and exits",
+    )
+    refuse_llama_flags(run, "run")
+
+    info = sub.add_parser("info", help="architecture, shapes, tensor types and expert bytes of a model file")
+    model_path(info)
+    info.add_argument("--routing", action="store_true", help="also print per-layer expert load on a random prompt")
+    info.add_argument("--tokens", type=int, default=None, help="prompt length for --routing (default 2048)")
+    info.add_argument(
+        "--device", default="auto", help="whose kernels the tensor types are checked against; runs --routing's prompt"
+    )
 
     bench = sub.add_parser("bench", help="prefill/decode tokens/s per placement and schedule, against the floors")
     engine_flags(bench, lists=LISTS)
     bench.add_argument("-p", "--n-prompt", type=int_list, default=[512], help="prompt lengths, e.g. 512,2048")
     bench.add_argument("-n", "--n-gen", type=int_list, default=[0], help="decode lengths (0: prefill only)")
-    bench.add_argument("-r", "--repetitions", type=int, default=3)
+    bench.add_argument("-r", "--repetitions", type=int, default=3, help="timed runs of each test")
     bench.add_argument("--no-floors", action="store_true", help="skip the all-resident compute-floor runs")
     bench.add_argument(
         "-o",
@@ -71,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="md (a table, printed as rows finish), json, csv or jsonl: llama-bench's field names, then ours",
     )
     bench.add_argument("--json", action="store_true", help="the same as -o json")
+    refuse_llama_flags(bench, "bench")
 
     prof = sub.add_parser("profile", help="timeline of one prefill pass per schedule: idle %%, link GB/s, overlap")
     engine_flags(prof, lists=("stream",))
@@ -79,39 +140,81 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace JSON here")
     prof.add_argument("--plot", default=None, help="write a PNG timeline (a row per schedule) here")
     prof.add_argument("--json", default=None, help="write the summaries as JSON here")
+    refuse_llama_flags(prof, "profile")
 
     probe = sub.add_parser("probe", help="this machine's link and GEMM rates, and the floors of a run")
-    probe.add_argument("--device", default="auto")
-    probe.add_argument("-m", "--model", default=None, help="also print the floors of this model's prefill")
-    probe.add_argument("-p", "--n-prompt", type=int, default=2048)
-    probe.add_argument("-ub", "--ubatch", type=int, default=2048)
-    probe.add_argument("-ncmoe", "--n-cpu-moe", type=int, default=0)
+    model_path(probe, required=False, what="also print the floors of this model's prefill")
+    probe.add_argument("--device", default="auto", help="cpu, cuda or cuda:N")
+    probe.add_argument("-p", "--n-prompt", type=int, default=2048, help="prompt length of the floors")
+    probe.add_argument("-ub", "--ubatch", "--ubatch-size", type=int, default=2048, help="micro-batch of the floors")
+    probe.add_argument(
+        "-ncmoe", "--n-cpu-moe", type=ncmoe, default=0, help="layers streamed in the floors (all: every one)"
+    )
 
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)")
     engine_flags(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    serve.add_argument("--port", type=int, default=8080)
+    serve.add_argument("--port", type=int, default=8080, help="port to listen on")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ requests")
-    serve.add_argument("--max-seqs", type=int, default=4, help="sequences served at once (the rest queue)")
+    serve.add_argument("--api-key-file", default=None, help="read --api-key from this file (its first line)")
+    serve.add_argument("-a", "--alias", default=None, help="the model name the server reports (default: the file's)")
+    serve.add_argument(
+        "--max-seqs", "-np", "--parallel", type=int, default=4, help="sequences served at once (the rest queue)"
+    )
     serve.add_argument("--max-tokens", type=int, default=4096, help="the largest max_tokens a request may ask")
+    serve.add_argument(
+        "-cb",
+        "--cont-batching",
+        "--metrics",
+        action="store_true",
+        help="accepted for llama-server command lines: sequences are batched and /metrics is served always",
+    )
+    refuse_llama_flags(serve, "serve")
 
     make = sub.add_parser("make-model", help="write a GGUF model with random weights of a preset's shapes")
-    make.add_argument("out")
-    make.add_argument("--preset", required=True)
+    make.add_argument("out", help="the GGUF file to write")
+    make.add_argument("--preset", required=True, help="the shapes to copy: " + ", ".join(PRESETS))
     make.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
-    make.add_argument("--quant", default="Q4_K_M", help="F32, BF16, Q8_0 or Q4_K_M")
-    make.add_argument("--seed", type=int, default=0)
+    make.add_argument(
+        "--quant",
+        default="Q4_K_M",
+        help="llama.cpp's recipe (its type for each tensor), in any case: Q8_0, Q4_K_M, IQ4_XS, MXFP4_MOE... "
+        "(a wrong name lists them all), or F32 / BF16",
+    )
+    make.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     return parser
+
+
+def check_run(a: argparse.Namespace) -> None:
+    from moestream.runtime.sampling import SamplingParams
+
+    if (a.prompt is None) == (a.file is None):
+        raise MoestreamError("give the prompt once: -p TEXT or -f FILE")
+    if a.file is not None:
+        try:
+            a.prompt = Path(a.file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise MoestreamError(f"-f {a.file}: {getattr(e, 'strerror', None) or e}; give a text file") from None
+    if not a.prompt:
+        raise MoestreamError(f"{'-p' if a.file is None else '-f ' + a.file}: the prompt is empty; give some text")
+    a.sampling = SamplingParams(
+        max_tokens=a.n_predict,
+        temperature=a.temp,
+        top_k=a.top_k,
+        top_p=a.top_p,
+        min_p=a.min_p,
+        repeat_penalty=a.repeat_penalty,
+        repeat_last_n=a.repeat_last_n,
+        presence_penalty=a.presence_penalty,
+        frequency_penalty=a.frequency_penalty,
+        seed=a.seed,
+        stop_at_eos=not a.ignore_eos,
+    )
+    check_engine(a)
 
 
 def cmd_run(a: argparse.Namespace) -> None:
     from moestream.runtime.loader import load
-    from moestream.runtime.sampling import SamplingParams
-
-    if not a.prompt:
-        raise MoestreamError("-p: the prompt is empty; give some text")
-    at_least(a.n_predict, 0, "-n")
-    params = SamplingParams(max_tokens=a.n_predict, temperature=a.temp, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
 
     prompt: list[int] = []  # encoded once, before the weights load
 
@@ -131,7 +234,7 @@ def cmd_run(a: argparse.Namespace) -> None:
             "moestream: note: this model has random weights (moestream make-model): expect gibberish", file=sys.stderr
         )
     try:
-        gen = engine.generate(prompt, params, on_text=lambda s: print(s, end="", flush=True))
+        gen = engine.generate(prompt, a.sampling, on_text=lambda s: print(s, end="", flush=True))
     except KeyboardInterrupt as e:  # say what was done before the interrupt, then exit 130
         gen = getattr(e, "generation", None)
         if gen is not None:
@@ -146,8 +249,8 @@ def cmd_run(a: argparse.Namespace) -> None:
 
 def _print_stats(gen) -> None:
     print(
-        f"prompt {len(gen.prompt_tokens)} tokens, {gen.prefill_tps:.1f} tok/s | "
-        f"generated {len(gen.tokens)} tokens, {gen.decode_tps:.1f} tok/s | stop: {gen.stop_reason}",
+        f"prompt {_count(len(gen.prompt_tokens), 'token')}, {gen.prefill_tps:.1f} tok/s | "
+        f"generated {_count(len(gen.tokens), 'token')}, {gen.decode_tps:.1f} tok/s | stop: {gen.stop_reason}",
         file=sys.stderr,
     )
 
@@ -160,20 +263,62 @@ def _size(n: float) -> str:
     return ""
 
 
+def _print_types(metadata: dict, tensors: list) -> None:
+    """The file type and, like llama.cpp's loader, each tensor type's count (with its bytes), largest first."""
+    from moestream.tools.recipes import RECIPES
+
+    code = metadata.get("general.file_type")
+    name = next((r.name for r in RECIPES.values() if r.file_type == code), "not one of llama.cpp's recipes")
+    print(f"file type     {name} (general.file_type {code})" if code is not None else "file type     not recorded")
+    count, size = Counter(), Counter()
+    for t in tensors:
+        count[t.qtype.name] += 1
+        size[t.qtype.name] += t.nbytes
+    for i, (qtype, n) in enumerate(size.most_common()):
+        tensors = f"{count[qtype]} tensor" + ("s" if count[qtype] > 1 else "")
+        print(f"{'tensor types' if i == 0 else '':14}{qtype:8} {tensors:>12} {_size(n):>11}")
+
+
+def _warn_fallbacks(f, s, device: str) -> None:
+    """One warning per tensor type and kernel it lacks on device: which of the tensors that run, and what runs
+    instead."""
+    from moestream.kernels.types import FALLBACKS, fallbacks
+    from moestream.models.registry import architecture
+
+    arch = architecture(s.arch)
+    experts = {n for il in s.expert_layers for n in arch.expert_tensor_names(il)}
+    types = {name: t.qtype for name, t in f.tensors.items()}
+    for (qtype, kernel), names in fallbacks(types, experts, device).items():
+        where = "for experts computed on the CPU (--small-batch cpu)" if kernel == "CPU dot" else f"on {device}"
+        listed = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        print(
+            f"moestream: warning: {qtype.name} has no {kernel} {where}: {FALLBACKS[kernel]} "
+            f"({len(names)} tensors: {listed})",
+            file=sys.stderr,
+        )
+
+
+def check_info(a: argparse.Namespace) -> None:
+    from moestream.options import Options
+
+    check_model_path(a)
+    if a.tokens is not None:
+        at_least(a.tokens, 1, "--tokens")
+        if not a.routing:
+            raise MoestreamError(f"--tokens {a.tokens} is the prompt length of --routing: give --routing too")
+    a.tokens = 2048 if a.tokens is None else a.tokens
+    Options.check(device=a.device)  # a bad name now, not after the report
+
+
 def cmd_info(a: argparse.Namespace) -> None:
     from moestream.formats.gguf import GGUFFile
     from moestream.options import Options
     from moestream.runtime.loader import describe, expert_bytes_per_layer
 
-    tokens = 2048 if a.tokens is None else a.tokens
-    at_least(tokens, 1, "--tokens")
-    if a.tokens is not None and not a.routing:
-        raise MoestreamError(f"--tokens {a.tokens} is the prompt length of --routing: give --routing too")
-    if a.device != "auto":
-        if not a.routing:
-            raise MoestreamError(f"--device {a.device} runs --routing's prompt: give --routing too")
-        Options.make(device=a.device)  # a bad name now, not after the report
+    tokens = a.tokens
+    device = Options.make(device=a.device).model.device
     with GGUFFile(a.model) as f:
+        stored = list(f.tensors.values())  # describe leaves out NextN blocks, which never run
         _, s = describe(f)
         if a.routing and tokens > s.n_ctx_train:
             raise MoestreamError(
@@ -190,10 +335,7 @@ def cmd_info(a: argparse.Namespace) -> None:
         print(f"attention     {s.n_head} heads / {s.n_head_kv} KV heads x {s.head_dim}   rope base {s.rope_base:g}")
         shared = f", a shared expert of FFN {s.n_ff_shexp}" if s.n_ff_shexp else ""
         print(f"experts       {s.n_expert}, {s.n_expert_used} used per token, FFN {s.n_ff_exp}{shared}")
-        mix = Counter()
-        for t in f.tensors.values():
-            mix[t.qtype.name] += t.nbytes
-        print("quant mix     " + ", ".join(f"{k} {_size(v)}" for k, v in mix.most_common()))
+        _print_types(f.metadata, stored)
         per_layer = expert_bytes_per_layer(f, s)
         print(
             f"expert bytes  {_size(sum(per_layer))} total; per layer: "
@@ -201,6 +343,7 @@ def cmd_info(a: argparse.Namespace) -> None:
             + (" ..." if len(per_layer) > 8 else "")
         )
         print(f"other bytes   {_size(sum(t.nbytes for t in f.tensors.values()) - sum(per_layer))}")
+        _warn_fallbacks(f, s, device)
     if a.routing:
         from moestream.runtime.loader import load
         from moestream.tools.routing import routing_load
@@ -220,6 +363,30 @@ def cmd_info(a: argparse.Namespace) -> None:
             )
 
 
+def check_serve(a: argparse.Namespace) -> None:
+    if not 0 < a.port < 65536:
+        raise MoestreamError(f"--port {a.port}: expected 1 to 65535")
+    at_least(a.max_seqs, 1, "--max-seqs")
+    at_least(a.max_tokens, 1, "--max-tokens")
+    if a.api_key_file is not None:
+        if a.api_key is not None:
+            raise MoestreamError("--api-key and --api-key-file: give the key once")
+        try:
+            a.api_key = (Path(a.api_key_file).read_text(encoding="utf-8").splitlines() or [""])[0]
+        except (OSError, UnicodeDecodeError) as e:
+            raise MoestreamError(f"--api-key-file {a.api_key_file}: {getattr(e, 'strerror', None) or e}") from None
+    if a.api_key is not None and not a.api_key.strip():
+        raise MoestreamError("--api-key is empty: give a key, or leave the flag out to serve without one")
+    if a.alias is not None and not a.alias.strip():
+        raise MoestreamError("-a is empty: give a model name, or leave the flag out to use the file's name")
+    a.socket = _listening_socket(a.host, a.port)  # bound now: a port in use is said first, and no one takes it
+    try:
+        check_engine(a)
+    except BaseException:
+        a.socket.close()
+        raise
+
+
 def cmd_serve(a: argparse.Namespace) -> None:
     import uvicorn
 
@@ -227,20 +394,14 @@ def cmd_serve(a: argparse.Namespace) -> None:
     from moestream.serving.app import create_app
     from moestream.serving.scheduler import Scheduler
 
-    if not 0 < a.port < 65536:
-        raise MoestreamError(f"--port {a.port}: expected 1 to 65535")
-    at_least(a.max_seqs, 1, "--max-seqs")
-    at_least(a.max_tokens, 1, "--max-tokens")
-    if a.api_key is not None and not a.api_key.strip():
-        raise MoestreamError("--api-key is empty: give a key, or leave the flag out to serve without one")
-    with contextlib.closing(_listening_socket(a.host, a.port)) as sock:  # before the load: a port in use is said
+    with contextlib.closing(a.socket) as sock:
         engine = load(a.model, engine_options(a).replace(n_seqs=a.max_seqs))  # every sequence's KV budgeted
         try:
             if engine.tokenizer is None:
                 raise MoestreamError(f"{a.model}: the file has no tokenizer; the server needs one to read prompts")
             scheduler = Scheduler(engine, max_seqs=a.max_seqs)
             try:
-                name = engine.source.path.name
+                name = a.alias or engine.source.path.name
                 app = create_app(scheduler, name, api_key=a.api_key, max_tokens=a.max_tokens)
                 print(f"moestream: serving {name} on http://{a.host}:{a.port}/v1 (Ctrl-C stops)", file=sys.stderr)
                 uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])  # Ctrl-C: drains
@@ -268,29 +429,67 @@ def _listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def check_make_model(a: argparse.Namespace) -> None:
+    from moestream.tools.presets import get_preset
+
+    get_preset(a.preset, a.layers)
+    writable(a.out, "make-model")
+
+
 def cmd_make_model(a: argparse.Namespace) -> None:
     from moestream.tools.presets import get_preset
+    from moestream.tools.recipes import recipe
     from moestream.tools.synthetic import make_model
 
     preset = get_preset(a.preset, a.layers)
-    writable(a.out, "make-model")
     make_model(a.out, preset, quant=a.quant, seed=a.seed)
-    print(f"wrote {a.out}: preset {preset.name}, {preset.spec.n_layer} layers, {a.quant}")
+    print(f"wrote {a.out}: preset {preset.name}, {_count(preset.spec.n_layer, 'layer')}, {recipe(a.quant).name}")
 
 
+# Each command: the check of every value (settling some into the namespace), run before torch is imported, so a
+# bad value is answered at once; then the command itself.
 COMMANDS = {
-    "run": cmd_run,
-    "info": cmd_info,
-    "bench": cmd_bench,
-    "profile": cmd_profile,
-    "probe": cmd_probe,
-    "make-model": cmd_make_model,
-    "serve": cmd_serve,
+    "run": (check_run, cmd_run),
+    "info": (check_info, cmd_info),
+    "bench": (check_bench, cmd_bench),
+    "profile": (check_profile, cmd_profile),
+    "probe": (check_probe, cmd_probe),
+    "make-model": (check_make_model, cmd_make_model),
+    "serve": (check_serve, cmd_serve),
 }
 
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
     print(f"moestream: warning: {message}", file=sys.stderr)
+
+
+# What each command is about to do, said on stderr as it starts (torch alone takes seconds to import).
+STARTING = {
+    "run": lambda a: (
+        f"run: loading {a.model}, then generating "
+        + ("until the end of text" if a.n_predict == -1 else _count(a.n_predict, "token"))
+    ),
+    "info": lambda a: f"info: reading {a.model}" + (f", then routing {_count(a.tokens, 'token')}" if a.routing else ""),
+    "bench": lambda a: (
+        f"bench: loading {a.model}, then {_count(len(sweep_of(a).placements()), 'placement')} x "
+        + _count(sum(n > 0 for n in a.n_prompt + a.n_gen), "test")
+        + f", {_count(a.repetitions, 'repetition')} each"
+    ),
+    "profile": lambda a: (
+        f"profile: loading {a.model}, then pp{a.n_prompt} under " + ", ".join(a.stream or ["serial", "overlap"])
+    ),
+    "probe": lambda a: "probe: timing this machine's link and expert GEMMs" + (f" for {a.model}" if a.model else ""),
+    "make-model": lambda a: (
+        f"make-model: writing {a.out} (preset {a.preset}"
+        + (f", {_count(a.layers, 'layer')}" if a.layers else "")
+        + f", {a.quant})"
+    ),
+    "serve": lambda a: f"serve: loading {a.model} for http://{a.host}:{a.port}/v1",
+}
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 # The slow third-party imports of each command (torch, numpy, gguf through the loader; the server's packages),
@@ -327,10 +526,13 @@ def main(argv: list[str] | None = None) -> int:
     warnings.showwarning = _one_line_warning
     try:
         args = build_parser().parse_args(argv)
+        check, command = COMMANDS[args.command]
+        check(args)
+        print(f"moestream: {STARTING[args.command](args)}", file=sys.stderr, flush=True)  # before the slow imports
         with interrupts_held():
             for module in PRELOAD.get(args.command, ("moestream.runtime.loader",)):
                 importlib.import_module(module)
-        COMMANDS[args.command](args)
+        command(args)
     except MoestreamError as e:
         print(f"moestream: error: {e}", file=sys.stderr)
         return 2

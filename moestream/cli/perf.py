@@ -3,28 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
-from moestream.cli.args import at_least, engine_options, writable
+from moestream.cli.args import at_least, check_engine, check_model_path, engine_options, writable
 from moestream.errors import MoestreamError
+from moestream.tools.sweep import Sweep
 
 
-def cmd_bench(a: argparse.Namespace) -> None:
-    from moestream.cli import report
-    from moestream.offload.builder import check_expert_counts
-    from moestream.runtime.loader import load
-    from moestream.tools.bench import Sweep, run_bench
-
-    at_least(a.repetitions, 1, "-r")
-    for n in a.n_prompt:
-        at_least(n, 0, "-p")
-    for n in a.n_gen:
-        at_least(n, 0, "-n")
-    if max(a.n_prompt) == 0 and max(a.n_gen) == 0:
-        raise MoestreamError("-p 0 -n 0: nothing to measure; give a prompt length (-p) or a decode length (-n)")
-    fmt = "json" if a.json else a.output
-    longest = max(a.n_prompt) + max(a.n_gen)
-    opts = engine_options(a, ctx=longest + 1).replace(progress=fmt == "md")
-    sweep = Sweep(
+def sweep_of(a: argparse.Namespace) -> Sweep:
+    return Sweep(
         prompts=a.n_prompt,
         gens=a.n_gen,
         ubatches=a.ubatch if a.batch_size is None else [min(u, a.batch_size) for u in a.ubatch],
@@ -37,8 +24,33 @@ def cmd_bench(a: argparse.Namespace) -> None:
         repeats=a.repetitions,
         floors=not a.no_floors,
     )
-    # every row's values now, and against the model's shapes before its weights load: a bad row would fail
-    # only after the rows before it had run
+
+
+def check_bench(a: argparse.Namespace) -> None:
+    at_least(a.repetitions, 1, "-r")
+    for n in a.n_prompt:
+        at_least(n, 0, "-p")
+    for n in a.n_gen:
+        at_least(n, 0, "-n")
+    if max(a.n_prompt) == 0 and max(a.n_gen) == 0:
+        raise MoestreamError("-p 0 -n 0: nothing to measure; give a prompt length (-p) or a decode length (-n)")
+    if a.batch_size is not None:
+        at_least(a.batch_size, 1, "-b")
+    check_engine(a, max(a.n_prompt) + max(a.n_gen) + 1, sweep_of(a).placements())  # every row, before the first
+
+
+def cmd_bench(a: argparse.Namespace) -> None:
+    from moestream.cli import report
+    from moestream.offload.builder import check_expert_counts
+    from moestream.runtime.loader import load
+    from moestream.tools.bench import run_bench
+
+    fmt = "json" if a.json else a.output
+    longest = max(a.n_prompt) + max(a.n_gen)
+    opts = engine_options(a, ctx=longest + 1).replace(progress=fmt == "md")
+    sweep = sweep_of(a)
+    # every row's values against the model's shapes before its weights load: a bad row would fail only after
+    # the rows before it had run
     row_options = [opts.replace(**placed) for placed in sweep.placements()]
 
     def fits(_, n_ctx: int, spec) -> None:
@@ -55,6 +67,7 @@ def cmd_bench(a: argparse.Namespace) -> None:
             engine,
             sweep,
             progress=(lambda r: print(report.md_row(r, info), flush=True)) if fmt == "md" else None,
+            say=lambda text: print(f"moestream: bench: {text}", file=sys.stderr, flush=True),
         )
     finally:
         engine.close()
@@ -105,6 +118,14 @@ def _fits(tokens: int, n_ctx: int) -> None:
         )
 
 
+def check_profile(a: argparse.Namespace) -> None:
+    at_least(a.n_prompt, 1, "-p")
+    at_least(a.repetitions, 1, "-r")
+    for path, flag in ((a.trace, "--trace"), (a.plot, "--plot"), (a.json, "--json")):
+        writable(path, flag)
+    check_engine(a, a.n_prompt + 1, [{"stream": s} for s in a.stream or []])  # each schedule's name now
+
+
 def cmd_profile(a: argparse.Namespace) -> None:
     import json
 
@@ -112,19 +133,19 @@ def cmd_profile(a: argparse.Namespace) -> None:
     from moestream.tools.bench import random_prompt
     from moestream.tools.profile import profile_pass
 
-    at_least(a.n_prompt, 1, "-p")
-    at_least(a.repetitions, 1, "-r")
-    for path, flag in ((a.trace, "--trace"), (a.plot, "--plot"), (a.json, "--json")):
-        writable(path, flag)
     opts = engine_options(a, ctx=a.n_prompt + 1)
-    for stream in a.stream or []:
-        opts.replace(stream=stream)  # each schedule's name now, not after the ones before it ran
     engine = load(a.model, opts, before_weights=lambda _, n_ctx, spec: _fits(a.n_prompt, n_ctx))
     results = []
     try:
         tokens = random_prompt(a.n_prompt, engine.spec.n_vocab)
         for schedule in a.stream or ["serial", "overlap"]:
-            r = profile_pass(engine, tokens, schedule, a.repetitions)
+            r = profile_pass(
+                engine,
+                tokens,
+                schedule,
+                a.repetitions,
+                say=lambda text: print(f"moestream: profile: {text}", file=sys.stderr, flush=True),
+            )
             results.append(r)
             print(
                 f"\n== {schedule}: pp{a.n_prompt} ub{opts.model.ubatch} ncmoe {engine.offload.placement.n_cpu_moe}: "
@@ -157,20 +178,30 @@ def cmd_profile(a: argparse.Namespace) -> None:
             )
 
 
+def check_probe(a: argparse.Namespace) -> None:
+    from moestream.options import Options
+
+    check_model_path(a)
+    at_least(a.ubatch, 1, "-ub")
+    at_least(a.n_prompt, 1, "-p")
+    if a.n_cpu_moe == "auto":
+        raise MoestreamError("-ncmoe auto fits layers to a --vram-budget at load; probe takes a count or all")
+    if a.n_cpu_moe != "all":
+        at_least(a.n_cpu_moe, 0, "-ncmoe")  # the range first: -ncmoe -1 is wrong with or without -m
+    if a.model is None and a.n_cpu_moe:
+        raise MoestreamError(
+            f"-ncmoe {a.n_cpu_moe} streams layers of a model: give -m MODEL too (without -m, probe measures the "
+            "link and the expert GEMM rate only)"
+        )
+    Options.check(device=a.device)
+
+
 def cmd_probe(a: argparse.Namespace) -> None:
     import torch
 
     from moestream.options import Options
     from moestream.tools.probe import grouped_gemm_rate, h2d_rate, registered_rate
 
-    at_least(a.ubatch, 1, "-ub")
-    at_least(a.n_prompt, 1, "-p")
-    at_least(a.n_cpu_moe, 0, "-ncmoe")  # the range first: -ncmoe -1 is wrong with or without -m
-    if a.model is None and a.n_cpu_moe:
-        raise MoestreamError(
-            f"-ncmoe {a.n_cpu_moe} streams layers of a model: give -m MODEL too (without -m, probe measures the "
-            "link and the expert GEMM rate only)"
-        )
     device = Options.make(device=a.device).model.torch_device  # the same checks as every other command
     spec, streamed, registered = None, 0, None
     if a.model is not None:  # -m '': the file's own error

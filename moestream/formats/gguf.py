@@ -5,16 +5,17 @@ Nothing here reads tensor bytes; the map is paged in when a consumer touches a v
 
 from __future__ import annotations
 
+import mmap
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import gguf
 import numpy as np
 
 from moestream.errors import MoestreamError
-from moestream.formats.gguf_check import check_gguf
+from moestream.formats.gguf_check import read_header
+from moestream.formats.model_file import check_model_file
 
 GGMLType = gguf.GGMLQuantizationType
 
@@ -37,50 +38,24 @@ class GGUFFile:
     """A memory-mapped GGUF file. Close it (or use it as a context manager) when done."""
 
     def __init__(self, path: str | os.PathLike[str]):
-        if not os.fspath(path):  # Path("") is ".", a directory
-            raise MoestreamError("the model path is empty; pass the path of a .gguf model file")
-        self.path = Path(path)
-        if not self.path.is_file():
-            if self.path.is_dir():
-                what = "is a directory"
-            elif self.path.exists():
-                what = "is not a regular file (a pipe or device cannot be memory-mapped)"
-            else:
-                what = "no such file"
-            shown = str(self.path) if str(self.path).strip() == str(self.path) else repr(str(self.path))  # ' '
-            raise MoestreamError(f"{shown}: {what}; pass the path of a .gguf model file")
+        self.path = check_model_file(path)
         with open(self.path, "rb") as f:
-            magic = f.read(4)
-        if magic != b"GGUF":
-            raise MoestreamError(
-                f"{self.path}: not a GGUF file (starts with {magic!r}, expected b'GGUF'); "
-                "convert the model with llama.cpp's convert_hf_to_gguf.py or pass a .gguf file"
-            )
-        check_gguf(self.path)  # bounded counts and llama.cpp's layout rules, before gguf allocates by them
-        try:
-            self._reader = gguf.GGUFReader(self.path, "r")
-        except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError) as e:
-            raise MoestreamError(
-                f"{self.path}: the GGUF header is damaged or truncated ({e}); download or convert the file again"
-            ) from None
-        self.metadata: dict[str, Any] = {
-            name: _field_value(field) for name, field in self._reader.fields.items() if not name.startswith("GGUF.")
-        }
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         self.tensors: dict[str, TensorView] = {}
         try:
-            self._index_tensors()
+            header = read_header(self.path, self._map)  # bounded counts and llama.cpp's layout rules
+            self.metadata: dict[str, Any] = header.metadata
+            data = np.frombuffer(self._map, dtype=np.uint8)
+            for t in header.tensors:
+                self.tensors[t.name] = TensorView(
+                    name=t.name,
+                    qtype=GGMLType(t.qtype),
+                    shape=tuple(reversed(t.dims)),
+                    data=_byte_view(data[t.start : t.start + t.nbytes], t.qtype, t.dims),
+                )
         except BaseException:
             self.close()
             raise
-
-    def _index_tensors(self) -> None:  # check_gguf has already placed every tensor inside the file
-        for t in self._reader.tensors:
-            self.tensors[t.name] = TensorView(
-                name=t.name,
-                qtype=GGMLType(int(t.tensor_type)),
-                shape=tuple(int(d) for d in reversed(t.shape.tolist())),
-                data=_byte_view(t),
-            )
 
     @property
     def architecture(self) -> str:
@@ -88,11 +63,6 @@ class GGUFFile:
         if not isinstance(arch, str):
             raise MoestreamError(f"{self.path}: metadata key general.architecture is missing")
         return arch
-
-    @property
-    def mmap(self) -> np.memmap:
-        """The whole file as one uint8 map (what the offload layer page-locks)."""
-        return self._reader.data
 
     def tensor(self, name: str) -> TensorView:
         try:
@@ -103,13 +73,11 @@ class GGUFFile:
             ) from None
 
     def close(self) -> None:
-        mm = getattr(self._reader.data, "_mmap", None)
         self.tensors.clear()
-        if mm is not None:
-            try:
-                mm.close()
-            except BufferError:
-                pass  # a view is still alive somewhere; the OS unmaps it when that view dies
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # a view is still alive somewhere; the OS unmaps it when that view dies
 
     def __enter__(self) -> GGUFFile:
         return self
@@ -118,29 +86,10 @@ class GGUFFile:
         self.close()
 
 
-def _field_value(field: gguf.ReaderField) -> Any:
-    """A metadata value as Python: str, int, float, bool or a list of them."""
-    main = field.types[0]
-    if main == gguf.GGUFValueType.ARRAY:
-        sub = field.types[-1]
-        if sub == gguf.GGUFValueType.STRING:
-            return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
-        if not field.data:
-            return []
-        # numeric arrays: one contiguous part holds every element
-        return np.concatenate([field.parts[i] for i in field.data]).tolist()
-    return field.contents()
-
-
-def _byte_view(t: gguf.ReaderTensor) -> np.ndarray:
-    """The stored bytes as uint8 [..., row_bytes] without copying."""
-    data = t.data
-    flat = data.reshape(-1).view(np.uint8)
-    n_cols = int(t.shape[0])
-    block, type_bytes = gguf.GGML_QUANT_SIZES[GGMLType(int(t.tensor_type))]
-    row_bytes = n_cols // block * type_bytes
-    rows = tuple(int(d) for d in reversed(t.shape[1:].tolist()))
-    return flat.reshape(*rows, row_bytes)
+def _byte_view(data: np.ndarray, qtype: GGMLType, dims: tuple[int, ...]) -> np.ndarray:
+    """A tensor's stored bytes as uint8 [..., row_bytes] without copying (dims in ggml order: the row first)."""
+    block, type_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    return data.reshape(*reversed(dims[1:]), dims[0] // block * type_bytes)
 
 
 def torch_bytes(view: TensorView):

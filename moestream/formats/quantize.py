@@ -3,22 +3,28 @@
 gguf 0.19 quantizes the 32-element types but none of the K-quants, so those are encoded here with simple
 scales (per-sub-block min/max for Q2_K/Q4_K/Q5_K, signed absmax for Q3_K/Q6_K) rather than llama.cpp's
 searched ones: any valid encoding serves test models, and the generator writes gigabytes, so speed wins.
+MXFP4 gives gguf's own bytes, computed here because gguf's quantizer is an order of magnitude slower. IQ4_NL
+and IQ4_XS (gguf has no quantizer for them) take each value's nearest code under a scale that puts the
+block's largest magnitude on the code -127.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import gguf
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from moestream.errors import MoestreamError
+from moestream.formats import grid_quantize
 from moestream.formats.quants import row_bytes
+from moestream.formats.quants.nonlinear import IQ4_VALUES
 
 Q = GGMLQuantizationType
 
-_BY_GGUF = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1})
+_BY_GGUF = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.TQ1_0, Q.TQ2_0})
 
 # Super-blocks encoded per step (4M floats): measured fastest of 1K/4K/16K, temporaries stay ~16 MiB.
 _CHUNK_BLOCKS = 16384
@@ -139,15 +145,88 @@ def _q6_k(x: np.ndarray, out: np.ndarray) -> None:
     out[:, 208:210] = d
 
 
-_K_QUANTIZE: dict[GGMLQuantizationType, Callable[[np.ndarray, np.ndarray], None]] = {
+# Halfway between neighbouring E2M1 magnitudes (doubled, as MXFP4 stores them): 0, 1, 2, 3, 4, 6, 8, 12
+_E2M1_MIDPOINTS = np.array([0.5, 1.5, 2.5, 3.5, 5, 7, 10], np.float32)
+
+
+def _mxfp4(x: np.ndarray, out: np.ndarray) -> None:
+    """MXFP4 (17 B / 32): gguf's bytes. The exponent puts the block's largest magnitude between 8 and 16 halved
+    scales (12, the largest code, clamps the top quarter); each value takes the nearest code, a tie the smaller
+    magnitude, and a value rounding to zero the positive one: what gguf's first-of-16-distances argmin picks,
+    from seven comparisons instead."""
+    amax = np.abs(x).max(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        e = np.where(amax > 0, np.floor(np.log2(amax)) - 2 + 127, 0).astype(np.uint8)
+    e32 = e.astype(np.uint32)
+    half = np.where(e32 < 2, np.uint32(0x00200000) << e32, (e32 - 1) << np.uint32(23)).view(np.float32)
+    a = np.abs(x) / half
+    code = np.zeros(x.shape, np.uint8)
+    for m in _E2M1_MIDPOINTS:
+        code += a > m
+    code |= ((x < 0) & (code > 0)).astype(np.uint8) << 3
+    out[:, 0:1] = e
+    out[:, 1:17] = code[:, :16] | (code[:, 16:] << 4)
+
+
+# Halfway between neighbouring IQ4 values (nonlinear.IQ4_VALUES)
+_IQ4_VALUES = np.array(IQ4_VALUES, np.float32)
+_IQ4_MIDPOINTS = (_IQ4_VALUES[1:] + _IQ4_VALUES[:-1]) / 2
+
+
+def _signed_fp16(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """_fp16 for scales of either sign."""
+    h = np.clip(v, -_F16_MAX, _F16_MAX).astype(np.float16)
+    return h.view(np.uint8).reshape(-1, 2), h.astype(np.float32)
+
+
+def _iq4_codes(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """The nearest IQ4 value's code for each x / scale (scale broadcast over x; 0 for a zero scale)."""
+    return np.searchsorted(_IQ4_MIDPOINTS, x * _inv(scale)).astype(np.uint8)
+
+
+def _signed_absmax(xs: np.ndarray) -> np.ndarray:
+    """Each row's value of largest magnitude, sign kept: (..., m) -> (...)."""
+    lo, hi = xs.min(axis=-1), xs.max(axis=-1)
+    return np.where(hi >= -lo, hi, lo)
+
+
+def _iq4_nl(x: np.ndarray, out: np.ndarray) -> None:
+    """IQ4_NL (18 B / 32): d f16, qs[16] nibbles (low: values 0..15)."""
+    d_bytes, d = _signed_fp16(_signed_absmax(x)[:, None] / np.float32(-127))
+    codes = _iq4_codes(x, d)
+    out[:, 0:2] = d_bytes
+    out[:, 2:18] = codes[:, :16] | (codes[:, 16:] << 4)
+
+
+def _iq4_xs(x: np.ndarray, out: np.ndarray) -> None:
+    """IQ4_XS (136 B / 256): d f16, scales_h u16, scales_l[4], qs[128]; a sub-block of 32's scale is a 6-bit
+    multiple of d, less 32: the sub-block of largest scale takes -32 (as Q3_K's absmax scales)."""
+    n = len(x)
+    xs = x.reshape(n, 8, 32)
+    scale = _signed_absmax(xs) / np.float32(-127)
+    d_bytes, d = _signed_fp16(_signed_absmax(scale)[:, None] / np.float32(-32))
+    sc = np.clip(np.rint(scale * _inv(d)), -32, 31)
+    codes = _iq4_codes(xs, (d * sc)[..., None])
+    u = (sc + 32).astype(np.uint16)
+    out[:, 0:2] = d_bytes
+    high = ((u >> 4) << (2 * np.arange(8, dtype=np.uint16))).sum(axis=1, dtype=np.uint16)  # 2 bits a sub-block
+    out[:, 2:4] = high.astype("<u2").view(np.uint8).reshape(n, 2)
+    out[:, 4:8] = ((u[:, 0::2] & 15) | ((u[:, 1::2] & 15) << 4)).astype(np.uint8)
+    out[:, 8:136] = (codes[:, :, :16] | (codes[:, :, 16:] << 4)).reshape(n, 128)
+
+
+_OURS: dict[GGMLQuantizationType, Callable[[np.ndarray, np.ndarray], None]] = {
     Q.Q2_K: _q2_k,
     Q.Q3_K: _q3_k,
     Q.Q4_K: _q4_k,
     Q.Q5_K: _q5_k,
     Q.Q6_K: _q6_k,
-}
+    Q.MXFP4: _mxfp4,
+    Q.IQ4_NL: _iq4_nl,
+    Q.IQ4_XS: _iq4_xs,
+} | {qtype: partial(grid_quantize.quantize_blocks, qtype) for qtype in grid_quantize.SPECS}
 
-QUANTIZABLE: frozenset[GGMLQuantizationType] = _BY_GGUF | frozenset(_K_QUANTIZE)
+QUANTIZABLE: frozenset[GGMLQuantizationType] = _BY_GGUF | frozenset(_OURS)
 
 
 def quantize(array: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
@@ -163,5 +242,5 @@ def quantize(array: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     blocks = array.reshape(-1, block)
     out = np.empty((len(blocks), type_size), np.uint8)
     for start in range(0, len(blocks), _CHUNK_BLOCKS):
-        _K_QUANTIZE[qtype](blocks[start : start + _CHUNK_BLOCKS], out[start : start + _CHUNK_BLOCKS])
+        _OURS[qtype](blocks[start : start + _CHUNK_BLOCKS], out[start : start + _CHUNK_BLOCKS])
     return out.reshape(out_shape)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import codecs
 from collections import Counter
+from collections.abc import Sequence
 from functools import cache
 from itertools import pairwise
 from typing import Any
@@ -24,9 +25,17 @@ from moestream.formats.chat_template import render as render_template
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 # llama.cpp's split regexes (LLAMA_VOCAB_PRE_TYPE_QWEN2, _QWEN35): digits one by one; qwen35 keeps combining
-# marks (\p{M}) with the letters they modify instead of splitting them off as punctuation.
+# marks (\p{M}) with the letters they modify instead of splitting them off as punctuation. gpt-4o (o200k, gpt-oss):
+# words split before capitals, contractions case-free, digits in threes; this is the tokenizer.json form, which
+# llama.cpp rewrites with lookaheads for its own regex engine.
 _CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+_O200K_WORD = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]"
 _SPLIT_REGEX = {
+    "gpt-4o": _O200K_WORD
+    + r"*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+    + _O200K_WORD
+    + r"+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|"
+    + r"\s+(?!\S)|\s+",
     "qwen2": _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
     "qwen35": _CONTRACTIONS
     + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
@@ -165,6 +174,9 @@ class Tokenizer:
         )
         eos_ids = {i for k, i in ids.items() if k != "bos" and i is not None}
         eos_ids.update(i for i, text in enumerate(tokens) if text in _END_OF_GENERATION)
+        ends = {tokens[i] for i in eos_ids}
+        if {"<|return|>", "<|call|>", "<|end|>"} <= ends:  # Harmony (gpt-oss): <|end|> closes one message of
+            eos_ids -= {i for i in eos_ids if tokens[i] == "<|end|>"}  # several in a turn, as llama.cpp reads it
         return cls(
             hf,
             tokens,
@@ -252,6 +264,7 @@ class TextStream:
 def _list_of(meta: dict[str, Any], key: str, kind: type, default: list) -> list:
     """A metadata list whose every entry has the given type, or one clear error."""
     value = meta.get(key, default)
+    value = list(value) if isinstance(value, Sequence) and not isinstance(value, str) else value  # decoded here
     if not isinstance(value, list) or not all(isinstance(v, kind) and not isinstance(v, bool) for v in value):
         raise MoestreamError(f"{key} must be a list of {kind.__name__} values; the file's tokenizer is damaged")
     return value
@@ -314,6 +327,30 @@ _CHATML_TEMPLATE = (
     "{%- endif %}"
 )
 
+# Harmony, gpt-oss's chat format: a system header, the developer's instructions, then messages of
+# <|start|>{role}<|channel|>{channel}<|message|>{text}<|end|>; an assistant's earlier answers keep only their
+# final channel. A shorter form of the template gpt-oss files carry (no tools), rendering the same text for
+# plain conversations.
+_HARMONY_TEMPLATE = (
+    "{{- '<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\\n' }}"
+    "{{- 'Knowledge cutoff: 2024-06\\nCurrent date: ' + strftime_now('%Y-%m-%d') + '\\n\\n' }}"
+    "{{- 'Reasoning: ' + (reasoning_effort if reasoning_effort is defined else 'medium') + '\\n\\n' }}"
+    "{{- '# Valid channels: analysis, commentary, final. Channel must be included for every message.<|end|>' }}"
+    "{%- set loop_messages = messages %}"
+    "{%- if messages[0].role in ('system', 'developer') %}"
+    "{{- '<|start|>developer<|message|># Instructions\\n\\n' + messages[0].content + '\\n\\n<|end|>' }}"
+    "{%- set loop_messages = messages[1:] %}"
+    "{%- endif %}"
+    "{%- for message in loop_messages %}"
+    "{%- if message.role == 'user' %}"
+    "{{- '<|start|>user<|message|>' + message.content + '<|end|>' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|start|>assistant<|channel|>final<|message|>' + message.content + '<|end|>' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}"
+)
+
 # (text, token type) after the BPE tokens, in Qwen3's order.
 _QWEN3_SPECIALS = (
     ("<|endoftext|>", CONTROL),
@@ -321,6 +358,20 @@ _QWEN3_SPECIALS = (
     ("<|im_end|>", CONTROL),
     ("<think>", USER_DEFINED),
     ("</think>", USER_DEFINED),
+)
+_HARMONY_SPECIALS = tuple(
+    (text, CONTROL)
+    for text in (
+        "<|startoftext|>",
+        "<|endoftext|>",
+        "<|return|>",
+        "<|constrain|>",
+        "<|channel|>",
+        "<|start|>",
+        "<|end|>",
+        "<|message|>",
+        "<|call|>",
+    )
 )
 _BASE_VOCAB = 512  # bytes + merges + specials, so a 512-row tiny model has no padding at all
 
@@ -351,29 +402,34 @@ def _trained_bpe() -> tuple[tuple[str, ...], tuple[str, ...]]:
     return tuple(tokens), tuple(merges)
 
 
-def tiny_tokenizer_metadata(n_vocab: int) -> dict[str, Any]:
-    """The `tokenizer.*` keys of a generated Qwen3-style test model with `n_vocab` embedding rows.
+def tiny_tokenizer_metadata(n_vocab: int, chat: str = "chatml") -> dict[str, Any]:
+    """The `tokenizer.*` keys of a generated test model with `n_vocab` embedding rows.
 
-    A real byte-level BPE (512 tokens) with Qwen3's chat tokens, padded as convert_hf_to_gguf.py pads
-    real Qwen files up to the embedding size: `[PAD{id}]` tokens of type unused. Ids follow Qwen3-30B-A3B:
-    BOS and padding are <|endoftext|>, EOS is <|im_end|>, no BOS is added.
+    A real byte-level BPE (512 tokens) with a chat format's tokens, padded as convert_hf_to_gguf.py pads
+    real files up to the embedding size: `[PAD{id}]` tokens of type unused. chat "chatml": Qwen3's tokens and
+    ids (BOS and padding <|endoftext|>, EOS <|im_end|>). chat "harmony": gpt-oss's (the gpt-4o pre-tokenizer,
+    BOS <|startoftext|>, EOS <|return|>, padding <|endoftext|>). No BOS is added.
     """
-    if n_vocab < _BASE_VOCAB:
-        raise MoestreamError(f"n_vocab {n_vocab} is too small: the test tokenizer needs {_BASE_VOCAB} tokens")
+    if chat not in ("chatml", "harmony"):
+        raise MoestreamError(f"chat format {chat!r}: choose chatml or harmony")
     bpe_tokens, merges = _trained_bpe()
-    tokens = [*bpe_tokens, *(text for text, _ in _QWEN3_SPECIALS)]
-    types = [NORMAL] * len(bpe_tokens) + [kind for _, kind in _QWEN3_SPECIALS]
+    specials = _QWEN3_SPECIALS if chat == "chatml" else _HARMONY_SPECIALS
+    tokens = [*bpe_tokens, *(text for text, _ in specials)]
+    if n_vocab < len(tokens):
+        raise MoestreamError(f"n_vocab {n_vocab} is too small: the test tokenizer needs {len(tokens)} tokens")
+    types = [NORMAL] * len(bpe_tokens) + [kind for _, kind in specials]
     tokens += [f"[PAD{i}]" for i in range(len(tokens), n_vocab)]
     types += [UNUSED] * (n_vocab - len(types))
+    ids = ("<|endoftext|>", "<|im_end|>") if chat == "chatml" else ("<|startoftext|>", "<|return|>")
     return {
         "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.pre": "qwen2",
+        "tokenizer.ggml.pre": "qwen2" if chat == "chatml" else "gpt-4o",
         "tokenizer.ggml.tokens": tokens,
         "tokenizer.ggml.token_type": types,
         "tokenizer.ggml.merges": list(merges),
-        "tokenizer.ggml.bos_token_id": tokens.index("<|endoftext|>"),
-        "tokenizer.ggml.eos_token_id": tokens.index("<|im_end|>"),
+        "tokenizer.ggml.bos_token_id": tokens.index(ids[0]),
+        "tokenizer.ggml.eos_token_id": tokens.index(ids[1]),
         "tokenizer.ggml.padding_token_id": tokens.index("<|endoftext|>"),
         "tokenizer.ggml.add_bos_token": False,
-        "tokenizer.chat_template": _CHATML_TEMPLATE,
+        "tokenizer.chat_template": _CHATML_TEMPLATE if chat == "chatml" else _HARMONY_TEMPLATE,
     }

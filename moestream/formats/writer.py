@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +40,7 @@ def _add_value(w: gguf.GGUFWriter, key: str, value: Any) -> None:
         w.add_float32(key, value)
     elif isinstance(value, str):
         w.add_string(key, value)
-    elif isinstance(value, (list, tuple)):
+    elif isinstance(value, Sequence):  # a list, or a file's StringArray
         sub = (
             T.STRING
             if value and isinstance(value[0], str)

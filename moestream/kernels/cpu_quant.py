@@ -23,9 +23,11 @@ from pathlib import Path
 
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType as Q
 
 from moestream.errors import MoestreamError
 from moestream.formats import quants
+from moestream.formats.quants import grids
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_quant.c"
 TYPES = frozenset(t.qtype for t in quants.TYPES.values() if t.cpu_dot)
@@ -43,12 +45,37 @@ def _cpu_flags() -> bytes:
         return platform.processor().encode()
 
 
+# The grids cpu_quant.c reads, by their C names (IQ1_M reads IQ1_S's)
+_C_GRIDS = {
+    "IQ2XXS_GRID": Q.IQ2_XXS,
+    "IQ2XS_GRID": Q.IQ2_XS,
+    "IQ2S_GRID": Q.IQ2_S,
+    "IQ3XXS_GRID": Q.IQ3_XXS,
+    "IQ3S_GRID": Q.IQ3_S,
+    "IQ1S_GRID": Q.IQ1_S,
+}
+
+
+def grid_header() -> str:
+    """iq_grids.h, which cpu_quant.c includes: the IQ grids and the 7-bit sign patterns as C tables, from
+    formats/quants/grids.py (which has them from gguf)."""
+    lines = []
+    for name, qtype in _C_GRIDS.items():
+        v = grids.grid_values(qtype).astype(int)
+        rows = ",".join("{" + ",".join(map(str, row)) + "}" for row in v)
+        ctype = "int8_t" if v.min() < 0 else "uint8_t"
+        lines.append(f"static const {ctype} {name}[{len(v)}][{v.shape[1]}] = {{{rows}}};")
+    lines.append(f"static const uint8_t KSIGNS[128] = {{{','.join(map(str, grids.KSIGNS))}}};")
+    return "\n".join(lines) + "\n"
+
+
 @cache
 def _library() -> ctypes.CDLL | None:
-    key = SOURCE.read_bytes() + _cpu_flags()  # -march=native: a build is only good for this kind of CPU
+    header = grid_header().encode()
+    key = SOURCE.read_bytes() + header + _cpu_flags()  # -march=native: a build is only good for this kind of CPU
     lib = _cache_dir() / f"cpu_quant-{hashlib.sha256(key).hexdigest()[:16]}.so"
     try:
-        return _build_and_load(lib)
+        return _build_and_load(lib, header)
     except OSError as e:  # an unwritable cache folder, a build that cannot load...
         with contextlib.suppress(OSError):
             lib.unlink(missing_ok=True)  # a build that does not load is not kept for the next run
@@ -56,7 +83,7 @@ def _library() -> ctypes.CDLL | None:
         return None
 
 
-def _build_and_load(lib: Path) -> ctypes.CDLL | None:
+def _build_and_load(lib: Path, header: bytes) -> ctypes.CDLL | None:
     if not lib.exists():
         compiler = shutil.which(os.environ.get("CC", "cc"))
         if compiler is None:
@@ -65,7 +92,9 @@ def _build_and_load(lib: Path) -> ctypes.CDLL | None:
         lib.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:  # built aside, then moved: no half-written .so
             out = Path(tmp) / lib.name
-            cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(SOURCE), "-o", str(out)]
+            (Path(tmp) / "iq_grids.h").write_bytes(header)
+            cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-I", tmp, str(SOURCE)]
+            cmd += ["-o", str(out)]
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
                 first = (r.stderr.strip().splitlines() or ["?"])[0]

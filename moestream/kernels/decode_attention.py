@@ -1,6 +1,8 @@
 """Decode attention in two Triton launches: split-K ("flash-decoding") chunks, then a log-sum-exp combine; one
 launch when the keys make a single chunk (buckets under twice the tuning's attention_min_chunk: short
-sequences, such as tg128).
+sequences, such as tg128). gpt-oss's options come along: per-head sinks (a logit in each softmax with no
+value, added where the softmax is normalised) and a sliding window (keys before it skipped like those past
+the position); a prompt with either runs through here too, its queries at the last positions.
 
 The engine's static decode step replays a CUDA graph over a fixed KV bucket with the positions on the
 device. torch's SDPA with a boolean mask (ops/attention.masked_attention, the reference) costs about eight
@@ -30,11 +32,13 @@ if triton is not None:
         k,
         v,
         positions,
+        sinks,
         part,
         maxes,
         sums,
         out,
         n_keys,
+        window,
         qk_scale,
         sqt,
         sqh,
@@ -53,12 +57,14 @@ if triton is not None:
         N_CHUNKS: tl.constexpr,
         BLOCK_S: tl.constexpr,
         PRECISION: tl.constexpr,
+        SINKS: tl.constexpr,
         PDL: tl.constexpr,
     ):
         """One token, one KV head, one chunk of keys: the unnormalised output [G, DH] of its query heads,
-        with the running max (log2 units) and sum of the softmax. A chunk past the token's position
-        leaves max -inf, sum 0 and output 0. The only chunk (N_CHUNKS 1) holds key 0 and writes the
-        normalised output itself: what the combine would compute, in the same float32 operations."""
+        with the running max (log2 units) and sum of the softmax. A chunk past the token's position or
+        before its window leaves max -inf, sum 0 and output 0. The only chunk (N_CHUNKS 1) holds every key
+        and writes the normalised output itself (sinks included): what the combine would compute, in the
+        same float32 operations."""
         pdl_start(PDL)
         t = tl.program_id(0) // HKV
         kvh = tl.program_id(0) % HKV
@@ -68,16 +74,18 @@ if triton is not None:
         real = g < G
         head = kvh * G + g
         lo = c * CHUNK
-        hi = tl.minimum(tl.minimum(lo + CHUNK, n_keys), tl.load(positions + t) + 1)  # keys lo..hi-1 count
+        pos = tl.load(positions + t)
+        hi = tl.minimum(tl.minimum(lo + CHUNK, n_keys), pos + 1)  # keys first..hi-1 count
+        first = tl.maximum(lo, pos + 1 - window)
         m_i = tl.full([G_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, DH], tl.float32)
-        if lo < hi:  # key lo is visible, so m_i is finite from the first block on and no exp2 sees -inf - -inf
+        if first < hi:  # a block holding a visible key comes first: m_i is finite from it on, no -inf - -inf
             qt = tl.load(q + t * sqt + head[:, None] * sqh + d[None, :] * sqd, mask=real[:, None], other=0)
             for j in range(0, CHUNK, BLOCK_S):  # static bounds (no software pipelining here either way)
-                if lo + j < hi:  # a block past the token's keys would add exactly nothing
+                if lo + j < hi and lo + j + BLOCK_S > first:  # a block of unseen keys would add exactly nothing
                     key = lo + j + tl.arange(0, BLOCK_S)
-                    ok = key < hi
+                    ok = (key < hi) & (key >= first)
                     kt = tl.load(k + key[:, None] * sks + kvh * skh + d[None, :] * skd, mask=ok[:, None], other=0)
                     scores = tl.dot(qt, tl.trans(kt), input_precision=PRECISION) * qk_scale
                     scores = tl.where(ok[None, :], scores, float("-inf"))
@@ -90,6 +98,12 @@ if triton is not None:
                     m_i = m_new
         if N_CHUNKS == 1:
             r = t * HKV * G + head
+            if SINKS:  # the sink's mass joins the sum; it has no value
+                sink = tl.load(sinks + head, mask=real, other=0).to(tl.float32) * 1.4426950408889634  # log2 units
+                m_new = tl.maximum(m_i, sink)
+                alpha = tl.exp2(m_i - m_new)
+                acc = acc * alpha[:, None]
+                l_i = l_i * alpha + tl.exp2(sink - m_new)
             tl.store(
                 out + r[:, None] * DH + d[None, :], (acc / l_i[:, None]).to(out.dtype.element_ty), mask=real[:, None]
             )
@@ -101,9 +115,20 @@ if triton is not None:
 
     @triton.jit
     def _combine_kernel(
-        part, maxes, sums, out, DH: tl.constexpr, N_CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr
+        part,
+        maxes,
+        sums,
+        sinks,
+        out,
+        H: tl.constexpr,
+        DH: tl.constexpr,
+        N_CHUNKS: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        SINKS: tl.constexpr,
+        PDL: tl.constexpr,
     ):
-        """One token and query head: its chunks' outputs weighted by their softmax mass, normalised."""
+        """One token and query head: its chunks' outputs weighted by their softmax mass (and the sink's),
+        normalised."""
         pdl_start(PDL)
         r = tl.program_id(0)  # t * H + h
         d = tl.arange(0, DH)
@@ -113,7 +138,11 @@ if triton is not None:
             m_max = tl.maximum(
                 m_max, tl.load(maxes + r * N_CHUNKS + c0 + c, mask=c0 + c < N_CHUNKS, other=float("-inf"))
             )
-        m = tl.max(m_max)  # chunk 0 holds key 0, visible to every token: finite
+        m = tl.max(m_max)  # the chunk holding the token's own position saw it: finite
+        sink = 0.0
+        if SINKS:
+            sink = tl.load(sinks + r % H).to(tl.float32) * 1.4426950408889634  # log2 units
+            m = tl.maximum(m, sink)
         total = tl.zeros([BLOCK_C], tl.float32)
         acc = tl.zeros([DH], tl.float32)
         for c0 in range(0, N_CHUNKS, BLOCK_C):
@@ -122,7 +151,10 @@ if triton is not None:
             w = tl.exp2(tl.load(maxes + at, mask=ok, other=float("-inf")) - m)  # -inf chunks weigh 0
             total += w * tl.load(sums + at, mask=ok, other=0)
             acc += tl.sum(w[:, None] * tl.load(part + at[:, None] * DH + d[None, :], mask=ok[:, None], other=0), 0)
-        tl.store(out + r * DH + d, (acc / tl.sum(total)).to(out.dtype.element_ty))
+        norm = tl.sum(total)
+        if SINKS:
+            norm += tl.exp2(sink - m)
+        tl.store(out + r * DH + d, (acc / norm).to(out.dtype.element_ty))
 
 
 def usable(q: torch.Tensor) -> bool:
@@ -145,16 +177,26 @@ def chunk_size(n_keys: int, n_rows: int, block: int, t: tuning.Tuning) -> int:
     return triton.cdiv(triton.cdiv(n_keys, n_chunks), block) * block
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Like layers.masked_attention: softmax attention of q [T, H, Dh] over k, v [S, Hkv, Dh], query t
-    seeing keys 0..positions[t] (int64, on q's device). Returns [T, H, Dh] in q's dtype."""
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    sinks: torch.Tensor | None = None,
+    window: int = 0,
+) -> torch.Tensor:
+    """Like ops/attention.masked_attention: softmax attention of q [T, H, Dh] over k, v [S, Hkv, Dh], query t
+    seeing keys 0..positions[t] (int64, on q's device), the last `window` of them if nonzero, with the heads'
+    sinks [H] in each softmax if given. Returns [T, H, Dh] in q's dtype."""
     T, H, Dh = q.shape
     S, Hkv, _ = k.shape
     G = H // Hkv
     t = tuning.current()
     block = min(64, 16384 // (Dh * q.element_size()))  # K and V tiles of at most 16 KiB: no register spills
-    chunk = chunk_size(S, T * Hkv, block, t)
-    n_chunks = triton.cdiv(S, chunk)
+    # chunks sized for a power of two of keys, those past S empty: a prompt's any length compiles few kernels
+    bucket = triton.next_power_of_2(S)
+    chunk = chunk_size(bucket, T * Hkv, block, t)
+    n_chunks = triton.cdiv(bucket, chunk)
     out = torch.empty((T, H, Dh), dtype=q.dtype, device=q.device)
     if n_chunks == 1:  # the chunk kernel normalises: no partials, no combine
         part, stats = out, (out, out)
@@ -167,10 +209,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
             k,
             v,
             positions,
+            out if sinks is None else sinks,
             part,
             *stats,
             out,
             S,
+            window or S,  # every position below S is within S of the token
             math.log2(math.e) / math.sqrt(Dh),
             *q.stride(),
             *k.stride(),
@@ -183,6 +227,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
             N_CHUNKS=n_chunks,
             BLOCK_S=block,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # tf32 only applies to float32 inputs
+            SINKS=sinks is not None,
             num_warps=t.attention_chunk_warps,
             **pdl(q),
         )
@@ -190,10 +235,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
             _combine_kernel[(T * H,)](
                 part,
                 *stats,
+                out if sinks is None else sinks,
                 out,
+                H=H,
                 DH=Dh,
                 N_CHUNKS=n_chunks,
                 BLOCK_C=min(t.attention_combine_block, triton.next_power_of_2(n_chunks)),
+                SINKS=sinks is not None,
                 **pdl(q),
             )
     return out

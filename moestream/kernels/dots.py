@@ -20,12 +20,31 @@ Q = GGMLQuantizationType
 # A float weight (the router, a shared-expert gate) is read in blocks of FLOAT_BLOCK values
 FLOAT_BLOCK = 32
 FLOAT_QTYPES = {torch.float32: Q.F32, torch.float16: Q.F16, torch.bfloat16: Q.BF16}
-WORD_BYTES = {Q.Q4_K: 4, Q.Q5_K: 4, Q.Q6_K: 2}  # the dots' word loads: their blocks must start this aligned
+# The dots' word loads: their blocks must start this aligned (_word_at reads words at any alignment)
+WORD_BYTES = {Q.Q2_K: 4, Q.Q3_K: 2, Q.Q4_K: 4, Q.Q5_K: 4, Q.Q6_K: 2, Q.Q4_0: 2, Q.Q4_1: 4, Q.Q5_0: 2, Q.Q5_1: 4} | {
+    q: 2 for q in (Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M)
+}
+WORD_BYTES |= {Q.IQ4_NL: 2, Q.IQ4_XS: 4, Q.TQ1_0: 2, Q.TQ2_0: 2}
 
 if triton is not None:
     import triton.language as tl
 
-    from moestream.kernels.dequant import f16_at
+    from moestream.kernels.dequant import (
+        byte_value,
+        e2m1_pair,
+        e8m0_half,
+        f16_at,
+        f16_pair,
+        grid_word,
+        iq1_m_fields,
+        iq1_s_fields,
+        iq2_s_fields,
+        iq2_xs_fields,
+        iq2_xxs_fields,
+        iq3_s_fields,
+        iq3_xxs_fields,
+        iq4_bytes,
+    )
 
     _FLOAT_BLOCK = tl.constexpr(FLOAT_BLOCK)
 
@@ -166,10 +185,375 @@ if triton is not None:
         return d * acc
 
     @triton.jit
+    def _iq4_sums(u, xb, lane):
+        """The sum of value x over the 8 IQ4 codes of the word u of a 32-value block's nibble bytes 4 lane..
+        (element 4 lane + k low, 16 + 4 lane + k high): each code's value from iq4_bytes, exact (byte_value)."""
+        lo, hi = iq4_bytes(u)
+        x_lo, x_hi = _x_quads(xb, lane)
+        acc = tl.zeros(u.shape, tl.float32)
+        for k in tl.static_range(4):
+            acc += byte_value(lo, k, 128) * _x_at(xb, x_lo, 4 * lane, k)
+            acc += byte_value(hi, k, 128) * _x_at(xb, x_hi, 16 + 4 * lane, k)
+        return acc
+
+    @triton.jit
+    def iq4_nl_dot(base, xb, ok):
+        """An IQ4_NL block (18 bytes, 2-byte aligned): d times _iq4_sums over its four words (_word_at)."""
+        lane = tl.arange(0, 4)[None, None, :]
+        return _f16_word(base, 0, ok) * _iq4_sums(_word_at(base + 2 + 4 * lane, ok), xb, lane)
+
+    @triton.jit
+    def iq4_xs_dot(base, xb, ok):
+        """An IQ4_XS block (136 bytes, 4-byte aligned: word loads): lane 4 i + l takes word l of sub-block i's
+        16 nibble bytes, scaled by d ((scales_l nibble i | scales_h bits 2 i << 4) - 32)."""
+        lane = tl.arange(0, 32)[None, None, :]
+        i = lane // 4
+        wp = base.to(tl.pointer_type(tl.int32))
+        w0 = tl.load(wp, mask=ok, other=0)  # d, then scales_h
+        d = (w0 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        lo = (tl.load(wp + 1, mask=ok, other=0) >> (4 * i)) & 15
+        sc = _exact_f32((lo | (((w0 >> (16 + 2 * i)) & 3) << 4)) - 32)
+        u = tl.load(wp + 2 + lane, mask=ok, other=0)
+        return (d * sc) * _iq4_sums(u, xb + 32 * i, lane % 4)
+
+    @triton.jit
+    def tq2_0_dot(base, xb, ok):
+        """A TQ2_0 block (66 bytes, 2-byte aligned: _words4_at), lanes as in q2_k_dot: (q - 1) . x = 4 A - 5 X
+        with q as 1 + q / 4 (_low_k_sums), times d."""
+        s = tl.arange(0, 16)[None, None, :]
+        h, j, g = s // 8, s // 2 % 4, s % 2
+        w0, w1, w2, w3 = _words4_at(base + 32 * h + 16 * g, ok)
+        sh = 2 * j
+        a, x = _low_k_sums(w0 >> sh, w1 >> sh, w2 >> sh, w3 >> sh, xb + 128 * h + 32 * j + 16 * g, 21, 0x600000)
+        return _f16_word(base, 64, ok) * (4.0 * a - 5.0 * x)
+
+    @triton.jit
+    def tq1_0_dot(base, xb, ok):
+        """A TQ1_0 block (54 bytes, 2-byte aligned): lane w < 12 takes qs word w (5 trits a byte), lane 12 the
+        qh word (4 trits), lanes 13-15 nothing. Trit k of byte v is the top of (v 3**k mod 256) 3 / 256,
+        worked out for two bytes at once in the 16-bit halves of a word; values 32 k + l (qs[l], l < 32),
+        160 + 16 k + l (qs[32 + l]), 240 + 4 k + l (qh[l]); each (q - 1) exact (byte_value), times d."""
+        w = tl.arange(0, 16)[None, None, :]
+        ok_w = ok & (w < 13)
+        u = _word_at(base + 4 * tl.minimum(w, 12), ok_w)
+        at = tl.where(w < 8, 4 * w, tl.where(w < 12, 160 + 4 * (w - 8), 240))  # x of the word's trit 0
+        step = tl.where(w < 8, 32, tl.where(w < 12, 16, 4))  # x between its trits
+        even, odd = u & 0x00FF00FF, (u >> 8) & 0x00FF00FF  # bytes 0 and 2, 1 and 3
+        acc = tl.zeros(u.shape, tl.float32)
+        for k in tl.static_range(5):
+            xp = xb + at + step * k
+            used = (w < 12) if k == 4 else (w < 13)  # qh has 4 trits
+            if xb.dtype.element_ty == tl.bfloat16:
+                quad = tl.load(xp.to(tl.pointer_type(tl.int64)), mask=used, other=0)
+            else:
+                quad = tl.zeros(xp.shape, tl.int64)
+            p = 3**k
+            te = ((((even * p) & 0x00FF00FF) * 3) >> 8) & 0x00030003  # trits of bytes 0 (bits 0-1), 2 (16-17)
+            to = ((((odd * p) & 0x00FF00FF) * 3) >> 8) & 0x00030003
+            for b in tl.static_range(4):
+                t = te if b % 2 == 0 else to
+                v = byte_value(t, 2 * (b // 2), 1)  # the trit less 1
+                if xb.dtype.element_ty == tl.bfloat16:
+                    xv = _bf16_of(quad, b)
+                else:
+                    xv = tl.load(xp + b, mask=used, other=0).to(tl.float32)
+                acc += v * xv
+        return _f16_word(base, 52, ok) * acc
+
+    @triton.jit
+    def _words4_at(p, ok):
+        """The 4 int32 words of the 16 bytes at p (2-byte aligned): 5 aligned loads, the last only when the
+        bytes straddle them, each word cut from two (see _word_at)."""
+        r = (p.to(tl.int64) & 3).to(tl.int32)
+        wp = (p - r).to(tl.pointer_type(tl.int32))
+        w0 = tl.load(wp, mask=ok, other=0).to(tl.uint32, bitcast=True).to(tl.int64)
+        w1 = tl.load(wp + 1, mask=ok, other=0).to(tl.uint32, bitcast=True).to(tl.int64)
+        w2 = tl.load(wp + 2, mask=ok, other=0).to(tl.uint32, bitcast=True).to(tl.int64)
+        w3 = tl.load(wp + 3, mask=ok, other=0).to(tl.uint32, bitcast=True).to(tl.int64)
+        w4 = tl.load(wp + 4, mask=ok & (r != 0), other=0).to(tl.int64)
+        sh = 8 * r
+        return (
+            ((w0 | (w1 << 32)) >> sh).to(tl.int32),
+            ((w1 | (w2 << 32)) >> sh).to(tl.int32),
+            ((w2 | (w3 << 32)) >> sh).to(tl.int32),
+            ((w3 | (w4 << 32)) >> sh).to(tl.int32),
+        )
+
+    @triton.jit
+    def _low_k_sums(t0, t1, t2, t3, xp, SHIFT: tl.constexpr, MASK: tl.constexpr):
+        """A = the sum of f x and X = the sum of x over a lane's 16 values: value 4 w + b is the field at bit
+        8 b of word tw, moved under the exponent of 1.0 (bits SHIFT.., MASK) to make f = 1 + q / 2**bits; x's
+        16 values at xp, 4 to a load when bfloat16."""
+        one = 0x3F800000
+        for w in tl.static_range(4):
+            t = t0 if w == 0 else (t1 if w == 1 else (t2 if w == 2 else t3))
+            quad = _quad(xp + 4 * w)
+            for b in tl.static_range(4):
+                xv = _x4(xp + 4 * w, b, quad)
+                f = (_bits_to(t, 8 * b, SHIFT, MASK) | one).to(tl.float32, bitcast=True)
+                if w + b == 0:
+                    a = f * xv
+                    x = xv
+                else:
+                    a += f * xv
+                    x += xv
+        return a, x
+
+    @triton.jit
+    def _x4(xp, b: tl.constexpr, quad):
+        """x's value b of the 4 at xp: from quad (their packed bfloat16s) or loaded (a float32 x)."""
+        if xp.dtype.element_ty == tl.bfloat16:
+            v = _bf16_of(quad, b)
+        else:
+            v = tl.load(xp + b).to(tl.float32)
+        return v
+
+    @triton.jit
+    def _quad(xp):
+        """The 4 bfloat16 values at xp (8-byte aligned) as one 8-byte load (zeros, unread, for a float32 x)."""
+        if xp.dtype.element_ty == tl.bfloat16:
+            q = tl.load(xp.to(tl.pointer_type(tl.int64)))
+        else:
+            q = tl.zeros(xp.shape, tl.int64)
+        return q
+
+    @triton.jit
+    def q2_k_dot(base, xb, ok):
+        """A Q2_K block (84 bytes, 4-byte aligned: word loads). Lane s takes sub-block s of 16 values: bytes
+        l = 16 g.. (g = s % 2) of the 32-byte half h = s // 8 of the fields, field j = s // 2 % 4 of each
+        (values 128 h + 32 j + l), so each lane reads its scale byte once. As 1 + q / 4 (_k_dot's trick):
+        d sc q . x - dmin m X = 4 d sc A - (4 d sc + dmin m) X."""
+        s = tl.arange(0, 16)[None, None, :]
+        h, j, g = s // 8, s // 2 % 4, s % 2
+        wp = base.to(tl.pointer_type(tl.int32)) + 4 + 8 * h + 4 * g
+        sh = 2 * j
+        t0 = tl.load(wp, mask=ok, other=0) >> sh
+        t1 = tl.load(wp + 1, mask=ok, other=0) >> sh
+        t2 = tl.load(wp + 2, mask=ok, other=0) >> sh
+        t3 = tl.load(wp + 3, mask=ok, other=0) >> sh
+        a, x = _low_k_sums(t0, t1, t2, t3, xb + 128 * h + 32 * j + 16 * g, 21, 0x600000)
+        wb = base.to(tl.pointer_type(tl.int32))
+        sm = tl.load(wb + s // 4, mask=ok, other=0) >> (8 * (s % 4))  # scale | min << 4 (a word: see q3_k_dot)
+        dd = tl.load(wb + 20, mask=ok, other=0)
+        d = (dd & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        dmin = ((dd >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        c = (4.0 * d) * _exact_f32(sm & 15)
+        return c * a - (c + dmin * _exact_f32((sm >> 4) & 15)) * x
+
+    @triton.jit
+    def q3_k_dot(base, xb, ok):
+        """A Q3_K block (110 bytes, 2-byte aligned: _words4_at), lanes as in q2_k_dot. Value 128 h + 32 j + l
+        is u - 4, u its 2-bit field in qs | bit 4 h + j of hmask[l] << 2 (both joined a word at a time); as
+        1 + u / 8: d sc (u - 4) . x = d sc (8 A - 12 X). Sub-block s's 6-bit scale: nibble s // 8 of byte
+        96 + s % 8, bits 2 (s // 4).. of byte 104 + s % 4, less 32."""
+        s = tl.arange(0, 16)[None, None, :]
+        h, j, g = s // 8, s // 2 % 4, s % 2
+        q0, q1, q2, q3 = _words4_at(base + 32 + 32 * h + 16 * g, ok)
+        m0, m1, m2, m3 = _words4_at(base + 16 * g, ok)
+        qs, ms = 2 * j, 4 * h + j
+        t0 = ((q0 >> qs) & 0x03030303) | (((m0 >> ms) & 0x01010101) << 2)
+        t1 = ((q1 >> qs) & 0x03030303) | (((m1 >> ms) & 0x01010101) << 2)
+        t2 = ((q2 >> qs) & 0x03030303) | (((m2 >> ms) & 0x01010101) << 2)
+        t3 = ((q3 >> qs) & 0x03030303) | (((m3 >> ms) & 0x01010101) << 2)
+        a, x = _low_k_sums(t0, t1, t2, t3, xb + 128 * h + 32 * j + 16 * g, 20, 0x700000)
+        # words, not bytes a lane: a byte load along the lanes would be given a layout of its own (a conversion
+        # through shared memory every block)
+        lo = (_word_at(base + 96 + 4 * (s % 8 // 4), ok) >> (8 * (s % 4) + 4 * (s // 8))) & 15
+        hi = (_word_at(base + 104, ok) >> (8 * (s % 4) + 2 * (s // 4))) & 3
+        c = _f16_word(base, 108, ok) * _exact_f32((lo | (hi << 4)) - 32)
+        return (8.0 * c) * a - (12.0 * c) * x
+
+    @triton.jit
     def q8_0_dot(base, xb, ok):
         lane = tl.arange(0, 32)[None, None, :]
         q = tl.load(base + 2 + lane, mask=ok, other=0).to(tl.int8, bitcast=True).to(tl.float32)
         return (q * f16_at(base, 0, ok)) * tl.load(xb + lane).to(tl.float32)
+
+    @triton.jit
+    def _word_at(p, ok):
+        """The int32 of the 4 bytes at p (any alignment): cut from the aligned word holding byte p and, when the
+        bytes straddle two, the next one (the only loads that touch a word the bytes do not need)."""
+        r = (p.to(tl.int64) & 3).to(tl.int32)
+        wp = (p - r).to(tl.pointer_type(tl.int32))
+        lo = tl.load(wp, mask=ok, other=0).to(tl.uint32, bitcast=True).to(tl.int64)
+        hi = tl.load(wp + 1, mask=ok & (r != 0), other=0).to(tl.int64)
+        return ((lo | (hi << 32)) >> (8 * r)).to(tl.int32)
+
+    @triton.jit
+    def _x_quads(xb, lane):
+        """The 4 bfloat16 values of x at 4 lane.. and at 16 + 4 lane.. of a 32-value block, an 8-byte load each
+        (x is 16-byte aligned: see matvec.aligned_x); unread (zeros) for a float32 x."""
+        if xb.dtype.element_ty == tl.bfloat16:
+            lo = tl.load((xb + 4 * lane).to(tl.pointer_type(tl.int64)))
+            hi = tl.load((xb + 16 + 4 * lane).to(tl.pointer_type(tl.int64)))
+        else:
+            lo = tl.zeros_like(lane).to(tl.int64)
+            hi = lo
+        return lo, hi
+
+    @triton.jit
+    def _x_at(xb, quad, at, b: tl.constexpr):
+        """x's value b of the quad at element `at` (b..b + 3 of it) as float32: from the packed bfloat16 quad, or
+        loaded (a float32 x)."""
+        if xb.dtype.element_ty == tl.bfloat16:
+            v = _bf16_of(quad, b)
+        else:
+            v = tl.load(xb + at + b).to(tl.float32)
+        return v
+
+    @triton.jit
+    def mxfp4_dot(base, xb, ok):
+        """An MXFP4 block (17 bytes, any alignment): lane l takes code bytes 4 l..4 l + 3 (elements 4 l + i and
+        16 + 4 l + i) as one word (_word_at). The codes become float16 pairs (e2m1_pair: each value times
+        2**-14, exactly), so one shift and mask makes two values; the scale multiplies once a block."""
+        lane = tl.arange(0, 4)[None, None, :]
+        u = _word_at(base + 1 + 4 * lane, ok)
+        e = tl.load(base, mask=ok, other=0).to(tl.int32)
+        x_lo, x_hi = _x_quads(xb, lane)
+        acc = tl.zeros_like(u.to(tl.float32))
+        for b in tl.static_range(2):  # bytes b and b + 2: each shift and mask makes their two codes' values
+            lo_b, lo_b2 = f16_pair(e2m1_pair(u, 8 * b))
+            hi_b, hi_b2 = f16_pair(e2m1_pair(u, 8 * b + 4))
+            acc += lo_b * _x_at(xb, x_lo, 4 * lane, b) + lo_b2 * _x_at(xb, x_lo, 4 * lane, b + 2)
+            acc += hi_b * _x_at(xb, x_hi, 16 + 4 * lane, b) + hi_b2 * _x_at(xb, x_hi, 16 + 4 * lane, b + 2)
+        return (acc * 32768.0) * e8m0_half(e)
+
+    @triton.jit
+    def _nibble_sums(u, h, xb, lane, FIFTH: tl.constexpr):
+        """For the word u of a 32-value block's nibble bytes 4 lane.. (element 4 lane + b low, 16 + 4 lane + b
+        high): A = the sum of (1 + q / 16) x over its 8 values q (with FIFTH, 5-bit q = nibble | bit b (low) or
+        16 + b (high) of h << 4, over 32) and X = the sum of x, as _k_dot forms them: q . x = 16 (32) (A - X)."""
+        x_lo, x_hi = _x_quads(xb, lane)
+        one = 0x3F800000
+        for b in tl.static_range(4):
+            xl = _x_at(xb, x_lo, 4 * lane, b)
+            xh = _x_at(xb, x_hi, 16 + 4 * lane, b)
+            if FIFTH:
+                f_lo = _bits_to(u, 8 * b, 18, 0x3C0000) | _bits_to(h, b, 22, 0x400000) | one
+                f_hi = _bits_to(u, 8 * b + 4, 18, 0x3C0000) | _bits_to(h, 16 + b, 22, 0x400000) | one
+            else:
+                f_lo = _bits_to(u, 8 * b, 19, 0x780000) | one
+                f_hi = _bits_to(u, 8 * b + 4, 19, 0x780000) | one
+            if b == 0:
+                a = f_lo.to(tl.float32, bitcast=True) * xl + f_hi.to(tl.float32, bitcast=True) * xh
+                x = xl + xh
+            else:
+                a += f_lo.to(tl.float32, bitcast=True) * xl + f_hi.to(tl.float32, bitcast=True) * xh
+                x += xl + xh
+        return a, x
+
+    @triton.jit
+    def _f16_word(base, offset: tl.constexpr, ok):
+        """The fp16 at byte offset (even) of 2-byte aligned blocks, as float32: one 16-bit load."""
+        return tl.load((base + offset).to(tl.pointer_type(tl.float16)), mask=ok, other=0).to(tl.float32)
+
+    @triton.jit
+    def q4_0_dot(base, xb, ok):
+        """A Q4_0 block (18 bytes, 2-byte aligned): d (q - 8) . x = 16 d A - 24 d X (_nibble_sums)."""
+        lane = tl.arange(0, 4)[None, None, :]
+        d = _f16_word(base, 0, ok)
+        a, x = _nibble_sums(_word_at(base + 2 + 4 * lane, ok), 0, xb, lane, False)
+        return (16.0 * d) * a - (24.0 * d) * x
+
+    @triton.jit
+    def q4_1_dot(base, xb, ok):
+        """A Q4_1 block (20 bytes, 4-byte aligned: word loads): (d q + m) . x = 16 d A + (m - 16 d) X."""
+        lane = tl.arange(0, 4)[None, None, :]
+        d, m = _f16_word(base, 0, ok), _f16_word(base, 2, ok)
+        u = tl.load((base + 4).to(tl.pointer_type(tl.int32)) + lane, mask=ok, other=0)
+        a, x = _nibble_sums(u, 0, xb, lane, False)
+        return (16.0 * d) * a + (m - 16.0 * d) * x
+
+    @triton.jit
+    def q5_0_dot(base, xb, ok):
+        """A Q5_0 block (22 bytes, 2-byte aligned): d (q - 16) . x = 32 d A - 48 d X, the fifth bits from the
+        32-bit qh (bit j: element j), shifted so that lane l's are bits 0-3 and 16-19."""
+        lane = tl.arange(0, 4)[None, None, :]
+        d = _f16_word(base, 0, ok)
+        h = _word_at(base + 2, ok) >> (4 * lane)
+        a, x = _nibble_sums(_word_at(base + 6 + 4 * lane, ok), h, xb, lane, True)
+        return (32.0 * d) * a - (48.0 * d) * x
+
+    @triton.jit
+    def q5_1_dot(base, xb, ok):
+        """A Q5_1 block (24 bytes, 4-byte aligned: word loads): (d q + m) . x = 32 d A + (m - 32 d) X."""
+        lane = tl.arange(0, 4)[None, None, :]
+        d, m = _f16_word(base, 0, ok), _f16_word(base, 2, ok)
+        wp = (base + 4).to(tl.pointer_type(tl.int32))
+        h = tl.load(wp, mask=ok, other=0) >> (4 * lane)
+        a, x = _nibble_sums(tl.load(wp + 1 + lane, mask=ok, other=0), h, xb, lane, True)
+        return (32.0 * d) * a + (m - 32.0 * d) * x
+
+    @triton.jit
+    def _x_pairs(xb, G, j):
+        """x's values 8 G + 2 j and 8 G + 2 j + 1 as float32; a bfloat16 pair is word 4 G + j of x read as int32,
+        so a group's 4 words are one 16-byte load."""
+        if xb.dtype.element_ty == tl.bfloat16:
+            x2 = tl.load(xb.to(tl.pointer_type(tl.int32)) + 4 * G + j)
+            lo, hi = _bf16_of(x2, 0), _bf16_of(x2, 1)
+        else:
+            lo = tl.load(xb + 8 * G + 2 * j).to(tl.float32)
+            hi = tl.load(xb + 8 * G + 2 * j + 1).to(tl.float32)
+        return lo, hi
+
+    @triton.jit
+    def _grid_dot(base, xb, ok, table, FIELDS: tl.constexpr, SHIFTED: tl.constexpr):
+        """An IQ grid block (kernels/dequant.py's _fields) as [R, B, 32 groups of 8, 4 words]: each lane loads
+        its grid word and sign word from the L1-resident table (a group's 4 words are 16 contiguous bytes),
+        XORs the signs into the two bfloat16 halves and takes each half apart with one shift or AND; the
+        scale multiplies a group's sum. IQ1's delta multiplies the group's sum of x."""
+        base, xb, ok = base[:, :, :, None], xb[:, :, :, None], ok[:, :, :, None]
+        G = tl.arange(0, 32)[None, None, :, None]
+        j = tl.arange(0, 4)[None, None, None, :]
+        xl, xh = _x_pairs(xb, G, j)
+        if SHIFTED:
+            scale, delta, gw = FIELDS(base, G, j, ok, True)
+            w = grid_word(table, gw, gw, False)
+        else:
+            scale, gw, sw = FIELDS(base, G, j, ok, True)
+            w = grid_word(table, gw, sw, True)
+        acc = (w << 16).to(tl.float32, bitcast=True) * xl + (w & -65536).to(tl.float32, bitcast=True) * xh
+        acc = tl.sum(acc, axis=3, keep_dims=True)
+        if SHIFTED:
+            acc += delta * tl.sum(xl + xh, axis=3, keep_dims=True)
+        return scale * acc
+
+    @triton.jit
+    def iq2_xxs_dot(base, xb, ok, table):
+        return _grid_dot(base, xb, ok, table, iq2_xxs_fields, False)
+
+    @triton.jit
+    def iq2_xs_dot(base, xb, ok, table):
+        return _grid_dot(base, xb, ok, table, iq2_xs_fields, False)
+
+    @triton.jit
+    def iq2_s_dot(base, xb, ok, table):
+        return _grid_dot(base, xb, ok, table, iq2_s_fields, False)
+
+    @triton.jit
+    def iq3_xxs_dot(base, xb, ok, table):
+        return _grid_dot(base, xb, ok, table, iq3_xxs_fields, False)
+
+    @triton.jit
+    def iq3_s_dot(base, xb, ok, table):
+        return _grid_dot(base, xb, ok, table, iq3_s_fields, False)
+
+    @triton.jit
+    def iq1_s_dot(base, xb, ok, table):
+        return _grid_dot(base, xb, ok, table, iq1_s_fields, True)
+
+    @triton.jit
+    def iq1_m_dot(base, xb, ok, table):
+        return _grid_dot(base, xb, ok, table, iq1_m_fields, True)
+
+    @triton.jit
+    def block_dot(DOT: tl.constexpr, base, xb, ok, table, TABLE: tl.constexpr):
+        """DOT's partial products; a type with a lookup table (TABLE) gets it as a fourth argument."""
+        if TABLE:
+            r = DOT(base, xb, ok, table)
+        else:
+            r = DOT(base, xb, ok)
+        return r
 
     @triton.jit
     def _float_dot(base, xb, ok, TY: tl.constexpr):

@@ -43,6 +43,30 @@ if triton is not None:
         tl.store(y + offs, v.to(y.dtype.element_ty), mask=ok)
 
     @triton.jit
+    def _biased(x, b, offs, ok, BIAS: tl.constexpr, dtype: tl.constexpr):
+        """x + b at offs in float32, rounded to dtype as torch's add rounds (x alone without BIAS)."""
+        v = tl.load(x + offs, mask=ok, other=0).to(tl.float32)
+        if BIAS:
+            v = (v + tl.load(b + offs, mask=ok, other=0).to(tl.float32)).to(dtype).to(tl.float32)
+        return v
+
+    @triton.jit
+    def _rope_row(x, b, y, cos, sin, D: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr, BIAS: tl.constexpr):
+        """NEOX RoPE of the D values at x (plus the bias at b with BIAS) by the HALF values at cos, sin (heads
+        without a norm), stored at y."""
+        offs = tl.arange(0, BLOCK)
+        ok = offs < D
+        first = offs < HALF
+        turns = offs < 2 * HALF
+        mate = tl.where(first, offs + HALF, tl.where(turns, offs - HALF, offs))
+        v = _biased(x, b, offs, ok, BIAS, y.dtype.element_ty)
+        vm = _biased(x, b, mate, ok, BIAS, y.dtype.element_ty)
+        at = tl.where(first, offs, offs - HALF)
+        c = tl.where(turns, tl.load(cos + at, mask=ok & turns).to(tl.float32), 1.0)
+        s = tl.where(turns, tl.load(sin + at, mask=ok & turns).to(tl.float32), 0.0)
+        tl.store(y + offs, (v * c + tl.where(first, -vm, vm) * s).to(y.dtype.element_ty), mask=ok)
+
+    @triton.jit
     def _rms_norm_kernel(
         x,
         w,
@@ -83,6 +107,9 @@ if triton is not None:
         v,
         wq,
         wk,
+        bq,
+        bk,
+        bv,
         q_out,
         k_cache,
         v_cache,
@@ -95,27 +122,36 @@ if triton is not None:
         D: tl.constexpr,
         BLOCK: tl.constexpr,
         HALF: tl.constexpr,
+        NORM: tl.constexpr,
+        BIAS: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        """One program a head of token t: q heads normed and turned into q_out, k heads normed and turned into
-        the cache row at positions[t], v heads copied there."""
+        """One program a head of token t: q heads normed (NORM) and turned into q_out, k heads normed and turned
+        into the cache row at positions[t], v heads copied there; with BIAS (no NORM), each head's bias added
+        first."""
         pdl_start(PDL)
         t = tl.program_id(0).to(tl.int64) // (H + 2 * HKV)
         head = tl.program_id(0).to(tl.int64) % (H + 2 * HKV)
         at = tl.load(positions + t).to(tl.int64)
         if head < H:
             i = t * H + head
-            _norm_row(q + i * D, wq, q_out + i * D, cos + t * HALF, sin + t * HALF, eps, D, BLOCK, HALF, True)
+            if NORM:
+                _norm_row(q + i * D, wq, q_out + i * D, cos + t * HALF, sin + t * HALF, eps, D, BLOCK, HALF, True)
+            else:
+                _rope_row(q + i * D, bq + head * D, q_out + i * D, cos + t * HALF, sin + t * HALF, D, BLOCK, HALF, BIAS)
         elif head < H + HKV:
             i = head - H
             dst = k_cache + (at * HKV + i) * D
-            _norm_row(k + (t * HKV + i) * D, wk, dst, cos + t * HALF, sin + t * HALF, eps, D, BLOCK, HALF, True)
+            if NORM:
+                _norm_row(k + (t * HKV + i) * D, wk, dst, cos + t * HALF, sin + t * HALF, eps, D, BLOCK, HALF, True)
+            else:
+                _rope_row(k + (t * HKV + i) * D, bk + i * D, dst, cos + t * HALF, sin + t * HALF, D, BLOCK, HALF, BIAS)
         else:
             i = head - H - HKV
             offs = tl.arange(0, BLOCK)
             ok = offs < D
-            row = tl.load(v + (t * HKV + i) * D + offs, mask=ok)
-            tl.store(v_cache + (at * HKV + i) * D + offs, row, mask=ok)
+            row = _biased(v + (t * HKV + i) * D, bv + i * D, offs, ok, BIAS, v_cache.dtype.element_ty)
+            tl.store(v_cache + (at * HKV + i) * D + offs, row.to(v_cache.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _softmax_topk_kernel(
@@ -211,15 +247,20 @@ def qkv_store(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    norms: tuple[torch.Tensor, torch.Tensor],
+    norms: tuple[torch.Tensor, torch.Tensor] | None,
     eps: float,
     rope: tuple[torch.Tensor, torch.Tensor],
     caches: tuple[torch.Tensor, torch.Tensor],
     positions: torch.Tensor,
+    biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """q, k [T, H|Hkv, Dh] each RMSNormed by norms and NEOX-turned by rope (cos, sin [T, half]); k and v
-    [T, Hkv, Dh] stored at rows positions [T] of caches (k, v [S, Hkv, Dh]). Returns q. One launch for the
-    four ops of a decode step's attention prologue, with the bits of rms_norm with RoPE and index_copy_."""
+    """q, k [T, H|Hkv, Dh] each RMSNormed by norms (None: heads without norms, gpt-oss) and NEOX-turned by rope
+    (cos, sin [T, half]); k and v [T, Hkv, Dh] stored at rows positions [T] of caches (k, v [S, Hkv, Dh]).
+    Returns q. One launch for the four ops of a decode step's attention prologue, with the bits of rms_norm
+    with RoPE and index_copy_ (without norms: RoPE in float32, rounded once). Without norms, biases (q, k, v:
+    [H*Dh], [Hkv*Dh] each) are added first, rounded as torch adds them."""
+    if biases is not None and norms is not None:
+        raise ValueError("qkv_store adds biases only to heads without norms")
     T, H, D = q.shape
     Hkv = k.shape[1]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -231,7 +272,8 @@ def qkv_store(
                 q,
                 k,
                 v,
-                *norms,
+                *(norms or (q, q)),  # unread without norms
+                *(biases or (q, q, q)),  # unread without biases
                 out,
                 *caches,
                 cos,
@@ -241,6 +283,8 @@ def qkv_store(
                 Hkv,
                 eps,
                 HALF=cos.shape[-1],
+                NORM=norms is not None,
+                BIAS=biases is not None,
                 **_row_tile(D),
                 **pdl(q),
             )

@@ -14,37 +14,40 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, QK_K, GGMLQuantizationType
 
 from moestream.kernels import tuning
+from moestream.kernels.dequant import table_args
 from moestream.kernels.dots import DOTS, FLOAT_BLOCK, FLOAT_DOTS, FLOAT_QTYPES, WORD_BYTES
 from moestream.kernels.launch import on_device, pdl, triton
 
 if triton is not None:
     import triton.language as tl
 
+    from moestream.kernels.dots import block_dot
     from moestream.kernels.launch import pdl_start
 
     @triton.jit
     def row_dot(
-        w, w2, mat, out, n_out, row_bytes, xp, ok, N_BLOCKS: tl.constexpr, DOT: tl.constexpr, ELEMS, SIZE,
-        B: tl.constexpr, UNROLLED: tl.constexpr, PAIR: tl.constexpr,
+        w, w2, mat, out, n_out, row_bytes, xp, ok, table, N_BLOCKS: tl.constexpr, DOT: tl.constexpr,
+        TABLE: tl.constexpr, ELEMS, SIZE, B: tl.constexpr, UNROLLED: tl.constexpr, PAIR: tl.constexpr,
     ):  # fmt: skip
         """[R] dot products of rows `out` of matrix `mat` of the stack w with the vector at xp, B blocks a row
         at a time (B divides N_BLOCKS), and with PAIR the same rows of the stack w2 (stored alike) beside them.
         A row of up to UNROLLED blocks is unrolled, so the loads of every turn can go out before the first
-        one's products, at the price of registers. The sums keep their order either way."""
+        one's products, at the price of registers. The sums keep their order either way. table: the type's
+        lookup table, if it has one (TABLE)."""
         at = (mat * n_out + out[:, None, None].to(tl.int64)) * row_bytes
         blk = tl.arange(0, B)[None, :, None]
         ok = ok[:, :, None]
-        a = DOT(w + at + blk * SIZE, xp + blk * ELEMS, ok)
-        b = DOT(w2 + at + blk * SIZE, xp + blk * ELEMS, ok) if PAIR else a
+        a = block_dot(DOT, w + at + blk * SIZE, xp + blk * ELEMS, ok, table, TABLE)
+        b = block_dot(DOT, w2 + at + blk * SIZE, xp + blk * ELEMS, ok, table, TABLE) if PAIR else a
         for j in tl.range(
             1, N_BLOCKS // B, loop_unroll_factor=max(1, N_BLOCKS // B - 1) if N_BLOCKS <= UNROLLED else 1
         ):
-            a += DOT(w + at + (j * B + blk) * SIZE, xp + (j * B + blk) * ELEMS, ok)
+            a += block_dot(DOT, w + at + (j * B + blk) * SIZE, xp + (j * B + blk) * ELEMS, ok, table, TABLE)
             if PAIR:
-                b += DOT(w2 + at + (j * B + blk) * SIZE, xp + (j * B + blk) * ELEMS, ok)
+                b += block_dot(DOT, w2 + at + (j * B + blk) * SIZE, xp + (j * B + blk) * ELEMS, ok, table, TABLE)
         return _total(a), _total(b)
 
     @triton.jit
@@ -62,8 +65,10 @@ if triton is not None:
         mats,
         n_out,
         row_bytes,
+        table,
         N_BLOCKS: tl.constexpr,  # blocks per row (a handful of sizes per model)
         DOT: tl.constexpr,
+        TABLE: tl.constexpr,
         ELEMS: tl.constexpr,
         SIZE: tl.constexpr,
         STACKED: tl.constexpr,
@@ -84,8 +89,10 @@ if triton is not None:
             tl.program_id(0),
             n_out,
             row_bytes,
+            table,
             N_BLOCKS,
             DOT,
+            TABLE,
             ELEMS,
             SIZE,
             ROWS,
@@ -94,13 +101,18 @@ if triton is not None:
         )
 
     @triton.jit(noinline=True)
-    def _part(w, mat, xp, y, p, block, n_out, row_bytes, N_BLOCKS, DOT, ELEMS, SIZE, ROWS: tl.constexpr, B, UNROLLED):
+    def _part(
+        w, mat, xp, y, p, block, n_out, row_bytes, table, N_BLOCKS, DOT, TABLE, ELEMS, SIZE, ROWS: tl.constexpr, B,
+        UNROLLED,
+    ):  # fmt: skip
         """Rows block * ROWS.. of matrix mat of the stack w (one matrix of matvecs' launch: mat 0), for row p
         of x. Not inlined: Triton's coalescing pass grows with the square of a function's size, so a fused
         projection's unrolled parts compile several times faster as calls (the same loads and load widths)."""
         out = block * ROWS + tl.arange(0, ROWS)
         ok = (out < n_out)[:, None]
-        dot, _ = row_dot(w, w, mat, out, n_out, row_bytes, xp, ok, N_BLOCKS, DOT, ELEMS, SIZE, B, UNROLLED, False)
+        dot, _ = row_dot(
+            w, w, mat, out, n_out, row_bytes, xp, ok, table, N_BLOCKS, DOT, TABLE, ELEMS, SIZE, B, UNROLLED, False
+        )
         tl.store(y + p * n_out + out, dot.to(y.dtype.element_ty), mask=out < n_out)
 
     @triton.jit
@@ -125,26 +137,34 @@ if triton is not None:
         end0,
         end1,
         end2,
+        t0,
+        t1,
+        t2,
+        t3,
         D: tl.constexpr,
         PARTS: tl.constexpr,
         ROWS: tl.constexpr,
         N0: tl.constexpr,
         DOT0: tl.constexpr,
+        T0: tl.constexpr,
         E0: tl.constexpr,
         S0: tl.constexpr,
         B0: tl.constexpr,
         N1: tl.constexpr,
         DOT1: tl.constexpr,
+        T1: tl.constexpr,
         E1: tl.constexpr,
         S1: tl.constexpr,
         B1: tl.constexpr,
         N2: tl.constexpr,
         DOT2: tl.constexpr,
+        T2: tl.constexpr,
         E2: tl.constexpr,
         S2: tl.constexpr,
         B2: tl.constexpr,
         N3: tl.constexpr,
         DOT3: tl.constexpr,
+        T3: tl.constexpr,
         E3: tl.constexpr,
         S3: tl.constexpr,
         B3: tl.constexpr,
@@ -158,14 +178,14 @@ if triton is not None:
         blk = tl.program_id(0)
         xp = x + p * D
         if blk < end0:
-            _part(w0, 0, xp, y0, p, blk, n0, rb0, N0, DOT0, E0, S0, ROWS, B0, UNROLLED)
+            _part(w0, 0, xp, y0, p, blk, n0, rb0, t0, N0, DOT0, T0, E0, S0, ROWS, B0, UNROLLED)
         elif blk < end1:
-            _part(w1, 0, xp, y1, p, blk - end0, n1, rb1, N1, DOT1, E1, S1, ROWS, B1, UNROLLED)
+            _part(w1, 0, xp, y1, p, blk - end0, n1, rb1, t1, N1, DOT1, T1, E1, S1, ROWS, B1, UNROLLED)
         elif PARTS > 2:
             if blk < end2:
-                _part(w2, 0, xp, y2, p, blk - end1, n2, rb2, N2, DOT2, E2, S2, ROWS, B2, UNROLLED)
+                _part(w2, 0, xp, y2, p, blk - end1, n2, rb2, t2, N2, DOT2, T2, E2, S2, ROWS, B2, UNROLLED)
             elif PARTS > 3:
-                _part(w3, 0, xp, y3, p, blk - end2, n3, rb3, N3, DOT3, E3, S3, ROWS, B3, UNROLLED)
+                _part(w3, 0, xp, y3, p, blk - end2, n3, rb3, t3, N3, DOT3, T3, E3, S3, ROWS, B3, UNROLLED)
 
 
 def linear_each_row(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -233,6 +253,7 @@ def matvec(
             mats if mats is not None else x,  # unread when not stacked
             n_out,
             row_bytes,
+            **table_args(qtype, x),
             STACKED=mats is not None,
             ROWS=rows,
             UNROLLED=t.unrolled,
@@ -252,14 +273,17 @@ def matvecs(parts: list[tuple[torch.Tensor, GGMLQuantizationType, int]], x: torc
     t = tuning.current()
     x = aligned_x(x)
     rows, warps = tile(t.rows_per_program, t.warps, sum(n for _, _, n in parts), 1, fewest_programs(x.device, t))
-    args, consts, ys, ends = [], {}, [], [0]
+    args, tables, consts, ys, ends = [], [], {}, [], [0]
     for i, (raw, qtype, n_out) in enumerate(parts + parts[-1:] * (4 - len(parts))):  # unused slots: never read
         row_bytes, c = layout(qtype, x.shape[-1], raw, t.blocks_at_once, t.float_blocks_at_once)
         if i < len(parts):
             ys.append(torch.empty((x.shape[0], n_out), dtype=x.dtype, device=x.device))
             ends.append(ends[-1] + triton.cdiv(n_out, rows))  # the part's program blocks end here
         args += [raw, ys[-1], n_out, row_bytes]
+        table = table_args(qtype, x)
+        tables.append(table["table"])
         consts |= {
+            f"T{i}": table["TABLE"],
             f"N{i}": c["N_BLOCKS"],
             f"DOT{i}": c["DOT"],
             f"E{i}": c["ELEMS"],
@@ -272,6 +296,7 @@ def matvecs(parts: list[tuple[torch.Tensor, GGMLQuantizationType, int]], x: torc
             x,
             *args,
             *ends[1:4],
+            *tables,
             D=x.shape[-1],
             PARTS=len(parts),
             ROWS=rows,
@@ -306,8 +331,9 @@ def layout(
     check_aligned(qtype, raw)
     if qtype in FLOAT_DOTS:  # a float weight, read in blocks of FLOAT_BLOCK values
         block, type_size, at_most = FLOAT_BLOCK, FLOAT_BLOCK * GGML_QUANT_SIZES[qtype][1], float_at_most
-    else:
+    else:  # blocks of 32 values come several at a time: at_most counts super-blocks' worth of them
         block, type_size = GGML_QUANT_SIZES[qtype]
+        at_most *= max(1, QK_K // block)
     dot = DOTS[qtype] if qtype in DOTS else FLOAT_DOTS[qtype]
     if n_in % block:
         raise ValueError(f"{qtype.name} rows of {n_in} values are not whole blocks of {block}")

@@ -5,9 +5,9 @@ from __future__ import annotations
 from types import ModuleType
 
 from moestream.errors import MoestreamError
-from moestream.models import glm4moe, qwen3moe, qwen35moe
+from moestream.models import glm4moe, gpt_oss, qwen3moe, qwen35moe
 
-ARCHITECTURES: dict[str, ModuleType] = {m.ARCH: m for m in (qwen3moe, qwen35moe, glm4moe)}
+ARCHITECTURES: dict[str, ModuleType] = {m.ARCH: m for m in (qwen3moe, qwen35moe, gpt_oss, glm4moe)}
 
 
 def architecture(name: str, path: object = "") -> ModuleType:

@@ -90,6 +90,7 @@ class Preset:
     spec: ModelSpec
     n_ff: int = 0  # the dense FFN size the real config declares (written as metadata, unused by MoE layers)
     tied_output: bool = False
+    chat: str = "chatml"  # the test tokenizer's chat format (formats/tokenizer.tiny_tokenizer_metadata)
     gguf_keys: dict[str, Any] = field(default_factory=dict)  # architecture-specific metadata as stored, minus
     # the `{arch}.` prefix (a reader turns them into spec.extra)
     omitted: tuple[str, ...] = ()  # optional layer tensors (the architecture's OPTIONAL) the file leaves out

@@ -94,7 +94,8 @@ class Offload:
             else:
                 how = "the mapped file, pageable (--host-memory pageable, serial schedule or CPU device)"
             lines.append(
-                f"staging: {len(self.experts.streamer.slots)} slots x {p.slot_bytes / 2**20:.1f} MiB; host: {how}"
+                f"staging: {len(self.experts.streamer.slots)} slot{'s' * (len(self.experts.streamer.slots) != 1)} x "
+                f"{p.slot_bytes / 2**20:.1f} MiB; host: {how}"
             )
             if (pf := self.experts.prefetcher) is not None:
                 ring = sum(buf.numel() for slot in pf.slots for buf in slot.bufs)
@@ -172,7 +173,8 @@ def build_offload(
     pinned = PinnedRanges() if device.type == "cuda" else None
     try:
         resident = {}
-        for il in tqdm(placement.resident, desc="experts", unit="layer", disable=not opts.model.progress, leave=False):
+        show = opts.model.progress and bool(placement.resident)  # no empty bar when every layer streams
+        for il in tqdm(placement.resident, desc="experts", unit="layer", disable=not show, leave=False):
             resident[il] = [torch_bytes(v).to(device) for v in tensors[il].views]
         devs = [first]
         if placement.streamed and opts.placement.devices is not None and len(opts.placement.devices) > 1:
@@ -206,7 +208,11 @@ def _streamer(
         return None, False
     bounce = False
     if pinned is not None and opts.streaming.stream.page_locks and opts.placement.host_memory == "pinned":
-        bounce = not pinned.register([v.data for il in placement.streamed for v in tensors[il].views])
+        views = [v.data for il in placement.streamed for v in tensors[il].views]
+        if opts.model.progress:
+            gib = sum(v.nbytes for v in views) / 2**30
+            print(f"moestream: page-locking {gib:.2f} GiB of streamed experts in place", file=sys.stderr, flush=True)
+        bounce = not pinned.register(views)
     if len(devs) > 1:
         return _sharded(streamed, spec, opts, devs, bounce), bounce
     return Streamer(devs[0], streamed, opts.streaming.stream, opts.streaming.slots, bounce), bounce

@@ -5,7 +5,8 @@ where they lie and how many tokens there are:
 
 - a token or few on a GPU: quantized matvecs straight from the blocks (`kernels/moe_matvec.py`), fused where
   the types allow;
-- on the host (`--small-batch cpu`): the compiled CPU matvec, or float32 dequantization without it;
+- on the host (`--small-batch cpu`), or a token or few on the CPU device: the compiled CPU matvec, or float32
+  dequantization without it;
 - split over several devices (`--devices`): each range of experts on its own;
 - otherwise the grouped SwiGLU over dequantized stacks, of just the picked rows when there are fewer picks
   than rows.
@@ -23,7 +24,8 @@ from typing import Protocol
 import torch
 
 from moestream.kernels import cpu_quant, matvec, moe_matvec
-from moestream.ops.moe_swiglu import moe_swiglu, moe_swiglu_picked, moe_swiglu_sharded
+from moestream.ops.linear import cpu_reads
+from moestream.ops.moe_swiglu import ClampedGlu, moe_swiglu, moe_swiglu_picked, moe_swiglu_sharded
 
 Dequantize = Callable[[int, torch.Tensor | None], torch.Tensor]
 """(stack: 0 gate, 1 up, 2 down; rows of it or None for all) -> the dense weights on the bytes' device."""
@@ -64,51 +66,61 @@ def routed_swiglu(
     w: StoredExperts,
     residual: torch.Tensor | None = None,
     shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+    clamped: ClampedGlu | None = None,
 ) -> torch.Tensor:
     """Sum over each token's chosen experts of weight * down(silu(gate(x)) * up(x)); x [T, D], weights [T, K].
+    With clamped, gpt-oss's experts instead: biased gate, up and down, and the clamped GLU (ops/moe_swiglu.py).
     With shared (out [T, D], gate logit [T, 1]), plus sigmoid(logit) * out (a shared expert behind its gate);
     with residual [T, D], residual + all that (the layer's skip connection). Each added as torch adds two
     tensors of x's dtype; inside the sum's launch where the kernels fuse, launches a layer fewer (there, on
     sm_90, the shared expert's product and sum round once, a bf16 FMA: a rounding step from torch's form)."""
     T = w.ids.shape[0]
-    fused = not (w.parts or w.on_host) and all(matvec.usable(q, x.device, T) for q in w.qtypes)
+    local = not (w.parts or w.on_host)
+    fused = local and all(matvec.usable(q, x.device, T) for q in w.qtypes)
     if fused and moe_matvec.fuses(w.qtypes):  # three launches for the whole layer
         args = x, weights, w.ids, list(w.raws), w.qtypes, w.shapes[0][1]
+        clamped = None if clamped is None else clamped.to(x.device, x.dtype)
         if all(t is None or t.dtype == x.dtype for t in (residual, shared and shared[0])):
-            return moe_matvec.swiglu_picked(*args, residual, shared)
-        out = moe_matvec.swiglu_picked(*args)
+            return moe_matvec.swiglu_picked(*args, residual, shared, clamped)
+        out = moe_matvec.swiglu_picked(*args, clamped=clamped)
+    elif fused:
+        out = moe_swiglu_picked(x, weights, w.ids, *matvecs(matvec, w), clamped)
+    elif local and all(cpu_reads(x, q) for q in w.qtypes):  # the CPU device: from the blocks, as on the host
+        clamped = None if clamped is None else clamped.to("cpu", torch.float32)
+        out = moe_swiglu_picked(x.float(), weights.float(), w.ids, *matvecs(cpu_quant, w), clamped).to(x.dtype)
     else:
-        out = moe_swiglu_picked(x, weights, w.ids, *matvecs(matvec, w)) if fused else _unfused(x, weights, w)
+        out = _unfused(x, weights, w, clamped)
     if shared is not None:  # else torch's type promotion picks the dtypes, as the layers would
         out = out + torch.sigmoid(shared[1]) * shared[0]
     return out if residual is None else residual + out
 
 
-def _unfused(x: torch.Tensor, weights: torch.Tensor, w: StoredExperts) -> torch.Tensor:
+def _unfused(x: torch.Tensor, weights: torch.Tensor, w: StoredExperts, clamped: ClampedGlu | None) -> torch.Tensor:
     """routed_swiglu where the quantized matvecs do not serve: split over devices, on the host, or dequantized."""
     if w.parts:
         shards = [(lo, hi, _lazy(part, None)) for lo, hi, part in w.parts]
-        return moe_swiglu_sharded(x, weights, w.ids, shards)
+        return moe_swiglu_sharded(x, weights, w.ids, shards, clamped)
     if w.on_host:
-        return _on_host(x, weights, w)
+        return _on_host(x, weights, w, clamped)
     ids = w.ids
     T, K = ids.shape
     if T * K < w.n_rows:  # few tokens: dequantize just the chosen experts, one per token-expert pair
         pairs = torch.arange(T * K, device=x.device).view(T, K)
-        return moe_swiglu(x, weights, pairs, T * K, *_lazy(w, ids.reshape(-1)))
-    return moe_swiglu(x, weights, ids, w.n_rows, *_lazy(w, None))
+        return moe_swiglu(x, weights, pairs, T * K, *_lazy(w, ids.reshape(-1)), clamped)
+    return moe_swiglu(x, weights, ids, w.n_rows, *_lazy(w, None), clamped)
 
 
-def _on_host(x: torch.Tensor, weights: torch.Tensor, w: StoredExperts) -> torch.Tensor:
+def _on_host(x: torch.Tensor, weights: torch.Tensor, w: StoredExperts, clamped: ClampedGlu | None) -> torch.Tensor:
     """The chosen experts on the CPU straight from the stored blocks, moving a few rows of x, not weights."""
     xh, wh, ids = x.float().cpu(), weights.float().cpu(), w.ids.cpu()
+    clamped = None if clamped is None else clamped.to("cpu", torch.float32)
     if all(q in cpu_quant.TYPES for q in w.qtypes) and cpu_quant.available():
-        out = moe_swiglu_picked(xh, wh, ids, *matvecs(cpu_quant, w))
+        out = moe_swiglu_picked(xh, wh, ids, *matvecs(cpu_quant, w), clamped)
     else:
         used = torch.unique(ids)
         local = torch.full((w.n_rows,), -1, dtype=torch.long)
         local[used] = torch.arange(used.numel())  # expert id -> its row among the chosen ones
-        out = moe_swiglu(xh, wh, local[ids], used.numel(), *_lazy(w, used))
+        out = moe_swiglu(xh, wh, local[ids], used.numel(), *_lazy(w, used), clamped)
     return out.to(device=x.device, dtype=x.dtype)
 
 

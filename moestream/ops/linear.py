@@ -1,8 +1,9 @@
 """x times a dense weight (transposed), the weight a float tensor or quantized blocks as the file stores them.
 
-A few tokens on a GPU multiply straight from the stored blocks (`kernels/matvec.py`: no dequantized copy,
-several weights of one x in one launch); otherwise the weight is dequantized and multiplied, each row on its
-own for a few rows (a batched decode step gives each sequence the bits of its step alone).
+A few tokens multiply straight from the stored blocks, with no dequantized copy: on a GPU through
+`kernels/matvec.py` (several weights of one x in one launch), on the CPU through the compiled
+`kernels/cpu_quant.py`. Otherwise the weight is dequantized and multiplied, each row on its own for a few rows
+(a batched decode step gives each sequence the bits of its step alone).
 
 Legend: T = tokens, D = input width, N = output rows (a head's: the vocabulary), F = a shared expert's width.
 """
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
-from moestream.kernels import matvec, moe_matvec
+from moestream.kernels import cpu_quant, matvec, moe_matvec, tuning
 from moestream.kernels.dequant import dequantize
 
 HEAD_ROWS = 32768
@@ -39,8 +40,19 @@ Weight = torch.Tensor | Stored
 
 
 def reads_directly(x: torch.Tensor, w: Weight) -> bool:
-    """Whether linear(x, w) multiplies from the stored blocks (no dequantized copy is made)."""
+    """Whether linear(x, w) multiplies from the stored blocks on a GPU (no dequantized copy is made)."""
     return isinstance(w, Stored) and matvec.usable(w.qtype, x.device, x.shape[0])
+
+
+def cpu_reads(x: torch.Tensor, qtype: GGMLQuantizationType) -> bool:
+    """Whether the compiled CPU matvec multiplies x [T, D] on the CPU by blocks of this type: a few tokens (as
+    many as a GPU's matvec takes), each row on its own, so a batched step gives each sequence its bits alone."""
+    return (
+        x.device.type == "cpu"
+        and 0 < x.shape[0] <= tuning.current().max_tokens
+        and qtype in cpu_quant.TYPES
+        and cpu_quant.available()
+    )
 
 
 def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
@@ -48,6 +60,8 @@ def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
     if isinstance(w, Stored):
         if matvec.usable(w.qtype, x.device, x.shape[0]):
             return matvec.matvec(w.raw, w.qtype, w.shape[0], x)
+        if cpu_reads(x, w.qtype):
+            return cpu_quant.matvec(w.raw, w.qtype, w.shape[0], x).to(x.dtype)
         w = w.dequantize(x.dtype)
     return matvec.linear_each_row(x, w)
 
@@ -78,9 +92,9 @@ def swiglu(x: torch.Tensor, gate: Weight, up: Weight) -> torch.Tensor:
 
 def head_logits(x: torch.Tensor, w: Weight) -> torch.Tensor:
     """x [T, D] times the output head w [N, D] (N the vocabulary): logits [T, N]. A decode step reads the stored
-    head once; otherwise HEAD_ROWS rows are dequantized at a time, one slice alive at a time."""
-    if reads_directly(x, w):
-        return matvec.matvec(w.raw, w.qtype, w.shape[0], x)
+    head once (on a GPU or the CPU); otherwise HEAD_ROWS rows are dequantized at a time, one slice alive at a time."""
+    if isinstance(w, Stored) and (reads_directly(x, w) or cpu_reads(x, w.qtype)):
+        return linear(x, w)
     out = x.new_empty(x.shape[0], w.shape[0])
     start = 0
     for rows in row_chunks(w, HEAD_ROWS, x.dtype):

@@ -8,6 +8,7 @@ P = token-expert pairs.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,46 @@ Stack = torch.Tensor | Callable[[], torch.Tensor]
 
 MatVec = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """(which [P] matrix of a stack, rows [P, in]) -> [P, out]: each row times its own matrix."""
+
+
+class ClampedGlu(NamedTuple):
+    """gpt-oss's experts, as llama.cpp computes them (ggml's swiglu_oai): biases on gate, up and down, and
+    h = g * sigmoid(alpha * g) * (u + 1) with g = min(gate + bias, limit), u = clamp(up + bias, -limit, limit).
+    The biases come per token-expert pair (pair t*K+k: token t's k-th expert), gathered by the router's ids,
+    so they follow the pairs whatever rows of which stacks the experts' bytes are."""
+
+    gate_bias: torch.Tensor  # [P, F], pair t*K+k (or the rows of the pairs being computed)
+    up_bias: torch.Tensor  # [P, F]
+    down_bias: torch.Tensor  # [P, D]
+    alpha: float
+    limit: float
+
+    def hidden(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """h [P, F] of the pairs' gate and up products [P, F]."""
+        g = (gate + self.gate_bias).clamp(max=self.limit)
+        u = (up + self.up_bias).clamp(-self.limit, self.limit)
+        return g * torch.sigmoid(self.alpha * g) * (u + 1)
+
+    def take(self, pairs: torch.Tensor) -> ClampedGlu:
+        """The biases of some pairs (indices into P, on any device), on the biases' device."""
+        return self._map(lambda b: b[pairs.to(b.device)])
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> ClampedGlu:
+        return self._map(lambda b: b.to(device, dtype or b.dtype))
+
+    def _map(self, f: Callable[[torch.Tensor], torch.Tensor]) -> ClampedGlu:
+        return self._replace(gate_bias=f(self.gate_bias), up_bias=f(self.up_bias), down_bias=f(self.down_bias))
+
+
+def glu(gate: torch.Tensor, up: torch.Tensor, clamped: ClampedGlu | None) -> torch.Tensor:
+    """An expert's hidden activations from its gate and up products: SwiGLU, or clamped's (its biases the
+    products' rows')."""
+    return F.silu(gate) * up if clamped is None else clamped.hidden(gate, up)
+
+
+def down_out(y: torch.Tensor, clamped: ClampedGlu | None) -> torch.Tensor:
+    """An expert's down product plus its bias where it has one."""
+    return y if clamped is None else y + clamped.down_bias
 
 
 def expert_counts(ids: torch.Tensor, n_expert: int) -> torch.Tensor:
@@ -36,14 +77,16 @@ def moe_swiglu(
     w_gate: Stack,
     w_up: Stack,
     w_down: Stack,
+    clamped: ClampedGlu | None = None,
 ) -> torch.Tensor:
-    """Sum over chosen experts of weight * down(silu(gate(x)) * up(x)), as one grouped computation.
+    """Sum over chosen experts of weight * down(silu(gate(x)) * up(x)), as one grouped computation (with
+    clamped, gpt-oss's biased, clamped form).
 
     x [T, D]; weights, ids [T, K] (ids index the stacks); w_gate, w_up [E, F, D]; w_down [E, D, F], each
     a tensor or a function making it, called just before use so only one dequantized stack is alive.
     Deterministic: no atomics, so equal inputs give equal bits whatever the schedule.
     """
-    return moe_swiglu_sharded(x, weights, ids, [(0, n_expert, (w_gate, w_up, w_down))])
+    return moe_swiglu_sharded(x, weights, ids, [(0, n_expert, (w_gate, w_up, w_down))], clamped)
 
 
 def moe_swiglu_sharded(
@@ -51,6 +94,7 @@ def moe_swiglu_sharded(
     weights: torch.Tensor,
     ids: torch.Tensor,
     shards: Sequence[tuple[int, int, tuple[Stack, Stack, Stack]]],
+    clamped: ClampedGlu | None = None,
 ) -> torch.Tensor:
     """moe_swiglu with the experts split into consecutive id ranges (lo, hi, (gate, up, down) of experts
     lo..hi-1), each range's stacks on its own device: the rows routed to a range go there and their products
@@ -75,10 +119,11 @@ def moe_swiglu_sharded(
         def mm(a: torch.Tensor, w: torch.Tensor, offs=offs) -> torch.Tensor:
             return grouped_mm(a, w.transpose(1, 2), offs)
 
-        h = F.silu(mm(part, gate))
+        biases = None if clamped is None else clamped.take(order[start:end]).to(gate.device)  # these pairs'
+        h = mm(part, gate)
         del gate
-        h = h * mm(part, w_up() if callable(w_up) else w_up)
-        y_sorted[start:end] = mm(h, w_down() if callable(w_down) else w_down).to(x.device)
+        h = glu(h, mm(part, w_up() if callable(w_up) else w_up), biases)
+        y_sorted[start:end] = down_out(mm(h, w_down() if callable(w_down) else w_down), biases).to(x.device)
         start = end
     y = torch.empty_like(y_sorted)
     y[order] = y_sorted
@@ -86,12 +131,18 @@ def moe_swiglu_sharded(
 
 
 def moe_swiglu_picked(
-    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate: MatVec, up: MatVec, down: MatVec
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    gate: MatVec,
+    up: MatVec,
+    down: MatVec,
+    clamped: ClampedGlu | None = None,
 ):
     """moe_swiglu for a few tokens: each token-expert pair multiplies its expert's matrices directly, with no
     grouping (the kernels read the chosen experts' blocks wherever they lie)."""
     T, K = ids.shape
     picks = ids.reshape(-1)  # pair t*K+k: token t, its k-th expert
     rows = x.repeat_interleave(K, dim=0)
-    h = F.silu(gate(picks, rows)) * up(picks, rows)
-    return (down(picks, h).view(T, K, -1) * weights[..., None]).sum(dim=1)
+    h = glu(gate(picks, rows), up(picks, rows), clamped)
+    return (down_out(down(picks, h), clamped).view(T, K, -1) * weights[..., None]).sum(dim=1)

@@ -13,10 +13,15 @@ import torch
 from moestream.kernels import fused, matvec
 
 
-def route_softmax_topk(x: torch.Tensor, w_router: torch.Tensor, k: int, renorm: bool = True):
-    """Softmax over all experts of x [T, D] times w_router [E, D], top-k, chosen weights renormalised to sum 1.
-    Returns weights [T, K], ids [T, K]."""
+def route_softmax_topk(
+    x: torch.Tensor, w_router: torch.Tensor, k: int, renorm: bool = True, bias: torch.Tensor | None = None
+):
+    """Softmax over all experts of x [T, D] times w_router [E, D] (plus bias [E] if given), top-k, chosen
+    weights renormalised to sum 1 (the same as a softmax over the top-k logits). Returns weights [T, K], ids
+    [T, K]."""
     logits = matvec.linear_each_row(x, w_router)  # a decode batch's rows route as each would alone
+    if bias is not None:
+        logits = logits + bias
     return softmax_topk(logits, k, x.dtype, renorm)
 
 

@@ -191,13 +191,14 @@ class Engine:
         chat: bool = False,
         on_text: Callable[[str], None] | None = None,
     ) -> Generation:
-        """Prefill the prompt, then decode up to params.max_tokens tokens, streaming text to on_text."""
+        """Prefill the prompt, then decode up to params.max_tokens tokens (-1: until the end of text or a full
+        context), streaming text to on_text."""
         params = params or SamplingParams()
         prompt_tokens = self.encode_prompt(prompt, chat) if isinstance(prompt, str) else list(prompt)
         if not prompt_tokens:
             raise MoestreamError("the prompt is empty")
         gen = Generation(prompt_tokens)
-        sampler = Sampler(params)
+        sampler = Sampler(params, prompt_tokens)
         stream = TextStream(self.tokenizer) if self.tokenizer is not None else None
         if self._cache is None or self._cache.kv.n_ctx != self.n_ctx:
             self._cache = self.new_cache()
@@ -221,7 +222,7 @@ class Engine:
         return gen
 
     def _decode(self, gen: Generation, token: int, cache, sampler, stream, params, on_text) -> None:
-        while params.max_tokens > 0:
+        while params.limit > 0:
             if params.stop_at_eos and self.tokenizer is not None and token in self.tokenizer.eos_ids:
                 gen.stop_reason = "eos"
                 break
@@ -231,7 +232,7 @@ class Engine:
                 gen.text += piece
                 if on_text and piece:
                     on_text(piece)
-            if len(gen.tokens) >= params.max_tokens:
+            if len(gen.tokens) >= params.limit:
                 break
             if cache.n_past >= self.n_ctx:
                 gen.stop_reason = "context"

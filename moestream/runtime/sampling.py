@@ -1,42 +1,85 @@
-"""Choosing the next token: greedy, or temperature with top-k / top-p, reproducible with a seed."""
+"""Choosing the next token as llama.cpp's default chain does: repetition penalties over the last tokens, then
+top-k, top-p and min-p on the penalised logits, then temperature (0: greedy), reproducible with a seed.
+
+torch is imported by the Sampler, not here: the CLI checks SamplingParams before the slow imports."""
 
 from __future__ import annotations
 
 import math
+from collections import Counter, deque
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from moestream.errors import MoestreamError
+
+if TYPE_CHECKING:
+    import torch
+
+UNTIL_DONE = -1  # max_tokens: until an end-of-text token or a full context (llama.cpp's -n -1)
 
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = 64
+    max_tokens: int = 64  # UNTIL_DONE: no limit but the end of text and the context
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
-    seed: int | None = None
+    min_p: float = 0.0  # keep tokens at least this fraction of the top token's probability; 0 = off
+    repeat_penalty: float = 1.0  # divide a positive logit (multiply a negative one) of a recent token; 1 = off
+    repeat_last_n: int = 64  # how many of the last tokens (prompt included) the penalties look at; 0 = off
+    presence_penalty: float = 0.0  # subtracted once from the logit of each recent token
+    frequency_penalty: float = 0.0  # subtracted per occurrence among the recent tokens
+    seed: int | None = None  # None (or llama.cpp's -1): a random seed
     stop_at_eos: bool = True
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 0:
-            raise MoestreamError(f"-n {self.max_tokens}: the number of tokens to generate must be >= 0")
-        if not math.isfinite(self.temperature) or not math.isfinite(self.top_p):
-            raise MoestreamError("--temp and --top-p must be finite numbers")
+        if self.max_tokens < UNTIL_DONE:
+            raise MoestreamError(
+                f"-n {self.max_tokens}: give the number of tokens to generate, or -1 to generate until the end "
+                "of the text or a full context"
+            )
+        floats = ("temp", self.temperature), ("top-p", self.top_p), ("min-p", self.min_p)
+        floats += ("repeat-penalty", self.repeat_penalty), ("presence-penalty", self.presence_penalty)
+        for name, value in (*floats, ("frequency-penalty", self.frequency_penalty)):
+            if not math.isfinite(value):
+                raise MoestreamError(f"--{name} {value}: must be a finite number")
+        if self.seed == -1:  # llama.cpp's "random seed"
+            self.seed = None
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
-            raise MoestreamError(f"--seed {self.seed}: must fit in 64 bits")
+            raise MoestreamError(f"--seed {self.seed}: must fit in 64 bits (-1: a random seed)")
         if self.temperature < 0:
             raise MoestreamError(f"--temp {self.temperature}: must be >= 0")
         if self.top_k < 0:
             raise MoestreamError(f"--top-k {self.top_k}: must be >= 0")
         if not 0 < self.top_p <= 1:
             raise MoestreamError(f"--top-p {self.top_p}: must be in (0, 1]")
+        if not 0 <= self.min_p <= 1:
+            raise MoestreamError(f"--min-p {self.min_p}: must be in [0, 1] (0: off)")
+        if not 0 < self.repeat_penalty < math.inf or not math.isfinite(1 / self.repeat_penalty):
+            raise MoestreamError(f"--repeat-penalty {self.repeat_penalty}: must be above 0 (1: off)")
+        if self.repeat_last_n < 0:
+            raise MoestreamError(f"--repeat-last-n {self.repeat_last_n}: must be >= 0 (0: off)")
+
+    @property
+    def limit(self) -> float:
+        """The most tokens to generate (inf: until the end of text or the context)."""
+        return math.inf if self.max_tokens == UNTIL_DONE else self.max_tokens
+
+    @property
+    def penalises(self) -> bool:
+        return self.repeat_last_n > 0 and (
+            self.repeat_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+        )
 
 
 class Sampler:
-    def __init__(self, params: SamplingParams):
+    """Picks each next token of one sequence; it remembers the prompt and its picks for the penalties."""
+
+    def __init__(self, params: SamplingParams, prompt: list[int] = ()):
+        import torch
+
         self.params = params
+        self.recent: deque[int] = deque(prompt, maxlen=params.repeat_last_n)
         self.generator = torch.Generator()
         if params.seed is not None:
             self.generator.manual_seed(params.seed)
@@ -45,18 +88,43 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor) -> int:
         """Pick a token from logits [V] (on any device; sampled on the CPU for reproducibility)."""
+        token = self._pick(logits.float().cpu())  # sync: one token per step must reach the host anyway
+        if self.recent.maxlen:
+            self.recent.append(token)
+        return token
+
+    def _pick(self, logits: torch.Tensor) -> int:
+        import torch
+
         p = self.params
-        logits = logits.float().cpu()  # sync: one token per step must reach the host anyway
+        if p.penalises and self.recent:
+            logits = self._penalised(logits)
         if p.temperature == 0:
             return int(torch.argmax(logits))
-        logits = (logits - logits.max()) / p.temperature  # from the top down: a tiny temperature gives -inf, not inf
+        logits = logits - logits.max()
         if p.top_k:
             kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
         if p.top_p < 1:
-            sorted_probs, idx = torch.sort(probs, descending=True)
-            keep = sorted_probs.cumsum(0) - sorted_probs < p.top_p
-            keep[0] = True  # the most likely token, even for a top_p below float32's smallest number
-            probs = torch.zeros_like(probs).scatter_(0, idx[keep], sorted_probs[keep])
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+            sorted_logits, idx = torch.sort(logits, descending=True)
+            sorted_probs = torch.softmax(sorted_logits, dim=-1)
+            drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
+            drop[0] = False  # the most likely token, even for a top_p below float32's smallest number
+            logits = logits.index_fill(0, idx[drop], float("-inf"))
+        if p.min_p > 0:  # the top logit is 0 here: keep p_i >= min_p * p_max
+            logits = logits.masked_fill(logits < math.log(p.min_p), float("-inf"))
+        logits = (logits - logits.max()) / p.temperature  # from the top down: a tiny temperature gives -inf, not inf
+        return int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=self.generator))
+
+    def _penalised(self, logits: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        p = self.params
+        counts = Counter(self.recent)
+        ids = torch.tensor(list(counts), dtype=torch.long)
+        n = torch.tensor(list(counts.values()), dtype=logits.dtype)
+        seen = logits[ids]
+        seen = torch.where(seen > 0, seen / p.repeat_penalty, seen * p.repeat_penalty)
+        logits = logits.clone()
+        logits[ids] = seen - n * p.frequency_penalty - p.presence_penalty
+        return logits

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from moestream.errors import MoestreamError
 from moestream.runtime.sampling import SamplingParams
+from moestream.serving.harmony import HarmonySplit, is_harmony
 from moestream.serving.scheduler import Event, QueueFull, Scheduler
 from moestream.serving.scheduler import Request as Job
 
@@ -178,6 +179,12 @@ def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None, 
                 max_tokens=n,
                 temperature=float(body.get("temperature", 1.0)),
                 top_p=float(body.get("top_p", 1.0)),
+                top_k=int(body.get("top_k", 0)),  # this and the rest below: llama-server's names and meanings
+                min_p=float(body.get("min_p", 0.0)),
+                repeat_penalty=float(body.get("repeat_penalty", 1.0)),
+                repeat_last_n=int(body.get("repeat_last_n", 64)),
+                presence_penalty=float(body.get("presence_penalty", 0.0)),
+                frequency_penalty=float(body.get("frequency_penalty", 0.0)),
                 seed=seed,
                 stop_at_eos=not body.get("ignore_eos", False),  # vLLM's extension, for benchmarks
             )
@@ -209,20 +216,36 @@ def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None, 
             raise ApiError(503, str(e), "server_busy") from None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
+        # gpt-oss: the analysis channel comes back apart from the answer, as reasoning_content
+        split = HarmonySplit() if chat and is_harmony(engine.tokenizer.chat_template) else None
 
-        def response(text: str | None, finish: str | None, streamed: bool) -> dict:
+        def response(text: str | None, finish: str | None, streamed: bool, reasoning: str = "") -> dict:
             """OpenAI's object for a completion or chat answer: a streamed chunk (text None: no content) or
-            the whole answer."""
+            the whole answer; reasoning, where there is some, as reasoning_content beside the content."""
             if not chat:
                 choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
                 obj = "text_completion"
             elif streamed:
                 delta = {} if text is None else {"role": "assistant", "content": text}
+                if reasoning:
+                    delta = {"role": "assistant", "content": text or None, "reasoning_content": reasoning}
                 choice, obj = {"index": 0, "delta": delta, "finish_reason": finish}, "chat.completion.chunk"
             else:
                 message = {"role": "assistant", "content": text}
+                if reasoning:
+                    message["reasoning_content"] = reasoning
                 choice, obj = {"index": 0, "message": message, "finish_reason": finish}, "chat.completion"
             return {"id": rid, "object": obj, "created": created, "model": model_id, "choices": [choice]}
+
+        def parts(text: str, last: bool) -> tuple[str, str]:
+            """(reasoning, content) of generated text: all content unless the answer is Harmony."""
+            if split is None:
+                return "", text
+            r, c = split.push(text)
+            if last:
+                rest = split.flush()
+                r, c = r + rest[0], c + rest[1]
+            return r, c
 
         def usage_of(ev: Event) -> dict:
             return {
@@ -238,9 +261,17 @@ def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None, 
                 try:
                     while True:
                         ev = await events.get()
-                        if ev.kind == "text":
+                        if ev.kind == "text" and split is None:
                             yield f"data: {json.dumps(response(ev.text, None, streamed=True))}\n\n"
-                        elif ev.kind == "done":
+                            continue
+                        if ev.kind == "text" or (ev.kind == "done" and split is not None):
+                            reasoning, content = parts(ev.text if ev.kind == "text" else "", ev.kind == "done")
+                            if reasoning or content:  # a marker alone adds neither
+                                chunk = response(content or None, None, streamed=True, reasoning=reasoning)
+                                yield f"data: {json.dumps(chunk)}\n\n"
+                            if ev.kind == "text":
+                                continue
+                        if ev.kind == "done":
                             yield f"data: {json.dumps(response(None, ev.finish_reason, streamed=True))}\n\n"
                             if include_usage:
                                 last = response(None, None, streamed=True) | {"choices": [], "usage": usage_of(ev)}
@@ -276,7 +307,8 @@ def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None, 
                     break
         finally:
             job.cancelled.set()
-        return response(text, ev.finish_reason, streamed=False) | {"usage": usage_of(ev)}
+        reasoning, text = parts(text, last=True)
+        return response(text, ev.finish_reason, False, reasoning) | {"usage": usage_of(ev)}
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -209,7 +209,7 @@ class Scheduler:
                 cache.reset()
                 tok = self.engine.tokenizer
                 stream = TextStream(tok) if tok is not None else None
-                seq = _Sequence(req, cache, Sampler(req.params), stream, list(req.prompt_tokens))
+                seq = _Sequence(req, cache, Sampler(req.params, req.prompt_tokens), stream, list(req.prompt_tokens))
             except Exception as e:  # out of memory for another cache, say: this request fails, no other
                 self.stats.failed += 1
                 self._send(req, _error(e))

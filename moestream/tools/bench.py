@@ -5,7 +5,6 @@ Every row of one run shares the loaded weights; only the offload side is rebuilt
 
 from __future__ import annotations
 
-import itertools
 import statistics
 from dataclasses import dataclass, field
 
@@ -15,6 +14,7 @@ from moestream.options import Schedule
 from moestream.profiling.stats import summarize
 from moestream.profiling.timeline import Timeline
 from moestream.tools.probe import h2d_rate, timed
+from moestream.tools.sweep import Sweep
 
 
 @dataclass
@@ -127,31 +127,9 @@ def _measure(engine, test: str, tokens: list[int], repeats: int) -> _Measured:
     )
 
 
-@dataclass(frozen=True)
-class Sweep:
-    """What one bench run measures: every combination of the lists, each test `repeats` times."""
-
-    prompts: list[int]  # ppN tests (0: none)
-    gens: list[int]  # tgN tests (0: none)
-    ubatches: list[int]
-    n_cpu_moes: list[int | str]
-    streams: list[str]
-    slots: list[int]
-    picks: list[str]  # --streamed-layers first | spread
-    prefetches: list[int | None] = field(default_factory=lambda: [None])  # --prefetch (None: the router's count)
-    caches: list[int | str] = field(default_factory=lambda: ["auto"])  # --expert-cache
-    repeats: int = 3
-    floors: bool = True  # also time each test with every expert resident (the compute floor)
-
-    def placements(self) -> list[dict]:
-        """Each row's engine options, in order (what run_bench reconfigures to; the CLI checks them first)."""
-        keys = ("ubatch", "n_cpu_moe", "streamed_layers", "stream", "slots", "prefetch", "expert_cache")
-        lists = (self.ubatches, self.n_cpu_moes, self.picks, self.streams, self.slots, self.prefetches, self.caches)
-        return [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*lists)]
-
-
-def run_bench(engine, sweep: Sweep, progress=None) -> tuple[list[BenchRow], float]:
-    """Every combination of the lists; returns the rows and the pinned link rate (bytes/s) measured first."""
+def run_bench(engine, sweep: Sweep, progress=None, say=None) -> tuple[list[BenchRow], float]:
+    """Every combination of the lists; returns the rows and the pinned link rate (bytes/s) measured first.
+    progress(row) is called as each row finishes, say(text) as each test starts (a row can take minutes)."""
     f = engine.source
     size = f.path.stat().st_size / 2**30
     name = f.metadata.get("general.name", f.path.name)
@@ -162,10 +140,14 @@ def run_bench(engine, sweep: Sweep, progress=None) -> tuple[list[BenchRow], floa
     compute_floor: dict[tuple[str, int], float] = {}
     w = sweep
     tests = [(f"pp{p}", p) for p in w.prompts if p > 0] + [(f"tg{n}", n) for n in w.gens if n > 0]
-    for placed in w.placements():
+    combos = w.placements()
+    for i, placed in enumerate(combos):
         engine.setup.reconfigure(**placed, progress=False)
         ub, stream, k, pick = (placed[key] for key in ("ubatch", "stream", "slots", "streamed_layers"))
         for test, n in tests:
+            if say:
+                shown = " ".join(f"{key} {value}" for key, value in placed.items() if value is not None)
+                say(f"placement {i + 1}/{len(combos)}, {test} x {w.repeats} after a warm-up: {shown}")
             tokens = random_prompt(n, engine.spec.n_vocab)
             m = _measure(engine, test, tokens, w.repeats)
             secs = statistics.mean(m.times)

@@ -25,6 +25,31 @@ def _qwen35_hybrid(k_heads: int, v_heads: int, head_dim: int, rope_sections: tup
     }
 
 
+def _gpt_oss(window: int) -> dict:
+    """gpt-oss's extra keys: the sliding window and YaRN (factor 32 over the 4096 positions it trained at)."""
+    scaling = {"rope.scaling.type": "yarn", "rope.scaling.factor": 32.0, "rope.scaling.original_context_length": 4096}
+    return {"attention.sliding_window": window} | scaling
+
+
+def _gpt_oss_spec(n_layer: int, n_expert: int) -> ModelSpec:
+    """gpt-oss-20b and -120b differ only in depth and experts."""
+    return _spec(
+        "gpt-oss",
+        n_layer=n_layer,
+        n_embd=2880,
+        n_head=64,
+        n_head_kv=8,
+        head_dim=64,
+        n_expert=n_expert,
+        n_expert_used=4,
+        n_ff_exp=2880,
+        n_vocab=201088,
+        n_ctx=131072,
+        rope_base=150000.0,
+        rms_eps=1e-5,
+    )
+
+
 def _glm(n_dense: int, scale: float, **shape) -> ModelSpec:
     """A glm4moe spec: NEOX RoPE over half of each head, one shared expert, one NextN block after the trunk."""
     extra = dict(n_ff=shape.pop("n_ff"), gating="sigmoid", weights_norm=True, weights_scale=scale)
@@ -150,6 +175,29 @@ PRESETS: dict[str, Preset] = {
             ),
             gguf_keys=_qwen35_hybrid(k_heads=16, v_heads=32, head_dim=128, rope_sections=(11, 11, 10, 0)),
         ),
+        # sliding, full, sliding; a window of 8 positions; 6 heads over 2 KV heads, 6 experts choosing 3, rows a
+        # multiple of 32 (Q8_0 blocks) but of no power of two
+        Preset(
+            "tiny-gpt-oss",
+            _spec(
+                "gpt-oss",
+                n_layer=3,
+                n_embd=160,
+                n_head=6,
+                n_head_kv=2,
+                head_dim=32,
+                n_expert=6,
+                n_expert_used=3,
+                n_ff_exp=96,
+                n_vocab=1291,
+                rope_base=150000.0,
+                rms_eps=1e-5,
+            ),
+            chat="harmony",
+            gguf_keys=_gpt_oss(window=8),
+        ),
+        Preset("gpt-oss-20b", _gpt_oss_spec(24, 32), n_ff=2880, chat="harmony", gguf_keys=_gpt_oss(window=128)),
+        Preset("gpt-oss-120b", _gpt_oss_spec(36, 128), n_ff=2880, chat="harmony", gguf_keys=_gpt_oss(window=128)),
         # GLM-4.5's layout: a dense first layer, biased q/k/v with q/k norms, half of each head rotated, routed
         # weights normalised and scaled, a shared expert, a NextN block; rows of 256 for real K-quant blocks
         _glm_preset(

@@ -23,16 +23,21 @@ class Profile:
         return 100 * (self.wall_on_s / self.wall_off_s - 1)
 
 
-def profile_pass(engine, tokens: list[int], schedule: str, repeats: int = 3) -> Profile:
-    """Time the pass with recording off and on (alternating, after warm-up); keep the last recorded timeline."""
+def profile_pass(engine, tokens: list[int], schedule: str, repeats: int = 3, say=None) -> Profile:
+    """Time the pass with recording off and on (alternating, after warm-up); keep the last recorded timeline.
+    say(text), if given, hears of each pass as it starts (a pass on the CPU can take minutes)."""
     engine.setup.reconfigure(stream=schedule, progress=False)
 
     def run() -> None:
         engine.forward(tokens, engine.new_cache())
 
-    run()  # warm-up
+    if say:
+        say(f"{schedule}: warm-up pass")
+    run()
     off, on, last = [], [], None
-    for _ in range(repeats):
+    for i in range(repeats):
+        if say:
+            say(f"{schedule}: passes {2 * i + 1} and {2 * i + 2} of {2 * repeats} (unrecorded, recorded)")
         engine.record(NULL)
         off += timed(run, engine.device, repeats=1, warmup=0)
         last = Timeline(engine.device)

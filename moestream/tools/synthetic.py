@@ -6,6 +6,7 @@ sees distinct inputs per token and spreads them over all experts the way a train
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import os
 import signal
@@ -13,67 +14,41 @@ import zlib
 from collections import deque
 from typing import Any
 
-import gguf
 import numpy as np
 
 from moestream.errors import MoestreamError
-from moestream.formats.quantize import quantize
-from moestream.formats.tokenizer import tiny_tokenizer_metadata
+from moestream.formats.quantize import QUANTIZABLE, quantize
+from moestream.formats.tokenizer import UNUSED, tiny_tokenizer_metadata
 from moestream.formats.writer import TensorPlan, write_gguf
 from moestream.models.registry import architecture
 from moestream.models.spec import Preset
+from moestream.tools.recipes import Facts, Recipe, recipe, tensor_types
 
-Q = gguf.GGMLQuantizationType
-QUANTS = ("F32", "BF16", "Q8_0", "Q4_K_M")
-FILE_TYPES = {"F32": 0, "BF16": 32, "Q8_0": 7, "Q4_K_M": 15}  # llama.cpp's general.file_type codes
-FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}  # rows not a multiple of 256, as llama.cpp does
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent ends
 
 
-def preset_metadata(p: Preset, quant: str) -> dict[str, Any]:
-    """General keys, the architecture's `{arch}.*` keys and a test tokenizer."""
+def preset_metadata(p: Preset, r: Recipe, seed: int = 0) -> dict[str, Any]:
+    """General keys (what made the file among them), the architecture's `{arch}.*` keys and a test tokenizer."""
     meta: dict[str, Any] = {
         "general.architecture": p.spec.arch,
         "general.name": f"moestream-generated {p.name}",
-        "general.file_type": FILE_TYPES[quant],
+        "general.description": description(p, r, seed),
+        "general.file_type": int(r.file_type),
         "general.quantization_version": 2,
     }
-    return meta | architecture(p.spec.arch).metadata(p) | tiny_tokenizer_metadata(p.spec.n_vocab)
+    return meta | architecture(p.spec.arch).metadata(p) | tiny_tokenizer_metadata(p.spec.n_vocab, p.chat)
 
 
-def _use_more_bits(i: int, n: int) -> bool:
-    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
-
-
-def tensor_type(name: str, shape: tuple[int, ...], quant: str, n_layer: int) -> Q:
-    """The type a llama.cpp quantization of this preset gives the tensor."""
-    # the converter keeps routers, shared-expert gates, convolutions and non-weights (ssm_a, ssm_dt) in F32
-    if (
-        len(shape) == 1
-        or not name.endswith(".weight")
-        or "ffn_gate_inp" in name
-        or "ssm_conv1d" in name
-        or quant == "F32"
-    ):
-        return Q.F32
-    if quant == "BF16":
-        return Q.BF16
-    if quant == "Q8_0":
-        qtype = Q.Q8_0
-    else:  # Q4_K_M
-        il = int(name.split(".")[1]) if name.startswith("blk.") else -1
-        more = il >= 0 and _use_more_bits(il, n_layer)
-        if name == "output.weight" or (more and ("attn_v." in name or "ffn_down" in name)):
-            qtype = Q.Q6_K
-        elif "attn_qkv." in name:
-            qtype = Q.Q5_K
-        else:
-            qtype = Q.Q4_K
-    block = gguf.GGML_QUANT_SIZES[qtype][0]
-    if shape[-1] % block:
-        qtype = FALLBACK.get(qtype, qtype)
-    if shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:
-        qtype = Q.F16
-    return qtype
+def description(p: Preset, r: Recipe, seed: int) -> str:
+    """How the file was made: a reader must not take its blocks for a real quantization's."""
+    text = f"moestream make-model: random weights (preset {p.name}, seed {seed})"
+    if not r.quantized:
+        return f"{text}, stored in {r.name}"
+    imatrix = " (as with an importance matrix, which llama.cpp requires for it)" if r.imatrix else ""
+    return (
+        f"{text}; the tensor types of llama.cpp's {r.name} recipe{imatrix}; blocks from moestream's quick "
+        "quantizer (min/max scales, nearest grid points), no importance matrix"
+    )
 
 
 def init_std(name: str, shape: tuple[int, ...], n_layer: int) -> float:
@@ -89,56 +64,77 @@ def init_std(name: str, shape: tuple[int, ...], n_layer: int) -> float:
 CHUNK_ELEMENTS = 1 << 22  # generation unit: fixed, so a file does not depend on the number of workers
 
 
-def _float_rows(name: str, shape: tuple[int, ...], n_layer: int, seed: int, part: int, n_rows: int) -> np.ndarray:
-    """Rows [part * chunk, part * chunk + n_rows) of the tensor, flattened to [n_rows, shape[-1]]."""
+def _float_rows(
+    name: str, shape: tuple[int, ...], n_layer: int, seed: int, part: int, n_rows: int, real: int | None = None
+) -> np.ndarray:
+    """Rows [part * chunk, part * chunk + n_rows) of the tensor, flattened to [n_rows, shape[-1]]. real: the
+    output head's real tokens (the rest pad the vocabulary to the embedding's size)."""
     # crc32, not hash(): Python salts hash() per process
     rng = np.random.default_rng([seed, zlib.crc32(name.encode()), part])
     size = (n_rows, shape[-1])
     if name.endswith(".ssm_a"):  # -exp(A_log): decay rates from slow to fast, as transformers initialises A
         return -rng.uniform(0.01, 16, size).astype(np.float32)
+    if name.endswith(".bias") or "attn_sinks" in name:  # biases and gpt-oss's sinks: around zero
+        return rng.standard_normal(size, dtype=np.float32)
     if len(shape) == 1:  # norm weights and dt bias: near one
         return (1.0 + 0.05 * rng.standard_normal(size, dtype=np.float32)).astype(np.float32)
-    return init_std(name, shape, n_layer) * rng.standard_normal(size, dtype=np.float32)
+    rows = init_std(name, shape, n_layer) * rng.standard_normal(size, dtype=np.float32)
+    if real is not None:  # the head favours real tokens, so greedy text (and most samples) can be read: a
+        # padding token's logit is 0, a real one's about N(0, 16), still random
+        first = part * max(1, CHUNK_ELEMENTS // shape[-1])
+        rows *= np.where(np.arange(first, first + n_rows) < real, 4.0, 0.0).astype(np.float32)[:, None]
+    return rows
 
 
 def _make_chunk(task: tuple) -> np.ndarray:
-    name, shape, qtype, n_layer, seed, part, n_rows = task
-    return quantize(_float_rows(name, shape, n_layer, seed, part, n_rows), qtype)
+    name, shape, qtype, n_layer, seed, part, n_rows, real = task
+    return quantize(_float_rows(name, shape, n_layer, seed, part, n_rows, real), qtype)
 
 
-def _chunks(p: TensorPlan, n_layer: int, seed: int) -> list[tuple]:
+def _chunks(p: TensorPlan, n_layer: int, seed: int, real: int | None = None) -> list[tuple]:
     n_rows = int(np.prod(p.shape[:-1]))
     step = max(1, CHUNK_ELEMENTS // p.shape[-1])
     return [
-        (p.name, p.shape, p.qtype, n_layer, seed, k, min(step, n_rows - start))
+        (p.name, p.shape, p.qtype, n_layer, seed, k, min(step, n_rows - start), real)
         for k, start in enumerate(range(0, n_rows, step))
     ]
+
+
+def tensor_plans(preset: Preset, r: Recipe) -> list[TensorPlan]:
+    """Each tensor of the preset's file, in the type the recipe gives it, in file order."""
+    arch = architecture(preset.spec.arch)
+    spec = arch.read_spec(preset_metadata(preset, r), preset.spec.n_vocab)  # the spec a reader of the file sees
+    shapes = {
+        n: s
+        for n, s in arch.tensor_shapes(spec, tied_output=preset.tied_output).items()
+        if not (n.startswith("blk.") and n.split(".", 2)[2] in preset.omitted)  # what llama.cpp also sees
+    }
+    types = tensor_types(shapes, r, Facts.of(spec, shapes))
+    return [TensorPlan(n, types[n], s) for n, s in shapes.items()]
 
 
 def make_model(
     out: str | os.PathLike[str], preset: Preset, quant: str = "Q4_K_M", seed: int = 0, progress: bool = True
 ) -> None:
-    """Write a generated model of the preset to `out`, one tensor at a time."""
-    if quant not in QUANTS:
-        raise MoestreamError(f"--quant {quant}: choose from {', '.join(QUANTS)}")
+    """Write a generated model of the preset to `out` in a llama.cpp recipe (--quant), one tensor at a time."""
+    r = recipe(quant)
     if seed < 0:
         raise MoestreamError(f"--seed {seed}: give a seed of 0 or more")
-    arch = architecture(preset.spec.arch)
-    meta = preset_metadata(preset, quant)
-    spec = arch.read_spec(meta, preset.spec.n_vocab)  # the spec a reader of the file will see
-    shapes = arch.tensor_shapes(spec, tied_output=preset.tied_output)
-    n_blocks = spec.n_layer + spec.n_layer_nextn  # the quantizer's layer count: NextN blocks are blocks too
-    plans = [
-        TensorPlan(n, tensor_type(n, s, quant, n_blocks), s)
-        for n, s in shapes.items()
-        if not (n.startswith("blk.") and n.split(".", 2)[2] in preset.omitted)
-    ]
+    plans = tensor_plans(preset, r)
+    if lacking := sorted({p.qtype.name for p in plans if p.qtype not in QUANTIZABLE}):
+        raise MoestreamError(
+            f"--quant {r.name}: moestream cannot write {', '.join(lacking)} blocks yet (no "
+            f"quantizer for that type); choose another recipe"
+        )
+    meta = preset_metadata(preset, r, seed)
 
-    tasks = {p.name: _chunks(p, preset.spec.n_layer, seed) for p in plans}
+    types_of_tokens = meta["tokenizer.ggml.token_type"]
+    real = types_of_tokens.index(UNUSED) if UNUSED in types_of_tokens else None  # padding follows the real ones
+    tasks = {p.name: _chunks(p, preset.spec.n_layer, seed, real if p.name == "output.weight" else None) for p in plans}
     workers = min(os.cpu_count() or 1, 32)
     # big files: worker processes generate and quantize chunks (numpy holds the GIL too often for threads)
     many = workers > 1 and max(map(len, tasks.values())) > 1
-    pool = mp.get_context("fork").Pool(workers, initializer=_leave_interrupts) if many else None
+    pool = _worker_pool(workers) if many else None
     queued = iter([t for p in plans for t in tasks[p.name]])  # every chunk, in file order
     pending: deque = deque()  # chunks the workers are making, oldest first
 
@@ -164,6 +160,22 @@ def make_model(
             pool.join()
 
 
-def _leave_interrupts() -> None:
-    """A worker ignores Ctrl-C: the writing process stops them (else each prints its own traceback)."""
+def _worker_pool(workers: int) -> mp.pool.Pool:
+    """Worker processes that leave Ctrl-C to this one (it stops them: else each prints its own traceback) and
+    die with it. SIGINT is blocked while they fork, so none is born able to take it; a worker forked later (the
+    pool replaces one that dies) comes from the pool's own thread, which keeps that mask."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        return mp.get_context("fork").Pool(workers, initializer=_worker_start, initargs=(os.getpid(),))
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # a Ctrl-C that came meanwhile is delivered now
+
+
+def _worker_start(parent: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    # killed when the process that forked it ends, however it ends: a worker ignores Ctrl-C, and its siblings
+    # hold its task pipe open, so nothing else would end one left behind
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0 or os.getppid() != parent:
+        os._exit(1)  # no death signal, or the parent is already gone

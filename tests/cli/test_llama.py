@@ -1,17 +1,24 @@
-"""llama.cpp command lines: flags accepted with their meaning, the rest refused in one line naming ours, and
-`bench -o` under llama-bench's field names."""
+"""llama.cpp command lines: flags taken only as spelled, accepted with their meaning, the rest refused in one line
+naming ours; `bench -o` under llama-bench's field names."""
 
 from __future__ import annotations
 
+import argparse
 import csv
 import io
 import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
 import moestream
-from moestream.cli.args import REJECTED, engine_options
+from moestream.cli.args import engine_options
+from moestream.cli.llama import _Refused, refused
 from moestream.cli.main import build_parser, main
 from moestream.options import Options
 
@@ -76,13 +83,134 @@ def test_ngl_and_fa_are_accepted_and_say_when_ignored(model_file, capsys, flags,
     assert (note in err) if note else ("ignored" not in err)
 
 
-@pytest.mark.parametrize("group", list(REJECTED))
-def test_other_llama_flags_get_one_line_naming_ours(capsys, group):
+LLAMA_FLAGS = [
+    line.split() for line in (Path(__file__).parent / "llama_flags.txt").read_text().splitlines() if line[:1] != "#"
+]
+REQUIRED = {"run": ["-m", "m.gguf", "-p", "hi"], "serve": ["-m", "m.gguf"], "bench": ["-m", "m.gguf"]}
+
+
+def test_every_llama_flag_is_taken_or_refused_in_one_line_naming_ours(capsys):
+    """Each flag of llama-cli/llama-completion (run), llama-server (serve) and llama-bench (bench)."""
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    refusals = 0
+    for command, flag in LLAMA_FLAGS:
+        action = commands[command]._option_string_actions.get(flag)
+        assert action is not None, f"{command} {flag}: neither taken nor refused"
+        if not isinstance(action, _Refused):
+            continue
+        refusals += 1
+        with pytest.raises(SystemExit) as e:
+            commands[command].parse_args([*REQUIRED[command], flag, "x"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1, (command, flag, err)
+        assert f"error: {flag} is a llama.cpp flag" in err[0] and refused(command)[flag] in err[0]
+    assert 500 < refusals < len(LLAMA_FLAGS)
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["-co"], ["-co is a llama.cpp flag", "stdout"]),  # was -c with the value "o"
+        (["-mli"], ["-mli is a llama.cpp flag", "-p"]),  # was a second -m
+        (["-cnv"], ["-cnv is a llama.cpp flag", "--chat"]),
+        (["--te", "0.5"], ["unrecognized arguments: --te"]),  # was "ambiguous" (--temp, --top-k, ...)
+        (["--tem", "0.5"], ["unrecognized arguments: --tem"]),  # was --temp
+        (["-n5"], ["unrecognized arguments: -n5"]),  # no value glued to a short flag, as llama.cpp
+        (["-fx"], ["unrecognized arguments: -fx"]),  # was -fa
+        (["--mirostat", "2"], ["--mirostat is a llama.cpp flag", "--min-p", "--repeat-penalty"]),
+    ],
+)
+def test_flags_are_taken_only_as_spelled(capsys, argv, words):
     with pytest.raises(SystemExit) as e:
-        build_parser().parse_args(["run", "-m", "m.gguf", "-p", "hi", group[0], "x"])
+        main(["run", "-m", "m.gguf", "-p", "hi", *argv])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1
-    assert group[0] in err[0] and REJECTED[group] in err[0]
+    assert all(w in err[0] for w in words), err[0]
+
+
+def test_llama_cli_spellings_run(model_file, tmp_path, capsys):
+    """-f FILE, -no-cnv, -s, --temperature, --predict and -cmoe as llama-cli takes them."""
+    path = model_file("tiny", "Q4_K_M")
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("The")
+
+    def text(*flags: str) -> str:
+        assert main(["run", "-m", path, "--device", "cpu", *flags]) == 0
+        return capsys.readouterr().out
+
+    ours = text("-p", "The", "-n", "12", "--temp", "1.5", "--seed", "3", "--cpu-moe")
+    assert text("-f", str(prompt), "-no-cnv", "--predict", "12", "--temperature", "1.5", "-s", "3", "-cmoe") == ours
+    assert text("-p", "The", "-n", "12", "--temp", "1.5", "-s", "4") != ours
+
+
+def test_n_minus_one_generates_until_the_context_is_full(model_file, capsys):
+    path = model_file("tiny", "F32")
+    assert main(["run", "-m", path, "--device", "cpu", "-p", "The", "-n", "-1", "-c", "24", "--ignore-eos"]) == 0
+    err = capsys.readouterr().err
+    assert "stop: context" in err
+    assert main(["run", "-m", path, "--device", "cpu", "-p", "The", "-n", "-2"]) == 2
+    assert "-1 to generate until the end" in capsys.readouterr().err
+
+
+def test_seed_minus_one_is_a_random_seed(model_file, capsys):
+    path = model_file("tiny", "Q4_K_M")
+    texts = set()
+    for _ in range(3):
+        assert main(["run", "-m", path, "--device", "cpu", "-p", "The", "-n", "16", "--temp", "2", "--seed", "-1"]) == 0
+        texts.add(capsys.readouterr().out)
+    assert len(texts) > 1
+
+
+def test_min_p_changes_the_text(model_file, capsys):
+    path = model_file("tiny", "Q4_K_M")
+
+    def text(*flags: str) -> str:
+        assert main(["run", "-m", path, "-p", "The", "-n", "24", "--device", "cpu", *flags]) == 0
+        return capsys.readouterr().out
+
+    greedy, sampled = text(), text("--temp", "1.5", "--seed", "1")
+    assert text("--temp", "1.5", "--seed", "1", "--min-p", "1") == greedy  # only the top token is left
+    assert text("--temp", "1.5", "--seed", "1", "--min-p", "0.01") != greedy
+    assert text("--temp", "1.5", "--seed", "1", "--min-p", "0") == sampled
+
+
+def test_info_takes_m_and_probe_a_path(model_file, capsys):
+    path = model_file("tiny", "F32")
+    assert main(["info", "-m", path]) == 0
+    by_m = capsys.readouterr().out
+    assert main(["info", path]) == 0 and capsys.readouterr().out == by_m
+    assert main(["info", path, "-m", path]) == 2 and "give the model file once" in capsys.readouterr().err
+    assert main(["probe", path, "--device", "cpu", "-p", "64", "-ub", "64", "-ncmoe", "all"]) == 0
+    out = capsys.readouterr().out
+    assert "floors for pp64 ub64 ncmoe all" in out
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["run", "-m", "MODEL", "-p", "hi", "-n", "-5"],
+        ["bench", "-m", "MODEL", "-r", "0"],
+        ["serve", "-m", "MODEL", "--port", "0"],
+        ["run", "-m", "MODEL", "-p", "hi", "--stream", "fast"],
+        ["run", "-m", "nothing-here.gguf", "-p", "hi"],
+        ["probe", "MODEL", "-ncmoe", "-1"],
+    ],
+)
+def test_a_bad_value_is_answered_before_torch_loads(model_file, argv):
+    """In a fresh process: one line, exit 2, no torch imported, well under half a second of CPU."""
+    argv = [model_file("tiny", "F32") if a == "MODEL" else a for a in argv]
+    code = "import runpy, sys; sys.argv[0] = 'moestream'; runpy.run_module('moestream.cli', run_name='__main__')"
+    check = "import atexit, sys; atexit.register(lambda: 'torch' in sys.modules and print('torch loaded'))"
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-c", f"{check}\n{code}", *argv], capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "torch loaded" not in r.stdout
+    assert cpu < 0.5, f"{cpu:.2f} s of CPU ({wall:.2f} s wall)"
+    assert wall < 2.0  # 0.2 s on an idle dev machine; slack for a loaded one
 
 
 @pytest.mark.parametrize("fmt", ["json", "jsonl", "csv"])

@@ -119,3 +119,56 @@ def test_serve_answers_on_the_socket_it_bound_and_stops_on_ctrl_c(model_file):
     text = err.decode()
     assert p.returncode == 130 and "Traceback" not in text, text
     assert text.strip().splitlines()[-1] == "moestream: interrupted"
+
+
+def _group(pgid: int) -> list[int]:
+    """The live processes of a process group (zombies are gone already: they hold no memory)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":  # fields[0]: state, fields[2]: process group
+                found.append(int(entry))
+    return found
+
+
+@pytest.mark.parametrize(("settle", "how"), [(0.0, "ctrl-c"), (1.0, "ctrl-c"), (1.0, "parent killed")])
+def test_make_model_leaves_no_worker_behind(tmp_path, settle, how):
+    """Ctrl-C at a terminal signals the whole group (the writer and its workers): exit 130, one line, no
+    traceback (workers just forked printed BrokenPipeErrors), no worker left; and workers die with a writer
+    that is killed outright (one ran on, orphaned, for half an hour)."""
+    p = subprocess.Popen(
+        [sys.executable, "-m", "moestream.cli", "make-model", str(tmp_path / "m.gguf"), "--preset", "qwen3-30b-a3b"]
+        + ["--layers", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        start_new_session=True,  # its own group, as a shell gives a foreground job
+    )
+    try:
+        deadline = time.time() + 120
+        while len(_group(p.pid)) < 2 and time.time() < deadline and p.poll() is None:
+            time.sleep(0.01)  # until the first worker is forked
+        assert len(_group(p.pid)) >= 2, "no worker process was started"
+        time.sleep(settle)  # 0: as the workers start; 1 s: while they make chunks
+        if how == "ctrl-c":
+            os.killpg(p.pid, signal.SIGINT)
+        else:
+            p.kill()
+        out, err = p.communicate(timeout=60)
+        time.sleep(1.0)  # a killed worker's exit
+        left = _group(p.pid)
+    finally:
+        if _group(p.pid):
+            os.killpg(p.pid, signal.SIGKILL)
+    assert left == []
+    if how == "ctrl-c":
+        text = err.decode()
+        assert p.returncode == 130, text
+        assert "Traceback" not in text and "Error" not in text, text
+        assert text.strip().splitlines()[-1] == "moestream: interrupted"
+        assert not (tmp_path / "m.gguf").exists()

@@ -24,7 +24,20 @@ F16_FIELDS = {
     Q.Q4_K: (0, 2),
     Q.Q5_K: (0, 2),
     Q.Q6_K: (208,),
+    Q.IQ2_XXS: (0,),
+    Q.IQ2_XS: (0,),
+    Q.IQ2_S: (0,),
+    Q.IQ3_XXS: (0,),
+    Q.IQ3_S: (0,),
+    Q.IQ1_S: (0,),
+    Q.IQ1_M: (),  # its d is the top nibbles of its four 16-bit scale fields (set in random_bytes)
+    Q.IQ4_NL: (0,),
+    Q.IQ4_XS: (0,),
+    Q.TQ1_0: (52,),
+    Q.TQ2_0: (64,),
 }
+# Byte offsets of E8M0 exponents: random ones would reach 2**127 and overflow (edge exponents: their own test)
+E8M0_FIELDS = {Q.MXFP4: (0,)}
 FLOAT_TYPES = {Q.F32: np.float32, Q.F16: np.float16}
 
 # 1-D, 2-D and a 3-D expert stack; every row is a whole number of 256-element super-blocks.
@@ -46,9 +59,15 @@ def random_bytes(qtype: Q, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
         raw = gguf.quants.quantize((rng.standard_normal(n_blocks) * magnitude).astype(np.float32), qtype)
     else:
         raw = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
-        for offset in F16_FIELDS[qtype]:
+        for offset in F16_FIELDS.get(qtype, ()):
             scale = (rng.standard_normal(n_blocks) * magnitude).astype(np.float16)
             raw[:, offset : offset + 2] = scale.view(np.uint8).reshape(n_blocks, 2)
+        for offset in E8M0_FIELDS.get(qtype, ()):
+            raw[:, offset] = rng.integers(127 - 30, 127 + 30, size=n_blocks)
+        if qtype == Q.IQ1_M:
+            d = (rng.standard_normal(n_blocks) * magnitude).astype(np.float16).view(np.uint16)
+            nibbles = ((d[:, None] >> np.array([0, 4, 8, 12], np.uint16)) & 15).astype(np.uint8)
+            raw[:, 49:56:2] = (raw[:, 49:56:2] & 0x0F) | (nibbles << 4)
     return raw.reshape(*shape[:-1], row_bytes(qtype, shape[-1]))
 
 
@@ -67,7 +86,8 @@ def assert_bit_exact(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 
 
 def test_supported_types():
-    expected = "F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K".split()
+    expected = "F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K MXFP4".split()
+    expected += "IQ2_XXS IQ2_XS IQ2_S IQ3_XXS IQ3_S IQ1_S IQ1_M IQ4_NL IQ4_XS TQ1_0 TQ2_0".split()
     assert {t.name for t in SUPPORTED} == set(expected)
 
 
@@ -76,9 +96,9 @@ def test_each_entry_names_its_type_and_the_kernels_it_has():
     assert set(TYPES) == SUPPORTED
     for qtype, entry in TYPES.items():
         assert entry.qtype == qtype and (entry.block, entry.type_size) == gguf.GGML_QUANT_SIZES[qtype]
-    assert get(Q.Q4_K).dot == "q4_k_dot" and get(Q.Q4_0).tile is None
-    with pytest.raises(MoestreamError, match=r"tensor type IQ2_XXS is not supported \(supported: .*Q6_K"):
-        get(Q.IQ2_XXS)
+    assert get(Q.Q4_K).dot == "q4_k_dot" and get(Q.Q8_0).tile == "q8_0_tile"
+    with pytest.raises(MoestreamError, match=r"tensor type Q8_K is not supported \(supported: .*Q6_K"):
+        get(Q.Q8_K)
 
 
 def test_random_blocks_have_finite_values():
@@ -94,6 +114,22 @@ def test_bit_exact_vs_gguf(qtype, shape):
     want = reference(raw, qtype, shape)
     got = dequantize(torch.from_numpy(raw), qtype, shape)
     assert_bit_exact(got, want, f"{qtype.name} {shape}")
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # gguf's product reaching inf
+def test_mxfp4_every_code_at_the_edge_exponents():
+    """Every E2M1 code pair (all 256 bytes) under the E8M0 exponents at both ends (0 and 1 scale subnormals,
+    255 overflows 8 and 12 to inf) and around 127 (a scale of 1)."""
+    exponents = [0, 1, 2, 3, 125, 126, 127, 128, 129, 252, 253, 254, 255]
+    codes = np.arange(256, dtype=np.uint8).reshape(16, 16)
+    raw = np.zeros((len(exponents), 16, 17), np.uint8)
+    raw[:, :, 0] = np.array(exponents, np.uint8)[:, None]
+    raw[:, :, 1:] = codes
+    shape = (len(exponents), 16 * 32)
+    raw = raw.reshape(len(exponents), -1)
+    want = reference(raw, Q.MXFP4, shape)
+    assert torch.isinf(want[-1]).any() and (want[0] != 0).any()  # both ends reached
+    assert_bit_exact(dequantize(torch.from_numpy(raw), Q.MXFP4, shape), want, "MXFP4 edge exponents")
 
 
 @pytest.mark.parametrize("qtype", sorted(SUPPORTED), ids=lambda t: t.name)
@@ -129,9 +165,9 @@ def test_chunked_expansion_matches_one_pass(monkeypatch):
 
 
 def test_unsupported_type_is_named():
-    raw = torch.zeros(row_bytes(Q.IQ2_XXS, 256), dtype=torch.uint8)
-    with pytest.raises(MoestreamError, match=r"tensor type IQ2_XXS is not supported \(supported: .*Q4_K"):
-        dequantize(raw, Q.IQ2_XXS, (256,))
+    raw = torch.zeros(row_bytes(Q.Q8_K, 256), dtype=torch.uint8)
+    with pytest.raises(MoestreamError, match=r"tensor type Q8_K is not supported \(supported: .*Q4_K"):
+        dequantize(raw, Q.Q8_K, (256,))
 
 
 def test_wrong_byte_count_is_an_error():

@@ -248,3 +248,68 @@ def test_real_size_vocabulary_builds_fast():
     assert tok.encode("abc<|im_end|>") == [tokens.index("abc"), 151645]
     assert tok.decode([151935]) == ""  # unused rows print nothing, as in llama.cpp
     assert len(tok.encode("[PAD151935]")) > 1  # and are not matched in text
+
+
+# tiktoken's o200k_base pattern (gpt-4o, gpt-oss), run by the `regex` module: an engine of its own
+O200K = "|".join(
+    [
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"\p{N}{1,3}",
+        r" ?[^\s\p{L}\p{N}]+[\r\n/]*",
+        r"\s*[\r\n]+",
+        r"\s+(?!\S)",
+        r"\s+",
+    ]
+)
+
+
+def test_gpt4o_splits_where_o200k_splits(meta):
+    """Every o200k piece boundary is a token boundary (whole-word merges notwithstanding), nothing more is cut
+    than BPE cuts, and text round-trips."""
+    import regex
+
+    tok = Tokenizer.from_metadata({**meta, "tokenizer.ggml.pre": "gpt-4o"})
+    tokens = meta["tokenizer.ggml.tokens"]
+    camel = "HelloWorld getHTTPResponse DON'T i'M 1234567 a/b/c\n\n"
+    for text in [t for t in TEXTS if "<|" not in t and "<think>" not in t] + [camel]:
+        ids = tok.encode(text)
+        assert tok.decode(ids) == text
+        cuts, at = set(), 0
+        for i in ids:
+            at += len(tok.token_bytes(i))
+            cuts.add(at)
+        pieces = [m.group() for m in regex.finditer(O200K, text)]
+        assert "".join(pieces) == text
+        bounds = {len("".join(pieces[: k + 1]).encode()) for k in range(len(pieces))}
+        assert bounds <= cuts, text
+    assert [tokens[i] for i in tok.encode("12345")] == ["123", "4", "5"]  # a merged "12345" cut after three digits
+
+
+def test_harmony_tokens_template_and_end_of_generation():
+    """gpt-oss's chat tokens are single ids; <|return|> and <|call|> end generation, <|end|> does not (it closes
+    one message of several in a turn, as llama.cpp reads Harmony); the template renders Harmony."""
+    meta = tiny_tokenizer_metadata(1291, "harmony")
+    tok = Tokenizer.from_metadata(meta)
+    tokens = meta["tokenizer.ggml.tokens"]
+    assert meta["tokenizer.ggml.pre"] == "gpt-4o"
+    assert {tokens[i] for i in tok.eos_ids} == {"<|return|>", "<|call|>", "<|endoftext|>"}
+    assert tok.encode("<|channel|>final<|message|>Hi<|end|>")[:1] == [tokens.index("<|channel|>")]
+    text = tok.apply_chat_template(
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": "And?"},
+        ],
+        reasoning_effort="low",
+    )
+    date = time.strftime("%Y-%m-%d")
+    assert text == (
+        "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
+        f"Knowledge cutoff: 2024-06\nCurrent date: {date}\n\nReasoning: low\n\n"
+        "# Valid channels: analysis, commentary, final. Channel must be included for every message.<|end|>"
+        "<|start|>developer<|message|># Instructions\n\nBe brief.\n\n<|end|>"
+        "<|start|>user<|message|>Hi<|end|><|start|>assistant<|channel|>final<|message|>Hello.<|end|>"
+        "<|start|>user<|message|>And?<|end|><|start|>assistant"
+    )

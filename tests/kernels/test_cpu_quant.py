@@ -5,7 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from block_patterns import F16_FIELDS, bit_patterns
 from gguf import GGMLQuantizationType as Q
+from grid_patterns import GRID_TYPES, grid_blocks
 
 from moestream.formats import quants
 from moestream.formats.quantize import quantize
@@ -18,7 +20,7 @@ def test_the_types_are_those_formats_names_a_c_block_function_for():
     source = cpu_quant.SOURCE.read_text()
     for qtype in cpu_quant.TYPES:
         assert f"static void {quants.get(qtype).cpu_dot}(const uint8_t *b, float *out)" in source, qtype.name
-    assert cpu_quant.TYPES == {Q.Q4_K, Q.Q6_K, Q.Q8_0}
+    assert cpu_quant.TYPES == set(F16_FIELDS) | {Q.Q4_K, Q.Q6_K} | set(GRID_TYPES)
 
 
 @pytest.mark.parametrize("qtype", sorted(cpu_quant.TYPES))
@@ -33,6 +35,28 @@ def test_matvec_matches_dequantized_product(qtype):
     assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
     one = cpu_quant.matvec(raw[4], qtype, 40, x)
     assert float((one - x @ W[4].T).abs().max() / ref.abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("qtype", sorted(F16_FIELDS), ids=lambda t: t.name)
+def test_block_functions_read_every_bit_pattern(qtype):
+    rng = np.random.default_rng(5)
+    stored = bit_patterns(rng, qtype, (3, 40), 768)
+    W = quants.dequantize(torch.from_numpy(stored), qtype, (3, 40, 768), torch.float64)
+    x = torch.randn(3, 768, generator=torch.Generator().manual_seed(2))
+    mats = torch.tensor([2, 0, 2])
+    ref = torch.einsum("pod,pd->po", W[mats], x.double())
+    got = cpu_quant.matvec(torch.from_numpy(stored), qtype, 40, x, mats)
+    assert float((got.double() - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("qtype", GRID_TYPES, ids=lambda t: t.name)
+def test_grid_block_functions_give_the_reference_bits(qtype):
+    """Over every grid row, sign pattern and scale (iq_grids.h generated from gguf's tables): x = the identity
+    makes each output one stored value times 1 plus zeros, so the C blocks must equal the reference exactly."""
+    raw = torch.from_numpy(grid_blocks(qtype, 64))  # 64 rows of one block
+    W = quants.dequantize(raw, qtype, (64, 256))
+    got = cpu_quant.matvec(raw, qtype, 64, torch.eye(256))
+    assert torch.equal(got, W.T), f"{int((got != W.T).sum())} values differ"
 
 
 def test_every_half_float_scale_decodes_exactly():

@@ -33,6 +33,7 @@ CASES = [  # T, H, Hkv, Dh, S, positions
     (1, 32, 4, 128, 256, [100]),  # qwen3-30b's first bucket: one chunk, which normalises itself (no combine)
     (3, 12, 4, 256, 300, [0, 1, 299]),  # one chunk: G = 3 padded to 16, Dh 256, a bucket of partial blocks
     (4, 16, 2, 128, 100, [0, 2, 50, 99]),  # one chunk, tokens seeing one to a hundred keys
+    (1, 32, 4, 128, 5000, [4999]),  # chunks sized for 8192 keys: those past the 5000 hold none
 ]
 
 
@@ -78,3 +79,23 @@ def test_replays_in_a_cuda_graph():
         pos.copy_(torch.tensor(positions))
         graph.replay()
         assert worst_error(out, q, k, v, pos) < 2e-2
+
+
+SINK_CASES = [  # T, H, Hkv, Dh, S, positions, window: gpt-oss's sinks, alone and with a sliding window
+    (2, 8, 2, 64, 300, [5, 299], 0),  # one chunk
+    (3, 8, 2, 64, 300, [0, 130, 299], 128),  # one chunk, the window cutting blocks before it
+    (2, 16, 2, 64, 8192, [100, 8000], 0),  # several chunks: the sink joins the combine
+    (2, 16, 2, 64, 8192, [100, 8000], 128),  # several chunks, all but one or two before the window
+    (2, 12, 4, 32, 2048, [1000, 2047], 7),  # an odd window
+    (12, 8, 2, 64, 1000, list(range(988, 1000)), 128),  # a prompt's queries at the last positions of 1000 keys
+]
+
+
+@pytest.mark.parametrize("T,H,Hkv,Dh,S,positions,window", SINK_CASES)
+def test_sinks_and_window_match_masked_attention(T, H, Hkv, Dh, S, positions, window):
+    q, k, v, pos = inputs(T, H, Hkv, Dh, S, positions, torch.float32)
+    sinks = torch.randn(H, device=DEVICE) * 3  # some heads' sinks outweigh every key
+    got = attention(q, k, v, pos, sinks, window)
+    ref = masked_attention(q.cpu(), k.cpu(), v.cpu(), pos.cpu(), sinks.cpu(), window)  # SDPA with a float mask
+    err = float(((got.cpu() - ref).abs().amax(dim=(1, 2)) / ref.abs().amax(dim=(1, 2))).max())
+    assert err < 1e-4, f"{err:.2e}"

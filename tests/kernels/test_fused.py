@@ -94,3 +94,24 @@ def test_softmax_topk_names_real_experts_whatever_the_logits(bad):
     _, ids = fused.softmax_topk(logits, 8, True, torch.float32)
     assert int(ids.min()) >= 0 and int(ids.max()) < 60
     assert all(len(set(row)) == 8 for row in ids.tolist())  # each expert once
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_the_prologue_without_norms_turns_and_stores_as_torch(dtype, tol):
+    """gpt-oss's heads have no q/k norms but biases: the biases' adds, RoPE (in float32, rounded once) and the
+    two KV-row writes."""
+    g = torch.Generator(device="cuda").manual_seed(4)
+    T, H, Hkv, Dh = 2, 8, 2, 64
+    q, k, v = (torch.randn(T, h, Dh, device="cuda", generator=g).to(dtype) for h in (H, Hkv, Hkv))
+    positions = torch.tensor([5, 17], device="cuda")
+    cos, sin = rope_cos_sin(positions, Dh, 150000.0, dtype)
+    caches = tuple(torch.zeros(32, Hkv, Dh, device="cuda", dtype=dtype) for _ in range(2))
+    biases = tuple(torch.randn(h * Dh, device="cuda", generator=g).to(dtype) for h in (H, Hkv, Hkv))
+    got = fused.qkv_store(q, k, v, None, 0.0, (cos, sin), caches, positions, biases)
+    q, k, v = (t + b.view(-1, Dh) for t, b in zip((q, k, v), biases, strict=True))  # rounded as the kernel does
+    f = [t.float() for t in (q, k, cos, sin)]
+    assert float((got.float() - rope_neox(f[0], f[2], f[3])).abs().max()) < tol * 4
+    assert float((caches[0][positions].float() - rope_neox(f[1], f[2], f[3])).abs().max()) < tol * 4
+    assert torch.equal(caches[1][positions], v)
+    others = [p for p in range(32) if p not in (5, 17)]
+    assert not caches[0][others].any() and not caches[1][others].any()

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from kernel_devices import gpu
+from kernel_devices import DEVICE, gpu, gpu_or_interpreter
 
 from moestream.formats import quants
 from moestream.formats.quantize import quantize
 from moestream.kernels import matvec as mv
 from moestream.kernels import tuning
-from moestream.kernels.dots import FLOAT_QTYPES
+from moestream.kernels.dots import DOTS, FLOAT_QTYPES
 from moestream.kernels.matvec import matvec
 from moestream.offload.host import PinnedRanges
 
@@ -49,7 +49,7 @@ def test_blocks_off_word_alignment_are_refused():
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0])
+@pytest.mark.parametrize("qtype", sorted(DOTS), ids=lambda t: t.name)
 @pytest.mark.parametrize("where", ["device", "host"])
 @pytest.mark.parametrize("n_in", [768, 2048])  # K-quants: 3 blocks a row, one at a time; 8, loaded together
 def test_matvec_matches_dequantized_product(qtype, where, n_in, own_pages):
@@ -139,3 +139,19 @@ def test_matrices_of_one_x_in_one_launch_match_each_alone(types):
     for i in range(x.shape[0]):
         row = mv.matvecs(parts, x[i : i + 1])
         assert all(torch.equal(a[i : i + 1], b) for a, b in zip(together, row, strict=True)), f"row {i}"
+
+
+@pytest.mark.gpu
+@gpu_or_interpreter
+def test_matrices_with_and_without_lookup_tables_in_one_launch():
+    """matvecs passes each part its own table (IQ1_M's grid, none for Q4_K, IQ3_XXS's grid and signs)."""
+    rng = np.random.default_rng(5)
+    D, parts, refs = 256, [], []
+    for qtype, n_out in ((Q.IQ1_M, 24), (Q.Q4_K, 16), (Q.IQ3_XXS, 9)):
+        stored = quantize(rng.standard_normal((n_out, D)).astype(np.float32), qtype)
+        parts.append((torch.from_numpy(stored).to(DEVICE), qtype, n_out))
+        refs.append(quants.dequantize(torch.from_numpy(stored), qtype, (n_out, D)))
+    x = torch.randn(2, D)
+    for y, w in zip(mv.matvecs(parts, x.to(DEVICE)), refs, strict=True):
+        ref = x @ w.T
+        assert float((y.cpu() - ref).abs().max() / ref.abs().max()) < 1e-5

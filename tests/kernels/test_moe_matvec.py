@@ -15,7 +15,7 @@ from moestream.formats.quantize import quantize
 from moestream.kernels import moe_matvec, tuning
 from moestream.kernels.matvec import matvec
 from moestream.offload.host import PinnedRanges
-from moestream.ops.moe_swiglu import moe_swiglu_picked
+from moestream.ops.moe_swiglu import ClampedGlu, moe_swiglu_picked
 
 
 @pytest.mark.gpu
@@ -78,6 +78,76 @@ def test_each_token_of_a_launch_gets_the_bits_it_gets_alone(K):
         alone = moe_matvec.swiglu_picked(x[t : t + 1], weights[t : t + 1], ids[t : t + 1], raws, qtypes, F)
         assert torch.equal(together[t : t + 1], alone)
         assert torch.equal(dense[t : t + 1], matvec(raws[0][0], Q.Q4_K, F, x[t : t + 1]))
+
+
+@pytest.mark.gpu
+@gpu_or_interpreter
+def test_grid_type_experts_match_dequantized_experts():
+    """Gate and up IQ2_XXS, down IQ3_S: the gate-and-up launch and the down matvec each read their type's grid
+    table."""
+    E, F_, D, T, K = 4, 256, 256, 2, 2
+    rng = np.random.default_rng(5)
+    types, shapes = (Q.IQ2_XXS, Q.IQ2_XXS, Q.IQ3_S), ((E, F_, D), (E, F_, D), (E, D, F_))
+    stored = [quantize(rng.standard_normal(s).astype(np.float32), t) for s, t in zip(shapes, types, strict=True)]
+    W = [quants.dequantize(torch.from_numpy(r), t, s) for r, t, s in zip(stored, types, shapes, strict=True)]
+    x = torch.randn(T, D)
+    ids, weights = torch.tensor([[3, 0], [1, 3]]), torch.rand(T, K)
+    mv = [lambda picks, rows, w=w: torch.einsum("pod,pd->po", w[picks], rows) for w in W]
+    ref = moe_swiglu_picked(x, weights, ids, *mv)
+    assert moe_matvec.fuses(types)
+    raws = [torch.from_numpy(r).to(DEVICE) for r in stored]
+    got = moe_matvec.swiglu_picked(x.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE), raws, types, F_).cpu()
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
+@pytest.mark.gpu
+@gpu_or_interpreter
+@pytest.mark.parametrize(
+    "qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.MXFP4, Q.IQ4_NL, Q.IQ4_XS, Q.TQ1_0, Q.TQ2_0]
+)
+def test_swiglu_picked_takes_each_types_experts(qtype):
+    """gate, up and down of every type with a dot through the three launches, against the dequantized experts."""
+    E, F_, D, T, K = 3, 256, 256, 2, 2
+    rng = np.random.default_rng(5)
+    shapes = ((E, F_, D), (E, F_, D), (E, D, F_))
+    stored = [quantize((rng.standard_normal(s) * 0.05).astype(np.float32), qtype) for s in shapes]
+    W = [quants.dequantize(torch.from_numpy(s), qtype, sh, torch.float32) for s, sh in zip(stored, shapes, strict=True)]
+    x = torch.randn(T, D)
+    ids = torch.tensor([[2, 0], [1, 2]])
+    weights = torch.rand(T, K)
+    mv = [lambda picks, rows, w=w: torch.einsum("pod,pd->po", w[picks], rows) for w in W]
+    ref = moe_swiglu_picked(x, weights, ids, *mv)
+    assert moe_matvec.fuses((qtype,) * 3)
+    raws = [torch.from_numpy(s).to(DEVICE) for s in stored]
+    got = moe_matvec.swiglu_picked(x.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE), raws, (qtype,) * 3, F_).cpu()
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
+@pytest.mark.gpu
+@gpu_or_interpreter
+@pytest.mark.parametrize("qtype", [Q.MXFP4, Q.Q8_0], ids=lambda t: t.name)
+def test_clamped_experts_in_the_three_launches(qtype):
+    """gpt-oss's experts: per-pair gate, up and down biases and the clamped GLU inside the gate-and-up and sum
+    launches, against the torch form over the dequantized experts; biases large enough to cross the clamps."""
+    E, F_, D, T, K = 4, 96, 160, 2, 3  # gpt-oss's tiny widths: rows of no power of two
+    rng = np.random.default_rng(6)
+    shapes = ((E, F_, D), (E, F_, D), (E, D, F_))
+    stored = [quantize((rng.standard_normal(s) * 0.3).astype(np.float32), qtype) for s in shapes]
+    W = [quants.dequantize(torch.from_numpy(s), qtype, sh, torch.float32) for s, sh in zip(stored, shapes, strict=True)]
+    x = torch.randn(T, D)
+    ids = torch.tensor([[2, 0, 3], [1, 2, 0]])
+    weights = torch.softmax(torch.randn(T, K), -1)
+    g = torch.Generator().manual_seed(7)
+    biases = [torch.randn(T * K, n, generator=g) * 6 for n in (F_, F_, D)]
+    clamped = ClampedGlu(*biases, 1.702, 7.0)
+    mv = [lambda picks, rows, w=w: torch.einsum("pod,pd->po", w[picks], rows) for w in W]
+    ref = moe_swiglu_picked(x, weights, ids, *mv, clamped)
+    plain = moe_swiglu_picked(x, weights, ids, *mv)
+    raws = [torch.from_numpy(s).to(DEVICE) for s in stored]
+    on = ClampedGlu(*(b.to(DEVICE) for b in biases), 1.702, 7.0)
+    got = moe_matvec.swiglu_picked(x.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE), raws, (qtype,) * 3, F_, clamped=on)
+    assert float((got.cpu() - ref).abs().max() / ref.abs().max()) < 1e-5
+    assert float((plain - ref).abs().max() / ref.abs().max()) > 0.1  # the biases and clamps matter here
 
 
 def _experts_case(dtype: torch.dtype, seed: int, F: int, T: int, E: int = 4, D: int = 256, K: int = 2) -> tuple:

@@ -266,6 +266,73 @@ def glm4moe_reference(path: str) -> torch.nn.Module:
     return model
 
 
+def gpt_oss_reference(path: str) -> torch.nn.Module:
+    """transformers' GptOssForCausalLM with the file's weights, in float64, configured as llama.cpp reads the
+    file: YaRN with the correction range rounded (truncate, which gpt-oss's shipped config turns off), the
+    file's window and sliding layers. transformers keeps gate and up interleaved in one [E, D, 2F] stack (gate
+    the even columns), transposed from the GGUF's [E, F, D]; the biases likewise."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    with GGUFFile(path) as f:
+        _, s = describe(f)
+        e = s.extra
+        yarn = e["yarn"]
+        config = GptOssConfig(
+            **common_config(s, tied=False),
+            intermediate_size=s.n_ff_exp,
+            sliding_window=e["sliding_window"],
+            layer_types=["sliding_attention" if slides else "full_attention" for slides in e["sliding_layers"]],
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": s.rope_base,
+                "factor": yarn.factor,
+                "beta_fast": yarn.beta_fast,
+                "beta_slow": yarn.beta_slow,
+                "original_max_position_embeddings": yarn.n_ctx_orig,
+                "truncate": True,
+            },
+            attn_implementation="eager",
+            experts_implementation="eager",  # its per-expert loop: the grouped form takes no float64
+        )
+        model = GptOssForCausalLM(config).double().eval()
+
+        def w(name: str) -> torch.Tensor:
+            return dequantized(f, name).double()
+
+        def interleaved(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+            return torch.stack([gate, up], dim=-1).flatten(-2)  # column 2j: gate j, 2j+1: up j
+
+        sd = {
+            "model.embed_tokens.weight": w("token_embd.weight"),
+            "model.norm.weight": w("output_norm.weight"),
+            "lm_head.weight": w("output.weight"),
+        }
+        for il in range(s.n_layer):
+            b, m = f"blk.{il}.", f"model.layers.{il}."
+            a = m + "self_attn."
+            sd |= {
+                m + "input_layernorm.weight": w(b + "attn_norm.weight"),
+                m + "post_attention_layernorm.weight": w(b + "post_attention_norm.weight"),
+                a + "sinks": w(b + "attn_sinks.weight"),
+                m + "mlp.router.weight": w(b + "ffn_gate_inp.weight"),
+                m + "mlp.router.bias": w(b + "ffn_gate_inp.bias"),
+                m + "mlp.experts.gate_up_proj": interleaved(
+                    w(b + "ffn_gate_exps.weight").transpose(1, 2), w(b + "ffn_up_exps.weight").transpose(1, 2)
+                ),
+                m + "mlp.experts.gate_up_proj_bias": interleaved(
+                    w(b + "ffn_gate_exps.bias"), w(b + "ffn_up_exps.bias")
+                ),
+                m + "mlp.experts.down_proj": w(b + "ffn_down_exps.weight").transpose(1, 2),
+                m + "mlp.experts.down_proj_bias": w(b + "ffn_down_exps.bias"),
+            }
+            for ours, theirs in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj")):
+                sd |= {a + theirs + ".weight": w(b + ours + ".weight"), a + theirs + ".bias": w(b + ours + ".bias")}
+            sd |= {a + "o_proj.weight": w(b + "attn_output.weight"), a + "o_proj.bias": w(b + "attn_output.bias")}
+    missing, unexpected = model.load_state_dict(sd, strict=True)
+    assert not unexpected and not missing, (missing, unexpected)
+    return model
+
+
 @torch.inference_mode()
 def greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
     """Greedy tokens from the reference, recomputing the whole sequence each step (no cache to get wrong)."""
@@ -276,8 +343,8 @@ def greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
     return seq[len(prompt) :]
 
 
-def assert_matches_reference(path: str, reference: torch.nn.Module, label: str) -> None:
-    """Logits of a 23-token prompt (micro-batches of 7) within 1e-4 of the reference, then 32 greedy tokens."""
+def assert_matches_reference(path: str, reference: torch.nn.Module, label: str, tol: float = 1e-4) -> None:
+    """Logits of a 23-token prompt (micro-batches of 7) within tol of the reference, then 32 greedy tokens."""
     import moestream
     from moestream.runtime.sampling import SamplingParams
 
@@ -288,7 +355,7 @@ def assert_matches_reference(path: str, reference: torch.nn.Module, label: str) 
         theirs = reference(torch.tensor([tokens])).logits[0]
     err = rel_err(ours, theirs)
     print(f"{label}: max relative logit error vs transformers {err:.2e}")
-    assert err < 1e-4, f"{label}: logits differ from transformers by {err:.2e} (relative)"
+    assert err < tol, f"{label}: logits differ from transformers by {err:.2e} (relative)"
     params = SamplingParams(max_tokens=32, temperature=0.0, stop_at_eos=False)
     assert engine.generate(tokens, params).tokens == greedy(reference, tokens, 32)
     engine.close()

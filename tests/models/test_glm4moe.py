@@ -14,6 +14,7 @@ from moestream.models import glm4moe
 from moestream.runtime.loader import describe
 from moestream.runtime.sampling import SamplingParams
 from moestream.tools.presets import get_preset
+from moestream.tools.recipes import recipe
 from moestream.tools.synthetic import preset_metadata
 
 PRESETS = ("tiny-glm4moe", "tiny-glm4moe-odd")
@@ -64,7 +65,7 @@ def test_a_file_without_its_nextn_block_loads_the_trunk(model_file):
 @pytest.mark.parametrize("name", ["tiny-glm4moe", "tiny-glm4moe-odd", "glm-4.5-air", "glm-4.5"])
 def test_presets_read_back_as_written(name):
     p = get_preset(name)
-    assert glm4moe.read_spec(preset_metadata(p, "Q4_K_M"), p.spec.n_vocab) == p.spec
+    assert glm4moe.read_spec(preset_metadata(p, recipe("Q4_K_M")), p.spec.n_vocab) == p.spec
     assert get_preset(name, 4).spec.expert_layers == list(range(p.spec.n_layer_dense_lead, 4))
 
 
@@ -82,7 +83,7 @@ def test_presets_read_back_as_written(name):
 )
 def test_bad_router_or_layer_keys_are_named(keys, words):
     p = get_preset("tiny-glm4moe-odd")
-    meta = preset_metadata(p, "F32") | {f"glm4moe.{k}": v for k, v in keys.items()}
+    meta = preset_metadata(p, recipe("F32")) | {f"glm4moe.{k}": v for k, v in keys.items()}
     with pytest.raises(MoestreamError) as e:
         glm4moe.read_spec(meta, p.spec.n_vocab)
     for w in words:

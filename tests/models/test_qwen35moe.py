@@ -10,6 +10,7 @@ import moestream
 from moestream.formats.gguf import GGUFFile
 from moestream.models import qwen35moe
 from moestream.tools.presets import get_preset
+from moestream.tools.recipes import recipe
 from moestream.tools.routing import routing_load
 from moestream.tools.synthetic import preset_metadata
 
@@ -44,7 +45,8 @@ def test_routing_is_balanced(model_file):
 
 
 def test_file_follows_llama_cpp_layout(model_file):
-    """Every 4th layer attends; the converter's F32 tensors stay F32 in Q4_K_M; attn_qkv gets Q5_K."""
+    """Every 4th layer attends; the converter's F32 tensors stay F32 in Q4_K_M; llama.cpp treats attn_qkv as an
+    attn_v, which a model of 8 experts gets in Q8_0."""
     Q = gguf.GGMLQuantizationType
     path = model_file(PRESET, "Q4_K_M")
     engine = moestream.load(path, device="cpu", progress=False)
@@ -62,11 +64,11 @@ def test_file_follows_llama_cpp_layout(model_file):
         "post_attention_norm.weight",
     ):
         assert types[f"blk.0.{name}"] == Q.F32, name
-    assert types["blk.0.attn_qkv.weight"] == Q.Q5_K
+    assert types["blk.0.attn_qkv.weight"] == types["blk.3.attn_v.weight"] == Q.Q8_0
     assert types["blk.0.ssm_alpha.weight"] == types["blk.0.ffn_gate_shexp.weight"] == Q.Q4_K
 
 
 def test_recurrent_layers_key_wins_over_interval():
     p = get_preset(PRESET)
-    meta = preset_metadata(p, "F32") | {"qwen35moe.attention.recurrent_layers": [False, True, False, True]}
+    meta = preset_metadata(p, recipe("F32")) | {"qwen35moe.attention.recurrent_layers": [False, True, False, True]}
     assert qwen35moe.read_spec(meta, p.spec.n_vocab).extra["recurrent_layers"] == (False, True, False, True)

@@ -212,7 +212,7 @@ def test_stream_env_is_read_once_with_the_options(monkeypatch):
     )
     monkeypatch.setenv("MOESTREAM_STREAM", "fast")
     assert opts.replace(slots=2).streaming.stream is Schedule.PINNED  # settled options are not read again
-    with pytest.raises(MoestreamError, match="--stream fast: expected one of"):
+    with pytest.raises(MoestreamError, match="MOESTREAM_STREAM=fast: expected one of"):  # the variable, not a flag
         Options.make(device="cpu")
     with pytest.raises(dataclasses.FrozenInstanceError):
         opts.streaming.stream = Schedule.OVERLAP

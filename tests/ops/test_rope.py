@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from moestream.ops.norm import rms_norm
-from moestream.ops.rope import imrope_text_cos_sin, rms_norm_rope, rope_cos_sin, rope_neox
+from moestream.ops.rope import YaRN, imrope_text_cos_sin, rms_norm_rope, rope_cos_sin, rope_neox
 
 
 def test_imrope_pairs_outside_the_text_sections_stay_still():
@@ -36,3 +36,23 @@ def test_rope_neox_turns_each_pair_by_its_angle():
     assert torch.equal(got[..., rot:], x[..., rot:])
     w = torch.randn(Dh, dtype=torch.float64)
     assert torch.equal(rms_norm_rope(x, w, 1e-6, cos, sin), rope_neox(rms_norm(x, w, 1e-6), cos, sin))
+
+
+def test_yarn_matches_transformers_with_the_correction_range_rounded():
+    """gpt-oss's YaRN (factor 32 over 4096 positions, beta 32 / 1): transformers' yarn angles and scale with
+    truncate on, which rounds the range the way llama.cpp does (gpt-oss's shipped config turns it off)."""
+    from transformers import GptOssConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0}
+    rope |= {"original_max_position_embeddings": 4096, "truncate": True}
+    config = GptOssConfig(head_dim=64, num_attention_heads=4, hidden_size=256, rope_parameters=rope)
+    inv_freq, scale = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    yarn = YaRN(32.0, 4096, mscale=scale)
+    plain = 150000.0 ** (-torch.arange(0, 64, 2, dtype=torch.float64) / 64)
+    assert torch.allclose(plain * yarn.angle_scale(64, 150000.0, "cpu"), inv_freq.double(), rtol=1e-6)
+    positions = torch.tensor([0, 1, 7, 100])
+    cos, sin = rope_cos_sin(positions, 64, 150000.0, torch.float64, yarn)
+    angle = positions[:, None].double() * inv_freq.double()
+    assert torch.allclose(cos, angle.cos() * scale, atol=1e-5) and torch.allclose(sin, angle.sin() * scale, atol=1e-5)
+    assert yarn.corr_dims(64, 150000.0) == (8.0, 18.0)  # unrounded: 8.09 and 17.39

@@ -59,3 +59,25 @@ def test_the_kernels_branches_give_the_cpu_paths_tokens(model_file, monkeypatch,
     e.close()
     assert got == want
     assert float((logits - want_logits).abs().max() / want_logits.abs().max()) < 1e-4
+
+
+@pytest.mark.parametrize("placement", ["resident", "gather"])
+def test_gpt_oss_through_the_kernels_gives_the_cpu_paths_tokens(model_file, monkeypatch, placement):
+    """gpt-oss's GPU branches: the attention kernel with sinks and the window (the prompt's too), the decode
+    prologue's biases and RoPE in one launch (and the other fused row kernels), the clamped experts in the
+    three decode launches, its MXFP4 and Q8_0 matvecs."""
+    from moestream.kernels import decode_attention, fused
+
+    path = model_file("tiny-gpt-oss", "MXFP4_MOE")
+    ref = moestream.load(path, device="cpu", progress=False)
+    want, want_logits = greedy(ref)
+    ref.close()
+    most = tuning.current().max_tokens
+    monkeypatch.setattr(matvec, "usable", lambda qtype, device, n: qtype in dots.DOTS and n <= most)
+    monkeypatch.setattr(decode_attention, "usable", lambda q: q.dtype == torch.float32)
+    monkeypatch.setattr(fused, "usable", lambda x: x.dtype == torch.float32)
+    e = moestream.load(path, device="cpu", progress=False, **PLACEMENTS[placement])
+    got, logits = greedy(e)
+    e.close()
+    assert got == want
+    assert float((logits - want_logits).abs().max() / want_logits.abs().max()) < 1e-4

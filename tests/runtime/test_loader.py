@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -66,3 +69,10 @@ def test_a_bad_reconfigure_keeps_the_engine_working(model_file):
     engine.close()
     with pytest.raises(MoestreamError, match="closed"):
         engine.logits([5])
+
+
+def test_loading_the_engine_does_not_import_torch_dynamo():
+    """torch._dynamo costs seconds at start-up (torch.nn.attention.bias pulled it in)."""
+    code = "import sys, moestream.runtime.loader, moestream.cli.main; print('torch._dynamo' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert r.stdout.strip() == "False"

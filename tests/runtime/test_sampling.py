@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 
+from moestream.errors import MoestreamError
 from moestream.runtime.sampling import Sampler, SamplingParams
 
 LOGITS = torch.tensor([1.0, 3.5, -2.0, 3.25, 0.0])
@@ -26,3 +30,55 @@ def test_the_same_seed_samples_the_same_tokens():
     assert draws[0] == draws[1]
     many = Sampler(SamplingParams(temperature=1.0, seed=7))
     assert len({many(LOGITS) for _ in range(50)}) > 1  # a real draw, not the argmax
+
+
+def test_penalties_as_llama_cpp():
+    """A positive logit is divided by the repeat penalty, a negative one multiplied; presence subtracts once,
+    frequency per occurrence; only the last repeat_last_n tokens (the prompt's included) count."""
+    params = SamplingParams(repeat_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25, repeat_last_n=3)
+    sampler = Sampler(params, prompt=[0, 3, 3, 2])  # token 0 has left the window of 3
+    out = sampler._penalised(LOGITS)
+    expected = LOGITS.clone()
+    expected[3] = 3.25 / 2 - 0.5 - 2 * 0.25
+    expected[2] = -2.0 * 2 - 0.5 - 0.25
+    assert torch.equal(out, expected)
+    assert sampler(LOGITS) == 1  # greedy: 3.5 untouched is now the top
+    assert list(sampler.recent) == [3, 2, 1]
+
+
+def test_greedy_avoids_a_penalised_repeat():
+    sampler = Sampler(SamplingParams(repeat_penalty=1.5), prompt=[1])
+    assert sampler(LOGITS) == 3  # 3.5 / 1.5 < 3.25
+    assert Sampler(SamplingParams(repeat_penalty=1.5, repeat_last_n=0), prompt=[1])(LOGITS) == 1  # 0: off
+
+
+def test_min_p_keeps_tokens_near_the_top_one_before_temperature():
+    """p_i >= min_p * p_max on the logits as they are (llama.cpp applies temperature after the filters)."""
+    ratio = math.exp(3.25 - 3.5)  # token 3's probability over token 1's
+    keep_two = SamplingParams(temperature=100.0, min_p=ratio * 0.99, seed=0)
+    sampler = Sampler(keep_two)
+    picks = {sampler(LOGITS) for _ in range(40)}
+    assert picks == {1, 3}
+    only_top = SamplingParams(temperature=100.0, min_p=ratio * 1.01, seed=0)
+    sampler = Sampler(only_top)
+    assert {sampler(LOGITS) for _ in range(10)} == {1}
+
+
+@pytest.mark.parametrize(
+    ("changes", "word"),
+    [
+        ({"max_tokens": -2}, "-n -2"),
+        ({"min_p": 1.5}, "--min-p"),
+        ({"repeat_penalty": 0.0}, "--repeat-penalty"),
+        ({"repeat_last_n": -1}, "--repeat-last-n"),
+        ({"presence_penalty": math.nan}, "--presence-penalty"),
+    ],
+)
+def test_bad_values_are_named(changes, word):
+    with pytest.raises(MoestreamError, match=word):
+        SamplingParams(**changes)
+
+
+def test_minus_one_means_until_done_and_a_random_seed():
+    p = SamplingParams(max_tokens=-1, seed=-1)
+    assert p.limit == math.inf and p.seed is None

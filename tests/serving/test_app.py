@@ -174,3 +174,31 @@ def test_bad_fields_get_400_and_the_server_goes_on(server, reference):
         model="tiny", messages=[{"role": "user", "content": parts}], max_tokens=12, temperature=0, top_p=None
     )
     assert r.choices[0].message.content == want
+
+
+def test_gpt_oss_chat_renders_harmony_and_returns_reasoning_apart(model_file):
+    """A gpt-oss file: the prompt is its Harmony template's; whole and streamed answers split the generated
+    text as HarmonySplit does (tests/serving/test_harmony.py), the analysis channel as reasoning_content."""
+    from moestream.serving.harmony import HarmonySplit
+
+    engine = moestream.load(model_file("tiny-gpt-oss", "Q8_0"), device="cpu", progress=False, n_ctx=1024)
+    srv = LocalServer(engine, api_key=KEY)
+    try:
+        c = client(srv)
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTIONS[0]}]
+        rendered = engine.tokenizer.apply_chat_template(messages)
+        assert rendered.startswith("<|start|>system<|message|>") and rendered.endswith("<|start|>assistant")
+        raw = c.completions.create(model="tiny", prompt=rendered, max_tokens=16, temperature=0).choices[0].text
+        s = HarmonySplit()
+        want = [a + b for a, b in zip(s.push(raw), s.flush(), strict=True)]
+        r = c.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0)
+        assert r.usage.prompt_tokens == len(engine.tokenizer.encode(rendered, add_special=False))
+        assert [getattr(r.choices[0].message, "reasoning_content", None) or "", r.choices[0].message.content] == want
+        chunks = c.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0, stream=True)
+        deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+        streamed = ["".join(getattr(d, "reasoning_content", None) or "" for d in deltas)]
+        streamed.append("".join(d.content or "" for d in deltas))
+        assert streamed == want
+    finally:
+        srv.stop()
+        engine.close()

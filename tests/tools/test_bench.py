@@ -6,7 +6,8 @@ import pytest
 
 import moestream
 from moestream.offload.device import CpuDevice
-from moestream.tools.bench import Sweep, run_bench
+from moestream.tools.bench import run_bench
+from moestream.tools.sweep import Sweep
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -51,8 +51,8 @@ def _q5_1(b: torch.Tensor) -> torch.Tensor:
 
 TYPES = (
     TensorType(Q.Q8_0, _q8_0, tile="q8_0_tile", dot="q8_0_dot", cpu_dot="q8_0_block"),
-    TensorType(Q.Q4_0, _q4_0),
-    TensorType(Q.Q4_1, _q4_1),
-    TensorType(Q.Q5_0, _q5_0),
-    TensorType(Q.Q5_1, _q5_1),
+    TensorType(Q.Q4_0, _q4_0, tile="q4_0_tile", dot="q4_0_dot", cpu_dot="q4_0_block"),
+    TensorType(Q.Q4_1, _q4_1, tile="q4_1_tile", dot="q4_1_dot", cpu_dot="q4_1_block"),
+    TensorType(Q.Q5_0, _q5_0, tile="q5_0_tile", dot="q5_0_dot", cpu_dot="q5_0_block"),
+    TensorType(Q.Q5_1, _q5_1, tile="q5_1_tile", dot="q5_1_dot", cpu_dot="q5_1_block"),
 )

@@ -5,10 +5,19 @@ from __future__ import annotations
 from gguf import GGMLQuantizationType
 
 from moestream.errors import MoestreamError
-from moestream.formats.quants import floats, k_quants, legacy
+from moestream.formats.quants import floats, grids, k_quants, legacy, microscaling, nonlinear, ternary
 from moestream.formats.quants.tensor_type import TensorType
 
-TYPES: dict[GGMLQuantizationType, TensorType] = {t.qtype: t for f in (floats, legacy, k_quants) for t in f.TYPES}
+FAMILIES = (
+    floats,
+    legacy,
+    k_quants,
+    microscaling,
+    grids,
+    nonlinear,
+    ternary,
+)
+TYPES: dict[GGMLQuantizationType, TensorType] = {t.qtype: t for f in FAMILIES for t in f.TYPES}
 SUPPORTED: frozenset[GGMLQuantizationType] = frozenset(TYPES)
 
 

@@ -20,6 +20,8 @@ class TensorType:
     tile: str | None = None  # kernels/dequant.py: the Triton tile that dequantizes its blocks on the GPU
     dot: str | None = None  # kernels/dots.py: the block dot of the decode matvec
     cpu_dot: str | None = None  # kernels/csrc/cpu_quant.c: the C function expanding a block for the CPU matvec
+    # The small int32 lookup table (a grid) its tile and dot read, made once per device; None: they read none
+    table: Callable[[torch.device], torch.Tensor] | None = None
 
     @property
     def name(self) -> str:

@@ -1,4 +1,4 @@
-/* Quantized matrix-vector products on the CPU, straight from GGUF blocks (Q4_K, Q6_K, Q8_0).
+/* Quantized matrix-vector products on the CPU, straight from GGUF blocks (the types block_bytes names).
  *
  * y[p][r] = sum_i W[mats[p]][r][i] * x[p][i], for the experts a small batch chose, read where they lie (the
  * memory-mapped file): no dequantized copy. Each block is unpacked to floats on the stack and multiplied in
@@ -8,7 +8,11 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { Q4_K = 12, Q6_K = 14, Q8_0 = 8 };
+#include "iq_grids.h" /* the IQ grids and 7-bit sign patterns, generated from gguf's by kernels/cpu_quant.py */
+
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, MXFP4 = 39 };
+enum { IQ2_XXS = 16, IQ2_XS = 17, IQ3_XXS = 18, IQ1_S = 19, IQ3_S = 21, IQ2_S = 22, IQ1_M = 29 };
+enum { IQ4_NL = 20, IQ4_XS = 23, TQ1_0 = 34, TQ2_0 = 35 };
 
 static float f16(const uint8_t *p) {
     uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
@@ -31,21 +35,66 @@ static float f16(const uint8_t *p) {
     return f;
 }
 
+/* Q2_K and Q3_K: value 128 h + 32 j + l is the 2-bit field j of byte 32 h + l, in sub-block 8 h + 2 j + l / 16. */
+static void q2_k_block(const uint8_t *b, float *out) {
+    const float d = f16(b + 80), dmin = f16(b + 82);
+    const uint8_t *qs = b + 16;
+    for (int s = 0; s < 16; s++) {
+        const float dl = d * (b[s] & 15), ml = dmin * (b[s] >> 4);
+        const int h = s / 8, j = s % 8 / 2, l0 = 16 * (s % 2);
+        for (int l = l0; l < l0 + 16; l++) out[128 * h + 32 * j + l] = dl * ((qs[32 * h + l] >> (2 * j)) & 3) - ml;
+    }
+}
+
+static void q3_k_block(const uint8_t *b, float *out) {
+    const float d = f16(b + 108);
+    const uint8_t *hmask = b, *qs = b + 32, *sc = b + 96;
+    for (int s = 0; s < 16; s++) {
+        const int scale = (((sc[s % 8] >> (4 * (s / 8))) & 15) | (((sc[8 + s % 4] >> (2 * (s / 4))) & 3) << 4)) - 32;
+        const float dl = d * scale;
+        const int h = s / 8, j = s % 8 / 2, l0 = 16 * (s % 2);
+        for (int l = l0; l < l0 + 16; l++) { /* a clear hmask bit takes 4 off */
+            const int q = ((qs[32 * h + l] >> (2 * j)) & 3) | (((hmask[l] >> (4 * h + j)) & 1) << 2);
+            out[128 * h + 32 * j + l] = dl * (q - 4);
+        }
+    }
+}
+
+/* Q4_K and Q5_K: sub-block k of 32 has a 6-bit scale and min; its values are nibbles of bytes 32 (k / 2) + l
+ * (low for even k), with Q5_K's fifth bit k of qh[l]. */
+static void k_scale_min(const uint8_t *s, int k, int *sc, int *mn) {
+    *sc = k < 4 ? (s[k] & 63) : ((s[k + 4] & 15) | ((s[k - 4] >> 6) << 4));
+    *mn = k < 4 ? (s[k + 4] & 63) : ((s[k + 4] >> 4) | ((s[k] >> 6) << 4));
+}
+
 static void q4_k_block(const uint8_t *b, float *out) {
     const float d = f16(b), dmin = f16(b + 2);
     const uint8_t *s = b + 4, *qs = b + 16;
     for (int j = 0; j < 4; j++) {
         float sc[2], mn[2];
         for (int h = 0; h < 2; h++) {
-            int k = 2 * j + h;
-            int a = k < 4 ? (s[k] & 63) : ((s[k + 4] & 15) | ((s[k - 4] >> 6) << 4));
-            int m = k < 4 ? (s[k + 4] & 63) : ((s[k + 4] >> 4) | ((s[k] >> 6) << 4));
+            int a, m;
+            k_scale_min(s, 2 * j + h, &a, &m);
             sc[h] = d * a;
             mn[h] = dmin * m;
         }
         for (int l = 0; l < 32; l++) {
             out[64 * j + l] = sc[0] * (qs[32 * j + l] & 15) - mn[0];
             out[64 * j + 32 + l] = sc[1] * (qs[32 * j + l] >> 4) - mn[1];
+        }
+    }
+}
+
+static void q5_k_block(const uint8_t *b, float *out) {
+    const float d = f16(b), dmin = f16(b + 2);
+    const uint8_t *s = b + 4, *qh = b + 16, *qs = b + 48;
+    for (int k = 0; k < 8; k++) {
+        int a, m;
+        k_scale_min(s, k, &a, &m);
+        const float sc = d * a, mn = dmin * m;
+        for (int l = 0; l < 32; l++) {
+            const int q = ((qs[32 * (k / 2) + l] >> (4 * (k % 2))) & 15) | (((qh[l] >> k) & 1) << 4);
+            out[32 * k + l] = sc * q - mn;
         }
     }
 }
@@ -73,15 +122,271 @@ static void q8_0_block(const uint8_t *b, float *out) {
     for (int l = 0; l < 32; l++) out[l] = d * (int8_t)b[2 + l];
 }
 
+/* The 32-value blocks: d (and m) fp16, then for the _1 types' fifth bits a little-endian uint32 (bit j: value
+ * j), then 16 bytes of nibbles (low: values 0..15, high: 16..31). */
+static void q4_0_block(const uint8_t *b, float *out) {
+    const float d = f16(b);
+    for (int l = 0; l < 16; l++) {
+        out[l] = d * ((b[2 + l] & 15) - 8);
+        out[l + 16] = d * ((b[2 + l] >> 4) - 8);
+    }
+}
+
+static void q4_1_block(const uint8_t *b, float *out) {
+    const float d = f16(b), m = f16(b + 2);
+    for (int l = 0; l < 16; l++) {
+        out[l] = d * (b[4 + l] & 15) + m;
+        out[l + 16] = d * (b[4 + l] >> 4) + m;
+    }
+}
+
+static uint32_t fifth_bits(const uint8_t *p) { return p[0] | p[1] << 8 | p[2] << 16 | (uint32_t)p[3] << 24; }
+
+static void q5_0_block(const uint8_t *b, float *out) {
+    const float d = f16(b);
+    const uint32_t qh = fifth_bits(b + 2);
+    for (int l = 0; l < 16; l++) {
+        out[l] = d * (int)(((b[6 + l] & 15) | ((qh >> l) & 1) << 4) - 16);
+        out[l + 16] = d * (int)(((b[6 + l] >> 4) | ((qh >> (l + 16)) & 1) << 4) - 16);
+    }
+}
+
+static void q5_1_block(const uint8_t *b, float *out) {
+    const float d = f16(b), m = f16(b + 2);
+    const uint32_t qh = fifth_bits(b + 4);
+    for (int l = 0; l < 16; l++) {
+        out[l] = d * ((b[8 + l] & 15) | ((qh >> l) & 1) << 4) + m;
+        out[l + 16] = d * ((b[8 + l] >> 4) | ((qh >> (l + 16)) & 1) << 4) + m;
+    }
+}
+
+static const int8_t E2M1_DOUBLED[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+static float e8m0_half(uint8_t e) { /* half the scale 2^(e - 127): 2^(e - 128), a subnormal for e 0 and 1 */
+    uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static void mxfp4_block(const uint8_t *b, float *out) {
+    const float d = e8m0_half(b[0]);
+    for (int l = 0; l < 16; l++) {
+        out[l] = d * E2M1_DOUBLED[b[1 + l] & 15];
+        out[l + 16] = d * E2M1_DOUBLED[b[1 + l] >> 4];
+    }
+}
+
+static uint32_t u16le(const uint8_t *p) { return p[0] | (uint32_t)p[1] << 8; }
+
+static uint32_t u32le(const uint8_t *p) { return u16le(p) | u16le(p + 2) << 16; }
+
+/* The IQ grid types: each group of 8 (IQ3: 4) values is a grid row; the products are the reference's
+ * (formats/quants/grids.py): the scale times the grid value, then the sign; or times grid value plus delta. */
+static void signed_row(float db, const uint8_t *grid, int n, uint32_t signs, float *out) {
+    for (int j = 0; j < n; j++) {
+        const float v = db * grid[j];
+        out[j] = (signs >> j) & 1 ? -v : v;
+    }
+}
+
+static void shifted_row(float dl, const int8_t *grid, float delta, float *out) {
+    for (int j = 0; j < 8; j++) out[j] = dl * (grid[j] + delta);
+}
+
+static void iq2_xxs_block(const uint8_t *b, float *out) {
+    const float d = f16(b);
+    for (int ib = 0; ib < 8; ib++, out += 32) {
+        const uint8_t *q = b + 2 + 8 * ib;
+        const uint32_t aux = u32le(q + 4);
+        const float db = d * (0.5f + (aux >> 28)) * 0.25f;
+        for (int l = 0; l < 4; l++) signed_row(db, IQ2XXS_GRID[q[l]], 8, KSIGNS[(aux >> 7 * l) & 127], out + 8 * l);
+    }
+}
+
+static void iq2_xs_block(const uint8_t *b, float *out) {
+    const float d = f16(b);
+    for (int ib = 0; ib < 8; ib++, out += 32) {
+        for (int l = 0; l < 4; l++) {
+            const uint32_t q = u16le(b + 2 + 8 * ib + 2 * l);
+            const float db = d * (0.5f + ((b[66 + ib] >> 4 * (l / 2)) & 15)) * 0.25f;
+            signed_row(db, IQ2XS_GRID[q & 511], 8, KSIGNS[q >> 9], out + 8 * l);
+        }
+    }
+}
+
+static void iq2_s_block(const uint8_t *b, float *out) {
+    const float d = f16(b);
+    for (int ib = 0; ib < 8; ib++, out += 32) {
+        for (int l = 0; l < 4; l++) {
+            const int index = b[2 + 4 * ib + l] | ((b[66 + ib] >> 2 * l) & 3) << 8;
+            const float db = d * (0.5f + ((b[74 + ib] >> 4 * (l / 2)) & 15)) * 0.25f;
+            signed_row(db, IQ2S_GRID[index], 8, b[34 + 4 * ib + l], out + 8 * l);
+        }
+    }
+}
+
+static void iq3_xxs_block(const uint8_t *b, float *out) {
+    const float d = f16(b);
+    for (int ib = 0; ib < 8; ib++, out += 32) {
+        const uint32_t aux = u32le(b + 66 + 4 * ib);
+        const float db = d * (0.5f + (aux >> 28)) * 0.5f;
+        for (int l = 0; l < 4; l++) {
+            const uint32_t signs = KSIGNS[(aux >> 7 * l) & 127];
+            signed_row(db, IQ3XXS_GRID[b[2 + 8 * ib + 2 * l]], 4, signs, out + 8 * l);
+            signed_row(db, IQ3XXS_GRID[b[3 + 8 * ib + 2 * l]], 4, signs >> 4, out + 8 * l + 4);
+        }
+    }
+}
+
+static void iq3_s_block(const uint8_t *b, float *out) {
+    const float d = f16(b);
+    for (int ib = 0; ib < 8; ib++, out += 32) {
+        const float db = d * (1 + 2 * ((b[106 + ib / 2] >> 4 * (ib % 2)) & 15));
+        for (int l = 0; l < 4; l++) {
+            const uint32_t signs = b[74 + 4 * ib + l], high = b[66 + ib] >> 2 * l;
+            signed_row(db, IQ3S_GRID[b[2 + 8 * ib + 2 * l] | (high & 1) << 8], 4, signs, out + 8 * l);
+            signed_row(db, IQ3S_GRID[b[3 + 8 * ib + 2 * l] | (high & 2) << 7], 4, signs >> 4, out + 8 * l + 4);
+        }
+    }
+}
+
+static void iq1_s_block(const uint8_t *b, float *out) {
+    const float d = f16(b);
+    for (int ib = 0; ib < 8; ib++, out += 32) {
+        const uint32_t qh = u16le(b + 34 + 2 * ib);
+        const float dl = d * (2 * ((qh >> 12) & 7) + 1), delta = qh & 0x8000 ? -0.125f : 0.125f;
+        for (int l = 0; l < 4; l++) shifted_row(dl, IQ1S_GRID[b[2 + 4 * ib + l] | ((qh >> 3 * l) & 7) << 8], delta, out + 8 * l);
+    }
+}
+
+static void iq1_m_block(const uint8_t *b, float *out) {
+    uint32_t sc[4], bits = 0;
+    for (int k = 0; k < 4; k++) {
+        sc[k] = u16le(b + 48 + 2 * k);
+        bits |= (sc[k] >> 12) << 4 * k; /* d's nibbles, lowest first */
+    }
+    uint8_t h[2] = {(uint8_t)bits, (uint8_t)(bits >> 8)};
+    const float d = f16(h);
+    for (int ib = 0; ib < 8; ib++, out += 32) {
+        for (int l = 0; l < 4; l++) {
+            const uint32_t nibble = b[32 + 2 * ib + l / 2] >> 4 * (l % 2);
+            const float dl = d * (2 * ((sc[ib / 2] >> (6 * (ib % 2) + 3 * (l / 2))) & 7) + 1);
+            shifted_row(dl, IQ1S_GRID[b[4 * ib + l] | (nibble & 7) << 8], nibble & 8 ? -0.125f : 0.125f, out + 8 * l);
+        }
+    }
+}
+
+static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+/* IQ4_NL: d fp16, then 16 bytes of codes laid out as Q4_0's. */
+static void iq4_nl_block(const uint8_t *b, float *out) {
+    const float d = f16(b);
+    for (int l = 0; l < 16; l++) {
+        out[l] = d * IQ4_VALUES[b[2 + l] & 15];
+        out[l + 16] = d * IQ4_VALUES[b[2 + l] >> 4];
+    }
+}
+
+/* IQ4_XS: d fp16, scales_h (2 bits a sub-block), scales_l[4] (4 bits a sub-block), then 8 sub-blocks of 32
+ * codes as IQ4_NL's, each scaled by d (6-bit scale - 32). */
+static void iq4_xs_block(const uint8_t *b, float *out) {
+    const float d = f16(b);
+    const int high = b[2] | b[3] << 8;
+    for (int i = 0; i < 8; i++) {
+        const float dl = d * ((((b[4 + i / 2] >> (4 * (i % 2))) & 15) | (((high >> (2 * i)) & 3) << 4)) - 32);
+        const uint8_t *qs = b + 8 + 16 * i;
+        for (int l = 0; l < 16; l++) {
+            out[32 * i + l] = dl * IQ4_VALUES[qs[l] & 15];
+            out[32 * i + 16 + l] = dl * IQ4_VALUES[qs[l] >> 4];
+        }
+    }
+}
+
+/* TQ1_0: qs[48] of 5 trits, qh[4] of 4 trits, d fp16. Trit k of byte v is the top of (v 3^k mod 256) 3 / 256. */
+static int trit(uint8_t v, int pow3) { return (((uint8_t)(v * pow3)) * 3 >> 8) - 1; }
+
+static void tq1_0_block(const uint8_t *b, float *out) {
+    const float d = f16(b + 52);
+    for (int k = 0, p = 1; k < 5; k++, p *= 3) {
+        for (int l = 0; l < 32; l++) out[32 * k + l] = d * trit(b[l], p);
+        for (int l = 0; l < 16; l++) out[160 + 16 * k + l] = d * trit(b[32 + l], p);
+        if (k < 4)
+            for (int l = 0; l < 4; l++) out[240 + 4 * k + l] = d * trit(b[48 + l], p);
+    }
+}
+
+/* TQ2_0: qs[64] of 2-bit fields laid out as Q2_K's, d fp16; x = d (q - 1). */
+static void tq2_0_block(const uint8_t *b, float *out) {
+    const float d = f16(b + 64);
+    for (int h = 0; h < 2; h++)
+        for (int j = 0; j < 4; j++)
+            for (int l = 0; l < 32; l++) out[128 * h + 32 * j + l] = d * (((b[32 * h + l] >> (2 * j)) & 3) - 1);
+}
+
+/* Bytes a block of qtype takes (and *elems the values it holds); 0 for a type this file does not know. */
+static int block_bytes(int qtype, int *elems) {
+    switch (qtype) {
+    case Q2_K: *elems = 256; return 84;
+    case Q3_K: *elems = 256; return 110;
+    case Q4_K: *elems = 256; return 144;
+    case Q5_K: *elems = 256; return 176;
+    case Q6_K: *elems = 256; return 210;
+    case Q4_0: *elems = 32; return 18;
+    case Q4_1: *elems = 32; return 20;
+    case Q5_0: *elems = 32; return 22;
+    case Q5_1: *elems = 32; return 24;
+    case Q8_0: *elems = 32; return 34;
+    case MXFP4: *elems = 32; return 17;
+    case IQ2_XXS: *elems = 256; return 66;
+    case IQ2_XS: *elems = 256; return 74;
+    case IQ2_S: *elems = 256; return 82;
+    case IQ3_XXS: *elems = 256; return 98;
+    case IQ3_S: *elems = 256; return 110;
+    case IQ1_S: *elems = 256; return 50;
+    case IQ1_M: *elems = 256; return 56;
+    case IQ4_NL: *elems = 32; return 18;
+    case IQ4_XS: *elems = 256; return 136;
+    case TQ1_0: *elems = 256; return 54;
+    case TQ2_0: *elems = 256; return 66;
+    }
+    return 0;
+}
+
+static void expand(int qtype, const uint8_t *b, float *out) {
+    switch (qtype) {
+    case Q2_K: q2_k_block(b, out); break;
+    case Q3_K: q3_k_block(b, out); break;
+    case Q4_K: q4_k_block(b, out); break;
+    case Q5_K: q5_k_block(b, out); break;
+    case Q6_K: q6_k_block(b, out); break;
+    case Q4_0: q4_0_block(b, out); break;
+    case Q4_1: q4_1_block(b, out); break;
+    case Q5_0: q5_0_block(b, out); break;
+    case Q5_1: q5_1_block(b, out); break;
+    case Q8_0: q8_0_block(b, out); break;
+    case MXFP4: mxfp4_block(b, out); break;
+    case IQ2_XXS: iq2_xxs_block(b, out); break;
+    case IQ2_XS: iq2_xs_block(b, out); break;
+    case IQ2_S: iq2_s_block(b, out); break;
+    case IQ3_XXS: iq3_xxs_block(b, out); break;
+    case IQ3_S: iq3_s_block(b, out); break;
+    case IQ1_S: iq1_s_block(b, out); break;
+    case IQ1_M: iq1_m_block(b, out); break;
+    case IQ4_NL: iq4_nl_block(b, out); break;
+    case IQ4_XS: iq4_xs_block(b, out); break;
+    case TQ1_0: tq1_0_block(b, out); break;
+    case TQ2_0: tq2_0_block(b, out); break;
+    }
+}
+
 /* One row of n_blocks blocks against x. */
 static float row_dot(int qtype, const uint8_t *row, int64_t n_blocks, const float *x) {
     float w[256], acc = 0.0f;
-    const int elems = qtype == Q8_0 ? 32 : 256, size = qtype == Q4_K ? 144 : qtype == Q6_K ? 210 : 34;
+    int elems;
+    const int size = block_bytes(qtype, &elems);
     for (int64_t j = 0; j < n_blocks; j++) {
-        const uint8_t *b = row + j * size;
-        if (qtype == Q4_K) q4_k_block(b, w);
-        else if (qtype == Q6_K) q6_k_block(b, w);
-        else q8_0_block(b, w);
+        expand(qtype, row + j * size, w);
         const float *xs = x + j * elems;
         float part = 0.0f;
 #pragma omp simd reduction(+ : part)
@@ -94,8 +399,9 @@ static float row_dot(int qtype, const uint8_t *row, int64_t n_blocks, const floa
 /* Returns 0, or -1 for a type this file does not know. */
 int matvec_picked(const uint8_t *w, int qtype, int64_t n_out, int64_t n_in, int64_t row_bytes, const int64_t *mats,
                   int64_t n_pick, const float *x, float *y, int n_threads) {
-    if (qtype != Q4_K && qtype != Q6_K && qtype != Q8_0) return -1;
-    const int64_t elems = qtype == Q8_0 ? 32 : 256, n_blocks = n_in / elems;
+    int elems;
+    if (!block_bytes(qtype, &elems)) return -1;
+    const int64_t n_blocks = n_in / elems;
 #pragma omp parallel for collapse(2) schedule(static) num_threads(n_threads)
     for (int64_t p = 0; p < n_pick; p++) {
         for (int64_t r = 0; r < n_out; r++) {

@@ -1,0 +1,30 @@
+"""What one `bench` run measures, in a module without torch: the CLI checks every row's options before the slow
+imports."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """What one bench run measures: every combination of the lists, each test `repeats` times."""
+
+    prompts: list[int]  # ppN tests (0: none)
+    gens: list[int]  # tgN tests (0: none)
+    ubatches: list[int]
+    n_cpu_moes: list[int | str]
+    streams: list[str]
+    slots: list[int]
+    picks: list[str]  # --streamed-layers first | spread
+    prefetches: list[int | None] = field(default_factory=lambda: [None])  # --prefetch (None: the router's count)
+    caches: list[int | str] = field(default_factory=lambda: ["auto"])  # --expert-cache
+    repeats: int = 3
+    floors: bool = True  # also time each test with every expert resident (the compute floor)
+
+    def placements(self) -> list[dict]:
+        """Each row's engine options, in order (what run_bench reconfigures to; the CLI checks them first)."""
+        keys = ("ubatch", "n_cpu_moe", "streamed_layers", "stream", "slots", "prefetch", "expert_cache")
+        lists = (self.ubatches, self.n_cpu_moes, self.picks, self.streams, self.slots, self.prefetches, self.caches)
+        return [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*lists)]

@@ -1,0 +1,71 @@
+"""The command's first words: a line on stderr saying what it does, before the slow imports."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["run", "-m", "MODEL", "-p", "hi", "-n", "1", "--device", "cpu"], ["run: loading", "then generating 1 token"]),
+        (["info", "MODEL"], ["info: reading"]),
+        (["bench", "-m", "MODEL", "-p", "8,16", "-n", "2", "-r", "1", "--device", "cpu"], ["1 placement x 3 tests"]),
+    ],
+)
+def test_a_line_saying_what_it_does_comes_first_and_at_once(model_file, argv, words):
+    argv = [model_file("tiny", "F32") if a == "MODEL" else a for a in argv]
+    t0 = time.perf_counter()
+    p = subprocess.Popen(
+        [sys.executable, "-m", "moestream.cli", *argv],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
+    try:
+        ready, _, _ = select.select([p.stderr], [], [], 10)
+        elapsed = time.perf_counter() - t0
+        assert ready, "nothing on stderr"
+        line = p.stderr.readline().decode()
+    finally:
+        p.send_signal(signal.SIGINT)
+        p.communicate(timeout=60)
+    assert line.startswith("moestream: ") and all(w in line for w in words), line
+    assert elapsed < 2.0, f"{elapsed:.2f} s"  # about 0.2 s on an idle dev machine: torch is not imported yet
+
+
+COMMANDS = ["run", "bench", "profile", "probe", "serve", "info", "make-model"]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_explains_every_flag_and_names_each_default_once(command):
+    import argparse
+    import re
+
+    from moestream.cli.llama import _Refused
+    from moestream.cli.main import build_parser
+
+    parser = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    for action in parser._actions:
+        if not isinstance(action, _Refused | argparse._HelpAction | argparse._VersionAction):
+            assert action.help, f"{command} {action.option_strings or action.dest}: no help"
+    text = " ".join(parser.format_help().split())
+    assert not re.search(r"default[^()]*\) \(default", text), text
+    assert "(default: None)" not in text and "(default: False)" not in text
+    if command == "make-model":
+        assert "qwen3-30b-a3b" in text and "tiny" in text  # the preset names
+
+
+def test_version():
+    from moestream import __version__
+
+    for argv in (["--version"], ["run", "--version"]):
+        r = subprocess.run([sys.executable, "-m", "moestream.cli", *argv], capture_output=True, text=True)
+        assert r.returncode == 0 and r.stdout.strip() == f"moestream {__version__}"
