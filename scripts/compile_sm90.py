@@ -22,6 +22,7 @@ from gguf import GGMLQuantizationType as Q
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from moestream.formats import quants
 from moestream.kernels import decode_attention, deltanet_step, dots, fused, moe_matvec, tuning
 from moestream.kernels import matvec as mv
 
@@ -64,6 +65,7 @@ def _aligned(fn, signature: dict) -> dict:
 def main() -> None:
     t = tuning.current()
     matvec = {"w": "*u8", "x": "*bf16", "y": "*bf16", "mats": "*i64", "n_out": "i32", "row_bytes": "i32"}
+    matvec |= {"table": "*i32"}  # a grid type's lookup table (unread by the others)
     rows = [(Q.Q4_K, 8, False), (Q.Q4_K, 16, False), (Q.Q5_K, 8, False), (Q.Q6_K, 8, False), (Q.Q6_K, 3, True)]
     rows += [(q, 2048 // GGML_QUANT_SIZES[q][0], False) for q in dots.DOTS if q not in (Q.Q4_K, Q.Q5_K, Q.Q6_K)]
     rows += [(Q.MXFP4, 90, True)]  # gpt-oss's experts: rows of 2880, 2-byte aligned
@@ -72,12 +74,14 @@ def main() -> None:
         nothing = torch.empty(0, dtype=torch.uint8)  # layout checks alignment only
         _, consts = mv.layout(qtype, n_blocks * elems, nothing, t.blocks_at_once, t.float_blocks_at_once)
         consts |= dict(STACKED=stacked, ROWS=t.rows_per_program, UNROLLED=t.unrolled)
+        consts |= dict(TABLE=quants.get(qtype).table is not None)
         div = ("n_out", "row_bytes") if n_blocks * size % 16 == 0 else ("n_out",)
         build(f"matvec {qtype.name}, {n_blocks} blocks a row", mv._matvec_kernel, dict(matvec), consts, divisible=div)
     for dtype, qtype in dots.FLOAT_QTYPES.items():  # the router's product, 2048 wide
         consts = dict(
             N_BLOCKS=2048 // dots.FLOAT_BLOCK,
             DOT=dots.FLOAT_DOTS[qtype],
+            TABLE=False,
             ELEMS=dots.FLOAT_BLOCK,
             SIZE=dots.FLOAT_BLOCK * dtype.itemsize,
             STACKED=False,
@@ -90,13 +94,14 @@ def main() -> None:
     parts = {"x": "*bf16"}
     for i in range(4):
         parts |= {f"w{i}": "*u8", f"y{i}": "*bf16", f"n{i}": "i32", f"rb{i}": "i32"}
-    parts |= {f"end{i}": "i32" for i in range(3)}
+    parts |= {f"end{i}": "i32" for i in range(3)} | {f"t{i}": "*i32" for i in range(4)}
     qkv = [(Q.Q4_K, 8, 256, 144), (Q.Q4_K, 8, 256, 144), (Q.Q6_K, 8, 256, 210), (Q.Q6_K, 8, 256, 210)]
     consts = dict(D=2048, PARTS=3, ROWS=t.rows_per_program, UNROLLED=t.unrolled)
     for i, (qtype, n_blocks, elems, size) in enumerate(qkv):
         consts |= {
             f"N{i}": n_blocks,
             f"DOT{i}": dots.DOTS[qtype],
+            f"T{i}": False,
             f"E{i}": elems,
             f"S{i}": size,
             f"B{i}": mv.blocks_at_once(n_blocks, t.blocks_at_once),
@@ -112,10 +117,12 @@ def main() -> None:
         "n_out": "i32",
         "row_bytes": "i32",
         "K": "i32",
+        "table": "*i32",
     }
     consts = dict(
         N_BLOCKS=8,
         DOT=dots.DOTS[Q.Q4_K],
+        TABLE=False,
         ELEMS=256,
         SIZE=144,
         ROWS=t.rows_per_program,

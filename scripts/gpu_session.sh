@@ -18,6 +18,8 @@
 #   small    an 8-layer slice of the benchmark model ($SMALL_PRESET to slice another preset): decode_diag.py (tile settings, kernel table) + cpuexp
 #   loadtest the server load test (issue 13) with the benchmark model (batched, then each sequence alone),
 #            serving wheels from .whl/serve
+#   compare  issues 32/33: $COMPARE models (preset:recipe:streamed:budget) generated, moestream and llama-bench
+#            pp2048 + tg128 resident and streamed, each deleted after
 #   lbuild llamacpp   build llama.cpp's llama-bench (background) / wait and run tg128 at -ncmoe 0,26 on each
 #            benchmark model generated so far (qwen3-30b, and qwen3.6-35b after decode35 or qwen35)
 #   model35  generate the qwen3.6-35b-a3b model alone
@@ -47,6 +49,9 @@ make_model() {  # make_model PATH PRESET
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   git log -1 --format='commit %H %cd' 2>/dev/null; date -u; } | tee -a "$OUT/gpu.txt"
+wait_build() {  # lbuild's end; false where this machine never ran lbuild (a fresh machine)
+  [[ -f /tmp/lcpp.log ]] || { echo "no llama.cpp build here: run lbuild first"; return 1; }
+  until grep -q "build rc" /tmp/lcpp.log; do sleep 5; done; grep -q "build rc 0" /tmp/lcpp.log; }
 B="$MS bench -m $MODEL -ncmoe 26 -r 3"
 for step in "$@"; do
   echo "== $step $(date -u +%T)" | tee -a "$OUT/gpu.txt"
@@ -128,17 +133,33 @@ for step in "$@"; do
               python3 scripts/cpu_experts.py $MODEL --layer $layer --threads $n 2>&1 | tee -a "$OUT/diag.txt"
             done; done ;;
     lbuild) # llama.cpp's llama-bench from the llama-cpp-python sdist, packed into .lcpp/llama.tgz (models/docs
-            # left out); built in the background so the next steps overlap it; `llamacpp` waits for it
-            ( mkdir -p /tmp/lcpp && cd /tmp/lcpp && tar xzf "$OLDPWD/.lcpp/llama.tgz" \
+            # left out); built in its own session (setsid) so that it outlives this call and overlaps the next
+            # steps; `llamacpp` and `compare` wait for its "build rc" line
+            mkdir -p /tmp/lcpp && tar xzf .lcpp/llama.tgz -C /tmp/lcpp && setsid bash -c 'cd /tmp/lcpp \
               && cmake -S . -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF \
                    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DCMAKE_BUILD_TYPE=Release >/tmp/lcpp.log 2>&1 \
-              && nice cmake --build build --target llama-bench -j 16 >>/tmp/lcpp.log 2>&1; echo "build rc $?" >>/tmp/lcpp.log
-            ) & LBUILD=$! ;;
-    llamacpp) [[ -n ${LBUILD:-} ]] && wait $LBUILD; tail -3 /tmp/lcpp.log | tee -a "$OUT/gpu.txt"
+              && nice cmake --build build --target llama-bench -j 16 >>/tmp/lcpp.log 2>&1; echo "build rc $?" >>/tmp/lcpp.log' \
+              </dev/null >/dev/null 2>&1 & ;;
+    llamacpp) wait_build; tail -3 /tmp/lcpp.log | tee -a "$OUT/gpu.txt"
               for m in $MODEL $Q35; do  # each benchmark model this machine has generated (decode35 makes Q35)
                 [[ -f $m ]] && /tmp/lcpp/build/bin/llama-bench -m $m -ngl 99 -fa 1 -p 0 -n 128 -r 3 -ncmoe 0,26 2>&1 \
                   | grep -v '^ggml\|^load' | tee -a "$OUT/bench.txt"
               done ;;
+    compare) # issues 32/33: each $COMPARE entry preset:recipe:streamed:budget (e.g. gpt-oss-20b:MXFP4_MOE:24:8GiB) is
+             # generated, run by moestream (resident, then -ncmoe streamed within the budget) and by llama-bench
+             # (-lm none: llama.cpp's pinned copy; built by lbuild), then deleted to leave the disk for the next
+             LLAMA=1; wait_build || LLAMA=0; tail -1 /tmp/lcpp.log | tee -a "$OUT/gpu.txt"
+             for c in ${COMPARE:-}; do
+               IFS=: read -r preset recipe n budget <<< "$c"; m=/tmp/$preset-$recipe.gguf
+               /usr/bin/time -f "make-model $preset $recipe: %e s" $MS make-model $m --preset $preset --quant $recipe 2>&1 \
+                 | quiet | tail -2 | tee -a "$OUT/bench.txt"
+               $MS bench -m $m -p 2048 -n 128 -ub 2048 -r 3 -ncmoe 0 --no-floors 2>&1 | quiet | tee -a "$OUT/bench.txt"
+               $MS bench -m $m -p 2048 -n 128 -ub 2048 -r 3 -ncmoe $n --vram-budget $budget --no-floors 2>&1 | quiet \
+                 | tee -a "$OUT/bench.txt"
+               (( LLAMA )) && /tmp/lcpp/build/bin/llama-bench -m $m -ngl 99 -fa 1 -p 2048 -n 128 -ub 2048 -r 3 -ncmoe 0,$n -lm none 2>&1 \
+                 | grep -v '^ggml\|^load' | tee -a "$OUT/bench.txt"
+               rm -f $m
+             done ;;
     loadtest) # issue 13 on the GPU: the server under 16 streaming clients for 60 s with the benchmark model. The
               # image lacks the serving packages: carry their wheels in .whl/serve, fetched here with
               # pip download --only-binary=:all: --python-version 3.12 --implementation cp --platform

@@ -249,8 +249,10 @@ def cmd_run(a: argparse.Namespace) -> None:
 
 def _print_stats(gen) -> None:
     print(
-        f"prompt {_count(len(gen.prompt_tokens), 'token')}, {gen.prefill_tps:.1f} tok/s | "
-        f"generated {_count(len(gen.tokens), 'token')}, {gen.decode_tps:.1f} tok/s | stop: {gen.stop_reason}",
+        f"prompt {_count(len(gen.prompt_tokens), 'token')} in {gen.prefill_s:.2f} s (first-use setup included) | "
+        f"generated {_count(len(gen.tokens), 'token')}"
+        + (f", {gen.decode_tps:.1f} tok/s over {_count(gen.decode_steps, 'step')}" if gen.decode_steps else "")
+        + f" | stop: {gen.stop_reason}",
         file=sys.stderr,
     )
 

@@ -43,7 +43,7 @@ def cmd_bench(a: argparse.Namespace) -> None:
     from moestream.cli import report
     from moestream.offload.builder import check_expert_counts
     from moestream.runtime.loader import load
-    from moestream.tools.bench import run_bench
+    from moestream.tools.bench import model_name, run_bench
 
     fmt = "json" if a.json else a.output
     longest = max(a.n_prompt) + max(a.n_gen)
@@ -61,7 +61,7 @@ def cmd_bench(a: argparse.Namespace) -> None:
     engine = load(a.model, opts, before_weights=fits)
     info = report.run_info(engine, a.batch_size or max(max(a.n_prompt), max(a.ubatch)))
     if fmt == "md":
-        print(report.md_header())
+        print(report.md_header(model_name(engine)))
     try:
         rows, link = run_bench(
             engine,
@@ -149,7 +149,8 @@ def cmd_profile(a: argparse.Namespace) -> None:
             results.append(r)
             print(
                 f"\n== {schedule}: pp{a.n_prompt} ub{opts.model.ubatch} ncmoe {engine.offload.placement.n_cpu_moe}: "
-                f"{r.wall_off_s * 1e3:.1f} ms unrecorded, {r.wall_on_s * 1e3:.1f} ms recorded "
+                f"{r.wall_off_s * 1e3:.1f} ms a pass unrecorded, {r.wall_on_s * 1e3:.1f} ms recorded (medians of "
+                f"{a.repetitions}; the table is that recorded pass) "
                 f"({r.overhead_pct:+.1f}%)"
             )
             print(r.summary.table())

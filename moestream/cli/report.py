@@ -122,23 +122,50 @@ def render(fmt: str, records: list[dict]) -> str:
 
 
 MD_COLUMNS = (
-    f"| {'model':<28} | {'size':>10} | {'params':>9} | {'backend':<7} | {'n_cpu_moe':>9} | {'layers':<6} | "
-    f"{'n_ubatch':>8} | {'stream':<11} | {'test':>7} | {'t/s':>18} | {'GB up':>7} | {'used':>5} | {'GB/s':>6} | "
-    f"{'cp GB/s':>7} | same |"
+    f"| {'size':>10} | {'params':>9} | {'backend':<7} | {'n_cpu_moe':>9} | {'layers':<6} | "
+    f"{'n_ubatch':>8} | {'stream':<11} | {'prefetch':>8} | {'cache':>5} | {'test':>7} | {'t/s':>18} | "
+    f"{'uploaded':>9} | {'used':>5} | {'GB/s':>6} | {'cp GB/s':>7} | same |"
 )
 
 
-def md_header() -> str:
-    """llama-bench's markdown columns (model, size, params, backend, n_ubatch, test, t/s) and the streaming ones."""
-    return MD_COLUMNS + "\n|" + "|".join("-" * len(c) for c in MD_COLUMNS.split("|")[1:-1]) + "|"
+def md_header(model: str) -> str:
+    """llama-bench's markdown columns (model, size, params, backend, n_ubatch, test, t/s) and the streaming ones;
+    the model's whole name as wide as it is."""
+    columns = f"| {'model':<{len(model)}} " + MD_COLUMNS
+    return columns + "\n|" + "|".join("-" * len(c) for c in columns.split("|")[1:-1]) + "|"
 
 
 def md_row(r, info: dict) -> str:
     same = ("yes" if r.same_tokens else "NO") + ("" if r.same_bits in (None, True) else "*")
     cp = "-" if r.copy_gbs is None else f"{r.copy_gbs:.1f}"
+    prefetch = "-" if r.prefetch is None else r.prefetch
     return (
-        f"| {r.model[:28]:<28} | {info['model_size'] / 2**30:6.2f} GiB | {info['model_n_params'] / 1e9:7.2f} B | "
+        f"| {r.model} | {_binary(info['model_size']):>10} | {_count(info['model_n_params']):>9} | "
         f"{info['backends']:<7} | {r.n_cpu_moe:>9} | {r.streamed_layers:<6} | {r.ubatch:>8} | {r.stream:<11} | "
-        f"{r.test:>7} | {r.tps:9.2f} ± {r.tps_std:6.2f} | {r.bytes_uploaded / 1e9:7.2f} | {r.experts_used:5.2f} | "
-        f"{r.link_gbs:6.1f} | {cp:>7} | {same:<4} |"
+        f"{prefetch:>8} | {r.expert_cache:>5} | {r.test:>7} | {r.tps:9.2f} ± {r.tps_std:6.2f} | "
+        f"{_decimal(r.bytes_uploaded):>9} | {r.experts_used:5.2f} | {r.link_gbs:6.1f} | {cp:>7} | {same:<4} |"
     )
+
+
+def _binary(n: float) -> str:
+    """A size as llama-bench prints it: GiB, or MiB (KiB) below one."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale or unit == "KiB":
+            return f"{n / scale:.2f} {unit}"
+    return ""
+
+
+def _count(n: float) -> str:
+    """A parameter count as llama-bench prints it: B, M or K."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale or unit == "K":
+            return f"{n / scale:.2f} {unit}"
+    return ""
+
+
+def _decimal(n: float) -> str:
+    """Bytes moved: GB, MB, kB or B, as the link rates beside them count."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"

@@ -142,14 +142,16 @@ if triton is not None:
         q = tl.load(base + 2 + e, mask=ok, other=0).to(tl.int8, bitcast=True).to(tl.float32)
         return q * f16_at(base, 0, ok)
 
-    # The IQ grid types (formats/quants/grids.py). Each group of 8 values (G, 0..31 in a block) has a scale, a
-    # grid row and a sign row in the type's kernel_table; word j of a row covers values 2 j and 2 j + 1. The
-    # _fields functions give, for tensors G and j (broadcast against base), the group's scale and the table
-    # offsets of word j of its grid row and sign row. WORDS loads 16-bit fields as such (the dots: blocks
-    # 2-byte aligned), otherwise as two bytes (the tiles, which take any buffer).
-    _SIGNS_BY_BYTE = tl.constexpr(grids.BYTE_SIGNS)
-    _SIGNS_BY_INDEX = tl.constexpr(grids.INDEX_SIGNS)
-    _GRID = tl.constexpr(grids.GRID)
+    # The IQ grid types (formats/quants/grids.py). Group g (0..3) of 8 values of sub-block s (0..7) of 32 has
+    # a scale, a grid row and a sign row in the type's kernel_table, read as 8-byte quads: quad q of a row holds
+    # values 4 q .. 4 q + 3 as bfloat16. The _fields functions give, for tensors s, g and q (broadcast against
+    # base), the group's scale and the table offsets, in quads, of quad q of its grid row and sign row. They
+    # load whole 16- and 32-bit fields of the sub-block and shift the group's bits out, so the dots' loads
+    # are per sub-block. WORDS loads a 16-bit field as such (the dots: blocks 2-byte aligned), otherwise as
+    # two bytes (the tiles: any buffer).
+    _SIGNS_BY_BYTE = tl.constexpr(grids.BYTE_SIGNS // 2)
+    _SIGNS_BY_INDEX = tl.constexpr(grids.INDEX_SIGNS // 2)
+    _GRID = tl.constexpr(grids.GRID // 2)
 
     @triton.jit
     def _byte(base, offset, ok):
@@ -165,99 +167,132 @@ if triton is not None:
         return v
 
     @triton.jit
+    def _u32(base, offset, ok, WORDS: tl.constexpr):
+        """The little-endian 32-bit field at an even byte offset, as int32."""
+        return _u16(base, offset, ok, WORDS) | (_u16(base, offset + 2, ok, WORDS) << 16)
+
+    @triton.jit
+    def _byte_of(base, offset, i, ok, WORDS: tl.constexpr):
+        """Byte offset + i (offset even) through the 16-bit field holding it."""
+        return (_u16(base, offset + 2 * (i // 2), ok, WORDS) >> (8 * (i % 2))) & 255
+
+    @triton.jit
+    def _half_of(base, offset, g, ok, WORDS: tl.constexpr):
+        """16-bit field g (0..3) of the 8 bytes at offset, through the two 32-bit fields there."""
+        w = tl.where(g < 2, _u32(base, offset, ok, WORDS), _u32(base, offset + 4, ok, WORDS))
+        return (w >> (16 * (g % 2))) & 0xFFFF
+
+    @triton.jit
+    def _f16(base, ok, WORDS: tl.constexpr):
+        """The fp16 d at byte 0, as float32."""
+        return _u16(base, 0, ok, WORDS).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
     def _quarter(d, sc):
         """d (1/2 + sc) / 4, the IQ2 scale, in the reference's order of products."""
         return d * (0.5 + sc.to(tl.float32)) * 0.25
 
     @triton.jit
-    def iq2_xxs_fields(base, G, j, ok, WORDS: tl.constexpr):
-        """Per 32 values (s = G // 4) 4 index bytes, then a word of 4 7-bit sign indices and a scale (top 4)."""
-        at = 2 + 8 * (G // 4)
-        aux = _u16(base, at + 4, ok, WORDS) | (_u16(base, at + 6, ok, WORDS) << 16)
-        index = _byte(base, at + G % 4, ok)
-        db = _quarter(f16_at(base, 0, ok), (aux >> 28) & 15)
-        return db, _GRID + index * 4 + j, _SIGNS_BY_INDEX + ((aux >> (7 * (G % 4))) & 127) * 4 + j
+    def iq2_xxs_fields(base, s, g, q, ok, WORDS: tl.constexpr):
+        """Per sub-block two 32-bit fields at 2 + 8 s: 4 index bytes; 4 7-bit sign indices and the scale."""
+        index = (_u32(base, 2 + 8 * s, ok, WORDS) >> (8 * g)) & 255
+        aux = _u32(base, 6 + 8 * s, ok, WORDS)
+        db = _quarter(_f16(base, ok, WORDS), (aux >> 28) & 15)
+        return db, _GRID + index * 2 + q, _SIGNS_BY_INDEX + ((aux >> (7 * g)) & 127) * 2 + q
 
     @triton.jit
-    def iq2_xs_fields(base, G, j, ok, WORDS: tl.constexpr):
-        """A 16-bit field a group (9-bit grid index, 7-bit sign index); 4-bit scales per 16 from byte 66."""
-        q = _u16(base, 2 + 2 * G, ok, WORDS)
-        db = _quarter(f16_at(base, 0, ok), (_byte(base, 66 + G // 4, ok) >> (4 * ((G // 2) % 2))) & 15)
-        return db, _GRID + (q & 511) * 4 + j, _SIGNS_BY_INDEX + (q >> 9) * 4 + j
+    def iq2_xs_fields(base, s, g, q, ok, WORDS: tl.constexpr):
+        """A 16-bit field a group at 2 (9-bit grid index, 7-bit sign index); a byte of two 4-bit scales per
+        sub-block at 66."""
+        v = _half_of(base, 2 + 8 * s, g, ok, WORDS)
+        db = _quarter(_f16(base, ok, WORDS), (_byte_of(base, 66, s, ok, WORDS) >> (4 * (g // 2))) & 15)
+        return db, _GRID + (v & 511) * 2 + q, _SIGNS_BY_INDEX + (v >> 9) * 2 + q
 
     @triton.jit
-    def iq2_s_fields(base, G, j, ok, WORDS: tl.constexpr):
-        """Index low bytes at 2, sign bytes at 34, 2 high index bits a group at 66, 4-bit scales at 74."""
-        high = (_byte(base, 66 + G // 4, ok) >> (2 * (G % 4))) & 3
-        db = _quarter(f16_at(base, 0, ok), (_byte(base, 74 + G // 4, ok) >> (4 * ((G // 2) % 2))) & 15)
-        index = _byte(base, 2 + G, ok) | (high << 8)
-        return db, _GRID + index * 4 + j, _SIGNS_BY_BYTE + _byte(base, 34 + G, ok) * 4 + j
+    def iq2_s_fields(base, s, g, q, ok, WORDS: tl.constexpr):
+        """Index low bytes at 2, sign bytes at 34 (4 a sub-block), a byte of 2 high index bits a group per
+        sub-block at 66, one of two 4-bit scales at 74."""
+        high = (_byte_of(base, 66, s, ok, WORDS) >> (2 * g)) & 3
+        db = _quarter(_f16(base, ok, WORDS), (_byte_of(base, 74, s, ok, WORDS) >> (4 * (g // 2))) & 15)
+        index = ((_u32(base, 2 + 4 * s, ok, WORDS) >> (8 * g)) & 255) | (high << 8)
+        signs = (_u32(base, 34 + 4 * s, ok, WORDS) >> (8 * g)) & 255
+        return db, _GRID + index * 2 + q, _SIGNS_BY_BYTE + signs * 2 + q
 
     @triton.jit
-    def iq3_xxs_fields(base, G, j, ok, WORDS: tl.constexpr):
-        """Two index bytes a group (rows of 4 values: words 0-1, 2-3) at 2; per 32 values a word at 66 of 4
-        7-bit sign indices and a scale."""
-        pair = _u16(base, 2 + 2 * G, ok, WORDS)
-        at = 66 + 4 * (G // 4)
-        aux = _u16(base, at, ok, WORDS) | (_u16(base, at + 2, ok, WORDS) << 16)
-        db = f16_at(base, 0, ok) * (0.5 + ((aux >> 28) & 15).to(tl.float32)) * 0.5
-        row = tl.where(j < 2, pair & 255, pair >> 8)
-        return db, _GRID + row * 2 + j % 2, _SIGNS_BY_INDEX + ((aux >> (7 * (G % 4))) & 127) * 4 + j
+    def _split_quads(at, q):
+        """at + q, as two 8-byte loads rather than one of 16: an IQ3 group's two grid rows lie apart, and loads
+        of one shape keep one layout (a dot would otherwise move one through shared memory)."""
+        return tl.where(q == 0, at, at + 1)
 
     @triton.jit
-    def iq3_s_fields(base, G, j, ok, WORDS: tl.constexpr):
-        """Two index low bytes a group at 2, their ninth bits at 66, sign bytes at 74, 4-bit scales at 106."""
-        pair = _u16(base, 2 + 2 * G, ok, WORDS)
-        high = _byte(base, 66 + G // 4, ok) >> (2 * (G % 4))
-        sc = (_byte(base, 106 + G // 8, ok) >> (4 * ((G // 4) % 2))) & 15
-        row = tl.where(j < 2, (pair & 255) | ((high & 1) << 8), (pair >> 8) | ((high & 2) << 7))
-        db = f16_at(base, 0, ok) * (1 + 2 * sc).to(tl.float32)
-        return db, _GRID + row * 2 + j % 2, _SIGNS_BY_BYTE + _byte(base, 74 + G, ok) * 4 + j
+    def iq3_xxs_fields(base, s, g, q, ok, WORDS: tl.constexpr):
+        """Two index bytes a group (rows of 4 values: quads 0 and 1) at 2; per sub-block a 32-bit field at 66
+        of 4 7-bit sign indices and the scale."""
+        pair = _half_of(base, 2 + 8 * s, g, ok, WORDS)
+        aux = _u32(base, 66 + 4 * s, ok, WORDS)
+        db = _f16(base, ok, WORDS) * (0.5 + ((aux >> 28) & 15).to(tl.float32)) * 0.5
+        row = tl.where(q == 0, pair & 255, pair >> 8)
+        return db, _GRID + row, _split_quads(_SIGNS_BY_INDEX + ((aux >> (7 * g)) & 127) * 2, q)
 
     @triton.jit
-    def iq1_s_fields(base, G, j, ok, WORDS: tl.constexpr):
-        """Index low bytes at 2; per 32 values a 16-bit field at 34: 3 high index bits a group, a 3-bit scale,
-        the delta's sign. Returns the scale d (2 s + 1), the delta and the grid word."""
-        qh = _u16(base, 34 + 2 * (G // 4), ok, WORDS)
-        index = _byte(base, 2 + G, ok) | (((qh >> (3 * (G % 4))) & 7) << 8)
-        dl = f16_at(base, 0, ok) * (2 * ((qh >> 12) & 7) + 1).to(tl.float32)
-        return dl, tl.where(qh >> 15 == 0, 0.125, -0.125), _GRID + index * 4 + j
+    def iq3_s_fields(base, s, g, q, ok, WORDS: tl.constexpr):
+        """Two index low bytes a group at 2, a byte of their ninth bits per sub-block at 66, sign bytes at 74,
+        4-bit scales at 106 (one per sub-block)."""
+        pair = _half_of(base, 2 + 8 * s, g, ok, WORDS)
+        high = _byte_of(base, 66, s, ok, WORDS) >> (2 * g)
+        sc = (_byte_of(base, 106, s // 2, ok, WORDS) >> (4 * (s % 2))) & 15
+        row = tl.where(q == 0, (pair & 255) | ((high & 1) << 8), (pair >> 8) | ((high & 2) << 7))
+        db = _f16(base, ok, WORDS) * (1 + 2 * sc).to(tl.float32)
+        signs = (_u32(base, 74 + 4 * s, ok, WORDS) >> (8 * g)) & 255
+        return db, _GRID + row, _split_quads(_SIGNS_BY_BYTE + signs * 2, q)
 
     @triton.jit
-    def iq1_m_fields(base, G, j, ok, WORDS: tl.constexpr):
-        """Index low bytes at 0, a nibble a group at 32 (3 high index bits, the delta's sign), 3-bit scales
-        per 16 in 4 16-bit fields at 48 whose top nibbles make d."""
-        nibble = _byte(base, 32 + G // 2, ok) >> (4 * (G % 2))
-        sc = _u16(base, 48 + 2 * (G // 8), ok, WORDS) >> (3 * ((G // 2) % 4))
+    def iq1_s_fields(base, s, g, q, ok, WORDS: tl.constexpr):
+        """Index low bytes at 2; per sub-block a 16-bit field at 34: 3 high index bits a group, a 3-bit scale,
+        the delta's sign. Returns the scale d (2 s + 1), the delta and the grid quad."""
+        qh = _u16(base, 34 + 2 * s, ok, WORDS)
+        index = ((_u32(base, 2 + 4 * s, ok, WORDS) >> (8 * g)) & 255) | (((qh >> (3 * g)) & 7) << 8)
+        dl = _f16(base, ok, WORDS) * (2 * ((qh >> 12) & 7) + 1).to(tl.float32)
+        return dl, tl.where(qh >> 15 == 0, 0.125, -0.125), _GRID + index * 2 + q
+
+    @triton.jit
+    def iq1_m_fields(base, s, g, q, ok, WORDS: tl.constexpr):
+        """Index low bytes at 0, per sub-block 16 bits at 32 of a nibble a group (3 high index bits, the
+        delta's sign), 3-bit scales per 16 in 4 16-bit fields at 48 whose top nibbles make d."""
+        nibble = _u16(base, 32 + 2 * s, ok, WORDS) >> (4 * g)
+        sc = _u16(base, 48 + 2 * (s // 2), ok, WORDS) >> (6 * (s % 2) + 3 * (g // 2))
         bits = (_u16(base, 48, ok, WORDS) >> 12) | ((_u16(base, 50, ok, WORDS) >> 12) << 4)
         bits |= ((_u16(base, 52, ok, WORDS) >> 12) << 8) | ((_u16(base, 54, ok, WORDS) >> 12) << 12)
         d = bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
         dl = d * (2 * (sc & 7) + 1).to(tl.float32)
-        index = _byte(base, G, ok) | ((nibble & 7) << 8)
-        return dl, tl.where((nibble & 8) == 0, 0.125, -0.125), _GRID + index * 4 + j
+        index = ((_u32(base, 4 * s, ok, WORDS) >> (8 * g)) & 255) | ((nibble & 7) << 8)
+        return dl, tl.where((nibble & 8) == 0, 0.125, -0.125), _GRID + index * 2 + q
 
     @triton.jit
-    def grid_word(table, grid_word, sign_word, SIGNED: tl.constexpr):
-        """Two values as bfloat16 halves of one int32 (low: the even one), signs applied (an XOR of the bits)."""
-        w = tl.load(table + grid_word)
+    def grid_quad(table, grid_quad, sign_quad, SIGNED: tl.constexpr):
+        """Four values as the bfloat16 quarters of an int64 (lowest: the first), signs applied (an XOR of the
+        bits)."""
+        t = table.to(tl.pointer_type(tl.int64))
+        w = tl.load(t + grid_quad)
         if SIGNED:
-            w ^= tl.load(table + sign_word)
+            w ^= tl.load(t + sign_quad)
         return w
 
     @triton.jit
-    def _half(w, e):
-        """The float32 of element e's bfloat16 half of w (the high half for odd e)."""
-        return tl.where(e % 2 == 1, w & -65536, w << 16).to(tl.float32, bitcast=True)
+    def _quarter_of(w, e):
+        """The float32 of element e's bfloat16 quarter of the int64 w (quarter e % 4)."""
+        half = tl.where(e % 4 < 2, w, w >> 32).to(tl.int32)
+        return tl.where(e % 2 == 1, half & -65536, half << 16).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _signed_tile(base, e, ok, table, FIELDS: tl.constexpr):
-        db, gw, sw = FIELDS(base, e // 8, (e % 8) // 2, ok, False)
-        return db * _half(grid_word(table, gw, sw, True), e)
+        db, gq, sq = FIELDS(base, e // 32, (e // 8) % 4, (e % 8) // 4, ok, False)
+        return db * _quarter_of(grid_quad(table, gq, sq, True), e)
 
     @triton.jit
     def _shifted_tile(base, e, ok, table, FIELDS: tl.constexpr):
-        dl, delta, gw = FIELDS(base, e // 8, (e % 8) // 2, ok, False)
-        return dl * (_half(grid_word(table, gw, gw, False), e) + delta)
+        dl, delta, gq = FIELDS(base, e // 32, (e // 8) % 4, (e % 8) // 4, ok, False)
+        return dl * (_quarter_of(grid_quad(table, gq, gq, False), e) + delta)
 
     @triton.jit
     def iq2_xxs_tile(base, e, ok, table):

@@ -3,8 +3,11 @@ tile of stored blocks in registers and multiplies it by x's matching slices. for
 dot; the tables below look the names up, so a new type's dot is a function here and a name there.
 
 A dot takes base [R, B, 1] pointing at B consecutive blocks of each of R rows, xb [1, B, 1] at the blocks'
-slices of x, ok [R, 1, 1] masking rows, and returns [R, B, W] partial products (summed by the caller). The
-dots load the packed bytes as contiguous runs (K-quants as 32- or 16-bit words) and each scale once per row.
+slices of x, ok [R, 1, 1] masking rows, and returns [R, B, W] or [R, B, W, V] partial products (summed by the
+caller). The dots load the packed bytes as 32- or 16-bit words (blocks off a word boundary, such as MXFP4's 17
+bytes, through _word_at), a bfloat16 x 2 or 4 values a load, and each scale once per row; small integers become
+floats without I2F (1 + q / 2**bits under the exponent of 1.0, or 2**23 + q), and IQ4's table is looked up in
+registers (prmt).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ if triton is not None:
         e8m0_half,
         f16_at,
         f16_pair,
-        grid_word,
+        grid_quad,
         iq1_m_fields,
         iq1_s_fields,
         iq2_s_fields,
@@ -485,38 +488,33 @@ if triton is not None:
         return (32.0 * d) * a + (m - 32.0 * d) * x
 
     @triton.jit
-    def _x_pairs(xb, G, j):
-        """x's values 8 G + 2 j and 8 G + 2 j + 1 as float32; a bfloat16 pair is word 4 G + j of x read as int32,
-        so a group's 4 words are one 16-byte load."""
-        if xb.dtype.element_ty == tl.bfloat16:
-            x2 = tl.load(xb.to(tl.pointer_type(tl.int32)) + 4 * G + j)
-            lo, hi = _bf16_of(x2, 0), _bf16_of(x2, 1)
-        else:
-            lo = tl.load(xb + 8 * G + 2 * j).to(tl.float32)
-            hi = tl.load(xb + 8 * G + 2 * j + 1).to(tl.float32)
-        return lo, hi
-
-    @triton.jit
     def _grid_dot(base, xb, ok, table, FIELDS: tl.constexpr, SHIFTED: tl.constexpr):
-        """An IQ grid block (kernels/dequant.py's _fields) as [R, B, 32 groups of 8, 4 words]: each lane loads
-        its grid word and sign word from the L1-resident table (a group's 4 words are 16 contiguous bytes),
-        XORs the signs into the two bfloat16 halves and takes each half apart with one shift or AND; the
-        scale multiplies a group's sum. IQ1's delta multiplies the group's sum of x."""
-        base, xb, ok = base[:, :, :, None], xb[:, :, :, None], ok[:, :, :, None]
-        G = tl.arange(0, 32)[None, None, :, None]
-        j = tl.arange(0, 4)[None, None, None, :]
-        xl, xh = _x_pairs(xb, G, j)
-        if SHIFTED:
-            scale, delta, gw = FIELDS(base, G, j, ok, True)
-            w = grid_word(table, gw, gw, False)
+        """An IQ grid block (kernels/dequant.py's _fields) as [R, B, 8 sub-blocks, 4 groups, 2 quads]: the
+        fields load once a sub-block; each lane loads a quad of its grid row and of its sign row from the
+        L1-resident table (a row's 2 quads are 16 contiguous bytes), XORs the signs into the four bfloat16
+        values and takes each apart with a shift or an AND, against x's matching quad (one 8-byte load of a
+        bfloat16 x). IQ1's delta multiplies the sum of x. Returns [R, B, 8, 4]."""
+        base, xb, ok = base[:, :, :, None, None], xb[:, :, :, None, None], ok[:, :, :, None, None]
+        s = tl.arange(0, 8)[None, None, :, None, None]
+        g = tl.arange(0, 4)[None, None, None, :, None]
+        q = tl.arange(0, 2)[None, None, None, None, :]
+        if xb.dtype.element_ty == tl.bfloat16:
+            x4 = tl.load(xb.to(tl.pointer_type(tl.int64)) + 8 * s + 2 * g + q)
+            x0, x1, x2, x3 = _bf16_of(x4, 0), _bf16_of(x4, 1), _bf16_of(x4, 2), _bf16_of(x4, 3)
         else:
-            scale, gw, sw = FIELDS(base, G, j, ok, True)
-            w = grid_word(table, gw, sw, True)
-        acc = (w << 16).to(tl.float32, bitcast=True) * xl + (w & -65536).to(tl.float32, bitcast=True) * xh
-        acc = tl.sum(acc, axis=3, keep_dims=True)
+            at = xb + 32 * s + 8 * g + 4 * q
+            x0, x1 = tl.load(at).to(tl.float32), tl.load(at + 1).to(tl.float32)
+            x2, x3 = tl.load(at + 2).to(tl.float32), tl.load(at + 3).to(tl.float32)
         if SHIFTED:
-            acc += delta * tl.sum(xl + xh, axis=3, keep_dims=True)
-        return scale * acc
+            scale, delta, gq = FIELDS(base, s, g, q, ok, True)
+            w = grid_quad(table, gq, gq, False)
+        else:
+            scale, gq, sq = FIELDS(base, s, g, q, ok, True)
+            w = grid_quad(table, gq, sq, True)
+        acc = _bf16_of(w, 0) * x0 + _bf16_of(w, 1) * x1 + _bf16_of(w, 2) * x2 + _bf16_of(w, 3) * x3
+        if SHIFTED:
+            acc += delta * (x0 + x1 + x2 + x3)
+        return tl.sum(scale * acc, axis=4)
 
     @triton.jit
     def iq2_xxs_dot(base, xb, ok, table):

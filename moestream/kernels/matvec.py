@@ -327,7 +327,7 @@ def layout(
     qtype: GGMLQuantizationType, n_in: int, raw: torch.Tensor, at_most: int, float_at_most: int
 ) -> tuple[int, dict]:
     """The bytes a stored row of n_in elements takes, and the kernels' compile-time constants for it: up to
-    at_most blocks a tile (float_at_most for a float weight)."""
+    at_most blocks a tile (8 times that for blocks of 32 values; float_at_most for a float weight)."""
     check_aligned(qtype, raw)
     if qtype in FLOAT_DOTS:  # a float weight, read in blocks of FLOAT_BLOCK values
         block, type_size, at_most = FLOAT_BLOCK, FLOAT_BLOCK * GGML_QUANT_SIZES[qtype][1], float_at_most

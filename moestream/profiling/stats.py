@@ -145,7 +145,8 @@ class Summary:
         ]
         if self.compute_by_name:
             ops = sorted(self.compute_by_name.items(), key=lambda x: -x[1])
-            lines.append("compute by op      " + ", ".join(f"{name} {s * 1e3:.2f} ms" for name, s in ops))
+            own = ", ".join(f"{name} {s * 1e3:.2f} ms" for name, s in ops)
+            lines.append(f"compute by op      {own} (each op's own time: they add up to compute busy)")
         if self.stalls:
             lines += [
                 "",
@@ -221,6 +222,21 @@ def _wait_on_host(spans: list[Span], compute: list[Interval]) -> float | None:
     return waited
 
 
+def _own_time(spans: list[Span]) -> dict[int, float]:
+    """Each compute span's duration less the spans nested in it (a stack's dequantization inside its experts'
+    span): by op, the times add up to the busy time instead of counting nested work twice."""
+    own: dict[int, float] = {}
+    stack: list[Span] = []
+    for s in sorted((s for s in spans if s.lane == "compute"), key=lambda s: (s.start, -s.end)):
+        while stack and stack[-1].end <= s.start:
+            stack.pop()
+        if stack and s.end <= stack[-1].end:
+            own[id(stack[-1])] -= s.duration
+        own[id(s)] = s.duration
+        stack.append(s)
+    return own
+
+
 def summarize(spans: list[Span], wall_s: float | None = None) -> Summary:
     """The numbers of one pass. wall_s: the measured wall time, if longer than the spans' extent."""
     if spans:
@@ -242,15 +258,16 @@ def summarize(spans: list[Span], wall_s: float | None = None) -> Summary:
     compute_by_name: dict[str, float] = defaultdict(float)
     layers: dict[int, LayerStats] = {}
     per_layer: dict[tuple[int, str], list[Interval]] = defaultdict(list)
+    own = _own_time(spans)
     for s in spans:
         if s.lane == "compute":
-            compute_by_name[s.name] += s.duration
+            compute_by_name[s.name] += own[id(s)]
         if s.layer is None or s.lane not in ("compute", "copy"):
             continue
         ls = layers.setdefault(s.layer, LayerStats(s.layer))
         per_layer[s.layer, s.lane].append((s.start, s.end))
         if s.lane == "compute":
-            ls.by_name[s.name] = ls.by_name.get(s.name, 0.0) + s.duration
+            ls.by_name[s.name] = ls.by_name.get(s.name, 0.0) + own[id(s)]
         else:
             ls.nbytes += s.nbytes
     for (layer, lane), iv in per_layer.items():

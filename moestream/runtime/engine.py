@@ -33,6 +33,7 @@ class Generation:
     stop_reason: str = "length"  # length | eos | context | interrupted
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    decode_steps: int = 0  # one-token passes after the prompt's (which gives the first token)
 
     @property
     def prefill_tps(self) -> float:
@@ -40,7 +41,8 @@ class Generation:
 
     @property
     def decode_tps(self) -> float:
-        return len(self.tokens) / self.decode_s if self.decode_s else 0.0
+        """Decode passes a second (0 with none: one token comes from the prompt's pass, not from decode)."""
+        return self.decode_steps / self.decode_s if self.decode_steps and self.decode_s else 0.0
 
 
 class Engine:
@@ -238,6 +240,7 @@ class Engine:
                 gen.stop_reason = "context"
                 break
             token = sampler(self.forward([token], cache)[-1])
+            gen.decode_steps += 1
         if stream is not None and (rest := stream.flush()):
             gen.text += rest
             if on_text:

@@ -127,12 +127,17 @@ def _measure(engine, test: str, tokens: list[int], repeats: int) -> _Measured:
     )
 
 
+def model_name(engine) -> str:
+    """The model's name in the bench rows: the file's general.name, else its file name."""
+    return engine.source.metadata.get("general.name", engine.source.path.name)
+
+
 def run_bench(engine, sweep: Sweep, progress=None, say=None) -> tuple[list[BenchRow], float]:
     """Every combination of the lists; returns the rows and the pinned link rate (bytes/s) measured first.
     progress(row) is called as each row finishes, say(text) as each test starts (a row can take minutes)."""
     f = engine.source
     size = f.path.stat().st_size / 2**30
-    name = f.metadata.get("general.name", f.path.name)
+    name = model_name(engine)
     link = h2d_rate(engine.device, 1 << 28 if engine.device.type == "cuda" else 1 << 26)  # fits beside the model
     rows: list[BenchRow] = []
     first_logits: dict[tuple[str, int], torch.Tensor] = {}

@@ -24,8 +24,10 @@ class Profile:
 
 
 def profile_pass(engine, tokens: list[int], schedule: str, repeats: int = 3, say=None) -> Profile:
-    """Time the pass with recording off and on (alternating, after warm-up); keep the last recorded timeline.
-    say(text), if given, hears of each pass as it starts (a pass on the CPU can take minutes)."""
+    """Time the pass with recording off and on (alternating, after warm-up). The walls are medians (a first
+    pass's one-time costs do not move them), and the timeline shown is the recorded pass of the median time,
+    so the summary's wall is the recorded wall. say(text), if given, hears of each pass as it starts (a pass on
+    the CPU can take minutes)."""
     engine.setup.reconfigure(stream=schedule, progress=False)
 
     def run() -> None:
@@ -34,15 +36,17 @@ def profile_pass(engine, tokens: list[int], schedule: str, repeats: int = 3, say
     if say:
         say(f"{schedule}: warm-up pass")
     run()
-    off, on, last = [], [], None
+    off, recorded = [], []
     for i in range(repeats):
         if say:
             say(f"{schedule}: passes {2 * i + 1} and {2 * i + 2} of {2 * repeats} (unrecorded, recorded)")
         engine.record(NULL)
         off += timed(run, engine.device, repeats=1, warmup=0)
-        last = Timeline(engine.device)
-        engine.record(last)
-        on += timed(run, engine.device, repeats=1, warmup=0)
+        timeline = Timeline(engine.device)
+        engine.record(timeline)
+        recorded.append((timed(run, engine.device, repeats=1, warmup=0)[0], timeline))
     engine.record(NULL)
-    spans = last.resolve()
-    return Profile(schedule, spans, summarize(spans, on[-1]), statistics.mean(on), statistics.mean(off))
+    wall_on, timeline = sorted(recorded, key=lambda r: r[0])[(len(recorded) - 1) // 2]
+    spans = timeline.resolve()
+    summary = summarize(spans, wall_on)
+    return Profile(schedule, spans, summary, summary.wall_s, statistics.median(off))

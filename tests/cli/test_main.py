@@ -69,3 +69,16 @@ def test_version():
     for argv in (["--version"], ["run", "--version"]):
         r = subprocess.run([sys.executable, "-m", "moestream.cli", *argv], capture_output=True, text=True)
         assert r.returncode == 0 and r.stdout.strip() == f"moestream {__version__}"
+
+
+def test_the_stats_line_gives_no_rate_for_no_decode_step(model_file, capsys):
+    """-n 1: the token comes from the prompt's pass, so there is no decode rate (it said 23055.3 tok/s)."""
+    from moestream.cli.main import main
+
+    path = model_file("tiny", "F32")
+    assert main(["run", "-m", path, "-p", "hi", "-n", "1", "--device", "cpu"]) == 0
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "generated 1 token |" in line and "tok/s" not in line and "prompt 1 token in" in line
+    assert main(["run", "-m", path, "-p", "hi", "-n", "3", "--device", "cpu", "--ignore-eos"]) == 0
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "generated 3 tokens, " in line and "tok/s over 2 steps" in line

@@ -104,10 +104,13 @@ def test_summary_exact():
     assert stalls == [(0.0, 1.0, 0, 1.0), (3.0, 4.0, 1, 1.0)]
     assert s.wait_on_upload_s == pytest.approx(2.0)
     assert s.wait_on_host_s is None  # no host queue times: the CPU device
-    assert s.compute_by_name == pytest.approx({"attention": 0.5, "experts": 3.0, "dequant": 0.5})
+    # each op's own time (experts less the dequantization nested in it): they add up to the busy time
+    assert s.compute_by_name == pytest.approx({"attention": 0.5, "experts": 2.5, "dequant": 0.5})
+    assert sum(s.compute_by_name.values()) == pytest.approx(s.compute_busy_s)
     l0, l1, l2 = s.layers
     assert (l0.layer, l0.compute_s, l0.copy_s, l0.nbytes, l0.wait_s) == (0, 2.0, 1.0, 1_000_000_000, 1.0)
-    assert l0.by_name == pytest.approx({"attention": 0.5, "experts": 1.5, "dequant": 0.5})
+    assert l0.by_name == pytest.approx({"attention": 0.5, "experts": 1.0, "dequant": 0.5})
+    assert sum(l0.by_name.values()) == pytest.approx(l0.compute_s)
     assert (l1.compute_s, l1.copy_s, l1.nbytes, l1.wait_s) == (1.5, 2.0, 3_000_000_000, 1.0)
     assert (l2.compute_s, l2.copy_s, l2.wait_s) == (0.0, pytest.approx(1.8), 0.0)
     assert s.lane_busy_s == pytest.approx({"copy": 4.8, "compute": 3.5})

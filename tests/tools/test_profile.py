@@ -43,6 +43,8 @@ def profile(model_file, schedule: str, copy_s: float, compute_s: float):
 def test_serial_hides_nothing(model_file):
     r, streamer = profile(model_file, "serial", copy_s=0.02, compute_s=0.002)
     s = r.summary
+    assert s.wall_s == r.wall_on_s  # one recorded wall: the header's and the table's
+    assert sum(s.compute_by_name.values()) <= s.compute_busy_s * 1.001  # each op's own time
     assert s.overlap_pct < 10, s.overlap_pct
     n_copies = 3 * 9  # gate, up, down of 3 layers, for each of 3 micro-batches (one slot: nothing stays)
     assert s.copy_busy_s >= 0.9 * n_copies * 0.02
