@@ -39,7 +39,12 @@ _SPLIT_REGEX = {
     "qwen2": _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
     "qwen35": _CONTRACTIONS
     + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    # GLM-4.5 / 4.6 (llama.cpp's CHATGLM4): qwen2's split with digits in threes
+    "glm4": _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 }
+# Pre-tokenizers whose pieces found whole in the vocabulary are taken whole, before any merge (llama.cpp's
+# ignore_merges for them)
+_WHOLE_PIECES = frozenset({"glm4"})
 
 # Token texts llama.cpp treats as end of generation whatever the eos id says (llama-vocab.cpp, EOG and FIM
 # detection by text): a chat model ends its turn with one of these.
@@ -159,7 +164,8 @@ class Tokenizer:
         # Duplicate texts keep the last id, as llama.cpp's token_to_id map does.
         vocab = {text: i for i, text in enumerate(tokens)}
         try:
-            hf = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=merges))
+            bpe = tokenizers.models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in _WHOLE_PIECES)
+            hf = tokenizers.Tokenizer(bpe)
         except Exception as e:  # a merge of tokens that are not in the vocabulary...
             raise MoestreamError(f"tokenizer metadata is malformed ({str(e)[:120]})") from None
         hf.pre_tokenizer = _pre_tokenizer(_SPLIT_REGEX[pre])

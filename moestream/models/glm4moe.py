@@ -21,6 +21,7 @@ from moestream.errors import MoestreamError
 from moestream.models import qwen3moe
 from moestream.models.layers import Batch, Cache, Weights
 from moestream.models.spec import ModelSpec, common_metadata, common_spec_fields, read_float, read_int, read_key
+from moestream.ops.attention import masked_attention, rope_store
 from moestream.ops.experts import ExpertSource, routed_swiglu
 from moestream.ops.linear import linear, swiglu
 from moestream.ops.norm import add_rms_norm, rms_norm
@@ -196,12 +197,7 @@ class Model(qwen3moe.Model):
             spec.n_expert_used, e["gating"], e["n_group"], e["group_used"], e["weights_norm"], e["weights_scale"]
         )
         # the optional tensors each layer has, looked up once (a decode step runs every layer)
-        self.biases = {
-            (il, name): weights[f"blk.{il}.{name}.bias"]
-            for il in range(spec.n_layer)
-            for name in ("attn_q", "attn_k", "attn_v")
-            if f"blk.{il}.{name}.bias" in weights
-        }
+        self.biases = {il: b for il in range(spec.n_layer) if (b := self._biases(il)) is not None}
         self.norms = {
             il: (self.w(il, "attn_q_norm"), self.w(il, "attn_k_norm"))
             for il in range(spec.n_layer)
@@ -216,10 +212,34 @@ class Model(qwen3moe.Model):
             return h + self.ffn(il, normed, "ffn_gate", "ffn_up", "ffn_down")
         return self.moe(il, normed, experts, residual=h)
 
-    def project(self, il: int, x: torch.Tensor, names: tuple[str, ...]) -> list[torch.Tensor]:
-        """x times layer il's weights, plus the bias of each that has one (q, k and v)."""
-        out = super().project(il, x, names)
-        return [y + self.biases[il, n] if (il, n) in self.biases else y for y, n in zip(out, names, strict=True)]
+    def _biases(self, il: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Layer il's q, k and v biases ([H*Dh], [Hkv*Dh] twice; zeros for one the file lacks), None if none."""
+        s, w = self.spec, self.weights
+        names = [f"blk.{il}.attn_{x}.bias" for x in "qkv"]
+        if not any(n in w for n in names):
+            return None
+        rows = (s.n_head * s.head_dim, s.n_head_kv * s.head_dim, s.n_head_kv * s.head_dim)
+        return tuple(
+            w[n] if n in w else torch.zeros(r, device=w.device, dtype=self.w(il, "attn_norm").dtype)
+            for n, r in zip(names, rows, strict=True)
+        )
+
+    def attend(
+        self, il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch, cache: Cache
+    ) -> torch.Tensor:
+        """qwen3moe's attend of q, k and v plus their biases; a decode step of a layer without q/k norms adds
+        them in the launch that turns q and k and writes the cache (rope_store)."""
+        biases = self.biases.get(il)
+        if biases is None or batch.rows:  # rows: qwen3moe's attend hands each sequence's row back here
+            return super().attend(il, q, k, v, batch, cache)
+        if batch.n_keys is not None and il not in self.norms:
+            s, T = self.spec, q.shape[0]
+            k, v = k.view(T, s.n_head_kv, s.head_dim), v.view(T, s.n_head_kv, s.head_dim)
+            caches = cache.kv.k[il], cache.kv.v[il]
+            q = rope_store(q, k, v, biases, (batch.cos, batch.sin), caches, batch.positions)
+            return masked_attention(q, caches[0][: batch.n_keys], caches[1][: batch.n_keys], batch.positions)
+        bq, bk, bv = biases
+        return super().attend(il, q + bq.view(q.shape[1:]), k + bk, v + bv, batch, cache)
 
     def qk_norms(self, il: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         return self.norms.get(il)

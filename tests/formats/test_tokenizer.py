@@ -114,6 +114,24 @@ def test_splits_like_llama_cpp(meta):
     assert len(qwen2.encode(" नमस्ते")) > 1
 
 
+def test_glm4_splits_digits_in_threes_and_takes_whole_pieces(meta):
+    """llama.cpp's glm4 pre-tokenizer: qwen2's split with up to three digits a piece, and a piece that is a
+    token takes that token even where no chain of merges builds it (ignore_merges)."""
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    tokens[-1] = byte_level(" xyzzy")  # a padding slot becomes a word no merge builds
+    meta = {
+        **meta,
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [*meta["tokenizer.ggml.token_type"][:-1], 1],
+    }
+    glm4 = Tokenizer.from_metadata({**meta, "tokenizer.ggml.pre": "glm4"})
+    qwen2 = Tokenizer.from_metadata(meta)
+    assert [tokens[i] for i in glm4.encode("12345")] == ["123", "4", "5"]  # "123" is a link of 12345's chain
+    assert glm4.encode(" xyzzy") == [len(tokens) - 1] and len(qwen2.encode(" xyzzy")) > 1
+    for text in TEXTS:
+        assert glm4.decode(glm4.encode(text)) == text
+
+
 def test_repeated_merge_keeps_first_rank():
     meta = tiny_tokenizer_metadata(600)
     merges = meta["tokenizer.ggml.merges"]

@@ -96,15 +96,16 @@ def test_softmax_topk_names_real_experts_whatever_the_logits(bad):
     assert all(len(set(row)) == 8 for row in ids.tolist())  # each expert once
 
 
+@pytest.mark.parametrize("rot", [64, 32])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
-def test_the_prologue_without_norms_turns_and_stores_as_torch(dtype, tol):
-    """gpt-oss's heads have no q/k norms but biases: the biases' adds, RoPE (in float32, rounded once) and the
-    two KV-row writes."""
+def test_the_prologue_without_norms_turns_and_stores_as_torch(dtype, tol, rot):
+    """gpt-oss's heads (and GLM-4.5-Air's, half of each turned) have no q/k norms but biases: the biases' adds,
+    RoPE (in float32, rounded once) and the two KV-row writes."""
     g = torch.Generator(device="cuda").manual_seed(4)
     T, H, Hkv, Dh = 2, 8, 2, 64
     q, k, v = (torch.randn(T, h, Dh, device="cuda", generator=g).to(dtype) for h in (H, Hkv, Hkv))
     positions = torch.tensor([5, 17], device="cuda")
-    cos, sin = rope_cos_sin(positions, Dh, 150000.0, dtype)
+    cos, sin = rope_cos_sin(positions, rot, 150000.0, dtype)
     caches = tuple(torch.zeros(32, Hkv, Dh, device="cuda", dtype=dtype) for _ in range(2))
     biases = tuple(torch.randn(h * Dh, device="cuda", generator=g).to(dtype) for h in (H, Hkv, Hkv))
     got = fused.qkv_store(q, k, v, None, 0.0, (cos, sin), caches, positions, biases)

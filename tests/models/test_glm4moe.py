@@ -5,7 +5,7 @@ from __future__ import annotations
 import gguf
 import pytest
 import torch
-from reference import assert_matches_reference, glm4moe_reference, prompt_tokens
+from reference import assert_matches_reference, glm4moe_reference, prompt_tokens, rel_err
 
 import moestream
 from moestream.errors import MoestreamError
@@ -27,6 +27,25 @@ def test_logits_and_greedy_match_transformers(model_file, preset, quant):
     engine skips; the odd preset routes in groups and has no q/k norms."""
     path = model_file(preset, quant)
     assert_matches_reference(path, glm4moe_reference(path), f"{preset} {quant}")
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_decode_steps_match_transformers(model_file, preset):
+    """One-token steps (the static decode pass: q/k norms, or the biases added in the cache-writing launch)
+    give the reference's logits at each position; greedy text alone barely sees the attention biases."""
+    path = model_file(preset, "F32")
+    reference = glm4moe_reference(path)
+    engine = moestream.load(path, device="cpu", progress=False)
+    tokens = prompt_tokens(12, engine.spec.n_vocab, seed=2)
+    cache = engine.new_cache()
+    engine.forward(tokens[:6], cache)
+    ours = torch.cat([engine.forward([t], cache) for t in tokens[6:]])
+    engine.close()
+    with torch.inference_mode():
+        theirs = reference(torch.tensor([tokens])).logits[0, 6:]
+    err = rel_err(ours, theirs)
+    print(f"{preset} decode steps: max relative logit error vs transformers {err:.2e}")
+    assert err < 1e-4
 
 
 def test_file_follows_llama_cpp_layout(model_file):

@@ -22,7 +22,7 @@ def steps(engine, tokens):
     return torch.cat([engine.forward([t], cache) for t in tokens]), cache
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen35moe"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen35moe", "tiny-glm4moe-odd"])
 @pytest.mark.parametrize("n_cpu_moe", [0, "all"])
 @pytest.mark.parametrize(("dtype", "tolerance"), [("bfloat16", 0.1), ("float32", 1e-2)])
 def test_replayed_steps_give_the_eager_steps_bits(model_file, preset, n_cpu_moe, dtype, tolerance):
@@ -200,7 +200,10 @@ def test_batched_steps_replay_the_eager_batch_and_each_sequence_alone(model_file
         e.close()
 
 
-@pytest.mark.parametrize(("preset", "n_cpu_moe"), [("tiny", 0), ("tiny", "all"), ("tiny-qwen35moe", 0)])
+@pytest.mark.parametrize(
+    ("preset", "n_cpu_moe"),
+    [("tiny", 0), ("tiny", "all"), ("tiny-qwen35moe", 0), ("tiny-glm4moe", "all"), ("tiny-glm4moe-odd", 0)],
+)
 def test_a_batched_step_gives_each_row_the_bits_of_its_step_alone(model_file, preset, n_cpu_moe):
     """In bfloat16, as served: the GPU load test saw 12 of 96 greedy answers differ from the lone ones. Every
     product in a decode step is now chosen per token (quantized matvec tiles, the router, the weighted sum) and
