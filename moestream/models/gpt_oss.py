@@ -10,26 +10,25 @@ E = experts, K = experts used per token, F = expert FFN size.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from moestream.errors import MoestreamError
-from moestream.models.layers import Batch, Cache, Weights
+from moestream.models import qwen3moe
+from moestream.models.layers import Batch, Cache
 from moestream.models.spec import ModelSpec, common_metadata, common_spec_fields, read_float, read_int, read_key
 from moestream.ops.attention import causal_attention, masked_attention, rope_store
 from moestream.ops.experts import ExpertSource, routed_swiglu
-from moestream.ops.linear import Weight, head_logits, linear, linears
+from moestream.ops.linear import linear, linears
 from moestream.ops.moe_swiglu import ClampedGlu
-from moestream.ops.norm import add_rms_norm, rms_norm
+from moestream.ops.norm import rms_norm
 from moestream.ops.rope import YaRN, rope_cos_sin, rope_neox
 from moestream.ops.router import route_softmax_topk
 
 if TYPE_CHECKING:
     from moestream.models.spec import Preset
-    from moestream.options import ModelOptions
 
 ARCH = "gpt-oss"
 EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
@@ -139,33 +138,14 @@ def expert_tensor_names(il: int) -> tuple[str, str, str]:
     return tuple(f"blk.{il}.{t}.weight" for t in EXPERT_TENSORS)  # type: ignore[return-value]
 
 
-class Model:
-    """The forward pass, one layer at a time so the engine can order micro-batches and layers as it likes."""
+class Model(qwen3moe.Model):
+    """qwen3moe's layer order, embedding and head with gpt-oss's biases, YaRN RoPE, attention sinks, sliding windows
+    and clamped-GLU experts."""
 
-    def __init__(
-        self,
-        spec: ModelSpec,
-        weights: Weights,
-        embedding: Callable[[torch.Tensor], torch.Tensor],
-        run: ModelOptions | None = None,  # how it computes; gpt-oss's math needs none of it
-    ):
-        self.spec = spec
-        self.weights = weights  # dense tensors on the compute device, biases and sinks included
-        self.embedding = embedding  # token ids -> rows [T, D] on the compute device
-        self.attention_layers = spec.attention_layers
-
-    def new_recurrent_state(self, device: torch.device) -> dict:
-        return {}  # attention only: the KV cache holds everything
-
-    def w(self, il: int, name: str) -> torch.Tensor:
-        return self.weights[f"blk.{il}.{name}.weight"]
+    MOE_NORM = "post_attention_norm"  # the norm in front of a layer's MoE block
 
     def b(self, il: int, name: str) -> torch.Tensor:
         return self.weights[f"blk.{il}.{name}.bias"]
-
-    def stored(self, il: int, name: str) -> Weight:
-        """Layer il's weight `name` as the ops multiply it: quantized blocks stay stored (not dequantized)."""
-        return self.weights.stored(f"blk.{il}.{name}.weight")
 
     def window(self, il: int) -> int:
         """Positions layer il's queries see (0: all of them)."""
@@ -174,30 +154,6 @@ class Model:
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin tables of the given positions (YaRN-scaled as the file says)."""
         return rope_cos_sin(positions, self.spec.rot_dim, self.spec.rope_base, dtype, self.spec.extra["yarn"])
-
-    def make_batch(self, pos0: int, n_tokens: int, device: torch.device, dtype: torch.dtype) -> Batch:
-        positions = torch.arange(pos0, pos0 + n_tokens, device=device)
-        return Batch(pos0, *self.rope(positions, dtype), positions)
-
-    def static_batch(self, positions: torch.Tensor, n_keys: int, dtype: torch.dtype) -> Batch:
-        """A batch at device positions that attends over n_keys cache rows: the same work every step."""
-        return Batch(-1, *self.rope(positions, dtype), positions, n_keys)
-
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.embedding(tokens)  # [T, D]
-
-    def head(self, x: torch.Tensor) -> torch.Tensor:
-        x = rms_norm(x, self.weights["output_norm.weight"], self.spec.rms_eps)
-        return head_logits(x, self.weights.stored("output.weight"))  # [T, n_vocab]
-
-    MOE_NORM = "post_attention_norm"  # the norm in front of a layer's MoE block
-
-    def layer(self, il: int, x: torch.Tensor, batch: Batch, cache: Cache, experts: ExpertSource) -> torch.Tensor:
-        """experts: the pass's source of routed experts (the engine's, like the cache)."""
-        eps = self.spec.rms_eps
-        mixed = self.attention(il, rms_norm(x, self.w(il, "attn_norm"), eps), batch, cache)
-        h, normed = add_rms_norm(x, mixed, self.w(il, self.MOE_NORM), eps)
-        return self.moe(il, normed, experts, residual=h)
 
     def guess_experts(self, il: int, x: torch.Tensor, n: int) -> torch.Tensor:
         """The n experts layer il's router would rank first for x, the residual stream before an earlier layer:
