@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import select
-import signal
 import subprocess
 import sys
 import time
@@ -35,7 +34,7 @@ def test_a_line_saying_what_it_does_comes_first_and_at_once(model_file, argv, wo
         assert ready, "nothing on stderr"
         line = p.stderr.readline().decode()
     finally:
-        p.send_signal(signal.SIGINT)
+        p.kill()  # only the first line matters
         p.communicate(timeout=60)
     assert line.startswith("moestream: ") and all(w in line for w in words), line
     assert elapsed < 2.0, f"{elapsed:.2f} s"  # about 0.2 s on an idle dev machine: torch is not imported yet

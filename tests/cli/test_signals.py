@@ -13,10 +13,20 @@ import pytest
 import torch
 
 
+def default_sigint() -> None:
+    """A command started from a terminal takes Ctrl-C; one started in the background of a script (as this suite
+    may be) inherits an ignored SIGINT, and a command rightly leaves that ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def spawn(*argv: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.Popen(
-        [sys.executable, "-m", "moestream.cli", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+        [sys.executable, "-m", "moestream.cli", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        preexec_fn=default_sigint,
     )
 
 
@@ -148,6 +158,7 @@ def test_make_model_leaves_no_worker_behind(tmp_path, settle, how):
         stderr=subprocess.PIPE,
         env=dict(os.environ, PYTHONUNBUFFERED="1"),
         start_new_session=True,  # its own group, as a shell gives a foreground job
+        preexec_fn=default_sigint,
     )
     try:
         deadline = time.time() + 120
