@@ -20,6 +20,7 @@ from moestream.offload.host import PinnedRanges
 from moestream.offload.placement import (
     Footprint,
     Placement,
+    Sizing,
     cached_experts,
     kv_cache_bytes,
     plan,
@@ -151,7 +152,12 @@ def build_offload(
     # the ring of guesses is budgeted where small batches will gather, judged before page-locking is tried
     will_lock = device.type == "cpu" or (opts.placement.host_memory == "pinned" and opts.streaming.stream.page_locks)
     expected = decode_plan(opts, spec.n_expert_used, _access(opts, pick, will_lock), measured)
-    fp = _footprint(arch, spec, opts, dense_bytes, tensors, expected)
+    sizing = Sizing(
+        opts.model.context(spec.n_ctx_train),
+        opts.model.ubatch,
+        lambda n_ctx, ubatch: _footprint(arch, spec, opts, dense_bytes, tensors, expected, n_ctx, ubatch),
+    )
+    fp = sizing.footprint
     n_cpu_moe, note = streamed_layers(opts.placement.n_cpu_moe, spec.n_layer)
     budget = parse_size(opts.placement.vram_budget)
     sizes = [tensors[il].nbytes if il in tensors else 0 for il in range(spec.n_layer)]  # 0: a dense layer
@@ -163,6 +169,7 @@ def build_offload(
         budget,
         fp,
         opts.placement.streamed_layers == "spread",
+        sizing,
     )
     cap_vram(
         device, budget, opts.placement.expandable_segments
@@ -230,14 +237,17 @@ def _access(opts: Options, pick: RowGather, readable: bool, streams: bool = True
     return Access(opts.model.torch_device.type == "cuda", readable, pick.kernel_ok, sharded, streams)
 
 
-def _footprint(arch, spec, opts: Options, dense_bytes: int, tensors: dict, decode: DecodePlan) -> Footprint:
-    """Device bytes besides the resident experts and staging slots, the guesses' ring where decode plans one."""
-    n_ctx, dtype = opts.model.context(spec.n_ctx_train), opts.model.torch_dtype
+def _footprint(
+    arch, spec, opts: Options, dense_bytes: int, tensors: dict, decode: DecodePlan, n_ctx: int, ubatch: int
+) -> Footprint:
+    """Device bytes besides the resident experts and staging slots, the guesses' ring where decode plans one,
+    for a context of n_ctx positions and micro-batches of ubatch tokens."""
+    dtype = opts.model.torch_dtype
     ring = ring_bytes(tensors, tensors, decode.n_guess, spec.n_expert_used) if decode.guesses else 0
     return Footprint(
         dense=dense_bytes,
         kv_cache=opts.serving.n_seqs * (kv_cache_bytes(spec, n_ctx, dtype) + arch.state_bytes(spec)),
-        workspace=workspace_bytes(spec, opts.model.ubatch, n_ctx, dtype),
+        workspace=workspace_bytes(spec, ubatch, n_ctx, dtype, opts.model.torch_device.type),
         prefetch=ring,
     )
 

@@ -12,10 +12,13 @@ import contextlib
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from moestream.profiling.timeline import NULL, Timeline
 
@@ -212,6 +215,42 @@ class CpuSide:
 
 
 Device = CudaDevice | CpuDevice
+
+
+class CpuMemory(TorchDispatchMode):
+    """The CPU device's torch.cuda.max_memory_allocated: while active (`with CpuMemory() as m:`), every tensor
+    storage an operation makes on this thread is counted until it is freed; `peak` is the most held at once.
+
+    Storages made before, and views of them, are not counted (an output that shares an input's storage is a
+    view), so `peak` is what a pass allocates on top of what was there: the placement's workspace.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.held = 0  # bytes of counted storages alive now
+        self.peak = 0
+        self._live: set[int] = set()  # data pointers of counted storages
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                self._count(t.untyped_storage(), inputs)
+        return out
+
+    def _count(self, storage: torch.UntypedStorage, inputs: set[int]) -> None:
+        ptr, n = storage.data_ptr(), storage.nbytes()
+        if not n or ptr in inputs or ptr in self._live:
+            return
+        self._live.add(ptr)
+        self.held += n
+        self.peak = max(self.peak, self.held)
+        weakref.finalize(storage, self._freed, ptr, n)
+
+    def _freed(self, ptr: int, n: int) -> None:
+        self._live.discard(ptr)
+        self.held -= n
 
 
 def cap_vram(device: torch.device, budget: int | None, expandable: bool = False) -> None:

@@ -9,12 +9,15 @@ With a VRAM budget and N = "auto", the smallest N whose GPU footprint fits is ch
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from moestream.errors import MoestreamError
+from moestream.formats.quants.reference import scratch_bytes
 from moestream.ops.linear import HEAD_ROWS
+from moestream.ops.prefix_attention import KEY_CHUNK, attention_keys
 from moestream.options import Schedule
 
 
@@ -27,6 +30,20 @@ class Footprint:
     workspace: int  # one layer's experts dequantized + activations of one micro-batch
     prefetch: int = 0  # decode's ring of guessed experts (offload/prefetch.py), when any layer streams
     expert_cache: int = 0  # streamed layers' experts held for decode (offload/expert_cache.py)
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """The two numbers a user trades against streamed layers, the context (-c) and the micro-batch (-ub), and
+    the footprint at other values of them: what a refusal's advice searches."""
+
+    n_ctx: int
+    ubatch: int
+    at: Callable[[int, int], Footprint]  # (n_ctx, ubatch) -> the footprint then
+
+    @property
+    def footprint(self) -> Footprint:
+        return self.at(self.n_ctx, self.ubatch)
 
 
 @dataclass(frozen=True)
@@ -82,9 +99,10 @@ def plan(
     budget: int | None,
     fp: Footprint,
     spread: bool = False,
+    sizing: Sizing | None = None,
 ) -> Placement:
     """Choose the placement, budgeting the staging slots the schedule allocates for --slots `slots`; raise a
-    clear error when the asked one cannot fit."""
+    clear error when the asked one cannot fit (with sizing: naming the largest -c and -ub that would)."""
     n_layer = len(expert_bytes)
     n_slots = schedule.staging_slots(slots)  # the options checked --slots
     if n_cpu_moe == "auto":  # with a budget: Options refuses auto without one
@@ -104,11 +122,41 @@ def plan(
         raise MoestreamError(f"--n-cpu-moe {n_cpu_moe}: must be between 0 and {n_layer} (the layer count) or auto")
     p = Placement(n_cpu_moe, expert_bytes, n_slots, spread)
     if budget is not None and p.gpu_bytes(fp) > budget:
+        gib = 2**30
         raise MoestreamError(
-            f"--n-cpu-moe {n_cpu_moe} needs {p.gpu_bytes(fp) / 2**30:.2f} GiB on the GPU but --vram-budget is "
-            f"{budget / 2**30:.2f} GiB; use --n-cpu-moe auto or stream more layers"
+            f"--n-cpu-moe {n_cpu_moe} needs {p.gpu_bytes(fp) / gib:.2f} GiB on the GPU (resident experts "
+            f"{p.resident_bytes / gib:.2f}, weights {fp.dense / gib:.2f}, KV caches {fp.kv_cache / gib:.2f}, "
+            f"{p.staging_bytes / gib:.2f} staging, workspace {fp.workspace / gib:.2f}) but --vram-budget is "
+            f"{budget / gib:.2f} GiB; {_advice(p, budget, fp, sizing)}"
         )
     return p
+
+
+def _advice(p: Placement, budget: int, fp: Footprint, sizing: Sizing | None) -> str:
+    """What would fit instead of p: the largest -c, the largest -ub at p's N, and auto's N."""
+    fits = []
+    if sizing is not None:
+        ctx = _largest(sizing.n_ctx - 1, lambda c: p.gpu_bytes(sizing.at(c, sizing.ubatch)) <= budget)
+        ub = _largest(sizing.ubatch - 1, lambda u: p.gpu_bytes(sizing.at(sizing.n_ctx, u)) <= budget)
+        fits = [f"-c {ctx}"] * bool(ctx) + [f"-ub {ub}"] * bool(ub)
+    said = f"at --n-cpu-moe {p.n_cpu_moe} it fits with {' or '.join(fits)}; " if fits else ""
+    n_layer = len(p.expert_bytes)
+    auto = next(
+        (n for n in range(n_layer + 1) if Placement(n, p.expert_bytes, p.n_slots, p.spread).gpu_bytes(fp) <= budget),
+        None,
+    )
+    if auto is None:
+        return said + "no --n-cpu-moe fits it, auto included: raise the budget or lower -c / -ub / --max-seqs"
+    return said + f"--n-cpu-moe auto picks {auto} (streams more layers)"
+
+
+def _largest(most: int, fits: Callable[[int], bool]) -> int:
+    """The largest n in 1..most with fits(n) (fits is monotone: true up to some n), 0 if none."""
+    lo, hi = 0, most
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
 
 
 # Left free by an auto-sized expert cache: the footprint above undercounts a decode run's memory by 256-330 MiB
@@ -146,12 +194,24 @@ def kv_cache_bytes(spec, n_ctx: int, dtype: torch.dtype) -> int:
 ALLOCATOR_SLACK = 256 * 2**20  # rounding in the caching allocator, cuBLAS workspaces, small temporaries
 
 
-def workspace_bytes(spec, ubatch: int, n_ctx: int, dtype: torch.dtype) -> int:
-    """Peak temporaries: the largest weight dequantized at once (an expert stack, made one at a time, or a
-    slice of the output head), one micro-batch's grouped activations, attention's keys and values repeated to
-    every query head, and allocator slack."""
+def workspace_bytes(spec, ubatch: int, n_ctx: int, dtype: torch.dtype, device_type: str = "cuda") -> int:
+    """Peak temporaries of a micro-batch, and allocator slack."""
+    return temporaries_bytes(spec, ubatch, n_ctx, dtype, device_type) + ALLOCATOR_SLACK
+
+
+def temporaries_bytes(spec, ubatch: int, n_ctx: int, dtype: torch.dtype, device_type: str = "cuda") -> int:
+    """The most a micro-batch of `ubatch` tokens allocates at once, at any depth up to n_ctx: the largest weight
+    dequantized at once (an expert stack, made one at a time, or a slice of the output head), its grouped
+    activations, and attention's keys and values repeated to every query head (at most a chunk of the prefix
+    besides its own: ops/prefix_attention.py) with its queries and outputs, in float32 where chunks merge. On
+    the CPU the blocks expand through the torch reference, whose steps have scratch of their own (a GPU's
+    dequant kernels write the output directly; a type without one there falls in the allocator slack)."""
     size = torch.empty((), dtype=dtype).element_size()
-    weights = max(spec.n_expert * spec.n_ff_exp * spec.n_embd, min(spec.n_vocab, HEAD_ROWS) * spec.n_embd) * size
+    largest = max(spec.n_expert * spec.n_ff_exp * spec.n_embd, min(spec.n_vocab, HEAD_ROWS) * spec.n_embd)
+    weights = largest * size + (scratch_bytes(largest, device_type) if device_type == "cpu" else 0)
     acts = ubatch * spec.n_expert_used * (3 * spec.n_ff_exp + 2 * spec.n_embd) * size
-    attention = (2 * n_ctx + 4 * ubatch) * spec.n_head * spec.head_dim * size
-    return weights + acts + attention + ALLOCATOR_SLACK
+    rows = spec.n_head * spec.head_dim
+    attention = (2 * attention_keys(n_ctx, ubatch) + 4 * ubatch) * rows * size
+    if n_ctx > KEY_CHUNK:  # the running output and log-sum-exp, a chunk's in float32, their merge
+        attention += 3 * ubatch * (rows + spec.n_head) * 4
+    return weights + acts + attention

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from moestream.kernels import decode_attention, fused
+from moestream.ops.prefix_attention import in_chunks, prefix_attention
 from moestream.ops.rope import rms_norm_rope, rope_neox
 
 MASK_ELEMENTS = 1 << 26
@@ -75,7 +76,8 @@ def causal_attention(
 
     The causal mask is aligned to the bottom right (query i sees keys up to S - T + i): SDPA's own causal flag
     when T == S, flash attention's (which aligns so) on a GPU, else a dense mask. Not torch's causal_lower_right:
-    its module imports torch._dynamo, seconds of start-up for every command.
+    its module imports torch._dynamo, seconds of start-up for every command. Deep in a context the prefix goes
+    in chunks (ops/prefix_attention.py), so the temporaries do not grow with the depth.
     """
     T, H, _ = q.shape
     S, Hkv, _ = k.shape
@@ -83,10 +85,15 @@ def causal_attention(
         positions = torch.arange(S - T, S, device=q.device)
         if decode_attention.usable(q):
             return decode_attention.attention(q, k, v, positions, sinks, window)
+        if window and (lo := S - T - window + 1) > 0:  # keys no query of this batch sees: not read at all
+            k, v, positions = k[lo:], v[lo:], positions - lo
+            S = k.shape[0]
         rows = max(1, MASK_ELEMENTS // (H * S))  # queries per slice of the float mask
         return torch.cat(
             [_masked_sdpa(q[i : i + rows], k, v, positions[i : i + rows], sinks, window) for i in range(0, T, rows)]
         )
+    if in_chunks(T, S):
+        return prefix_attention(q, k, v)
     if Hkv != H:  # GQA: query head h reads KV head h // (H / Hkv)
         k = k.repeat_interleave(H // Hkv, dim=1)
         v = v.repeat_interleave(H // Hkv, dim=1)

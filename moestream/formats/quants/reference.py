@@ -22,6 +22,12 @@ _CHUNK_ELEMENTS = {"cpu": 1 << 22}
 _CHUNK_ELEMENTS_DEFAULT = 1 << 24
 
 
+def scratch_bytes(n_elements: int, device_type: str) -> int:
+    """Temporaries one dequantize of n_elements makes besides its output: a step's float32 values and the
+    integer fields they are made from (about 1.5x the step's float32 in the K-quants; counted as 2x)."""
+    return 2 * 4 * min(n_elements, _CHUNK_ELEMENTS.get(device_type, _CHUNK_ELEMENTS_DEFAULT))
+
+
 def dequantize(
     raw: torch.Tensor,
     qtype: GGMLQuantizationType,

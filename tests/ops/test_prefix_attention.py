@@ -1,0 +1,61 @@
+"""Prefill attention in chunks of the cached prefix: the softmax over every key written out (float64), at any
+chunk size and depth, with temporaries that do not grow with the depth (counted by offload/device.CpuMemory)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moestream.offload.device import CpuMemory
+from moestream.ops.attention import causal_attention
+from moestream.ops.prefix_attention import in_chunks, prefix_attention
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of the last T positions over S keys, written out in float64 (GQA by head index)."""
+    T, H, Dh = q.shape
+    S, Hkv, _ = k.shape
+    k, v = (t.double().repeat_interleave(H // Hkv, dim=1) for t in (k, v))
+    scores = torch.einsum("thd,shd->hts", q.double(), k) / Dh**0.5
+    visible = torch.arange(S)[None, :] <= torch.arange(S - T, S)[:, None]
+    weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return torch.einsum("hts,shd->thd", weights, v)
+
+
+@pytest.mark.parametrize(("T", "S", "chunk"), [(4, 4, 3), (5, 37, 8), (16, 300, 64), (3, 259, 256), (7, 71, 1)])
+def test_prefix_in_chunks_is_the_whole_softmax(T, S, chunk):
+    g = torch.Generator().manual_seed(T * S)
+    H, Hkv, Dh = 8, 2, 16
+    q = torch.randn(T, H, Dh, generator=g)
+    k, v = (torch.randn(S, Hkv, Dh, generator=g) for _ in range(2))
+    got = prefix_attention(q, k, v, key_chunk=chunk)
+    err = (got.double() - reference(q, k, v)).abs().max().item()
+    assert got.dtype == q.dtype and got.shape == q.shape
+    assert err < 1e-5, f"max error {err:.2e}"
+
+
+def test_causal_attention_chunks_only_deep_in_a_context():
+    """Up to a chunk of prefix, one fused call (its bits unchanged); past it, chunks, the same numbers."""
+    assert not in_chunks(512, 512 + 4096) and in_chunks(512, 512 + 4097)
+    g = torch.Generator().manual_seed(3)
+    T, S, H, Hkv, Dh = 8, 4096 + 200, 4, 1, 16
+    q = torch.randn(T, H, Dh, generator=g)
+    k, v = (torch.randn(S, Hkv, Dh, generator=g) for _ in range(2))
+    err = (causal_attention(q, k, v).double() - reference(q, k, v)).abs().max().item()
+    assert err < 1e-5, f"max error {err:.2e}"
+
+
+def test_temporaries_do_not_grow_with_the_depth():
+    """A micro-batch's attention at depth 16 chunks allocates what it does at depth 2 chunks."""
+    g = torch.Generator().manual_seed(4)
+    T, H, Hkv, Dh, chunk = 32, 8, 2, 32, 128
+    q = torch.randn(T, H, Dh, generator=g)
+    peaks = []
+    for depth in (2 * chunk, 16 * chunk):
+        k, v = (torch.randn(depth + T, Hkv, Dh, generator=g) for _ in range(2))
+        with torch.inference_mode(), CpuMemory() as m:
+            prefix_attention(q, k, v, key_chunk=chunk)
+        peaks.append(m.peak)
+    one_chunk_kv = 2 * chunk * H * Dh * 4  # a chunk's keys and values repeated to every query head
+    assert peaks[1] == peaks[0], peaks
+    assert one_chunk_kv <= peaks[0] < 4 * one_chunk_kv, (peaks, one_chunk_kv)
