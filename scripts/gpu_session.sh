@@ -20,6 +20,8 @@
 #            serving wheels from .whl/serve
 #   compare  issues 32/33: $COMPARE models (preset:recipe:streamed:budget) generated, moestream and llama-bench
 #            pp2048 + tg128 resident and streamed, each deleted after
+#   context  issue 36: pp16384 and pp32768 at -ncmoe auto --vram-budget 12GiB, tg128 at -d 8192,32768 (-ncmoe 0,26)
+#   ctxllama llama-bench's same rows on the same file (-lm none for the prompts; needs lbuild)
 #   lbuild llamacpp   build llama.cpp's llama-bench (background) / wait and run tg128 at -ncmoe 0,26 on each
 #            benchmark model generated so far (qwen3-30b, and qwen3.6-35b after decode35 or qwen35)
 #   model35  generate the qwen3.6-35b-a3b model alone
@@ -145,6 +147,17 @@ for step in "$@"; do
                 [[ -f $m ]] && /tmp/lcpp/build/bin/llama-bench -m $m -ngl 99 -fa 1 -p 0 -n 128 -r 3 -ncmoe 0,26 2>&1 \
                   | grep -v '^ggml\|^load' | tee -a "$OUT/bench.txt"
               done ;;
+    context) make_model $MODEL qwen3-30b-a3b | tee -a "$OUT/model.txt"  # issue 36: long prompts, decode at depth
+             for p in 16384 32768; do
+               $MS bench -m $MODEL -p $p -ub 2048 -ncmoe auto --vram-budget 12GiB -r 3 --no-floors 2>&1 | quiet \
+                 | tee -a "$OUT/bench.txt"
+             done
+             $MS bench -m $MODEL -p 0 -n 128 -d 8192,32768 -ncmoe 0,26 -r 3 --no-floors 2>&1 | quiet | tee -a "$OUT/bench.txt" ;;
+    ctxllama) wait_build; tail -1 /tmp/lcpp.log | tee -a "$OUT/gpu.txt"  # context's rows by llama-bench, same file
+              /tmp/lcpp/build/bin/llama-bench -m $MODEL -ngl 99 -fa 1 -p 16384,32768 -n 0 -ub 2048 -r 3 -ncmoe 26 -lm none \
+                2>&1 | grep -v '^ggml\|^load' | tee -a "$OUT/bench.txt"
+              /tmp/lcpp/build/bin/llama-bench -m $MODEL -ngl 99 -fa 1 -p 0 -n 128 -d 8192,32768 -r 3 -ncmoe 0,26 2>&1 \
+                | grep -v '^ggml\|^load' | tee -a "$OUT/bench.txt" ;;
     compare) # issues 32/33: each $COMPARE entry preset:recipe:streamed:budget (e.g. gpt-oss-20b:MXFP4_MOE:24:8GiB) is
              # generated, run by moestream (resident, then -ncmoe streamed within the budget) and by llama-bench
              # (-lm none: llama.cpp's pinned copy; built by lbuild), then deleted to leave the disk for the next

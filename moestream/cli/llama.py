@@ -149,7 +149,7 @@ SERVE = {
 }
 
 BENCH = {
-    "moestream bench has no equivalent yet: run -p and -n tests": "-d --n-depth -pg",
+    "moestream bench has no equivalent yet: run -p and -n tests (-d N: after N tokens of context)": "-pg",
     "moestream bench prints each row as it finishes; errors go to stderr": "-oe --output-err --progress",
     "moestream bench runs its tests back to back": "--delay",
     "moestream bench warms up before every timed test": "--no-warmup",

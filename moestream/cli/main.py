@@ -29,6 +29,7 @@ from moestream.cli.args import (
 )
 from moestream.cli.llama import refuse_llama_flags
 from moestream.cli.perf import check_bench, check_probe, check_profile, cmd_bench, cmd_probe, cmd_profile, sweep_of
+from moestream.cli.warmup import add_warmup, check_warmup, cmd_warmup
 from moestream.errors import MoestreamError, is_out_of_memory
 from moestream.tools.presets import PRESETS
 
@@ -121,6 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
     engine_flags(bench, lists=LISTS)
     bench.add_argument("-p", "--n-prompt", type=int_list, default=[512], help="prompt lengths, e.g. 512,2048")
     bench.add_argument("-n", "--n-gen", type=int_list, default=[0], help="decode lengths (0: prefill only)")
+    bench.add_argument(
+        "-d",
+        "--n-depth",
+        type=int_list,
+        default=[0],
+        help="tokens of context before each test, as llama-bench (rows: tg128 @ d8192); their prefill is not timed",
+    )
     bench.add_argument("-r", "--repetitions", type=int, default=3, help="timed runs of each test")
     bench.add_argument("--no-floors", action="store_true", help="skip the all-resident compute-floor runs")
     bench.add_argument(
@@ -170,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="accepted for llama-server command lines: sequences are batched and /metrics is served always",
     )
     refuse_llama_flags(serve, "serve")
+    add_warmup(sub)
 
     make = sub.add_parser("make-model", help="write a GGUF model with random weights of a preset's shapes")
     make.add_argument("out", help="the GGUF file to write")
@@ -214,6 +223,7 @@ def check_run(a: argparse.Namespace) -> None:
 
 
 def cmd_run(a: argparse.Namespace) -> None:
+    from moestream.kernels import compiles
     from moestream.runtime.loader import load
 
     prompt: list[int] = []  # encoded once, before the weights load
@@ -245,6 +255,7 @@ def cmd_run(a: argparse.Namespace) -> None:
         engine.close()
     print()
     _print_stats(gen)
+    compiles.summary()
 
 
 def _print_stats(gen) -> None:
@@ -458,6 +469,7 @@ COMMANDS = {
     "probe": (check_probe, cmd_probe),
     "make-model": (check_make_model, cmd_make_model),
     "serve": (check_serve, cmd_serve),
+    "warmup": (check_warmup, cmd_warmup),
 }
 
 
@@ -474,7 +486,7 @@ STARTING = {
     "info": lambda a: f"info: reading {a.model}" + (f", then routing {_count(a.tokens, 'token')}" if a.routing else ""),
     "bench": lambda a: (
         f"bench: loading {a.model}, then {_count(len(sweep_of(a).placements()), 'placement')} x "
-        + _count(sum(n > 0 for n in a.n_prompt + a.n_gen), "test")
+        + _count(sum(n > 0 for n in a.n_prompt + a.n_gen) * len(a.n_depth), "test")
         + f", {_count(a.repetitions, 'repetition')} each"
     ),
     "profile": lambda a: (
@@ -487,6 +499,7 @@ STARTING = {
         + f", {a.quant})"
     ),
     "serve": lambda a: f"serve: loading {a.model} for http://{a.host}:{a.port}/v1",
+    "warmup": lambda a: f"warmup: compiling the kernels a run of {a.model} with these flags needs",
 }
 
 

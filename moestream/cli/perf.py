@@ -21,6 +21,7 @@ def sweep_of(a: argparse.Namespace) -> Sweep:
         picks=a.streamed_layers,
         prefetches=a.prefetch or [None],
         caches=a.expert_cache or ["auto"],
+        depths=a.n_depth,
         repeats=a.repetitions,
         floors=not a.no_floors,
     )
@@ -32,11 +33,13 @@ def check_bench(a: argparse.Namespace) -> None:
         at_least(n, 0, "-p")
     for n in a.n_gen:
         at_least(n, 0, "-n")
+    for n in a.n_depth:
+        at_least(n, 0, "-d")
     if max(a.n_prompt) == 0 and max(a.n_gen) == 0:
         raise MoestreamError("-p 0 -n 0: nothing to measure; give a prompt length (-p) or a decode length (-n)")
     if a.batch_size is not None:
         at_least(a.batch_size, 1, "-b")
-    check_engine(a, max(a.n_prompt) + max(a.n_gen) + 1, sweep_of(a).placements())  # every row, before the first
+    check_engine(a, _positions(a) + 1, sweep_of(a).placements())  # every row, before the first
 
 
 def cmd_bench(a: argparse.Namespace) -> None:
@@ -46,7 +49,7 @@ def cmd_bench(a: argparse.Namespace) -> None:
     from moestream.tools.bench import model_name, run_bench
 
     fmt = "json" if a.json else a.output
-    longest = max(a.n_prompt) + max(a.n_gen)
+    longest = _positions(a)
     opts = engine_options(a, ctx=longest + 1).replace(progress=fmt == "md")
     sweep = sweep_of(a)
     # every row's values against the model's shapes before its weights load: a bad row would fail only after
@@ -98,8 +101,8 @@ def cmd_bench(a: argparse.Namespace) -> None:
         if r.links_gbs:
             each = " + ".join(f"{g:.1f}" for g in r.links_gbs)
             print(f"  {r.test} {r.stream}: each --devices link, GB/s over the run: {each} = {sum(r.links_gbs):.1f}")
-        if r.test.startswith("tg"):
-            n = int(r.test[2:])
+        if r.kind == "tg":
+            n = r.n_tokens
             guess = (
                 ""
                 if r.prefetch_hit is None
@@ -113,11 +116,17 @@ def cmd_bench(a: argparse.Namespace) -> None:
             )
 
 
+def _positions(a: argparse.Namespace) -> int:
+    """The positions bench sizes its context for: the deepest -d, then the longest -p and -n."""
+    return max(a.n_depth) + max(a.n_prompt) + max(a.n_gen)
+
+
 def _fits(tokens: int, n_ctx: int) -> None:
-    """-p plus -n against the positions the model gives, before any weight moves."""
+    """-d plus -p or -n against the positions the model gives, before any weight moves."""
     if tokens + 1 > n_ctx:
         raise MoestreamError(
-            f"-p and -n ask for {tokens} positions but the model has {n_ctx} (with --ctx); give at most {n_ctx - 1}"
+            f"-d with -p or -n asks for {tokens} positions but the model has {n_ctx} (with --ctx); give at most "
+            f"{n_ctx - 1}"
         )
 
 
@@ -207,6 +216,9 @@ def cmd_probe(a: argparse.Namespace) -> None:
     from moestream.tools.probe import grouped_gemm_rate, h2d_rate, registered_rate
 
     device = Options.make(device=a.device).model.torch_device  # the same checks as every other command
+    from moestream.kernels.compiles import cache_dirs
+
+    print("kernel caches: " + "; ".join(f"{what} {where}" for what, where in cache_dirs().items()))
     spec, streamed, registered = None, 0, None
     if a.model is not None:  # -m '': the file's own error
         from moestream.formats.gguf import GGUFFile

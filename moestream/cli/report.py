@@ -57,8 +57,8 @@ def _cpu_name() -> str:
 
 def record(row, info: dict, link_bps: float) -> dict:
     """One row as llama-bench names it (n_prompt, n_gen, avg_ts...), then moestream's own fields."""
-    n = int(row.test[2:])
-    prompt = row.test.startswith("pp")
+    n = row.n_tokens
+    prompt = row.kind == "pp"
     ns = [s * 1e9 for s in row.samples_s]
     ts = [n / s for s in row.samples_s]
     rec = info | {
@@ -66,7 +66,7 @@ def record(row, info: dict, link_bps: float) -> dict:
         "n_cpu_moe": row.n_cpu_moe,
         "n_prompt": n if prompt else 0,
         "n_gen": 0 if prompt else n,
-        "n_depth": 0,
+        "n_depth": row.n_depth,
         "test_time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "avg_ns": round(sum(ns) / len(ns)),
         "stddev_ns": round(_stdev(ns)),
@@ -123,7 +123,7 @@ def render(fmt: str, records: list[dict]) -> str:
 
 MD_COLUMNS = (
     f"| {'size':>10} | {'params':>9} | {'backend':<7} | {'n_cpu_moe':>9} | {'layers':<6} | "
-    f"{'n_ubatch':>8} | {'stream':<11} | {'prefetch':>8} | {'cache':>5} | {'test':>7} | {'t/s':>18} | "
+    f"{'n_ubatch':>8} | {'stream':<11} | {'prefetch':>8} | {'cache':>5} | {'test':>15} | {'t/s':>18} | "
     f"{'uploaded':>9} | {'used':>5} | {'GB/s':>6} | {'cp GB/s':>7} | same |"
 )
 
@@ -142,7 +142,7 @@ def md_row(r, info: dict) -> str:
     return (
         f"| {r.model} | {_binary(info['model_size']):>10} | {_count(info['model_n_params']):>9} | "
         f"{info['backends']:<7} | {r.n_cpu_moe:>9} | {r.streamed_layers:<6} | {r.ubatch:>8} | {r.stream:<11} | "
-        f"{prefetch:>8} | {r.expert_cache:>5} | {r.test:>7} | {r.tps:9.2f} ± {r.tps_std:6.2f} | "
+        f"{prefetch:>8} | {r.expert_cache:>5} | {r.test:>15} | {r.tps:9.2f} ± {r.tps_std:6.2f} | "
         f"{_decimal(r.bytes_uploaded):>9} | {r.experts_used:5.2f} | {r.link_gbs:6.1f} | {cp:>7} | {same:<4} |"
     )
 

@@ -16,8 +16,8 @@ import os
 import platform
 import shutil
 import subprocess
-import sys
 import tempfile
+import time
 import warnings
 from functools import cache
 from pathlib import Path
@@ -29,15 +29,12 @@ from gguf import GGMLQuantizationType as Q
 from moestream.errors import MoestreamError
 from moestream.formats import quants
 from moestream.formats.quants import grids
+from moestream.kernels import compiles
 
 PARALLEL_WEIGHTS = 1 << 20  # below this many products, threads cost more than they save (a busy machine's
 # threads wait for each other at the end of each call); every output is one thread's either way: the same bits
 SOURCE = Path(__file__).with_name("csrc") / "cpu_quant.c"
 TYPES = frozenset(t.qtype for t in quants.TYPES.values() if t.cpu_dot)
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moestream"
 
 
 def _cpu_flags() -> bytes:
@@ -76,7 +73,7 @@ def grid_header() -> str:
 def _library() -> ctypes.CDLL | None:
     header = grid_header().encode()
     key = SOURCE.read_bytes() + header + _cpu_flags()  # -march=native: a build is only good for this kind of CPU
-    lib = _cache_dir() / f"cpu_quant-{hashlib.sha256(key).hexdigest()[:16]}.so"
+    lib = compiles.c_cache_dir() / f"cpu_quant-{hashlib.sha256(key).hexdigest()[:16]}.so"
     try:
         return _build_and_load(lib, header)
     except OSError as e:  # an unwritable cache folder, a build that cannot load...
@@ -93,7 +90,8 @@ def _build_and_load(lib: Path, header: bytes) -> ctypes.CDLL | None:
             warnings.warn("no C compiler found: CPU expert matvecs dequantize in torch instead (slower)", stacklevel=3)
             return None
         lib.parent.mkdir(parents=True, exist_ok=True)
-        print(f"moestream: compiling the CPU matvec for this machine (once; kept in {lib.parent})", file=sys.stderr)
+        compiles.compiling()
+        start = time.perf_counter()
         with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:  # built aside, then moved: no half-written .so
             out = Path(tmp) / lib.name
             (Path(tmp) / "iq_grids.h").write_bytes(header)
@@ -105,6 +103,7 @@ def _build_and_load(lib: Path, header: bytes) -> ctypes.CDLL | None:
                 warnings.warn(f"building the CPU matvec failed ({first}); dequantizing in torch instead", stacklevel=3)
                 return None
             os.replace(out, lib)
+        compiles.compiled(time.perf_counter() - start)
     dll = ctypes.CDLL(str(lib))
     dll.matvec_picked.restype = ctypes.c_int
     dll.matvec_picked.argtypes = (

@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from moestream.kernels import tuning
+from moestream.kernels import compiles, tuning
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs take the reference paths
     import triton
@@ -19,6 +19,8 @@ except ImportError:
 
 # Triton's interpreter runs CUDA tensors too, and cannot run PDL's inline PTX; read once, as Triton reads it
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+if triton is not None:
+    compiles.watch_triton(triton)  # a first-use compile is said on stderr, and counted
 
 
 def on_device(t: torch.Tensor):

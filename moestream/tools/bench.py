@@ -5,7 +5,9 @@ Every row of one run shares the loaded weights; only the offload side is rebuilt
 
 from __future__ import annotations
 
+import contextlib
 import statistics
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -26,7 +28,7 @@ class BenchRow:
     stream: str
     slots: int
     streamed_layers: str  # first | spread
-    test: str  # ppN (prefill N tokens) or tgN (decode N tokens)
+    test: str  # ppN (prefill N tokens) or tgN (decode N tokens), "@ dD" after D tokens of context
     tps: float
     tps_std: float
     seconds: float
@@ -46,6 +48,22 @@ class BenchRow:
     prefetch_hit: float | None = None  # the fraction of those layers' picks that were guessed (None: no prefetch)
     expert_cache: int = 0  # experts of each streamed layer the cache held (0: none)
     cache_hit: float | None = None  # the fraction of prefetched layers' picks it held (None: no cache)
+    n_depth: int = 0  # tokens of context before the test (llama-bench's n_depth), their prefill not timed
+
+    @property
+    def kind(self) -> str:
+        """pp or tg."""
+        return self.test[:2]
+
+    @property
+    def n_tokens(self) -> int:
+        """The test's own tokens: N of ppN or tgN."""
+        return int(self.test[2:].split()[0])
+
+
+def named_test(kind: str, n: int, depth: int) -> str:
+    """A row's test as llama-bench names it: pp512, tg128, pp512 @ d8192."""
+    return f"{kind}{n}" + (f" @ d{depth}" if depth else "")
 
 
 def random_prompt(n: int, n_vocab: int, seed: int = 0) -> list[int]:
@@ -67,24 +85,56 @@ class _Measured:
     cached: float | None  # the fraction of them the expert cache held (None: no cache)
 
 
-def _measure(engine, test: str, tokens: list[int], repeats: int) -> _Measured:
+class _Tally:
+    """What the timed runs of a test moved and picked, summed over the runs only (not the untimed prefill of
+    the depth before each, nor the warm-up)."""
+
+    def __init__(self, experts):
+        self.counters, self.streamer = experts.counters, experts.streamer
+        self.moved, self.picks, self.usage = 0, None, []
+        self.links = [0] * len(getattr(self.streamer, "link_bytes", []))  # one entry a device with --devices
+
+    @contextlib.contextmanager
+    def run(self) -> Iterator[None]:
+        c = self.counters
+        c.usage = []
+        moved, picks, links = c.bytes_moved, c.stats(), list(getattr(self.streamer, "link_bytes", []))
+        yield
+        self.moved += c.bytes_moved - moved
+        if picks is not None:
+            delta = [b - a for a, b in zip(picks, c.stats(), strict=True)]
+            self.picks = delta if self.picks is None else [a + b for a, b in zip(self.picks, delta, strict=True)]
+        now = getattr(self.streamer, "link_bytes", [])
+        self.links = [t + b - a for t, a, b in zip(self.links, links, now, strict=True)]
+        self.usage += c.usage
+        c.usage = None
+
+
+def _measure(engine, test: str, tokens: list[int], repeats: int, depth: int = 0) -> _Measured:
+    """Time `repeats` runs of test (ppN or tgN) after a warm-up, each after `depth` tokens of context whose
+    prefill is not timed (llama-bench's n_depth)."""
     experts = engine.experts
     streamer = experts.streamer
     last = {}
+    cache = engine.new_cache()  # one for every run, as a server slot would be: its captured steps are reused
+    context = random_prompt(depth, engine.spec.n_vocab, seed=1)
+
+    def at_depth():
+        cache.reset()
+        if context:
+            engine.forward(context, cache)
 
     def prefill():
-        last["logits"] = engine.forward(tokens, engine.new_cache())
+        last["logits"] = engine.forward(tokens, cache)
 
-    cache = engine.new_cache() if test.startswith("tg") else None
-
-    def decode():  # the same cache every run, as a server slot would be: its captured steps are reused
-        cache.reset()
+    def decode():
         engine.forward(tokens[:1], cache)
         for t in tokens[1:]:
             engine.forward([t], cache)
 
     fn = prefill if test.startswith("pp") else decode
     copy_gbs = None
+    at_depth()
     if streamer is None:
         fn()  # warm-up (also fills allocator caches)
     else:  # the warm-up pass also times the uploads on the copy stream (events there only: compute untouched)
@@ -94,34 +144,31 @@ def _measure(engine, test: str, tokens: list[int], repeats: int) -> _Measured:
         finally:
             streamer.timeline = engine.setup.timeline
         copy_gbs = summarize(copies.resolve()).copy_gbps
-    counters = experts.counters
-    counters.usage = []
-    before = counters.bytes_moved
-    guessed = counters.stats()  # (picks, misses, bytes of misses, ...), counted on the device
-    links_before = list(getattr(streamer, "link_bytes", []))  # one entry a device with --devices
+    tally = _Tally(experts)
     cuda = engine.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(engine.device)
-    times = timed(fn, engine.device, repeats=repeats, warmup=0)
+    times = []
+    for _ in range(repeats):
+        at_depth()
+        with tally.run():
+            times += timed(fn, engine.device, repeats=1, warmup=0)
     peak = torch.cuda.max_memory_allocated(engine.device) / 2**30 if cuda else 0.0
-    moved = (counters.bytes_moved - before) // repeats
     hit = cached = None
-    if guessed is not None:
-        picks, misses, _, _, held = (b - a for a, b in zip(guessed, counters.stats(), strict=True))
+    if tally.picks is not None:
+        picks, misses, _, _, held = tally.picks
         hit = 1 - misses / picks if picks else None
         if experts.cached_width and picks:
             cached = held / picks
-    used = float(torch.stack(counters.usage).mean()) if counters.usage else 0.0
-    counters.usage = None
-    links = [(b - a) / repeats for a, b in zip(links_before, getattr(streamer, "link_bytes", []), strict=True)]
+    used = float(torch.stack(tally.usage).mean()) if tally.usage else 0.0
     return _Measured(
         times=times,
         logits=last.get("logits"),
-        moved=moved,
+        moved=tally.moved // repeats,
         used=used,
         peak_gib=peak,
         copy_gbs=copy_gbs,
-        links=links,
+        links=[b / repeats for b in tally.links],
         hit=hit,
         cached=cached,
     )
@@ -144,17 +191,18 @@ def run_bench(engine, sweep: Sweep, progress=None, say=None) -> tuple[list[Bench
     first_token: dict[str, int] = {}
     compute_floor: dict[tuple[str, int], float] = {}
     w = sweep
-    tests = [(f"pp{p}", p) for p in w.prompts if p > 0] + [(f"tg{n}", n) for n in w.gens if n > 0]
+    tests = [(kind, n, d) for d in w.depths for kind, ns in (("pp", w.prompts), ("tg", w.gens)) for n in ns if n > 0]
     combos = w.placements()
     for i, placed in enumerate(combos):
         engine.setup.reconfigure(**placed, progress=False)
         ub, stream, k, pick = (placed[key] for key in ("ubatch", "stream", "slots", "streamed_layers"))
-        for test, n in tests:
+        for kind, n, depth in tests:
+            test = named_test(kind, n, depth)
             if say:
                 shown = " ".join(f"{key} {value}" for key, value in placed.items() if value is not None)
                 say(f"placement {i + 1}/{len(combos)}, {test} x {w.repeats} after a warm-up: {shown}")
             tokens = random_prompt(n, engine.spec.n_vocab)
-            m = _measure(engine, test, tokens, w.repeats)
+            m = _measure(engine, kind, tokens, w.repeats, depth)
             secs = statistics.mean(m.times)
             tps = [n / t for t in m.times]
             experts = engine.experts  # not kept past this row: its staging slots hold device memory
@@ -183,6 +231,7 @@ def run_bench(engine, sweep: Sweep, progress=None, say=None) -> tuple[list[Bench
                 prefetch_hit=m.hit,
                 expert_cache=experts.cached_width,
                 cache_hit=m.cached,
+                n_depth=depth,
             )
             del experts
             if m.logits is not None:
@@ -196,9 +245,9 @@ def run_bench(engine, sweep: Sweep, progress=None, say=None) -> tuple[list[Bench
     if w.floors:
         for ub in w.ubatches:
             engine.setup.reconfigure(ubatch=ub, n_cpu_moe=0, stream=Schedule.OVERLAP, vram_budget=None, progress=False)
-            for test, n in tests:
-                m = _measure(engine, test, random_prompt(n, engine.spec.n_vocab), w.repeats)
-                compute_floor[(test, ub)] = min(m.times)  # a floor: the best run, not the mean
+            for kind, n, depth in tests:
+                m = _measure(engine, kind, random_prompt(n, engine.spec.n_vocab), w.repeats, depth)
+                compute_floor[(named_test(kind, n, depth), ub)] = min(m.times)  # a floor: the best run, not the mean
         for row in rows:
             row.compute_floor_s = compute_floor[(row.test, row.ubatch)]
     return rows, link

@@ -20,6 +20,7 @@ class Sweep:
     picks: list[str]  # --streamed-layers first | spread
     prefetches: list[int | None] = field(default_factory=lambda: [None])  # --prefetch (None: the router's count)
     caches: list[int | str] = field(default_factory=lambda: ["auto"])  # --expert-cache
+    depths: list[int] = field(default_factory=lambda: [0])  # -d: tokens of context before each test (untimed)
     repeats: int = 3
     floors: bool = True  # also time each test with every expert resident (the compute floor)
 

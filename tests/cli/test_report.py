@@ -26,3 +26,30 @@ def test_the_table_names_the_model_whole_and_tells_rows_apart(model_file, capsys
     column = [c.strip() for c in header.split("|")]
     pairs = {(c[column.index("prefetch")], c[column.index("cache")]) for c in cells}
     assert pairs == {("0", "0"), ("2", "0"), ("2", "2")}  # each row's own; the cache serves the prefetch: off with it
+
+
+def test_depth_rows_carry_n_depth_in_json_and_name_it_in_the_table(model_file, capsys):
+    import json
+
+    path = model_file("tiny", "Q4_K_M")
+    argv = ["bench", "-m", path, "--device", "cpu", "-p", "8", "-n", "2", "-d", "0,24", "-r", "1", "--no-floors"]
+    assert main([*argv, "-o", "json"]) == 0
+    records = json.loads(capsys.readouterr().out)
+    assert [(r["test"], r["n_prompt"], r["n_gen"], r["n_depth"]) for r in records] == [
+        ("pp8", 8, 0, 0),
+        ("tg2", 0, 2, 0),
+        ("pp8 @ d24", 8, 0, 24),
+        ("tg2 @ d24", 0, 2, 24),
+    ]
+    assert main([*argv, "-o", "csv"]) == 0
+    header, *rows = capsys.readouterr().out.splitlines()
+    assert '"n_depth"' in header.split(",") and len(rows) == 4
+    assert main(argv) == 0
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert any("| tg2 @ d24 |" in line.replace("  ", " ") or " tg2 @ d24 |" in line for line in table)
+
+
+def test_a_negative_depth_is_refused(model_file, capsys):
+    path = model_file("tiny", "Q4_K_M")
+    assert main(["bench", "-m", path, "--device", "cpu", "-d", "-1"]) == 2
+    assert "-d -1: must be at least 0" in capsys.readouterr().err

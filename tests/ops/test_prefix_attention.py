@@ -5,21 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_attention import _reference as reference  # float64, the mask written out
 
 from moestream.offload.device import CpuMemory
 from moestream.ops.attention import causal_attention
 from moestream.ops.prefix_attention import in_chunks, prefix_attention
-
-
-def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention of the last T positions over S keys, written out in float64 (GQA by head index)."""
-    T, H, Dh = q.shape
-    S, Hkv, _ = k.shape
-    k, v = (t.double().repeat_interleave(H // Hkv, dim=1) for t in (k, v))
-    scores = torch.einsum("thd,shd->hts", q.double(), k) / Dh**0.5
-    visible = torch.arange(S)[None, :] <= torch.arange(S - T, S)[:, None]
-    weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-    return torch.einsum("hts,shd->thd", weights, v)
 
 
 @pytest.mark.parametrize(("T", "S", "chunk"), [(4, 4, 3), (5, 37, 8), (16, 300, 64), (3, 259, 256), (7, 71, 1)])
@@ -59,3 +49,15 @@ def test_temporaries_do_not_grow_with_the_depth():
     one_chunk_kv = 2 * chunk * H * Dh * 4  # a chunk's keys and values repeated to every query head
     assert peaks[1] == peaks[0], peaks
     assert one_chunk_kv <= peaks[0] < 4 * one_chunk_kv, (peaks, one_chunk_kv)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # flash attention, the memory-efficient kernel
+def test_the_gpu_kernels_give_the_whole_softmax(dtype):
+    g = torch.Generator().manual_seed(5)
+    T, S, H, Hkv, Dh = 64, 4096 + 700, 32, 4, 128
+    q = torch.randn(T, H, Dh, generator=g)
+    k, v = (torch.randn(S, Hkv, Dh, generator=g) for _ in range(2))
+    got = prefix_attention(*(t.to("cuda", dtype) for t in (q, k, v)), key_chunk=1024).cpu()
+    err = (got.double() - reference(q, k, v)).abs().max().item()
+    assert err < (2e-2 if dtype == torch.bfloat16 else 1e-4), f"max error {err:.2e}"

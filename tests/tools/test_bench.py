@@ -37,3 +37,34 @@ def test_copy_rate_is_bytes_over_copy_time(model_file):
     for r in rows:
         assert r.copy_gbs == pytest.approx(tensor_bytes / 0.02 / 1e9, rel=0.3), r.stream
         assert r.link_gbs < r.copy_gbs  # over the whole run the link also sat idle
+
+
+def test_depth_rows_time_the_test_not_the_context_before_it(model_file):
+    """-d 48: each test runs after 48 tokens of context (three micro-batches, each uploading both streamed
+    layers through one slot); the rows say so as llama-bench does, and neither the time nor the bytes of that
+    prefill are the row's: pp16 @ d48 uploads what pp16 does and takes about its time."""
+    dev = CpuDevice(copy_delay_s=0.05)  # 0.3 s to upload the two layers' three stacks
+    e = moestream.load(
+        model_file("tiny", "Q4_K_M"),
+        device="cpu",
+        ubatch=16,
+        n_ctx=80,
+        stream_min_batch=8,
+        n_cpu_moe="all",
+        stream="pinned",
+        progress=False,
+        device_impl=dev,
+    )
+    try:
+        sweep = Sweep([16], [4], [16], ["all"], ["pinned"], [2], ["first"], depths=[0, 48], repeats=2, floors=False)
+        rows, _ = run_bench(e, sweep)
+    finally:
+        e.close()
+        dev.close()
+    by = {r.test: r for r in rows}
+    assert list(by) == ["pp16", "tg4", "pp16 @ d48", "tg4 @ d48"]
+    assert [r.n_depth for r in rows] == [0, 0, 48, 48] and [r.n_tokens for r in rows] == [16, 4, 16, 4]
+    base, deep = by["pp16"], by["pp16 @ d48"]
+    assert deep.bytes_uploaded == base.bytes_uploaded > 0
+    assert deep.seconds - base.seconds < 0.45, (deep.samples_s, base.samples_s)  # timed, the depth adds 0.9 s
+    assert all(r.tps > 0 for r in rows)

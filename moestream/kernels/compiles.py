@@ -1,0 +1,110 @@
+"""Kernels compiled at first use on this machine (Triton's, and the C matvec of kernels/cpu_quant.py): the first
+compile says so once on stderr, each is counted, and `summary` sums them up when a stretch of work ends (load,
+warmup, a run). A fresh machine's first load can spend a minute here; without a word it looks hung.
+
+The count is the process's, as the caches it fills are the machine's: one engine or several, a kernel compiles
+once. Triton tells us through its compilation listener, chained after any listener already installed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+FIRST = "moestream: compiling kernels (first use on this machine; kept for later runs) ..."
+
+
+@dataclass
+class Tally:
+    """Compiles since the last summary, and whether the first-use line was said (once a process)."""
+
+    count: int = 0
+    seconds: float = 0.0
+    said: bool = False
+
+
+_TALLY = Tally()
+_LOCK = threading.Lock()  # Triton may compile on worker threads (its async mode)
+
+
+def compiling(out: TextIO | None = None) -> None:
+    """A compile starts (or a Triton one just finished): say so once a process."""
+    with _LOCK:
+        if _TALLY.said:
+            return
+        _TALLY.said = True
+    print(FIRST, file=out or sys.stderr, flush=True)
+
+
+def compiled(seconds: float) -> None:
+    """One kernel was compiled (not found in its cache), in `seconds`."""
+    with _LOCK:
+        _TALLY.count += 1
+        _TALLY.seconds += seconds
+
+
+def summary(out: TextIO | None = None) -> int:
+    """Say how many kernels were compiled since the last summary (nothing when none); returns that count."""
+    with _LOCK:
+        count, seconds = _TALLY.count, _TALLY.seconds
+        _TALLY.count, _TALLY.seconds = 0, 0.0
+    if count:
+        s = "s" * (count != 1)
+        print(
+            f"moestream: compiled {count} kernel{s} in {seconds:.1f} s (cached: later runs skip this)",
+            file=out or sys.stderr,
+            flush=True,
+        )
+    return count
+
+
+def triton_listener(*, src, metadata, metadata_group, times, cache_hit: bool, _chained=None) -> None:
+    """Triton's compilation listener: a compile that missed the disk cache is said and counted."""
+    if not cache_hit:
+        compiling()
+        total = times.ir_initialization + sum(t for _, t in times.lowering_stages) + times.store_results
+        compiled(total / 1e6)  # Triton's times are microseconds
+    if _chained is not None:
+        _chained(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
+
+
+def watch_triton(triton) -> None:
+    """Install triton_listener (once; keeping a listener someone else installed)."""
+    knobs = triton.knobs.compilation
+    current = knobs.listener
+    if getattr(current, "moestream", False):
+        return
+
+    def listener(**kw) -> None:
+        triton_listener(**kw, _chained=current)
+
+    listener.moestream = True
+    knobs.listener = listener
+
+
+def cache_dirs() -> dict[str, str]:
+    """Where compiled kernels are kept: Triton's cache, torch inductor's, and the C matvec's."""
+    dirs = {}
+    try:
+        import triton
+
+        dirs["triton"] = str(triton.knobs.cache.dir)
+    except ImportError:
+        dirs["triton"] = "(Triton is not installed)"
+    try:  # where torch.compile would keep its kernels (cache_dir() itself would also create the folder)
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        dirs["torch inductor"] = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
+    except ImportError:
+        dirs["torch inductor"] = "(unknown in this torch)"
+    dirs["C matvec"] = str(c_cache_dir())
+    return dirs
+
+
+def c_cache_dir() -> Path:
+    """The C matvec's build folder (kernels/cpu_quant.py): $XDG_CACHE_HOME/moestream or ~/.cache/moestream."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moestream"

@@ -1,0 +1,74 @@
+"""Kernels compiled at first use say so once on stderr and are counted: the C matvec in a fresh cache folder
+(a real compile, in a child process), Triton's through its real compilation listener; a second run with the
+cache filled says nothing."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from moestream.kernels import compiles
+
+
+def run_cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "moestream.cli", *args], capture_output=True, text=True, env=env, timeout=600
+    )
+
+
+def test_a_fresh_machine_says_it_compiles_once_then_counts(model_file, tmp_path):
+    path = model_file("tiny", "Q4_K_M")
+    env = os.environ | {"XDG_CACHE_HOME": str(tmp_path)}  # no C matvec built yet: this "machine" is new
+    args = ["run", "-m", path, "--device", "cpu", "-p", "hello", "-n", "4"]
+    first = run_cli(args, env)
+    assert first.returncode == 0, first.stderr
+    assert first.stderr.count(compiles.FIRST) == 1, first.stderr
+    assert "moestream: compiled 1 kernel in " in first.stderr
+    assert list((tmp_path / "moestream").glob("cpu_quant-*.so"))
+    second = run_cli(args, env)
+    assert second.returncode == 0, second.stderr
+    assert compiles.FIRST not in second.stderr and "compiled" not in second.stderr, second.stderr
+
+
+def test_triton_compiles_that_miss_the_cache_are_counted_and_chained():
+    triton = pytest.importorskip("triton")
+    seen = []
+    saved = triton.knobs.compilation.listener
+    triton.knobs.compilation.listener = lambda **kw: seen.append(kw["cache_hit"])
+    try:
+        compiles.watch_triton(triton)
+        compiles.watch_triton(triton)  # once: not a listener calling itself
+        compiles.summary()
+        listener = triton.knobs.compilation.listener
+        times = triton.knobs.CompileTimes(
+            ir_initialization=500_000, lowering_stages=[("ttir", 1_000_000), ("ptx", 1_500_000)], store_results=0
+        )
+        for hit in (False, True, False):
+            listener(src=None, metadata={}, metadata_group={}, times=times, cache_hit=hit)
+        assert seen == [False, True, False]
+        assert compiles._TALLY.count == 2 and compiles._TALLY.seconds == pytest.approx(6.0)
+        assert compiles.summary() == 2 and compiles.summary() == 0
+    finally:
+        triton.knobs.compilation.listener = saved
+
+
+def test_cache_dirs_name_every_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    dirs = compiles.cache_dirs()
+    assert set(dirs) == {"triton", "torch inductor", "C matvec"}
+    assert dirs["C matvec"] == str(tmp_path / "moestream")
+
+
+@pytest.mark.gpu
+def test_a_fresh_triton_cache_compiles_once_and_a_second_run_not(model_file, tmp_path):
+    path = model_file("tiny", "Q4_K_M")
+    env = os.environ | {"TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    args = ["run", "-m", path, "--device", "cuda", "-p", "hello", "-n", "4"]
+    first = run_cli(args, env)
+    assert first.returncode == 0, first.stderr
+    assert first.stderr.count(compiles.FIRST) == 1 and "moestream: compiled " in first.stderr, first.stderr
+    second = run_cli(args, env)
+    assert compiles.FIRST not in second.stderr, second.stderr
