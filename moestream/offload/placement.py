@@ -205,7 +205,9 @@ def temporaries_bytes(spec, ubatch: int, n_ctx: int, dtype: torch.dtype, device_
     activations, and attention's keys and values repeated to every query head (at most a chunk of the prefix
     besides its own: ops/prefix_attention.py) with its queries and outputs, in float32 where chunks merge. On
     the CPU the blocks expand through the torch reference, whose steps have scratch of their own (a GPU's
-    dequant kernels write the output directly; a type without one there falls in the allocator slack)."""
+    dequant kernels write the output directly; a type without one there falls in the allocator slack). Besides
+    the micro-batch, the residual stream of a whole prompt of up to n_ctx tokens: every micro-batch is embedded
+    up front, and layer-major order keeps them all between layers (runtime/engine.py)."""
     size = torch.empty((), dtype=dtype).element_size()
     largest = max(spec.n_expert * spec.n_ff_exp * spec.n_embd, min(spec.n_vocab, HEAD_ROWS) * spec.n_embd)
     weights = largest * size + (scratch_bytes(largest, device_type) if device_type == "cpu" else 0)
@@ -214,4 +216,5 @@ def temporaries_bytes(spec, ubatch: int, n_ctx: int, dtype: torch.dtype, device_
     attention = (2 * attention_keys(n_ctx, ubatch) + 4 * ubatch) * rows * size
     if n_ctx > KEY_CHUNK:  # the running output and log-sum-exp, a chunk's in float32, their merge
         attention += 3 * ubatch * (rows + spec.n_head) * 4
-    return weights + acts + attention
+    prompt = n_ctx * spec.n_embd * size
+    return weights + acts + attention + prompt
