@@ -169,3 +169,25 @@ def test_refusal_without_any_fitting_n_says_so():
     experts, sizing = preset_sizing("qwen3-30b-a3b", "Q4_K_M", 2048, 262144)
     with pytest.raises(MoestreamError, match="no --n-cpu-moe fits"):
         P.plan(experts, 26, Schedule.OVERLAP, 3, 4 * GIB, sizing.footprint, sizing=sizing)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ubatch", [16, 200])
+def test_footprint_bounds_what_the_gpu_allocates(model_file, ubatch):
+    """On CUDA the allocator's own high-water mark: a 200-token prompt's pass stays within the workspace (allocator
+    slack included: cuBLAS and Triton take theirs from it)."""
+    engine = moestream.load(
+        model_file("tiny", "Q4_K_M"), device="cuda", n_ctx=256, ubatch=ubatch, n_cpu_moe=2, progress=False
+    )
+    try:
+        cache = engine.new_cache()
+        tokens = torch.randint(0, engine.spec.n_vocab, (200,), generator=torch.Generator().manual_seed(0)).tolist()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        engine.forward(tokens, cache)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+        assert peak <= engine.offload.footprint.workspace, (peak, engine.offload.footprint)
+    finally:
+        engine.close()
