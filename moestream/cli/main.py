@@ -155,8 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
     engine_flags(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=8080, help="port to listen on")
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ requests")
-    serve.add_argument("--api-key-file", default=None, help="read --api-key from this file (its first line)")
+    serve.add_argument(
+        "--api-key-file",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every route but /health, KEY the file's first line "
+        "(default: $MOESTREAM_API_KEY, if set)",
+    )
+    serve.add_argument("--api-key", default=None, help="the key itself (visible in `ps`: prefer --api-key-file)")
     serve.add_argument("-a", "--alias", default=None, help="the model name the server reports (default: the file's)")
     serve.add_argument(
         "--max-seqs", "-np", "--parallel", type=int, default=4, help="sequences served at once (the rest queue)"
@@ -370,15 +375,9 @@ def check_serve(a: argparse.Namespace) -> None:
         raise MoestreamError(f"--port {a.port}: expected 1 to 65535")
     at_least(a.max_seqs, 1, "--max-seqs")
     at_least(a.max_tokens, 1, "--max-tokens")
-    if a.api_key_file is not None:
-        if a.api_key is not None:
-            raise MoestreamError("--api-key and --api-key-file: give the key once")
-        try:
-            a.api_key = (Path(a.api_key_file).read_text(encoding="utf-8").splitlines() or [""])[0]
-        except (OSError, UnicodeDecodeError) as e:
-            raise MoestreamError(f"--api-key-file {a.api_key_file}: {getattr(e, 'strerror', None) or e}") from None
-    if a.api_key is not None and not a.api_key.strip():
-        raise MoestreamError("--api-key is empty: give a key, or leave the flag out to serve without one")
+    from moestream.serving.guard import api_key_of  # no slow imports: the key is checked before the load
+
+    a.api_key = api_key_of(a.api_key, a.api_key_file, os.environ)
     if a.alias is not None and not a.alias.strip():
         raise MoestreamError("-a is empty: give a model name, or leave the flag out to use the file's name")
     a.socket = _listening_socket(a.host, a.port)  # bound now: a port in use is said first, and no one takes it
