@@ -19,6 +19,7 @@ from moestream.serving.errors import ApiError, Errors, parse_body
 from moestream.serving.errors import error_response as _error
 from moestream.serving.guard import MAX_BODY, Guard
 from moestream.serving.harmony import HarmonySplit, is_harmony
+from moestream.serving.prompts import Prompts, default_threads
 from moestream.serving.scheduler import Event, QueueFull, Scheduler
 from moestream.serving.scheduler import Request as Job
 
@@ -36,8 +37,16 @@ def _plain(message: dict[str, Any]) -> dict[str, Any]:
     return message
 
 
-def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None, max_tokens: int = 4096) -> FastAPI:
+def create_app(
+    scheduler: Scheduler,
+    model_id: str,
+    api_key: str | None = None,
+    max_tokens: int = 4096,
+    threads_http: int | None = None,
+) -> FastAPI:
     engine = scheduler.engine
+    threads = threads_http if threads_http is not None else default_threads(scheduler.max_seqs)
+    prompts = Prompts(engine.tokenizer, engine.n_ctx, threads)  # templating and tokenizing: off the event loop
     app = FastAPI(title="moestream")
     started = time.time()
 
@@ -154,17 +163,6 @@ def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None, 
             raise ApiError(400, f"bad sampling parameters: {e}") from None
         return Job(prompt_tokens, params, emit, stop=stop)
 
-    def encode(text: Any, chat_messages: list | None = None) -> list[int]:
-        try:
-            if chat_messages is not None:
-                text = engine.tokenizer.apply_chat_template(chat_messages)
-                return engine.tokenizer.encode(text, add_special=False)
-            if not isinstance(text, str):
-                raise ApiError(400, "prompt must be a string")
-            return engine.tokenizer.encode(text)
-        except MoestreamError as e:
-            raise ApiError(400, str(e)) from None
-
     async def run(request: Request, body: dict[str, Any], prompt_tokens: list[int], chat: bool):
         options = body.get("stream_options") or {}
         if not isinstance(options, dict):
@@ -279,7 +277,7 @@ def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None, 
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
-        return await run(request, body, encode(prompt), chat=False)
+        return await run(request, body, await prompts.encode(prompt), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -287,6 +285,6 @@ def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None, 
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise ApiError(400, "messages must be a non-empty list of {role, content} objects")
-        return await run(request, body, encode(None, [_plain(m) for m in messages]), chat=True)
+        return await run(request, body, await prompts.encode_chat([_plain(m) for m in messages]), chat=True)
 
     return app
