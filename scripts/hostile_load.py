@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -31,7 +32,8 @@ from moestream.tools.presets import get_preset
 from moestream.tools.synthetic import make_model
 
 HUGE = "HUGE"  # the message that makes the template render --template-mb
-DEADLINE = 30.0  # seconds a request may take before it counts as failed
+DEADLINE = 30.0  # seconds a request may take before it counts as failed (default)
+CLOSE = {"Connection": "close"}  # a connection a request: no race with the server closing an idle one
 
 
 def write_hostile_model(path: Path, template_mb: float) -> str:
@@ -80,6 +82,15 @@ def start_server(model: str, port: int, flags: list[str], log) -> subprocess.Pop
     raise SystemExit("the server did not start")
 
 
+def warm_up(base: str) -> None:
+    """One chat and one completion first, not measured: a cold server's first passes set things up."""
+    for path, body in [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ("/v1/completions", {"prompt": "hi"}),
+    ]:
+        httpx.post(base + path, json=body | {"max_tokens": 8}, timeout=120).raise_for_status()
+
+
 def rss_kib(pid: int, key: str = "VmRSS") -> int:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -91,8 +102,8 @@ def rss_kib(pid: int, key: str = "VmRSS") -> int:
 
 
 class Load:
-    def __init__(self, base: str, seconds: float):
-        self.base, self.end = base, time.monotonic() + seconds
+    def __init__(self, base: str, seconds: float, deadline: float):
+        self.base, self.end, self.deadline = base, time.monotonic() + seconds, deadline
         self.health: list[float] = []
         kinds = ["streams", "streams failed", "hostile requests", "hostile failed", "health failed"]
         self.counts = dict.fromkeys(kinds, 0)
@@ -104,18 +115,25 @@ class Load:
         self.errors[why] = self.errors.get(why, 0) + 1
 
     async def probe_health(self) -> None:
-        async with httpx.AsyncClient(timeout=DEADLINE) as c:
-            while time.monotonic() < self.end:
+        """GET /health every 50 ms, each probe on its own (a frozen server leaves many waiting, each counted)."""
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=20)
+        async with httpx.AsyncClient(timeout=self.deadline, limits=limits, headers=CLOSE) as c:
+
+            async def probe() -> None:
                 start = time.perf_counter()
                 try:
                     ok = (await c.get(self.base + "/health")).status_code == 200
                 except httpx.HTTPError:
                     ok = False
-                took = time.perf_counter() - start
-                self.health.append(took)
+                self.health.append(time.perf_counter() - start)
                 if not ok:
                     self.counts["health failed"] += 1
-                await asyncio.sleep(max(0.0, 0.05 - took))
+
+            probes = []
+            while time.monotonic() < self.end:
+                probes.append(asyncio.create_task(probe()))
+                await asyncio.sleep(0.05)
+            await asyncio.gather(*probes)
 
     async def stream(self, c: httpx.AsyncClient, k: int) -> None:
         i = k
@@ -131,7 +149,7 @@ class Load:
             self.counts["streams"] += 1
 
             try:
-                status, lines = await asyncio.wait_for(self._read(c, path, body), DEADLINE)
+                status, lines = await asyncio.wait_for(self._read(c, path, body), self.deadline)
             except (asyncio.TimeoutError, httpx.HTTPError) as e:  # noqa: UP041 (Python 3.10)
                 self.failed("streams", type(e).__name__)
                 continue
@@ -150,7 +168,7 @@ class Load:
             self.counts["hostile requests"] += 1
             body = {"messages": [{"role": "user", "content": HUGE}], "max_tokens": 8}
             try:
-                r = await asyncio.wait_for(c.post(self.base + "/v1/chat/completions", json=body), DEADLINE)
+                r = await asyncio.wait_for(c.post(self.base + "/v1/chat/completions", json=body), self.deadline)
                 if not 400 <= r.status_code < 500:
                     self.failed("hostile", f"HTTP {r.status_code} to a hostile template")
             except (asyncio.TimeoutError, httpx.HTTPError) as e:  # noqa: UP041 (Python 3.10)
@@ -177,17 +195,21 @@ class Load:
                 pass
             finally:
                 writer.close()
+            await asyncio.sleep(random.random())  # reopened apart, not all in the same instant
 
 
-async def run_clients(port: int, seconds: float, clients: int, half_open: int, hostile: int) -> Load:
-    load = Load(f"http://127.0.0.1:{port}", seconds)
+async def run_clients(port: int, seconds: float, clients: int, half_open: int, hostile: int, deadline: float) -> Load:
+    """The half-open connections first (a second to open them all), then everything else for `seconds`."""
+    ramp = 1.0 if half_open else 0.0
+    load = Load(f"http://127.0.0.1:{port}", ramp + seconds, deadline)
     limits = httpx.Limits(max_connections=clients + hostile, max_keepalive_connections=clients + hostile)
-    async with httpx.AsyncClient(timeout=DEADLINE, limits=limits) as c:
+    async with httpx.AsyncClient(timeout=deadline, limits=limits, headers=CLOSE) as c:
+        held = [asyncio.create_task(load.half_open(port)) for _ in range(half_open)]
+        await asyncio.sleep(ramp)
         tasks = [load.probe_health()]
-        tasks += [load.half_open(port) for _ in range(half_open)]
         tasks += [load.stream(c, k) for k in range(clients)]
         tasks += [load.hostile(c) for _ in range(hostile)]
-        await asyncio.gather(*tasks)
+        await asyncio.gather(*tasks, *held)
     return load
 
 
@@ -198,15 +220,16 @@ def run_load(
     hostile: int = 4,
     template_mb: float = 60,
     serve_flags: tuple[str, ...] = (),
-    workdir: str | None = None,
+    deadline: float = DEADLINE,
 ) -> dict:
     """The whole test: model, server, load, Ctrl-C; the results as a dict."""
-    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+    with tempfile.TemporaryDirectory() as tmp:
         model = write_hostile_model(Path(tmp) / "hostile.gguf", template_mb)
         port = free_port()
         log_path = Path(tmp) / "server.log"
         with open(log_path, "wb") as log:
             server = start_server(model, port, ["-c", "4096", *serve_flags], log)
+            warm_up(f"http://127.0.0.1:{port}")
             peak, stop_sampling = [rss_kib(server.pid)], False
 
             async def sample_rss() -> None:
@@ -218,7 +241,7 @@ def run_load(
                 nonlocal stop_sampling
                 sampler = asyncio.create_task(sample_rss())
                 try:
-                    return await run_clients(port, seconds, clients, half_open, hostile)
+                    return await run_clients(port, seconds, clients, half_open, hostile, deadline)
                 finally:
                     stop_sampling = True
                     await sampler
@@ -226,6 +249,7 @@ def run_load(
             try:
                 load = asyncio.run(everything())
             finally:
+                peak.append(rss_kib(server.pid, "VmHWM"))  # the kernel's peak, between samples too
                 server.send_signal(signal.SIGINT)
                 try:
                     code = server.wait(60)
@@ -264,8 +288,9 @@ def main() -> None:
     ap.add_argument("--hostile", type=int, default=4, help="clients sending chat requests the template blows up")
     ap.add_argument("--template-mb", type=float, default=60, help="what the hostile template renders, in MB")
     ap.add_argument("--serve-flag", action="append", default=[], help="a flag for `moestream serve` (repeat)")
+    ap.add_argument("--deadline", type=float, default=DEADLINE, help="seconds a request may take, or it failed")
     a = ap.parse_args()
-    out = run_load(a.seconds, a.clients, a.half_open, a.hostile, a.template_mb, tuple(a.serve_flag))
+    out = run_load(a.seconds, a.clients, a.half_open, a.hostile, a.template_mb, tuple(a.serve_flag), a.deadline)
     for key, value in out.items():
         print(f"{key}: {value:.1f}" if isinstance(value, float) else f"{key}: {value}")
     print(json.dumps(out))
