@@ -10,3 +10,7 @@ def is_out_of_memory(e: BaseException) -> bool:
     """torch.OutOfMemoryError on a GPU; on the CPU the allocator raises a RuntimeError saying so."""
     text = str(e).lower()
     return isinstance(e, MemoryError) or "out of memory" in text or "can't allocate memory" in text
+
+
+class Terminated(Exception):
+    """SIGTERM: the command stopped cleanly (memory freed); it exits 143 with one line, as 128 + the signal."""

@@ -9,6 +9,7 @@ import time
 import uvicorn
 
 from moestream.serving.app import create_app
+from moestream.serving.connections import server_config
 from moestream.serving.scheduler import Scheduler
 
 
@@ -22,13 +23,17 @@ class LocalServer:
         max_seqs: int = 4,
         model_id: str = "tiny",
         batched: bool | None = None,
+        timeout: float = 30.0,
+        max_connections: int = 512,
     ):
         self.scheduler = Scheduler(engine, max_seqs=max_seqs, batched=batched)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         app = create_app(self.scheduler, model_id, api_key=api_key)
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        where = dict(host="127.0.0.1", port=self.port, log_level="warning")
+        config = server_config(app, None, timeout, max_connections, **where)
+        self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30

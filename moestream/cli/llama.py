@@ -142,7 +142,7 @@ SERVE = {
         "--api-prefix --ui-config --webui-config --ui-config-file --webui-config-file --ui-mcp-proxy "
         "--webui-mcp-proxy --no-ui-mcp-proxy --no-webui-mcp-proxy --tools --tools-runtime --mcp-servers-config "
         "--mcp-servers-json -ag --agent -no-ag --no-agent --ui --webui --no-ui --no-webui --ssl-key-file "
-        "--ssl-cert-file -to --timeout --sse-ping-interval --threads-http --props --no-slots --media-path "
+        "--ssl-cert-file --sse-ping-interval --props --no-slots --media-path "
         "--models-dir --models-preset --models-max --models-autoload --no-models-autoload --prefill-assistant "
         "--no-prefill-assistant --sleep-idle-seconds --tags"
     ),

@@ -30,7 +30,7 @@ from moestream.cli.args import (
 from moestream.cli.llama import refuse_llama_flags
 from moestream.cli.perf import check_bench, check_probe, check_profile, cmd_bench, cmd_probe, cmd_profile, sweep_of
 from moestream.cli.warmup import add_warmup, check_warmup, cmd_warmup
-from moestream.errors import MoestreamError, is_out_of_memory
+from moestream.errors import MoestreamError, Terminated, is_out_of_memory
 from moestream.tools.presets import PRESETS
 
 
@@ -163,13 +163,40 @@ def build_parser() -> argparse.ArgumentParser:
     engine_flags(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=8080, help="port to listen on")
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ requests")
-    serve.add_argument("--api-key-file", default=None, help="read --api-key from this file (its first line)")
+    serve.add_argument(
+        "--api-key-file",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every route but /health, KEY the file's first line "
+        "(default: $MOESTREAM_API_KEY, if set)",
+    )
+    serve.add_argument("--api-key", default=None, help="the key itself (visible in `ps`: prefer --api-key-file)")
     serve.add_argument("-a", "--alias", default=None, help="the model name the server reports (default: the file's)")
     serve.add_argument(
         "--max-seqs", "-np", "--parallel", type=int, default=4, help="sequences served at once (the rest queue)"
     )
     serve.add_argument("--max-tokens", type=int, default=4096, help="the largest max_tokens a request may ask")
+    serve.add_argument(
+        "--threads-http",
+        type=int,
+        default=-1,
+        help="threads that template and tokenize prompts, off the event loop (default -1: --max-seqs + 4, or the "
+        "cores but one if more)",
+    )
+    serve.add_argument(
+        "-to",
+        "--timeout",
+        type=float,
+        default=30.0,
+        help="seconds to read a request's headers, each read of its "
+        "body, and an idle keep-alive connection's next request",
+    )
+    serve.add_argument("--max-connections", type=int, default=512, help="open connections at most (the rest closed)")
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        help="on Ctrl-C or SIGTERM: seconds running requests may finish before each is ended (a second Ctrl-C: now)",
+    )
     serve.add_argument(
         "-cb",
         "--cont-batching",
@@ -231,7 +258,7 @@ def cmd_run(a: argparse.Namespace) -> None:
     def prompt_fits(tokenizer, n_ctx: int, _spec) -> None:
         if tokenizer is None:
             raise MoestreamError(f"{a.model}: the file has no tokenizer, so it cannot read a text prompt")
-        prompt.extend(tokenizer.encode_prompt(a.prompt, a.chat))
+        prompt.extend(tokenizer.encode_prompt(a.prompt, a.chat, n_ctx))
         if (n := len(prompt)) > n_ctx:
             raise MoestreamError(
                 f"the prompt is {n} tokens but the context is {n_ctx} (--ctx, at most what the model was trained "
@@ -381,15 +408,17 @@ def check_serve(a: argparse.Namespace) -> None:
         raise MoestreamError(f"--port {a.port}: expected 1 to 65535")
     at_least(a.max_seqs, 1, "--max-seqs")
     at_least(a.max_tokens, 1, "--max-tokens")
-    if a.api_key_file is not None:
-        if a.api_key is not None:
-            raise MoestreamError("--api-key and --api-key-file: give the key once")
-        try:
-            a.api_key = (Path(a.api_key_file).read_text(encoding="utf-8").splitlines() or [""])[0]
-        except (OSError, UnicodeDecodeError) as e:
-            raise MoestreamError(f"--api-key-file {a.api_key_file}: {getattr(e, 'strerror', None) or e}") from None
-    if a.api_key is not None and not a.api_key.strip():
-        raise MoestreamError("--api-key is empty: give a key, or leave the flag out to serve without one")
+    if a.threads_http != -1:
+        at_least(a.threads_http, 1, "--threads-http")
+    at_least(a.max_connections, 1, "--max-connections")
+    for flag, seconds in (("--timeout", a.timeout), ("--shutdown-timeout", a.shutdown_timeout)):
+        if not 0 <= seconds < 1e6:  # NaN too
+            raise MoestreamError(f"{flag} {seconds}: give seconds, from 0 to 999999")
+    if a.timeout <= 0:
+        raise MoestreamError(f"--timeout {a.timeout}: give more than 0 seconds")
+    from moestream.serving.guard import api_key_of  # no slow imports: the key is checked before the load
+
+    a.api_key = api_key_of(a.api_key, a.api_key_file, os.environ)
     if a.alias is not None and not a.alias.strip():
         raise MoestreamError("-a is empty: give a model name, or leave the flag out to use the file's name")
     a.socket = _listening_socket(a.host, a.port)  # bound now: a port in use is said first, and no one takes it
@@ -401,13 +430,13 @@ def check_serve(a: argparse.Namespace) -> None:
 
 
 def cmd_serve(a: argparse.Namespace) -> None:
-    import uvicorn
-
     from moestream.runtime.loader import load
     from moestream.serving.app import create_app
+    from moestream.serving.connections import server_config
     from moestream.serving.scheduler import Scheduler
+    from moestream.serving.shutdown import GracefulServer, sigterm_raises
 
-    with contextlib.closing(a.socket) as sock:
+    with contextlib.closing(a.socket) as sock, sigterm_raises():
         engine = load(a.model, engine_options(a).replace(n_seqs=a.max_seqs))  # every sequence's KV budgeted
         try:
             if engine.tokenizer is None:
@@ -415,9 +444,13 @@ def cmd_serve(a: argparse.Namespace) -> None:
             scheduler = Scheduler(engine, max_seqs=a.max_seqs)
             try:
                 name = a.alias or engine.source.path.name
-                app = create_app(scheduler, name, api_key=a.api_key, max_tokens=a.max_tokens)
+                threads = None if a.threads_http == -1 else a.threads_http
+                app = create_app(scheduler, name, api_key=a.api_key, max_tokens=a.max_tokens, threads_http=threads)
                 print(f"moestream: serving {name} on http://{a.host}:{a.port}/v1 (Ctrl-C stops)", file=sys.stderr)
-                uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])  # Ctrl-C: drains
+                config = server_config(app, sock, a.timeout, a.max_connections, log_level="warning")
+                server = GracefulServer(config, a.shutdown_timeout, end_streams=scheduler.stop)
+                server.run(sockets=[sock])  # until Ctrl-C or SIGTERM, then drained (serving/shutdown.py)
+                server.stopped()
             finally:
                 scheduler.stop()
         finally:
@@ -568,6 +601,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\nmoestream: interrupted", file=sys.stderr)  # the engine closed on the way out: memory unpinned
         return 130
+    except Terminated:
+        print("moestream: terminated", file=sys.stderr)
+        return 143
     return 0
 
 
@@ -575,11 +611,11 @@ def entry() -> None:
     """The `moestream` command. After Ctrl-C, leave at once with 130: the engine is closed already, and an
     import that the interrupt cut short can fail again while the interpreter shuts down."""
     code = main()
-    if code == 130:
+    if code in (130, 143):
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
             except OSError:  # a closed pipe
                 pass
-        os._exit(130)
+        os._exit(code)
     sys.exit(code)

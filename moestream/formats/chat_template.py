@@ -22,13 +22,17 @@ WITHOUT_CHAT = "write the prompt in the model's own format and run without --cha
 BROKEN = f"the model's template is broken; {WITHOUT_CHAT}"
 CPU_SECONDS = 2
 WALL_SECONDS = 10
+# A rendering longer than this many characters per context token cannot fit the context (tokens average a few
+# characters of text), so it is refused before tokenizing, which costs memory and time out of all proportion
+MAX_CHARS_PER_TOKEN = 8
 
 
-def render(source: str, variables: dict[str, Any]) -> str:
-    """The template's text for these variables (messages, add_generation_prompt, special tokens...)."""
+def render(source: str, variables: dict[str, Any], n_ctx: int | None = None) -> str:
+    """The template's text for these variables (messages, add_generation_prompt, special tokens...); with n_ctx,
+    refused once it passes MAX_CHARS_PER_TOKEN characters per token of that context."""
     if not isinstance(source, str):
         raise MoestreamError("the chat template (tokenizer.chat_template) is not text")
-    request = json.dumps({"source": source, "variables": variables})
+    request = json.dumps({"source": source, "variables": variables, "n_ctx": n_ctx})
     try:
         done = subprocess.run(
             [sys.executable, "-m", "moestream.formats.chat_template"],
@@ -70,6 +74,22 @@ def _environment():
     return env
 
 
+def _rendered(template, variables: dict[str, Any], n_ctx: int | None) -> dict[str, str]:
+    """{text}, or {error} as soon as the text passes the cap: rendered piece by piece, so never held whole."""
+    if n_ctx is None:
+        return {"text": template.render(**variables)}
+    cap, pieces, n = MAX_CHARS_PER_TOKEN * n_ctx, [], 0
+    for piece in template.generate(**variables):
+        n += len(piece)
+        if n > cap:
+            return {
+                "error": f"the conversation renders to more than {cap} characters, more than the {n_ctx}-token "
+                f"context can hold ({MAX_CHARS_PER_TOKEN} a token); shorten the messages or raise --ctx"
+            }
+        pieces.append(piece)
+    return {"text": "".join(pieces)}
+
+
 def _child() -> None:
     """Read {source, variables} on stdin, write {text} or {error} on stdout, under the limits."""
     try:  # POSIX; elsewhere only the parent's wall-clock limit applies
@@ -88,7 +108,7 @@ def _child() -> None:
         except jinja2.TemplateError as e:
             reply = {"error": f"does not compile: {str(e)[:160]}; {BROKEN}"}
         else:
-            reply = {"text": template.render(**request["variables"])}
+            reply = _rendered(template, request["variables"], request.get("n_ctx"))
     except MemoryError:
         reply = {"error": f"ran out of its {MEMORY >> 30} GiB of memory; {BROKEN}"}
     except RecursionError:

@@ -208,10 +208,12 @@ class Tokenizer:
             ids.insert(0, self.bos_id)
         return ids
 
-    def encode_prompt(self, prompt: str, chat: bool = False) -> list[int]:
-        """A user's prompt as token ids, wrapped in the chat template when chat is set."""
+    def encode_prompt(self, prompt: str, chat: bool = False, n_ctx: int | None = None) -> list[int]:
+        """A user's prompt as token ids, wrapped in the chat template when chat is set (a rendering too long for
+        an n_ctx context refused before it is tokenized)."""
         if chat:
-            return self.encode(self.apply_chat_template([{"role": "user", "content": prompt}]), add_special=False)
+            text = self.apply_chat_template([{"role": "user", "content": prompt}], n_ctx=n_ctx)
+            return self.encode(text, add_special=False)
         return self.encode(prompt)
 
     def token_bytes(self, token_id: int) -> bytes:
@@ -236,11 +238,16 @@ class Tokenizer:
         return b"".join(map(self.token_bytes, ids)).decode("utf-8", errors="replace")
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **variables: Any
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        n_ctx: int | None = None,
+        **variables: Any,
     ) -> str:
         """The prompt text for a conversation, rendered with the model's own template.
 
         `variables` reach the template as they do through transformers (e.g. Qwen3's `enable_thinking`).
+        n_ctx: refuse a rendering too long for a context of that many tokens (chat_template.MAX_CHARS_PER_TOKEN).
         """
         if not self.chat_template:
             raise MoestreamError(f"the model file has no chat template (tokenizer.chat_template); {WITHOUT_CHAT}")
@@ -249,7 +256,7 @@ class Tokenizer:
             for name, i in (("bos", self.bos_id), ("eos", self.eos_id))
         }
         variables = dict(variables, messages=messages, add_generation_prompt=add_generation_prompt, **special)
-        return render_template(self.chat_template, variables)
+        return render_template(self.chat_template, variables, n_ctx)
 
 
 class TextStream:

@@ -184,7 +184,7 @@ class Engine:
     def encode_prompt(self, prompt: str, chat: bool = False) -> list[int]:
         if self.tokenizer is None:
             raise MoestreamError("this model file has no tokenizer; pass token ids instead of text")
-        return self.tokenizer.encode_prompt(prompt, chat)
+        return self.tokenizer.encode_prompt(prompt, chat, self.n_ctx)
 
     def generate(
         self,

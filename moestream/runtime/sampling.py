@@ -16,6 +16,9 @@ if TYPE_CHECKING:
     import torch
 
 UNTIL_DONE = -1  # max_tokens: until an end-of-text token or a full context (llama.cpp's -n -1)
+# float32's smallest normal number: logits divided by a temperature below it overflow, or divide by zero (a
+# temperature below float32's subnormals rounds to 0), so such a temperature is taken as greedy
+GREEDY_BELOW = 2.0**-126
 
 
 @dataclass
@@ -66,6 +69,11 @@ class SamplingParams:
         return math.inf if self.max_tokens == UNTIL_DONE else self.max_tokens
 
     @property
+    def greedy(self) -> bool:
+        """Temperature 0, or one too small to divide float32 logits by (its answer is the top token anyway)."""
+        return self.temperature < GREEDY_BELOW
+
+    @property
     def penalises(self) -> bool:
         return self.repeat_last_n > 0 and (
             self.repeat_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
@@ -99,7 +107,7 @@ class Sampler:
         p = self.params
         if p.penalises and self.recent:
             logits = self._penalised(logits)
-        if p.temperature == 0:
+        if p.greedy:
             return int(torch.argmax(logits))
         logits = logits - logits.max()
         if p.top_k:

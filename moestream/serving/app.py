@@ -11,51 +11,19 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from moestream.errors import MoestreamError
 from moestream.runtime.sampling import SamplingParams
+from moestream.serving.errors import ApiError, Errors, parse_body
+from moestream.serving.errors import error_response as _error
+from moestream.serving.guard import MAX_BODY, Guard
 from moestream.serving.harmony import HarmonySplit, is_harmony
+from moestream.serving.prompts import Prompts, default_threads
 from moestream.serving.scheduler import Event, QueueFull, Scheduler
 from moestream.serving.scheduler import Request as Job
 
-MAX_BODY = 1 << 20  # bytes of a request
 MAX_STOPS = 4  # as OpenAI's API
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.kind = status, message, kind
-
-
-def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
-
-
-class _Guard:
-    """API key and request size, checked before the endpoint runs. A plain ASGI middleware: FastAPI's
-    @app.middleware("http") wraps `receive`, and then an endpoint never sees its client disconnect."""
-
-    def __init__(self, app, api_key: str | None):
-        self.app, self.api_key = app, api_key
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            headers = dict(scope["headers"])
-            refused = None
-            if self.api_key is not None and scope["path"].startswith("/v1/"):
-                if headers.get(b"authorization") != f"Bearer {self.api_key}".encode():
-                    refused = _error(
-                        401, "a valid API key is required (Authorization: Bearer KEY)", "authentication_error"
-                    )
-            length = headers.get(b"content-length", b"0")
-            if refused is None and (not length.isdigit() or int(length) > MAX_BODY):
-                refused = _error(413, f"the request is larger than {MAX_BODY} bytes")
-            if refused is not None:
-                await refused(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 def _plain(message: dict[str, Any]) -> dict[str, Any]:
@@ -69,12 +37,21 @@ def _plain(message: dict[str, Any]) -> dict[str, Any]:
     return message
 
 
-def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None, max_tokens: int = 4096) -> FastAPI:
+def create_app(
+    scheduler: Scheduler,
+    model_id: str,
+    api_key: str | None = None,
+    max_tokens: int = 4096,
+    threads_http: int | None = None,
+) -> FastAPI:
     engine = scheduler.engine
+    threads = threads_http if threads_http is not None else default_threads(scheduler.max_seqs)
+    prompts = Prompts(engine.tokenizer, engine.n_ctx, threads)  # templating and tokenizing: off the event loop
     app = FastAPI(title="moestream")
     started = time.time()
 
-    app.add_middleware(_Guard, api_key=api_key)
+    app.add_middleware(Guard, api_key=api_key)
+    app.add_middleware(Errors)  # the outermost of ours: it sees every exception no handler answered
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
@@ -146,13 +123,7 @@ def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None, 
             raw += part
             if len(raw) > MAX_BODY:
                 raise ApiError(413, f"the request is larger than {MAX_BODY} bytes")
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            raise ApiError(400, "the request body is not JSON") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object")
-        return body
+        return parse_body(raw)
 
     def job_of(body: dict[str, Any], prompt_tokens: list[int], emit) -> Job:
         body = {k: v for k, v in body.items() if v is not None}  # null means the default, as OpenAI's API
@@ -191,17 +162,6 @@ def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None, 
         except (MoestreamError, TypeError, ValueError) as e:
             raise ApiError(400, f"bad sampling parameters: {e}") from None
         return Job(prompt_tokens, params, emit, stop=stop)
-
-    def encode(text: Any, chat_messages: list | None = None) -> list[int]:
-        try:
-            if chat_messages is not None:
-                text = engine.tokenizer.apply_chat_template(chat_messages)
-                return engine.tokenizer.encode(text, add_special=False)
-            if not isinstance(text, str):
-                raise ApiError(400, "prompt must be a string")
-            return engine.tokenizer.encode(text)
-        except MoestreamError as e:
-            raise ApiError(400, str(e)) from None
 
     async def run(request: Request, body: dict[str, Any], prompt_tokens: list[int], chat: bool):
         options = body.get("stream_options") or {}
@@ -280,6 +240,7 @@ def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None, 
                             return
                         else:
                             yield f"data: {json.dumps({'error': {'message': ev.text, 'type': 'server_error'}})}\n\n"
+                            yield "data: [DONE]\n\n"  # the stream ends as every stream does
                             return
                 finally:
                     job.cancelled.set()  # finished, failed or the client went away: free the sequence now
@@ -316,7 +277,7 @@ def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None, 
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
-        return await run(request, body, encode(prompt), chat=False)
+        return await run(request, body, await prompts.encode(prompt), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -324,6 +285,6 @@ def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None, 
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise ApiError(400, "messages must be a non-empty list of {role, content} objects")
-        return await run(request, body, encode(None, [_plain(m) for m in messages]), chat=True)
+        return await run(request, body, await prompts.encode_chat([_plain(m) for m in messages]), chat=True)
 
     return app

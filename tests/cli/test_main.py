@@ -90,3 +90,14 @@ def test_fewer_slots_than_asked_are_said(model_file, capsys):
     argv = ["run", "-m", model_file("tiny", "F32"), "-p", "hi", "-n", "1", "--device", "cpu", "-ncmoe", "all"]
     assert main([*argv, "--slots", "5"]) == 0
     assert "--slots 5: 2 staging slots, as many as layers stream" in capsys.readouterr().err
+
+
+def test_a_temperature_too_small_to_divide_by_runs_greedy(model_file, capsys):
+    """--temp 1e-300 is 0 in float32: it died with a traceback (NaN probabilities); now the greedy answer."""
+    from moestream.cli.main import main
+
+    argv = ["run", "-m", model_file("tiny", "F32"), "-p", "hi", "-n", "6", "--device", "cpu", "--ignore-eos"]
+    assert main([*argv, "--temp", "0"]) == 0
+    greedy = capsys.readouterr().out
+    assert main([*argv, "--temp", "1e-300", "--seed", "3"]) == 0
+    assert capsys.readouterr().out == greedy

@@ -14,8 +14,9 @@ LOGITS = torch.tensor([1.0, 3.5, -2.0, 3.25, 0.0])
 
 
 def test_a_temperature_too_small_for_float32_samples_the_top_token():
-    """logits / 1e-45 overflowed to inf, and softmax made NaNs of them."""
-    for temperature in (1e-45, 1e-30, 1e-8):
+    """logits / 1e-45 overflowed to inf, and softmax made NaNs of them; 1e-300 (a client's value) is 0 in
+    float32, and logits / 0 were NaNs."""
+    for temperature in (1e-300, 1e-46, 2**-127, 1e-45, 1e-30, 1e-8):
         assert Sampler(SamplingParams(temperature=temperature, seed=0))(LOGITS) == 1
 
 

@@ -50,7 +50,7 @@ def client(server, key: str = KEY) -> openai.OpenAI:
 
 
 def metric(server, name: str) -> float:
-    text = httpx.get(server.url.removesuffix("/v1") + "/metrics").text
+    text = httpx.get(server.url.removesuffix("/v1") + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
 
 
