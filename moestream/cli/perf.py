@@ -21,6 +21,8 @@ def sweep_of(a: argparse.Namespace) -> Sweep:
         picks=a.streamed_layers,
         prefetches=a.prefetch or [None],
         caches=a.expert_cache or ["auto"],
+        types_k=a.cache_type_k,
+        types_v=a.cache_type_v,
         repeats=a.repetitions,
         floors=not a.no_floors,
     )

@@ -234,9 +234,10 @@ def _footprint(arch, spec, opts: Options, dense_bytes: int, tensors: dict, decod
     """Device bytes besides the resident experts and staging slots, the guesses' ring where decode plans one."""
     n_ctx, dtype = opts.model.context(spec.n_ctx_train), opts.model.torch_dtype
     ring = ring_bytes(tensors, tensors, decode.n_guess, spec.n_expert_used) if decode.guesses else 0
+    kv_types = dict(zip(("type_k", "type_v"), opts.model.kv_types, strict=True))
     return Footprint(
         dense=dense_bytes,
-        kv_cache=opts.serving.n_seqs * (kv_cache_bytes(spec, n_ctx, dtype) + arch.state_bytes(spec)),
+        kv_cache=opts.serving.n_seqs * (kv_cache_bytes(spec, n_ctx, dtype, **kv_types) + arch.state_bytes(spec)),
         workspace=workspace_bytes(spec, opts.model.ubatch, n_ctx, dtype),
         prefetch=ring,
     )

@@ -46,6 +46,8 @@ class BenchRow:
     prefetch_hit: float | None = None  # the fraction of those layers' picks that were guessed (None: no prefetch)
     expert_cache: int = 0  # experts of each streamed layer the cache held (0: none)
     cache_hit: float | None = None  # the fraction of prefetched layers' picks it held (None: no cache)
+    type_k: str = ""  # the KV cache's types (-ctk/-ctv, auto resolved)
+    type_v: str = ""
 
 
 def random_prompt(n: int, n_vocab: int, seed: int = 0) -> list[int]:
@@ -184,6 +186,7 @@ def run_bench(engine, sweep: Sweep, progress=None, say=None) -> tuple[list[Bench
                 expert_cache=experts.cached_width,
                 cache_hit=m.cached,
             )
+            row.type_k, row.type_v = engine.options.model.kv_types
             del experts
             if m.logits is not None:
                 tok = int(torch.argmax(m.logits[-1]))
