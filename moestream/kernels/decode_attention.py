@@ -36,18 +36,20 @@ if triton is not None:
         a float tensor [S, Hkv, DH] with strides ss, sh, sd; 1 / 2: Q8_0 / Q4_0 blocks [S, bytes] with ss bytes
         a row and sh bytes a head."""
         if KIND == 0:
-            return tl.load(ptr + key[:, None] * ss + kvh * sh + d[None, :] * sd, mask=ok[:, None], other=0).to(DTYPE)
-        at = ptr + key[:, None] * ss + kvh * sh + (d[None, :] // 32) * (2 + 32 // KIND)  # each value's block
-        lo = tl.load(at, mask=ok[:, None], other=0).to(tl.uint16)
-        hi = tl.load(at + 1, mask=ok[:, None], other=0).to(tl.uint16)
-        scale = (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
-        j = d[None, :] % 32
-        if KIND == 1:
-            q = tl.load(at + 2 + j, mask=ok[:, None], other=0).to(tl.int8, bitcast=True).to(tl.float32)
-        else:  # values 0..15 in the low nibbles, 16..31 in the high ones
-            byte = tl.load(at + 2 + j % 16, mask=ok[:, None], other=0).to(tl.int32)
-            q = ((byte >> (j // 16 * 4)) & 15).to(tl.float32) - 8
-        return (q * scale).to(DTYPE)
+            x = tl.load(ptr + key[:, None] * ss + kvh * sh + d[None, :] * sd, mask=ok[:, None], other=0).to(DTYPE)
+        else:
+            at = ptr + key[:, None] * ss + kvh * sh + (d[None, :] // 32) * (2 + 32 // KIND)  # each value's block
+            lo = tl.load(at, mask=ok[:, None], other=0).to(tl.uint16)
+            hi = tl.load(at + 1, mask=ok[:, None], other=0).to(tl.uint16)
+            scale = (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+            j = d[None, :] % 32
+            if KIND == 1:
+                q = tl.load(at + 2 + j, mask=ok[:, None], other=0).to(tl.int8, bitcast=True).to(tl.float32)
+            else:  # values 0..15 in the low nibbles, 16..31 in the high ones
+                byte = tl.load(at + 2 + j % 16, mask=ok[:, None], other=0).to(tl.int32)
+                q = ((byte >> (j // 16 * 4)) & 15).to(tl.float32) - 8
+            x = (q * scale).to(DTYPE)
+        return x
 
     @triton.jit
     def _chunk_kernel(
