@@ -28,9 +28,11 @@ MISSES_TOKENS = {"tiny-gpt-oss"}  # q4_0's greedy tokens part from f16's at the 
 ISSUE_BOUND = {"q8_0": 1e-2, "q4_0": 3e-2}
 
 
-def run(path: str, kv: str, n_gen: int = 16) -> tuple[torch.Tensor, list[int], dict[int, torch.Tensor]]:
-    """The prompt's logits, n_gen greedy tokens after it, and each layer's expert picks over the prompt."""
-    e = moestream.load(path, device="cpu", progress=False, ubatch=8, cache_type_k=kv, cache_type_v=kv)
+def run(path: str, kv: str, n_gen: int = 16, **engine) -> tuple[torch.Tensor, list[int], dict[int, torch.Tensor]]:
+    """The prompt's logits, n_gen greedy tokens after it, and each layer's expert picks over the prompt (engine:
+    more options; the CPU device by default)."""
+    engine = {"device": "cpu"} | engine
+    e = moestream.load(path, progress=False, ubatch=8, cache_type_k=kv, cache_type_v=kv, **engine)
     picks: dict[int, list[torch.Tensor]] = {}
     try:
         cache = e.new_cache()
@@ -42,7 +44,7 @@ def run(path: str, kv: str, n_gen: int = 16) -> tuple[torch.Tensor, list[int], d
             last = e.forward([tokens[-1]], cache)
     finally:
         e.close()
-    return logits, tokens, {il: torch.cat(p) for il, p in picks.items()}
+    return logits.float().cpu(), tokens, {il: torch.cat(p).cpu() for il, p in picks.items()}
 
 
 def relative_errors(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
