@@ -2,16 +2,12 @@
 within 1e-2 / 3e-2 of the largest logit, the same 16 greedy tokens).
 
 q8_0 meets that everywhere. q4_0 does not on every random model, and the cases that miss it are marked
-(strict: they fail the day they pass). Measured at the commit adding this (40 prompt tokens, -ub 8, Q8_0
-weights), the worst token's error relative to its largest logit, q4_0 against f16:
-  tiny 0.114 (median 0.013), tiny-gpt-oss 0.063 (0.016), tiny-glm4moe 0.036 (0.014), tiny-glm4moe-odd 0.030
-  (0.007), tiny-odd 0.012, tiny-qwen35moe 0.008.
-Two causes, both of the type, not of the code (the blocks are gguf's, bit for bit: tests/kernels/test_kv_quant.py):
-a token whose routing changes (some layer picks another expert: 0.114 and 0.063 are such tokens), and the
-first positions, where attention averages few value rows, so each one's Q4_0 rounding (up to 1/16 of its
-block's largest value) reaches the output nearly whole (0.036 is at positions 0-7; gpt-oss's sliding layers,
-a window of 8, never average more). Past position 8, tokens routed as with f16 stay within 3e-2 (at most
-0.026 measured): test_q4_0_error_is_its_rounding checks that account.
+(strict: they fail the day they pass); docs/benchmarks.md ("KV cache types against the f16 cache") has the
+measured errors (scripts/kv_error.py). Two causes, both of the type, not of the code (the blocks are gguf's,
+bit for bit: tests/kernels/test_kv_quant.py): a token whose routing changes (some layer picks another expert),
+and the first positions, where attention averages few value rows, so each one's Q4_0 rounding (up to 1/16 of
+its block's largest value) reaches the output nearly whole (gpt-oss's sliding layers, a window of 8, never
+average more). test_q4_0_error_is_its_rounding checks that account.
 """
 
 from __future__ import annotations
@@ -31,8 +27,8 @@ ISSUE_BOUND = {"q8_0": 1e-2, "q4_0": 3e-2}
 def run(path: str, kv: str, n_gen: int = 16, **engine) -> tuple[torch.Tensor, list[int], dict[int, torch.Tensor]]:
     """The prompt's logits, n_gen greedy tokens after it, and each layer's expert picks over the prompt (engine:
     more options; the CPU device by default)."""
-    engine = {"device": "cpu"} | engine
-    e = moestream.load(path, progress=False, ubatch=8, cache_type_k=kv, cache_type_v=kv, **engine)
+    engine = {"device": "cpu", "ubatch": 8, "cache_type_k": kv, "cache_type_v": kv} | engine
+    e = moestream.load(path, progress=False, **engine)
     picks: dict[int, list[torch.Tensor]] = {}
     try:
         cache = e.new_cache()
