@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from moestream.errors import MoestreamError
 from moestream.kernels import kv_quant
 
 CHUNK_ROWS = 1024
@@ -32,6 +33,11 @@ class QuantizedRows:
         if name in kv_quant.FLOATS:
             shape = (n_rows, n_head_kv, head_dim)
             return cls(name, torch.zeros(shape, dtype=kv_quant.FLOATS[name], device=device), (n_head_kv, head_dim))
+        if head_dim % kv_quant.BLOCK:  # each head's values in whole blocks: the attention kernel reads them so
+            raise MoestreamError(
+                f"a {name} KV cache needs heads of a multiple of {kv_quant.BLOCK} values; this model's have "
+                f"{head_dim}: use -ctk/-ctv f16"
+            )
         width = kv_quant.row_bytes(name, n_head_kv * head_dim)
         return cls(name, torch.zeros((n_rows, width), dtype=torch.uint8, device=device), (n_head_kv, head_dim))
 

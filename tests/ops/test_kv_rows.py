@@ -69,3 +69,13 @@ def test_causal_attention_reads_stored_rows_as_their_values():
     got = causal_attention(q, k[:50], v[:50])  # the last 6 positions of 50
     want = causal_attention(q, k.dequantize(0, 50, torch.float32), v.dequantize(0, 50, torch.float32))
     assert (got - want).abs().max() < 1e-5
+
+
+def test_heads_not_in_whole_blocks_are_a_clear_error():
+    from moestream.errors import MoestreamError
+
+    with pytest.raises(
+        MoestreamError, match="heads of a multiple of 32 values; this model's have 16: use -ctk/-ctv f16"
+    ):
+        QuantizedRows.empty("q4_0", 8, 2, 16, torch.device("cpu"))
+    assert QuantizedRows.empty("bf16", 8, 2, 16, torch.device("cpu")).shape == (8, 2, 16)
