@@ -31,24 +31,32 @@ if triton is not None:
     from moestream.kernels.launch import pdl_start
 
     @triton.jit
-    def _rows(ptr, key, ok, kvh, d, ss, sh, sd, KIND: tl.constexpr, DTYPE: tl.constexpr):
+    def _scale(at, ok):
+        """The float16 scales at the first two bytes of the blocks at `at`, as float32."""
+        lo = tl.load(at, mask=ok, other=0).to(tl.uint16)
+        hi = tl.load(at + 1, mask=ok, other=0).to(tl.uint16)
+        return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _rows(ptr, key, ok, kvh, d, ss, sh, sd, KIND: tl.constexpr, DTYPE: tl.constexpr, DH: tl.constexpr):
         """Cache rows key [BLOCK_S] (those not ok read as 0) of KV head kvh, channels d [DH], as DTYPE. KIND 0:
         a float tensor [S, Hkv, DH] with strides ss, sh, sd; 1 / 2: Q8_0 / Q4_0 blocks [S, bytes] with ss bytes
         a row and sh bytes a head."""
         if KIND == 0:
             x = tl.load(ptr + key[:, None] * ss + kvh * sh + d[None, :] * sd, mask=ok[:, None], other=0).to(DTYPE)
-        else:
-            at = ptr + key[:, None] * ss + kvh * sh + (d[None, :] // 32) * (2 + 32 // KIND)  # each value's block
-            lo = tl.load(at, mask=ok[:, None], other=0).to(tl.uint16)
-            hi = tl.load(at + 1, mask=ok[:, None], other=0).to(tl.uint16)
-            scale = (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+        elif KIND == 1:  # a tile [BLOCK_S, DH / 32 blocks, 32 values]: each block's scale read once
+            nb = tl.arange(0, DH // 32)
+            at = ptr + key[:, None] * ss + kvh * sh + nb[None, :] * 34  # [BLOCK_S, NB]
+            scale = _scale(at, ok[:, None])[:, :, None]
+            j = tl.arange(0, 32)[None, None, :]
+            q = tl.load(at[:, :, None] + 2 + j, mask=ok[:, None, None], other=0).to(tl.int8, bitcast=True)
+            x = tl.reshape((q.to(tl.float32) * scale).to(DTYPE), [key.shape[0], DH])
+        else:  # Q4_0 value by value (as a 3-D tile it compiled to more instructions and registers for sm_90)
+            at = ptr + key[:, None] * ss + kvh * sh + (d[None, :] // 32) * 18  # each value's block
             j = d[None, :] % 32
-            if KIND == 1:
-                q = tl.load(at + 2 + j, mask=ok[:, None], other=0).to(tl.int8, bitcast=True).to(tl.float32)
-            else:  # values 0..15 in the low nibbles, 16..31 in the high ones
-                byte = tl.load(at + 2 + j % 16, mask=ok[:, None], other=0).to(tl.int32)
-                q = ((byte >> (j // 16 * 4)) & 15).to(tl.float32) - 8
-            x = (q * scale).to(DTYPE)
+            byte = tl.load(at + 2 + j % 16, mask=ok[:, None], other=0).to(tl.int32)
+            q = ((byte >> (j // 16 * 4)) & 15).to(tl.float32) - 8  # values 0..15 in the low nibbles, 16..31 high
+            x = (q * _scale(at, ok[:, None])).to(DTYPE)
         return x
 
     @triton.jit
@@ -113,13 +121,13 @@ if triton is not None:
                 if lo + j < hi and lo + j + BLOCK_S > first:  # a block of unseen keys would add exactly nothing
                     key = lo + j + tl.arange(0, BLOCK_S)
                     ok = (key < hi) & (key >= first)
-                    kt = _rows(k, key, ok, kvh, d, sks, skh, skd, KIND_K, qt.dtype)
+                    kt = _rows(k, key, ok, kvh, d, sks, skh, skd, KIND_K, qt.dtype, DH)
                     scores = tl.dot(qt, tl.trans(kt), input_precision=PRECISION) * qk_scale
                     scores = tl.where(ok[None, :], scores, float("-inf"))
                     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
                     alpha = tl.exp2(m_i - m_new)
                     p = tl.exp2(scores - m_new[:, None])
-                    vt = _rows(v, key, ok, kvh, d, svs, svh, svd, KIND_V, qt.dtype)
+                    vt = _rows(v, key, ok, kvh, d, svs, svh, svd, KIND_V, qt.dtype, DH)
                     acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
                     l_i = l_i * alpha + tl.sum(p, axis=1)
                     m_i = m_new
