@@ -107,6 +107,7 @@ STORED_CASES = [  # T, H, Hkv, Dh, S, positions, window, sinks: caches of anothe
     (2, 16, 2, 64, 4096, [300, 4095], 128, True),  # gpt-oss: the window's chunks alone, sinks in the merge
     (3, 8, 4, 128, 700, [0, 350, 699], 0, True),  # G = 2, Dh 128 (four blocks a head)
     (12, 8, 2, 64, 1000, list(range(988, 1000)), 0, False),  # a prompt's queries at the last positions
+    (1, 16, 2, 256, 2048, [1500], 0, False),  # qwen3.6's attention layers: Dh 256 (eight blocks a head), G = 8
 ]
 
 
