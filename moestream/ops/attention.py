@@ -91,7 +91,7 @@ def _fused_store(caches: tuple, positions: torch.Tensor, dtype: torch.dtype, lau
     if not any(isinstance(c, QuantizedRows) for c in caches):
         return launch(caches, positions)
     T, (Hkv, Dh) = positions.shape[0], caches[0].shape[1:]
-    scratch = tuple(torch.empty((T, Hkv, Dh), dtype=dtype, device=positions.device) for c in caches)
+    scratch = tuple(torch.empty((T, Hkv, Dh), dtype=dtype, device=positions.device) for _ in caches)
     q = launch(scratch, torch.arange(T, device=positions.device))
     for cache, rows in zip(caches, scratch, strict=True):
         _store(cache, positions, rows)
