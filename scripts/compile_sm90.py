@@ -142,12 +142,13 @@ def main() -> None:
             dict(K=8, BLOCK=t.sum_block, RESIDUAL=True, SHARED=shared),
         )
 
-    prologue = dict.fromkeys(("q", "k", "v", "wq", "wk", "q_out", "k_cache", "v_cache", "cos", "sin"), "*bf16")
+    names = ("q", "k", "v", "wq", "wk", "bq", "bk", "bv", "q_out", "k_cache", "v_cache", "cos", "sin")
+    prologue = dict.fromkeys(names, "*bf16")
     build(
         "q/k norm + RoPE + KV store, Dh 128",
         fused._qkv_store_kernel,
         prologue | {"positions": "*i64", "H": "i32", "HKV": "i32", "eps": "fp32"},
-        dict(D=128, BLOCK=128, HALF=64),
+        dict(D=128, BLOCK=128, HALF=64, NORM=True, BIAS=False),
     )
 
     build(
