@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 
 MAX_THREADS_PER_CORE = 4  # --threads above this many a core only slows (and past ~30000 threads cannot start)
 DTYPES = ("float32", "bfloat16", "float16")  # torch's names (torch is imported when options are settled)
+KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")  # -ctk/-ctv: llama.cpp's names (kernels/kv_quant.py stores them)
+KV_NAMES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}  # a compute dtype's KV type (auto)
 STREAM_ENV = "MOESTREAM_STREAM"  # the default --stream
 DELTANET_ENV = "MOESTREAM_DELTANET"  # torch | fla | auto (default): qwen35moe's prefill delta rule
 DELTANET_MODES = ("auto", "torch", "fla")
@@ -144,6 +146,8 @@ class ModelOptions:
     ubatch: int = 512  # tokens per prefill micro-batch
     n_ctx: int = 4096  # context size (clipped to the model's training context; 0: that context, as llama.cpp)
     threads: int | None = None  # CPU threads for CPU work (torch's intra-op pool); None: torch's default
+    cache_type_k: str = "auto"  # the KV cache's K rows: one of KV_TYPES (-ctk); auto: dtype
+    cache_type_v: str = "auto"  # and its V rows (-ctv)
     deltanet: str | None = None  # delta-net prefill rule: torch | fla | auto (default: $MOESTREAM_DELTANET or auto)
     progress: bool = True  # progress bars for load and long prefill
 
@@ -162,6 +166,12 @@ class ModelOptions:
         import torch
 
         return getattr(torch, self.dtype)
+
+    @property
+    def kv_types(self) -> tuple[str, str]:
+        """The KV cache's (K, V) types, auto as the compute dtype's."""
+        own = KV_NAMES.get(self.dtype, "auto")
+        return tuple(own if t == "auto" else t for t in (self.cache_type_k, self.cache_type_v))
 
 
 @dataclass(frozen=True)
@@ -287,6 +297,11 @@ def _settled(
         raise MoestreamError(f"--device {device}: expected cpu, cuda or cuda:N")
     if model.dtype not in ("auto", *DTYPES):
         raise MoestreamError(f"--dtype {model.dtype}: expected one of {', '.join(DTYPES)}")
+    for flag, name in (("--cache-type-k", "cache_type_k"), ("--cache-type-v", "cache_type_v")):
+        value = getattr(model, name).strip().lower()
+        if value not in ("auto", *KV_TYPES):
+            raise MoestreamError(f"{flag} {getattr(model, name)}: expected one of {', '.join(KV_TYPES)}")
+        settled[name] = value
     if model.ubatch < 1:
         raise MoestreamError(f"--ubatch {model.ubatch}: must be at least 1")
     if serving.n_seqs < 1:

@@ -23,7 +23,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from moestream.formats import quants
-from moestream.kernels import decode_attention, deltanet_step, dots, fused, moe_matvec, tuning
+from moestream.kernels import decode_attention, deltanet_step, dots, fused, kv_quant, moe_matvec, tuning
 from moestream.kernels import matvec as mv
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -35,10 +35,11 @@ def build(label: str, fn, signature: dict, constexprs: dict, warps: int = 4, div
     specializes on (it then proves the word loads' alignment and vectorizes them)."""
     start = time.time()
     attrs = _aligned(fn, signature) | {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
-    k = triton.compile(  # with programmatic dependent launch, as the GPU runs them (tuning's pdl)
-        ASTSource(fn=fn, signature=signature, constexprs=constexprs | {"PDL": True}, attrs=attrs),
+    pdl = "PDL" in fn.arg_names  # the decode step's kernels, with programmatic dependent launch (tuning's pdl)
+    k = triton.compile(
+        ASTSource(fn=fn, signature=signature, constexprs=constexprs | ({"PDL": True} if pdl else {}), attrs=attrs),
         target=TARGET,
-        options={"num_warps": warps, "launch_pdl": True},
+        options={"num_warps": warps, "launch_pdl": pdl},
     )
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])
@@ -141,12 +142,13 @@ def main() -> None:
             dict(K=8, BLOCK=t.sum_block, RESIDUAL=True, SHARED=shared),
         )
 
-    prologue = dict.fromkeys(("q", "k", "v", "wq", "wk", "q_out", "k_cache", "v_cache", "cos", "sin"), "*bf16")
+    names = ("q", "k", "v", "wq", "wk", "bq", "bk", "bv", "q_out", "k_cache", "v_cache", "cos", "sin")
+    prologue = dict.fromkeys(names, "*bf16")
     build(
         "q/k norm + RoPE + KV store, Dh 128",
         fused._qkv_store_kernel,
         prologue | {"positions": "*i64", "H": "i32", "HKV": "i32", "eps": "fp32"},
-        dict(D=128, BLOCK=128, HALF=64),
+        dict(D=128, BLOCK=128, HALF=64, NORM=True, BIAS=False),
     )
 
     build(
@@ -165,23 +167,37 @@ def main() -> None:
         warps=8,
     )
 
-    attention = dict.fromkeys(("q", "k", "v"), "*bf16") | {"positions": "*i64"}
+    attention = dict.fromkeys(("q", "k", "v", "sinks"), "*bf16") | {"positions": "*i64"}
     attention |= dict.fromkeys(("part", "maxes", "sums"), "*fp32") | {
         "out": "*bf16",
         "n_keys": "i32",
+        "window": "i32",
         "qk_scale": "fp32",
     }
     attention |= dict.fromkeys(("sqt", "sqh", "sqd", "sks", "skh", "skd", "svs", "svh", "svd"), "i32")
     for n_chunks in (1, 16):  # a short bucket normalises in the chunk kernel; a long one is combined after
         consts = dict(HKV=4, G=8, G_PAD=16, DH=128, CHUNK=256, N_CHUNKS=n_chunks, BLOCK_S=64, PRECISION="tf32")
+        consts |= dict(SINKS=False, KIND_K=0, KIND_V=0)
         for warps in sorted({t.attention_chunk_warps, 8}):
             label = f"decode attention, {n_chunks} chunk(s) of 256 keys, {warps} warps"
             build(label, decode_attention._chunk_kernel, attention, consts, warps=warps)
+    for kind_k, kind_v in ((1, 1), (2, 2)):  # -ctk/-ctv q8_0 and q4_0: tiles dequantized from the blocks
+        blocks = attention | dict.fromkeys(("k", "v"), "*u8")
+        consts = dict(HKV=4, G=8, G_PAD=16, DH=128, CHUNK=256, N_CHUNKS=16, BLOCK_S=64, PRECISION="tf32", SINKS=False)
+        label = f"decode attention, KV {('q8_0', 'q4_0')[kind_k - 1]}, 16 chunks"
+        build(label, decode_attention._chunk_kernel, blocks, consts | dict(KIND_K=kind_k, KIND_V=kind_v))
+    for kind, size in ((1, 34), (2, 18)):
+        build(
+            f"KV row quantize, {('q8_0', 'q4_0')[kind - 1]}",
+            kv_quant._quantize_kernel,
+            {"x": "*bf16", "out": "*u8", "n_blocks": "i32"},
+            dict(KIND=kind, BYTES=size, BLOCKS=16),
+        )
     build(
         "decode attention combine, 16 chunks",
         decode_attention._combine_kernel,
-        dict.fromkeys(("part", "maxes", "sums"), "*fp32") | {"out": "*bf16"},
-        dict(DH=128, N_CHUNKS=16, BLOCK_C=t.attention_combine_block),
+        dict.fromkeys(("part", "maxes", "sums"), "*fp32") | {"out": "*bf16", "sinks": "*bf16"},
+        dict(H=32, DH=128, N_CHUNKS=16, BLOCK_C=t.attention_combine_block, SINKS=False),
     )
 
     rule = dict.fromkeys(("y", "alpha", "beta", "z", "dt_bias", "ssm_a", "norm", "state", "out"), "*fp32")

@@ -31,6 +31,8 @@
 #   speed    issue 31's before/after: the tree $BEFORE (a worktree inside this one, carried) and this one, alternating
 #            processes, $ROUNDS rounds (2): tg128 -ncmoe 0, then pp2048 + tg128 at -ncmoe 26 spread 12 GiB (auto), on
 #            $SPEED_MODEL ($MODEL, generated first; $Q35 with SPEED_PRESET=qwen3.6-35b-a3b)
+#   kvtypes  issue 36: the KV-type GPU tests, then tg128 at depths 0..32768 for bf16, f16, q8_0 and q4_0 caches on
+#            the benchmark model (scripts/depth_sweep.py), resident and at -ncmoe 26 spread 12 GiB
 # At most 8 files come back from $OUT: keep appending to the ones below.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -62,6 +64,14 @@ for step in "$@"; do
              --ignore tests/serving/test_app.py 2>&1 \
              | tee -a "$OUT/gpu_tests.txt" | tail -25 ;;
     types) python3 scripts/type_rates.py 2>&1 | tee -a "$OUT/bench.txt" ;;  # issue 32: each type's decode kernels
+    kvtypes) python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_kv_quant.py \
+               tests/kernels/test_decode_attention.py tests/runtime/test_kv_types_gpu.py 2>&1 \
+               | tee -a "$OUT/gpu_tests.txt" | tail -4
+             make_model $MODEL qwen3-30b-a3b
+             for placed in "-ncmoe 0" "-ncmoe 26 --streamed-layers spread --vram-budget 12GiB"; do
+               python3 scripts/depth_sweep.py -m $MODEL $placed -ub 2048 -d 0,4096,8192,16384,32768 -n 128 \
+                 -ctk bf16,f16,q8_0,q4_0 -ctv same 2>&1 | quiet | sed "s|^|$placed |" | tee -a "$OUT/bench.txt"
+             done ;;
     quick) python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_matvec.py tests/kernels/test_dots.py \
              tests/kernels/test_moe_matvec.py tests/kernels/test_fused.py tests/kernels/test_deltanet_step.py \
              tests/kernels/test_decode_attention.py tests/runtime/test_step_gpu.py 2>&1 | tee -a "$OUT/gpu_tests.txt" | tail -8 ;;

@@ -11,7 +11,17 @@ from moestream.errors import MoestreamError
 from moestream.formats.model_file import check_model_file
 from moestream.options import Options, SmallBatch
 
-LISTS = ("ubatch", "n_cpu_moe", "streamed_layers", "stream", "slots", "prefetch", "expert_cache")  # bench's
+LISTS = (
+    "ubatch",
+    "n_cpu_moe",
+    "streamed_layers",
+    "stream",
+    "slots",
+    "prefetch",
+    "expert_cache",
+    "cache_type_k",
+    "cache_type_v",
+)  # bench's
 
 
 def engine_flags(p: argparse.ArgumentParser, lists: tuple[str, ...] = ()) -> None:
@@ -45,6 +55,14 @@ def engine_flags(p: argparse.ArgumentParser, lists: tuple[str, ...] = ()) -> Non
         "-ub", "--ubatch", "--ubatch-size", **typed("ubatch", int, int_list, 512), help="prefill micro-batch size"
     )
     p.add_argument("-c", "--ctx", "--ctx-size", type=int, default=None, help="context size in tokens (default 4096)")
+    for short, name, what in (("-ctk", "k", "keys"), ("-ctv", "v", "values")):
+        p.add_argument(
+            short,
+            f"--cache-type-{name}",
+            **typed(f"cache_type_{name}", str, _str_list, "auto"),
+            metavar="TYPE",
+            help=f"the KV cache's {what}: f32, f16, bf16, q8_0 or q4_0 (llama.cpp's blocks); default: --dtype" + more,
+        )
     p.add_argument(
         "-ncmoe",
         "--n-cpu-moe",
@@ -182,6 +200,8 @@ def engine_flat(a: argparse.Namespace, ctx: int | None = None) -> dict:
         small_batch=a.small_batch,
         prefetch=first(a.prefetch) if a.prefetch is not None else None,
         expert_cache=first(a.expert_cache) if a.expert_cache is not None else "auto",
+        cache_type_k=first(a.cache_type_k),
+        cache_type_v=first(a.cache_type_v),
         devices=a.devices,
         tensor_split=a.tensor_split.replace("/", ",") if a.tensor_split else None,
         threads=None if a.threads in (None, -1) else a.threads,  # llama.cpp's -t -1: the default

@@ -24,7 +24,6 @@ ENGINE = {  # every command that loads a model to run it (run, bench, profile, s
     "moestream keeps each weight as stored in the file, on --device or in host RAM (-ncmoe)": (
         "--repack -nr --no-repack --no-host --op-offload --no-op-offload -nopo -lzm --lazy-mode"
     ),
-    "the KV cache is kept in --dtype": "-ctk --cache-type-k -ctv --cache-type-v",
     "the KV cache lives on the compute device (--device)": "-nkvo --no-kv-offload -kvo --kv-offload",
     "the KV cache holds --ctx positions; generation stops when it is full": (
         "--keep --swa-full -ctxcp --ctx-checkpoints --swa-checkpoints -cram --cache-ram --context-shift "

@@ -22,6 +22,8 @@ def sweep_of(a: argparse.Namespace) -> Sweep:
         prefetches=a.prefetch or [None],
         caches=a.expert_cache or ["auto"],
         depths=a.n_depth,
+        types_k=a.cache_type_k,
+        types_v=a.cache_type_v,
         repeats=a.repetitions,
         floors=not a.no_floors,
     )

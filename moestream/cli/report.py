@@ -67,6 +67,8 @@ def record(row, info: dict, link_bps: float) -> dict:
         "n_prompt": n if prompt else 0,
         "n_gen": 0 if prompt else n,
         "n_depth": row.n_depth,
+        "type_k": row.type_k,
+        "type_v": row.type_v,
         "test_time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "avg_ns": round(sum(ns) / len(ns)),
         "stddev_ns": round(_stdev(ns)),
@@ -123,7 +125,8 @@ def render(fmt: str, records: list[dict]) -> str:
 
 MD_COLUMNS = (
     f"| {'size':>10} | {'params':>9} | {'backend':<7} | {'n_cpu_moe':>9} | {'layers':<6} | "
-    f"{'n_ubatch':>8} | {'stream':<11} | {'prefetch':>8} | {'cache':>5} | {'test':>15} | {'t/s':>18} | "
+    f"{'n_ubatch':>8} | {'type_k':>6} | {'type_v':>6} | {'stream':<11} | {'prefetch':>8} | {'cache':>5} | "
+    f"{'test':>15} | {'t/s':>18} | "
     f"{'uploaded':>9} | {'used':>5} | {'GB/s':>6} | {'cp GB/s':>7} | same |"
 )
 
@@ -141,7 +144,8 @@ def md_row(r, info: dict) -> str:
     prefetch = "-" if r.prefetch is None else r.prefetch
     return (
         f"| {r.model} | {_binary(info['model_size']):>10} | {_count(info['model_n_params']):>9} | "
-        f"{info['backends']:<7} | {r.n_cpu_moe:>9} | {r.streamed_layers:<6} | {r.ubatch:>8} | {r.stream:<11} | "
+        f"{info['backends']:<7} | {r.n_cpu_moe:>9} | {r.streamed_layers:<6} | {r.ubatch:>8} | {r.type_k:>6} | "
+        f"{r.type_v:>6} | {r.stream:<11} | "
         f"{prefetch:>8} | {r.expert_cache:>5} | {r.test:>15} | {r.tps:9.2f} ± {r.tps_std:6.2f} | "
         f"{_decimal(r.bytes_uploaded):>9} | {r.experts_used:5.2f} | {r.link_gbs:6.1f} | {cp:>7} | {same:<4} |"
     )

@@ -10,6 +10,10 @@ extra kernels a layer for that: the mask build, repeat_interleave, transposes. H
 from the positions itself and skips the chunks and the blocks of keys past them, so a bucket costs about what
 the sequence holds, and everything sized on the host comes from shapes alone: no reads back, the same
 launches every step.
+
+The cache may hold another type than q's (-ctk/-ctv, kernels/kv_quant.py): a float dtype, cast as its tiles
+load, or llama.cpp's Q8_0/Q4_0 blocks, which each tile dequantizes in registers: no dequantized copy of the
+cache is made, and a quantized cache reads a quarter to an eighth of the bytes a bfloat16 one does.
 """
 
 from __future__ import annotations
@@ -18,13 +22,42 @@ import math
 
 import torch
 
-from moestream.kernels import tuning
+from moestream.kernels import kv_quant, tuning
 from moestream.kernels.launch import on_device, pdl, triton
 
 if triton is not None:
     import triton.language as tl
 
     from moestream.kernels.launch import pdl_start
+
+    @triton.jit
+    def _scale(at, ok):
+        """The float16 scales at the first two bytes of the blocks at `at`, as float32."""
+        lo = tl.load(at, mask=ok, other=0).to(tl.uint16)
+        hi = tl.load(at + 1, mask=ok, other=0).to(tl.uint16)
+        return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _rows(ptr, key, ok, kvh, d, ss, sh, sd, KIND: tl.constexpr, DTYPE: tl.constexpr, DH: tl.constexpr):
+        """Cache rows key [BLOCK_S] (those not ok read as 0) of KV head kvh, channels d [DH], as DTYPE. KIND 0:
+        a float tensor [S, Hkv, DH] with strides ss, sh, sd; 1 / 2: Q8_0 / Q4_0 blocks [S, bytes] with ss bytes
+        a row and sh bytes a head."""
+        if KIND == 0:
+            x = tl.load(ptr + key[:, None] * ss + kvh * sh + d[None, :] * sd, mask=ok[:, None], other=0).to(DTYPE)
+        elif KIND == 1:  # a tile [BLOCK_S, DH / 32 blocks, 32 values]: each block's scale read once
+            nb = tl.arange(0, DH // 32)
+            at = ptr + key[:, None] * ss + kvh * sh + nb[None, :] * 34  # [BLOCK_S, NB]
+            scale = _scale(at, ok[:, None])[:, :, None]
+            j = tl.arange(0, 32)[None, None, :]
+            q = tl.load(at[:, :, None] + 2 + j, mask=ok[:, None, None], other=0).to(tl.int8, bitcast=True)
+            x = tl.reshape((q.to(tl.float32) * scale).to(DTYPE), [key.shape[0], DH])
+        else:  # Q4_0 value by value (as a 3-D tile it compiled to more instructions and registers for sm_90)
+            at = ptr + key[:, None] * ss + kvh * sh + (d[None, :] // 32) * 18  # each value's block
+            j = d[None, :] % 32
+            byte = tl.load(at + 2 + j % 16, mask=ok[:, None], other=0).to(tl.int32)
+            q = ((byte >> (j // 16 * 4)) & 15).to(tl.float32) - 8  # values 0..15 in the low nibbles, 16..31 high
+            x = (q * _scale(at, ok[:, None])).to(DTYPE)
+        return x
 
     @triton.jit
     def _chunk_kernel(
@@ -59,6 +92,8 @@ if triton is not None:
         PRECISION: tl.constexpr,
         SINKS: tl.constexpr,
         PDL: tl.constexpr,
+        KIND_K: tl.constexpr = 0,
+        KIND_V: tl.constexpr = 0,
     ):
         """One token, one KV head, one chunk of keys: the unnormalised output [G, DH] of its query heads,
         with the running max (log2 units) and sum of the softmax. A chunk past the token's position or
@@ -86,13 +121,13 @@ if triton is not None:
                 if lo + j < hi and lo + j + BLOCK_S > first:  # a block of unseen keys would add exactly nothing
                     key = lo + j + tl.arange(0, BLOCK_S)
                     ok = (key < hi) & (key >= first)
-                    kt = tl.load(k + key[:, None] * sks + kvh * skh + d[None, :] * skd, mask=ok[:, None], other=0)
+                    kt = _rows(k, key, ok, kvh, d, sks, skh, skd, KIND_K, qt.dtype, DH)
                     scores = tl.dot(qt, tl.trans(kt), input_precision=PRECISION) * qk_scale
                     scores = tl.where(ok[None, :], scores, float("-inf"))
                     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
                     alpha = tl.exp2(m_i - m_new)
                     p = tl.exp2(scores - m_new[:, None])
-                    vt = tl.load(v + key[:, None] * svs + kvh * svh + d[None, :] * svd, mask=ok[:, None], other=0)
+                    vt = _rows(v, key, ok, kvh, d, svs, svh, svd, KIND_V, qt.dtype, DH)
                     acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
                     l_i = l_i * alpha + tl.sum(p, axis=1)
                     m_i = m_new
@@ -184,12 +219,15 @@ def attention(
     positions: torch.Tensor,
     sinks: torch.Tensor | None = None,
     window: int = 0,
+    types: tuple[str | None, str | None] = (None, None),
 ) -> torch.Tensor:
     """Like ops/attention.masked_attention: softmax attention of q [T, H, Dh] over k, v [S, Hkv, Dh], query t
     seeing keys 0..positions[t] (int64, on q's device), the last `window` of them if nonzero, with the heads'
-    sinks [H] in each softmax if given. Returns [T, H, Dh] in q's dtype."""
+    sinks [H] in each softmax if given. Returns [T, H, Dh] in q's dtype. types: for k and v, None (a float
+    tensor, any dtype) or a quantized type of kernels/kv_quant.py, the tensor then its blocks [S, bytes]."""
     T, H, Dh = q.shape
-    S, Hkv, _ = k.shape
+    S = k.shape[0]
+    (k_args, Hkv), (v_args, _) = (_cache_args(c, name, Dh) for c, name in ((k, types[0]), (v, types[1])))
     G = H // Hkv
     t = tuning.current()
     block = min(64, 16384 // (Dh * q.element_size()))  # K and V tiles of at most 16 KiB: no register spills
@@ -217,8 +255,8 @@ def attention(
             window or S,  # every position below S is within S of the token
             math.log2(math.e) / math.sqrt(Dh),
             *q.stride(),
-            *k.stride(),
-            *v.stride(),
+            *k_args,
+            *v_args,
             HKV=Hkv,
             G=G,
             G_PAD=max(16, triton.next_power_of_2(G)),
@@ -228,6 +266,8 @@ def attention(
             BLOCK_S=block,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # tf32 only applies to float32 inputs
             SINKS=sinks is not None,
+            KIND_K=kv_quant.KIND.get(types[0], 0),
+            KIND_V=kv_quant.KIND.get(types[1], 0),
             num_warps=t.attention_chunk_warps,
             **pdl(q),
         )
@@ -245,3 +285,11 @@ def attention(
                 **pdl(q),
             )
     return out
+
+
+def _cache_args(cache: torch.Tensor, name: str | None, dh: int) -> tuple[tuple[int, int, int], int]:
+    """A cache's strides as the chunk kernel reads them (row, head, channel; bytes for blocks) and its KV heads."""
+    if name is None:
+        return cache.stride(), cache.shape[1]
+    head = dh // kv_quant.BLOCK * kv_quant.BLOCK_BYTES[name]
+    return (cache.stride(0), head, 1), cache.shape[1] // head

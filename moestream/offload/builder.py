@@ -244,9 +244,10 @@ def _footprint(
     for a context of n_ctx positions and micro-batches of ubatch tokens."""
     dtype = opts.model.torch_dtype
     ring = ring_bytes(tensors, tensors, decode.n_guess, spec.n_expert_used) if decode.guesses else 0
+    kv_types = dict(zip(("type_k", "type_v"), opts.model.kv_types, strict=True))
     return Footprint(
         dense=dense_bytes,
-        kv_cache=opts.serving.n_seqs * (kv_cache_bytes(spec, n_ctx, dtype) + arch.state_bytes(spec)),
+        kv_cache=opts.serving.n_seqs * (kv_cache_bytes(spec, n_ctx, dtype, **kv_types) + arch.state_bytes(spec)),
         workspace=workspace_bytes(spec, ubatch, n_ctx, dtype, opts.model.torch_device.type),
         prefetch=ring,
     )

@@ -16,6 +16,7 @@ import torch
 
 from moestream.errors import MoestreamError
 from moestream.formats.quants.reference import scratch_bytes
+from moestream.kernels import kv_quant
 from moestream.ops.linear import HEAD_ROWS
 from moestream.ops.prefix_attention import KEY_CHUNK, attention_keys
 from moestream.options import Schedule
@@ -185,10 +186,17 @@ def cached_experts(
     return asked
 
 
-def kv_cache_bytes(spec, n_ctx: int, dtype: torch.dtype) -> int:
-    """The KV cache of one sequence (runtime/kv_cache.py): K and V [n_ctx, Hkv, Dh] for each attention layer."""
-    size = torch.empty((), dtype=dtype).element_size()
-    return 2 * len(spec.attention_layers) * n_ctx * spec.n_head_kv * spec.head_dim * size
+def kv_cache_bytes(
+    spec, n_ctx: int, dtype: torch.dtype, *, type_k: str | None = None, type_v: str | None = None
+) -> int:
+    """The KV cache of one sequence (runtime/kv_cache.py): K and V [n_ctx, Hkv, Dh] for each attention layer, in
+    dtype or as -ctk/-ctv's types (kernels/kv_quant.py)."""
+    width = spec.n_head_kv * spec.head_dim
+    row = sum(
+        width * torch.empty((), dtype=dtype).element_size() if name is None else kv_quant.row_bytes(name, width)
+        for name in (type_k, type_v)
+    )
+    return len(spec.attention_layers) * n_ctx * row
 
 
 ALLOCATOR_SLACK = 256 * 2**20  # rounding in the caching allocator, cuBLAS workspaces, small temporaries

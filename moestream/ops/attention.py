@@ -7,6 +7,9 @@ the weights of the real keys then sum to less than 1) and a sliding window (a qu
 `window` positions, itself included). Both go through the decode kernel on a GPU, prompt or not; elsewhere
 through SDPA with a float mask over one extra, all-zero key whose score is the head's sink.
 
+A cache kept in another type (-ctk/-ctv: ops/kv_rows.QuantizedRows) is read by the decode kernel, which
+dequantizes its tiles, on a GPU, and by ops/kv_rows.row_attention, a chunk of rows at a time, elsewhere.
+
 Legend: T = tokens, S = positions in the KV cache, H / Hkv = query / key-value heads, Dh = head dim.
 """
 
@@ -16,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from moestream.kernels import decode_attention, fused
+from moestream.ops.kv_rows import QuantizedRows, row_attention
 from moestream.ops.prefix_attention import in_chunks, prefix_attention
 from moestream.ops.rope import rms_norm_rope, rope_neox
 
@@ -38,12 +42,12 @@ def norm_rope_store(
     the rope tables (cos, sin [T, rot_dim/2]), k and v stored in caches (k, v [S, Hkv, Dh]) at the device
     positions [T]. Returns q. norms None: RoPE without norms (torch's ops: the fused launch norms)."""
     cos, sin = rope
-    if norms is not None and fused.usable(q) and all(t.dtype == q.dtype for t in (k, v, *norms, cos, *caches)):
-        return fused.qkv_store(q, k, v, norms, eps, rope, caches, positions)  # one launch
+    if norms is not None and fused.usable(q) and all(t.dtype == q.dtype for t in (k, v, *norms, cos, *_floats(caches))):
+        return _fused_store(caches, positions, q.dtype, lambda c, at: fused.qkv_store(q, k, v, norms, eps, rope, c, at))
     q_norm, k_norm = norms or (None, None)
     q = rms_norm_rope(q, q_norm, eps, cos, sin)
-    caches[0].index_copy_(0, positions, rms_norm_rope(k, k_norm, eps, cos, sin))
-    caches[1].index_copy_(0, positions, v)
+    _store(caches[0], positions, rms_norm_rope(k, k_norm, eps, cos, sin))
+    _store(caches[1], positions, v)
     return q
 
 
@@ -60,12 +64,39 @@ def rope_store(
     biases ([H*Dh], [Hkv*Dh]) rotated, k and v (plus its bias) stored in caches at the device positions [T].
     Returns q."""
     cos, sin = rope
-    if fused.usable(q) and all(t.dtype == q.dtype for t in (k, v, *biases, cos, *caches)):  # one launch
-        return fused.qkv_store(q, k, v, None, 0.0, rope, caches, positions, biases)
+    if fused.usable(q) and all(t.dtype == q.dtype for t in (k, v, *biases, cos, *_floats(caches))):  # one launch
+        return _fused_store(
+            caches, positions, q.dtype, lambda c, at: fused.qkv_store(q, k, v, None, 0.0, rope, c, at, biases)
+        )
     q, k, v = (t + b.view(t.shape[1:]) for t, b in zip((q, k, v), biases, strict=True))
-    caches[0].index_copy_(0, positions, rope_neox(k, cos, sin))
-    caches[1].index_copy_(0, positions, v)
+    _store(caches[0], positions, rope_neox(k, cos, sin))
+    _store(caches[1], positions, v)
     return rope_neox(q, cos, sin)
+
+
+def _floats(caches: tuple) -> tuple[torch.Tensor, ...]:
+    """The caches kept in a torch dtype as such (stored rows are encoded after the fused launch)."""
+    return tuple(c for c in caches if not isinstance(c, QuantizedRows))
+
+
+def _store(cache: torch.Tensor | QuantizedRows, positions: torch.Tensor, rows: torch.Tensor) -> None:
+    if isinstance(cache, QuantizedRows):
+        cache.write(positions, rows)
+    else:
+        cache.index_copy_(0, positions, rows)
+
+
+def _fused_store(caches: tuple, positions: torch.Tensor, dtype: torch.dtype, launch) -> torch.Tensor:
+    """launch(caches, positions) -> q, the fused prologue; with stored rows it writes T scratch rows of dtype
+    instead (it writes one torch dtype), then those are encoded into the caches at positions."""
+    if not any(isinstance(c, QuantizedRows) for c in caches):
+        return launch(caches, positions)
+    T, (Hkv, Dh) = positions.shape[0], caches[0].shape[1:]
+    scratch = tuple(torch.empty((T, Hkv, Dh), dtype=dtype, device=positions.device) for _ in caches)
+    q = launch(scratch, torch.arange(T, device=positions.device))
+    for cache, rows in zip(caches, scratch, strict=True):
+        _store(cache, positions, rows)
+    return q
 
 
 def causal_attention(
@@ -81,10 +112,10 @@ def causal_attention(
     """
     T, H, _ = q.shape
     S, Hkv, _ = k.shape
-    if sinks is not None or window:
+    if sinks is not None or window or _stored(k, v):
         positions = torch.arange(S - T, S, device=q.device)
-        if decode_attention.usable(q):
-            return decode_attention.attention(q, k, v, positions, sinks, window)
+        if decode_attention.usable(q) or _stored(k, v):
+            return masked_attention(q, k, v, positions, sinks, window)
         if window and (lo := S - T - window + 1) > 0:  # keys no query of this batch sees: not read at all
             k, v, positions = k[lo:], v[lo:], positions - lo
             S = k.shape[0]
@@ -130,8 +161,22 @@ def masked_attention(
     mask, the query heads sharing a KV head going in as rows of one group, so K and V are read once.
     """
     if decode_attention.usable(q):  # one or two launches, masking from the positions itself
-        return decode_attention.attention(q, k, v, positions, sinks, window)
+        (k, type_k), (v, type_v) = _kernel_rows(k), _kernel_rows(v)
+        return decode_attention.attention(q, k, v, positions, sinks, window, (type_k, type_v))
+    if _stored(k, v):
+        return row_attention(q, k, v, positions, sinks, window)
     return _masked_sdpa(q, k, v, positions, sinks, window)
+
+
+def _stored(*caches) -> bool:
+    return any(isinstance(c, QuantizedRows) for c in caches)
+
+
+def _kernel_rows(cache: torch.Tensor | QuantizedRows) -> tuple[torch.Tensor, str | None]:
+    """A cache as the decode kernel reads it: a float tensor (any dtype), or blocks and their type."""
+    if not isinstance(cache, QuantizedRows):
+        return cache, None
+    return cache.data, cache.name if cache.quantized else None
 
 
 def _masked_sdpa(

@@ -100,7 +100,7 @@ class Engine:
 
     def new_cache(self) -> SequenceCache:
         self._require_open()
-        return new_cache(self.model, self.n_ctx, self.dtype, self.device)
+        return new_cache(self.model, self.n_ctx, self.dtype, self.device, self.options.model.kv_types)
 
     @torch.inference_mode()
     def forward(

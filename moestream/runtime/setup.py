@@ -87,7 +87,7 @@ class Setup:
         not zeros); they leave their traces in the placement (byte counts, the expert cache's picks)."""
         opts = self.options
         step = DecodeStep(self.model, self.offload.trial(way), self.n_ctx, opts.model.torch_dtype, self.capturing)
-        cache = new_cache(self.model, self.n_ctx, opts.model.torch_dtype, opts.model.torch_device)
+        cache = new_cache(self.model, self.n_ctx, opts.model.torch_dtype, opts.model.torch_device, opts.model.kv_types)
         token = 1
 
         @torch.inference_mode()

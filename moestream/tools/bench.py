@@ -49,6 +49,8 @@ class BenchRow:
     expert_cache: int = 0  # experts of each streamed layer the cache held (0: none)
     cache_hit: float | None = None  # the fraction of prefetched layers' picks it held (None: no cache)
     n_depth: int = 0  # tokens of context before the test (llama-bench's n_depth), their prefill not timed
+    type_k: str = ""  # the KV cache's types (-ctk/-ctv, auto resolved)
+    type_v: str = ""
 
     @property
     def kind(self) -> str:
@@ -233,6 +235,7 @@ def run_bench(engine, sweep: Sweep, progress=None, say=None) -> tuple[list[Bench
                 cache_hit=m.cached,
                 n_depth=depth,
             )
+            row.type_k, row.type_v = engine.options.model.kv_types
             del experts
             if m.logits is not None:
                 tok = int(torch.argmax(m.logits[-1]))

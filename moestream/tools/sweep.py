@@ -21,6 +21,8 @@ class Sweep:
     prefetches: list[int | None] = field(default_factory=lambda: [None])  # --prefetch (None: the router's count)
     caches: list[int | str] = field(default_factory=lambda: ["auto"])  # --expert-cache
     depths: list[int] = field(default_factory=lambda: [0])  # -d: tokens of context before each test (untimed)
+    types_k: list[str] = field(default_factory=lambda: ["auto"])  # -ctk
+    types_v: list[str] = field(default_factory=lambda: ["auto"])  # -ctv
     repeats: int = 3
     floors: bool = True  # also time each test with every expert resident (the compute floor)
 
@@ -28,4 +30,5 @@ class Sweep:
         """Each row's engine options, in order (what run_bench reconfigures to; the CLI checks them first)."""
         keys = ("ubatch", "n_cpu_moe", "streamed_layers", "stream", "slots", "prefetch", "expert_cache")
         lists = (self.ubatches, self.n_cpu_moes, self.picks, self.streams, self.slots, self.prefetches, self.caches)
+        keys, lists = (*keys, "cache_type_k", "cache_type_v"), (*lists, self.types_k, self.types_v)
         return [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*lists)]

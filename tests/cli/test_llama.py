@@ -267,3 +267,21 @@ def test_ctx_zero_means_the_trained_context(model_file):
         assert e.n_ctx == e.spec.n_ctx_train
     finally:
         e.close()
+
+
+def test_cache_types_as_llama_bench_takes_and_reports_them(model_file, capsys):
+    """-ctk/-ctv on run (one value) and bench (comma lists, a row each, type_k/type_v as llama-bench names them)."""
+    assert options("-ctk", "q8_0", "-ctv", "Q4_0").model.kv_types == ("q8_0", "q4_0")
+    assert options("--cache-type-k", "f16").model.kv_types == ("f16", "bf16" if torch.cuda.is_available() else "f32")
+    path = model_file("tiny", "Q4_K_M")
+    argv = ["bench", "-m", path, "--device", "cpu", "-p", "16", "-n", "2", "-r", "1", "--no-floors", "-o", "json"]
+    assert main([*argv, "-ctk", "f16,q4_0", "-ctv", "q8_0"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["test"], r["type_k"], r["type_v"]) for r in rows] == [
+        ("pp16", "f16", "q8_0"),
+        ("tg2", "f16", "q8_0"),
+        ("pp16", "q4_0", "q8_0"),
+        ("tg2", "q4_0", "q8_0"),
+    ]
+    assert main([*argv, "-ctk", "q3_k"]) == 2
+    assert "--cache-type-k q3_k: expected one of f32, f16, bf16, q8_0, q4_0" in capsys.readouterr().err

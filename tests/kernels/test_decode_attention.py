@@ -99,3 +99,38 @@ def test_sinks_and_window_match_masked_attention(T, H, Hkv, Dh, S, positions, wi
     ref = masked_attention(q.cpu(), k.cpu(), v.cpu(), pos.cpu(), sinks.cpu(), window)  # SDPA with a float mask
     err = float(((got.cpu() - ref).abs().amax(dim=(1, 2)) / ref.abs().amax(dim=(1, 2))).max())
     assert err < 1e-4, f"{err:.2e}"
+
+
+STORED_CASES = [  # T, H, Hkv, Dh, S, positions, window, sinks: caches of another type, read tile by tile
+    (1, 8, 2, 64, 200, [199], 0, False),  # one chunk
+    (2, 16, 2, 64, 4096, [100, 4000], 0, False),  # split-K at depth: chunks past the position skipped
+    (2, 16, 2, 64, 4096, [300, 4095], 128, True),  # gpt-oss: the window's chunks alone, sinks in the merge
+    (3, 8, 4, 128, 700, [0, 350, 699], 0, True),  # G = 2, Dh 128 (four blocks a head)
+    (12, 8, 2, 64, 1000, list(range(988, 1000)), 0, False),  # a prompt's queries at the last positions
+    (1, 16, 2, 256, 2048, [1500], 0, False),  # qwen3.6's attention layers: Dh 256 (eight blocks a head), G = 8
+]
+
+
+@pytest.mark.parametrize("type_k,type_v", [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q8_0", "f16"), ("f16", "q4_0")])
+@pytest.mark.parametrize("T,H,Hkv,Dh,S,positions,window,sinks", STORED_CASES)
+def test_stored_caches_match_masked_attention_over_their_values(
+    T, H, Hkv, Dh, S, positions, window, sinks, type_k, type_v
+):
+    """The kernel reads Q8_0/Q4_0 blocks (and an f16 cache under float32 queries) as the values they stand for."""
+    from moestream.ops.kv_rows import QuantizedRows
+
+    q, k, v, pos = inputs(T, H, Hkv, Dh, S, positions, torch.float32)
+    stores = []
+    for values, name in ((k, type_k), (v, type_v)):
+        rows = QuantizedRows.empty(name, S + 5, Hkv, Dh, torch.device(DEVICE))
+        rows.write(0, values)
+        stores.append(rows)
+    head_sinks = torch.randn(H, device=DEVICE) * 3 if sinks else None
+    got = masked_attention(q, stores[0][:S], stores[1][:S], pos, head_sinks, window)  # the kernel on CUDA
+    if not CUDA:
+        data = [(r.data[:S], r.name if r.quantized else None) for r in stores]
+        got = attention(q, data[0][0], data[1][0], pos, head_sinks, window, (data[0][1], data[1][1]))
+    dk, dv = (r.dequantize(0, S, torch.float32).cpu() for r in stores)
+    ref = masked_attention(q.cpu(), dk, dv, pos.cpu(), None if head_sinks is None else head_sinks.cpu(), window)
+    err = float(((got.cpu() - ref).abs().amax(dim=(1, 2)) / ref.abs().amax(dim=(1, 2))).max())
+    assert err < 1e-4, f"{err:.2e}"

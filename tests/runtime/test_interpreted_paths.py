@@ -81,3 +81,24 @@ def test_gpt_oss_through_the_kernels_gives_the_cpu_paths_tokens(model_file, monk
     e.close()
     assert got == want
     assert float((logits - want_logits).abs().max() / want_logits.abs().max()) < 1e-4
+
+
+@pytest.mark.parametrize("kv", ["q8_0", "q4_0", "f16"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gpt-oss", "tiny-qwen35moe"])
+def test_kv_types_through_the_kernels_give_the_cpu_paths_tokens(model_file, monkeypatch, preset, kv):
+    """-ctk/-ctv: the decode prologue's fused launch into scratch rows, then encoded; the attention kernel reading
+    Q8_0/Q4_0 blocks (or f16 rows under float32 queries), prompt and decode, against ops/kv_rows.row_attention."""
+    from moestream.kernels import decode_attention, fused, kv_quant
+
+    path = model_file(preset, "Q8_0")
+    ref = moestream.load(path, device="cpu", progress=False, cache_type_k=kv, cache_type_v=kv)
+    want, want_logits = greedy(ref)
+    ref.close()
+    monkeypatch.setattr(decode_attention, "usable", lambda q: q.dtype == torch.float32)
+    monkeypatch.setattr(fused, "usable", lambda x: x.dtype == torch.float32)
+    monkeypatch.setattr(kv_quant, "quantize", kv_quant.quantize_kernel)  # the rows' encoding too
+    e = moestream.load(path, device="cpu", progress=False, cache_type_k=kv, cache_type_v=kv)
+    got, logits = greedy(e)
+    e.close()
+    assert got == want
+    assert float((logits - want_logits).abs().max() / want_logits.abs().max()) < 1e-4

@@ -1,0 +1,28 @@
+"""KV cache types on CUDA: the Triton row quantizer and the attention kernel reading the blocks, prompt and
+decode steps (graphs), against the CPU device's chunked attention over the same types (float32 compute on
+both), and the issue's q8_0 bound against the f16 cache under bf16 compute."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.runtime.test_kv_types import PRESETS, relative_errors, run
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.mark.parametrize("kv", ["q8_0", "q4_0", "f16"])
+@pytest.mark.parametrize("preset", PRESETS)
+def test_the_kernels_read_each_type_as_the_cpu_path_does(model_file, preset, kv):
+    path = model_file(preset, "Q8_0")
+    gpu, cpu = run(path, kv, device="cuda", dtype="float32"), run(path, kv)
+    err = relative_errors(gpu[0], cpu[0])
+    assert err.max() < 1e-3 and gpu[1] == cpu[1], f"max {err.max():.2e}"
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_q8_0_within_the_issue_bound_of_the_f16_cache_on_cuda(model_file, preset):
+    path = model_file(preset, "Q8_0")
+    (q8, q8_tokens, _), (f16, f16_tokens, _) = run(path, "q8_0", device="cuda"), run(path, "f16", device="cuda")
+    assert relative_errors(q8, f16).max() < 1e-2 and q8_tokens == f16_tokens
