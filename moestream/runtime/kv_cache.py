@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from moestream.errors import MoestreamError
@@ -33,6 +35,46 @@ class KVCache:
         self.k[il][pos0:end] = k
         self.v[il][pos0:end] = v
         return self.k[il][:end], self.v[il][:end]
+
+    def rows(self, n: int, device: torch.device | str | None = None) -> KVRows:
+        """Rows 0..n of every layer: views of this cache (valid until they are written again), or copies on
+        device. Callers copy rows through here and put_rows, never by slicing k and v themselves, so the
+        layout of a row stays this class's business."""
+        rows = KVRows(self.n_ctx, self.k, self.v).first(n)
+        return rows if device is None else rows.to(device)
+
+    def put_rows(self, rows: KVRows) -> None:
+        """Write rows (from rows() of a cache of the same model) at positions 0..rows.n, in place: captured
+        decode steps that point at this cache stay valid."""
+        if rows.n > self.n_ctx or rows.k.keys() != self.k.keys():
+            raise MoestreamError(f"KV rows 0..{rows.n} of other layers or a longer context cannot go in this cache")
+        for il in self.k:
+            self.k[il][: rows.n].copy_(rows.k[il])
+            self.v[il][: rows.n].copy_(rows.v[il])
+
+
+@dataclass
+class KVRows:
+    """The first n rows of every attention layer's K and V, apart from their cache (a prompt cache's copy)."""
+
+    n: int
+    k: dict[int, torch.Tensor]
+    v: dict[int, torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for rows in (self.k, self.v) for t in rows.values())
+
+    def first(self, n: int) -> KVRows:
+        """The first n of these rows (views)."""
+        if not 0 <= n <= self.n:
+            raise MoestreamError(f"KV rows 0..{n} asked of a copy of {self.n}")
+        return KVRows(n, {il: t[:n] for il, t in self.k.items()}, {il: t[:n] for il, t in self.v.items()})
+
+    def to(self, device: torch.device | str) -> KVRows:
+        """A copy on device."""
+        copy = {il: t.to(device, copy=True) for il, t in self.k.items()}
+        return KVRows(self.n, copy, {il: t.to(device, copy=True) for il, t in self.v.items()})
 
 
 class SequenceCache:

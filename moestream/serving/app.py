@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from moestream.errors import MoestreamError
+from moestream.runtime.prompt_cache import metrics as prompt_cache_metrics
 from moestream.runtime.sampling import SamplingParams
 from moestream.serving.harmony import HarmonySplit, is_harmony
 from moestream.serving.scheduler import Event, QueueFull, Scheduler
@@ -133,6 +134,7 @@ def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None, 
                 "streamed layers' expert picks in decode that the guess a layer ahead named (0: no guesses)",
             ): s.guessed / s.picks if s.picks else 0.0,
             ("moestream_queue_length", "gauge", "requests waiting"): scheduler.queue.qsize(),
+            **prompt_cache_metrics(scheduler.prompts),
             ("moestream_running_sequences", "gauge", "sequences being served"): len(scheduler.running),
         }
         lines = []
@@ -190,7 +192,9 @@ def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None, 
             )
         except (MoestreamError, TypeError, ValueError) as e:
             raise ApiError(400, f"bad sampling parameters: {e}") from None
-        return Job(prompt_tokens, params, emit, stop=stop)
+        if not isinstance(cache_prompt := body.get("cache_prompt", True), bool):
+            raise ApiError(400, "cache_prompt must be true or false")
+        return Job(prompt_tokens, params, emit, stop=stop, cache_prompt=cache_prompt)
 
     def encode(text: Any, chat_messages: list | None = None) -> list[int]:
         try:
@@ -252,6 +256,7 @@ def create_app(scheduler: Scheduler, model_id: str, api_key: str | None = None, 
                 "prompt_tokens": ev.prompt_tokens,
                 "completion_tokens": ev.completion_tokens,
                 "total_tokens": ev.prompt_tokens + ev.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": ev.cached_tokens},
             }
 
         if body.get("stream"):

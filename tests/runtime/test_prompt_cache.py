@@ -1,0 +1,197 @@
+"""The prompt cache under the server's scheduler: a prompt that shares a prefix with an earlier one starts from it
+(in place, copied from a running sequence, or back from host RAM) and gives the greedy tokens of a cold prefill."""
+
+from __future__ import annotations
+
+import queue
+
+import pytest
+import torch
+
+import moestream
+from moestream.errors import MoestreamError
+from moestream.runtime.prompt_cache import Prefix, PromptCache
+from moestream.runtime.sampling import SamplingParams
+from moestream.serving.scheduler import Event, Request, Scheduler
+
+UB = 4
+PRESETS = ["tiny", "tiny-qwen35moe", "tiny-gpt-oss", "tiny-glm4moe"]
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, stop_at_eos=False)
+
+
+def load(model_file, preset: str):
+    return moestream.load(model_file(preset, "F32"), device="cpu", progress=False, ubatch=UB, n_ctx=128)
+
+
+def ask(s: Scheduler, prompt: list[int], cache_prompt: bool = True) -> Event:
+    """Run one request to its end; its done event (tokens as text of the event, token by token)."""
+    events: queue.Queue[Event] = queue.Queue()
+    s.submit(Request(prompt, GREEDY, events.put, cache_prompt=cache_prompt))
+    text = ""
+    while (ev := events.get(timeout=60)).kind == "text":
+        text += ev.text
+    assert ev.kind == "done", ev.text
+    ev.text = text
+    return ev
+
+
+def cold(engine, prompt: list[int]) -> str:
+    return engine.generate(prompt, GREEDY).text
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_a_follow_up_reuses_its_prefix_in_place_and_answers_as_cold(model_file, preset):
+    engine = load(model_file, preset)
+    first = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]  # two whole micro-batches and a part
+    follow = first + [20, 21, 22, 23, 24, 25, 26]
+    other = [30, 31, 32, 33, 34, 35, 36, 37, 38]
+    want = [cold(engine, p) for p in (first, follow, other)]
+    s = Scheduler(engine, max_seqs=1, cache_ram=0)
+    try:
+        a, b, c = ask(s, first), ask(s, follow), ask(s, other)
+        assert [a.text, b.text, c.text] == want
+        # the rows of whole prompt micro-batches only: not the part, not the generated tokens
+        assert (a.cached_tokens, b.cached_tokens, c.cached_tokens) == (0, 8, 0)
+        assert (s.prompts.stats.hits, s.prompts.stats.tokens, s.prompts.stats.host_saves) == (1, 8, 0)
+        assert s.stats.prompt_tokens == len(first) + len(follow) - 8 + len(other)
+        d = ask(s, follow, cache_prompt=False)  # the request's own switch
+        assert (d.text, d.cached_tokens) == (want[1], 0)
+    finally:
+        s.stop()
+        engine.close()
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_a_prefix_comes_back_from_host_ram(model_file, preset):
+    """One sequence cache: a different prompt overwrites it, so the first prompt's prefix is copied to host RAM
+    first and copied back for its follow-up."""
+    engine = load(model_file, preset)
+    first = list(range(40, 53))  # 13 tokens: 12 reusable
+    follow = first + [60, 61, 62]
+    want = cold(engine, follow)
+    s = Scheduler(engine, max_seqs=1)
+    try:
+        ask(s, first)
+        ask(s, [70, 71, 72, 73, 74, 75])
+        assert s.prompts.stats.host_saves == 1 and s.prompts.host_bytes > 0
+        b = ask(s, follow)
+        assert (b.text, b.cached_tokens) == (want, 12)
+        assert s.prompts.stats.host_hits == 1
+    finally:
+        s.stop()
+        engine.close()
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen35moe"])
+def test_a_running_sequence_lends_its_prefix(model_file, preset):
+    """Two sequences at once: the second copies the first's prompt rows (and state) while the first decodes."""
+    engine = load(model_file, preset)
+    shared = list(range(100, 109))
+    second = shared + [7, 8, 9]
+    want = cold(engine, second)
+    s = Scheduler(engine, max_seqs=2)
+    try:
+        events: queue.Queue[Event] = queue.Queue()
+        long = SamplingParams(max_tokens=100, temperature=0.0, stop_at_eos=False)
+        s.submit(Request(shared, long, events.put))
+        assert events.get(timeout=60).kind == "text"  # its prompt has run
+        b = ask(s, second)
+        assert (b.text, b.cached_tokens) == (want, 8)
+        assert s.prompts.stats.host_hits == 0 and len(s._caches) + len(s.running) == 2
+    finally:
+        s.stop()
+        engine.close()
+
+
+def test_the_host_tier_evicts_least_recently_used_within_its_budget(model_file):
+    engine = load(model_file, "tiny")
+    one = engine.new_cache().kv.rows(8).nbytes  # what a prefix of 8 rows keeps
+    s = Scheduler(engine, max_seqs=1, cache_ram=2 * one + one // 2)  # room for two
+    prompts = [[p + i for i in range(9)] for p in (10, 30, 50, 70)]
+    try:
+        for p in prompts:
+            ask(s, p)
+        stats = s.prompts.stats
+        assert stats.host_saves == 3 and stats.host_evictions == 1
+        assert s.prompts.host_bytes == 2 * one <= s.prompts.ram_bytes
+        assert ask(s, prompts[0] + [1]).cached_tokens == 0  # evicted first (and prompts[1] now, for prompts[3])
+        assert ask(s, prompts[2] + [1]).cached_tokens == 8  # from host RAM
+        assert s.prompts.stats.host_hits == 1
+        assert s.prompts.host_bytes <= s.prompts.ram_bytes
+    finally:
+        s.stop()
+        engine.close()
+
+
+def test_a_prefix_larger_than_the_budget_is_not_kept(model_file):
+    engine = load(model_file, "tiny")
+    s = Scheduler(engine, max_seqs=1, cache_ram=engine.new_cache().kv.rows(4).nbytes)
+    try:
+        ask(s, list(range(10, 19)))
+        ask(s, list(range(30, 39)))
+        assert s.prompts.stats.host_saves == 0 and s.prompts.host_bytes == 0
+    finally:
+        s.stop()
+        engine.close()
+
+
+def test_reusable_prefixes_are_whole_micro_batches_with_one_token_left():
+    attention = Prefix(list(range(12)))
+    assert attention.reusable(list(range(12)) + [99], 4) == 12
+    assert attention.reusable(list(range(12)), 4) == 8  # the last token runs: its logits are the answer
+    assert attention.reusable(list(range(7)) + [99] * 8, 4) == 4
+    assert attention.reusable([99] + list(range(1, 12)), 4) == 0
+    recurrent = Prefix(list(range(12)), {12: {}}, recurrent=True)  # a state only at 12: nothing before
+    assert recurrent.reusable(list(range(20)), 4) == 12
+    assert recurrent.reusable(list(range(11)) + [99] * 8, 4) == 0
+
+
+def test_kv_rows_round_trip_through_the_cache_methods(model_file):
+    engine = load(model_file, "tiny")
+    a, b = engine.new_cache(), engine.new_cache()
+    engine.forward(list(range(1, 9)), a)
+    b.kv.put_rows(a.kv.rows(8, "cpu").first(6))
+    for il in a.kv.k:
+        assert torch.equal(b.kv.rows(6).k[il], a.kv.rows(6).k[il])
+        assert torch.equal(b.kv.rows(6).v[il], a.kv.rows(6).v[il])
+        assert not b.kv.rows(8).k[il][6:].any()
+    with pytest.raises(MoestreamError, match="rows 0..9"):
+        a.kv.rows(8).first(9)
+    with pytest.raises(MoestreamError, match="--cache-ram"):
+        PromptCache(UB, -5)
+    engine.close()
+
+
+def prefill(engine, prompts: PromptCache, cache, tokens: list[int]) -> torch.Tensor:
+    """The scheduler's prefill: micro-batch by micro-batch, the prompt cache told after each."""
+    for i in range(0, len(tokens), UB):
+        logits = engine.forward(tokens[i : i + UB], cache)
+        prompts.prefilled(cache)
+    return logits
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_warm_logits_equal_cold_bit_for_bit(model_file, preset):
+    """The last prompt logits of a follow-up started from a cached prefix (in place after decode steps moved
+    the cache on; and back from host RAM) are those of a cold prefill, bit for bit."""
+    engine = load(model_file, preset)
+    first = list(range(200, 211))
+    follow = first + [3, 4, 5, 6, 7]
+    want = prefill(engine, PromptCache(UB, 0), engine.new_cache(), follow)
+    pc, free = PromptCache(UB), []
+    cache, n = pc.take(first, free, [], engine.new_cache)
+    prefill(engine, pc, cache, first)
+    for token in (1, 2, 3):  # decode steps move the KV and the recurrent state past the prefix
+        engine.forward([token], cache)
+    free.append(cache)
+    cache, n = pc.take(follow, free, [], None)
+    assert n == 8 and cache.n_past == 8
+    assert torch.equal(prefill(engine, pc, cache, follow[n:]), want)
+    free.append(cache)
+    cache, n = pc.take(list(range(300, 310)), free, [], None)  # another prompt: the follow-up's prefix to host
+    prefill(engine, pc, cache, list(range(300, 310)))
+    free.append(cache)
+    cache, n = pc.take(follow, free, [], None)
+    assert n == 12 and pc.stats.host_hits == 1
+    assert torch.equal(prefill(engine, pc, cache, follow[n:]), want)
+    engine.close()
