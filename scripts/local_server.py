@@ -22,8 +22,9 @@ class LocalServer:
         max_seqs: int = 4,
         model_id: str = "tiny",
         batched: bool | None = None,
+        **scheduling,  # the rest of Scheduler's options (cache_prompt, cache_ram)
     ):
-        self.scheduler = Scheduler(engine, max_seqs=max_seqs, batched=batched)
+        self.scheduler = Scheduler(engine, max_seqs=max_seqs, batched=batched, **scheduling)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]

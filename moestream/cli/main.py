@@ -30,6 +30,7 @@ from moestream.cli.args import (
 from moestream.cli.llama import refuse_llama_flags
 from moestream.cli.perf import check_bench, check_probe, check_profile, cmd_bench, cmd_probe, cmd_profile, sweep_of
 from moestream.errors import MoestreamError, is_out_of_memory
+from moestream.options import PROMPT_CACHE_RAM_MIB
 from moestream.tools.presets import PRESETS
 
 
@@ -162,6 +163,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-seqs", "-np", "--parallel", type=int, default=4, help="sequences served at once (the rest queue)"
     )
     serve.add_argument("--max-tokens", type=int, default=4096, help="the largest max_tokens a request may ask")
+    serve.add_argument(
+        "--cache-prompt",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="start each request from the longest prefix it shares with an earlier one (default: on)",
+    )
+    serve.add_argument(
+        "-cram",
+        "--cache-ram",
+        type=int,
+        default=PROMPT_CACHE_RAM_MIB,
+        help=f"MiB of host RAM for prompt prefixes no sequence holds ({PROMPT_CACHE_RAM_MIB}; 0: none, -1: no limit)",
+    )
     serve.add_argument(
         "-cb",
         "--cont-batching",
@@ -370,6 +384,7 @@ def check_serve(a: argparse.Namespace) -> None:
         raise MoestreamError(f"--port {a.port}: expected 1 to 65535")
     at_least(a.max_seqs, 1, "--max-seqs")
     at_least(a.max_tokens, 1, "--max-tokens")
+    at_least(a.cache_ram, -1, "--cache-ram")
     if a.api_key_file is not None:
         if a.api_key is not None:
             raise MoestreamError("--api-key and --api-key-file: give the key once")
@@ -401,7 +416,8 @@ def cmd_serve(a: argparse.Namespace) -> None:
         try:
             if engine.tokenizer is None:
                 raise MoestreamError(f"{a.model}: the file has no tokenizer; the server needs one to read prompts")
-            scheduler = Scheduler(engine, max_seqs=a.max_seqs)
+            ram = None if a.cache_ram < 0 else a.cache_ram << 20
+            scheduler = Scheduler(engine, max_seqs=a.max_seqs, cache_prompt=a.cache_prompt, cache_ram=ram)
             try:
                 name = a.alias or engine.source.path.name
                 app = create_app(scheduler, name, api_key=a.api_key, max_tokens=a.max_tokens)

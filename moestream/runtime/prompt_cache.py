@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 import torch
 
 from moestream.errors import MoestreamError
+from moestream.options import PROMPT_CACHE_RAM_MIB
 from moestream.runtime.kv_cache import KVRows, SequenceCache
 
 HOST = torch.device("cpu")
-DEFAULT_RAM_MIB = 8192  # llama-server's --cache-ram default
 
 
 @dataclass
@@ -87,7 +87,7 @@ def _tensors(state) -> tuple[torch.Tensor, ...]:
 class PromptCache:
     """Which sequence cache (and host copy) holds which prefix, and a cache for each new prompt."""
 
-    def __init__(self, ubatch: int, ram_bytes: int | None = DEFAULT_RAM_MIB << 20):
+    def __init__(self, ubatch: int, ram_bytes: int | None = PROMPT_CACHE_RAM_MIB << 20):
         """ram_bytes: the host tier's budget (0: no host tier; None: no limit, as llama-server's -1)."""
         if ubatch < 1 or (ram_bytes is not None and ram_bytes < 0):
             raise MoestreamError("the prompt cache needs --ubatch >= 1 and --cache-ram >= 0 MiB (or -1: no limit)")

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from moestream.errors import MoestreamError, is_out_of_memory
 from moestream.formats.tokenizer import TextStream
 from moestream.offload.small_batch import Timings
-from moestream.runtime.prompt_cache import DEFAULT_RAM_MIB, PromptCache
+from moestream.options import PROMPT_CACHE_RAM_MIB
+from moestream.runtime.prompt_cache import PromptCache
 from moestream.runtime.sampling import Sampler, SamplingParams
 
 
@@ -133,7 +134,7 @@ class Scheduler:
         max_queue: int = 64,
         batched: bool | None = None,
         cache_prompt: bool = True,
-        cache_ram: int | None = DEFAULT_RAM_MIB << 20,
+        cache_ram: int | None = PROMPT_CACHE_RAM_MIB << 20,
     ):
         """batched: None chooses per turn by measured speed (Mode); True always one pass where it can be
         captured, False each decoding sequence on its own (the load test's baseline). cache_prompt: reuse

@@ -267,3 +267,13 @@ def test_ctx_zero_means_the_trained_context(model_file):
         assert e.n_ctx == e.spec.n_ctx_train
     finally:
         e.close()
+
+
+def test_serve_takes_llama_servers_prompt_cache_flags():
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    serve = commands["serve"]
+    a = serve.parse_args(["-m", "m.gguf"])
+    assert (a.cache_prompt, a.cache_ram) == (True, 8192)  # llama-server's defaults
+    a = serve.parse_args(["-m", "m.gguf", "--no-cache-prompt", "-cram", "0"])
+    assert (a.cache_prompt, a.cache_ram) == (False, 0)
+    assert serve.parse_args(["-m", "m.gguf", "--cache-ram", "-1"]).cache_ram == -1
