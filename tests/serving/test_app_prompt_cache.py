@@ -78,3 +78,20 @@ def test_no_cache_prompt_serves_without_reuse(engine):
         assert metric(srv.url, "moestream_prompt_cache_hits_total") == 0
     finally:
         srv.stop()
+
+
+def test_the_ttft_script_measures_a_warm_follow_up(engine, monkeypatch, capsys):
+    """scripts/prompt_cache_ttft.py against the loopback server: the warm turn reports its cached prefix."""
+    import prompt_cache_ttft
+
+    srv = LocalServer(engine, max_seqs=2)
+    try:
+        url = srv.url.removesuffix("/v1")
+        monkeypatch.setattr("sys.argv", ["x", "--url", url, "--tokens", "200", "--rounds", "1", "--answer-tokens", "4"])
+        prompt_cache_ttft.main()
+    finally:
+        srv.stop()
+    out = capsys.readouterr().out
+    cold, warm = (int(part.split("cached ")[1].split(")")[0]) for part in out.splitlines()[0].split("ms (")[1:])
+    assert cold == 0 and warm >= 160, out
+    assert "warm/cold" in out
