@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import queue
 
 import pytest
@@ -35,6 +36,17 @@ def ask(s: Scheduler, prompt: list[int], cache_prompt: bool = True) -> Event:
     return ev
 
 
+@contextlib.contextmanager
+def serving(engine, **options):
+    """A scheduler over engine; both closed after."""
+    s = Scheduler(engine, **options)
+    try:
+        yield s
+    finally:
+        s.stop()
+        engine.close()
+
+
 def cold(engine, prompt: list[int]) -> str:
     return engine.generate(prompt, GREEDY).text
 
@@ -46,8 +58,7 @@ def test_a_follow_up_reuses_its_prefix_in_place_and_answers_as_cold(model_file, 
     follow = first + [20, 21, 22, 23, 24, 25, 26]
     other = [30, 31, 32, 33, 34, 35, 36, 37, 38]
     want = [cold(engine, p) for p in (first, follow, other)]
-    s = Scheduler(engine, max_seqs=1, cache_ram=0)
-    try:
+    with serving(engine, max_seqs=1, cache_ram=0) as s:
         a, b, c = ask(s, first), ask(s, follow), ask(s, other)
         assert [a.text, b.text, c.text] == want
         # the rows of whole prompt micro-batches only: not the part, not the generated tokens
@@ -56,9 +67,6 @@ def test_a_follow_up_reuses_its_prefix_in_place_and_answers_as_cold(model_file, 
         assert s.stats.prompt_tokens == len(first) + len(follow) - 8 + len(other)
         d = ask(s, follow, cache_prompt=False)  # the request's own switch
         assert (d.text, d.cached_tokens) == (want[1], 0)
-    finally:
-        s.stop()
-        engine.close()
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -69,17 +77,13 @@ def test_a_prefix_comes_back_from_host_ram(model_file, preset):
     first = list(range(40, 53))  # 13 tokens: 12 reusable
     follow = first + [60, 61, 62]
     want = cold(engine, follow)
-    s = Scheduler(engine, max_seqs=1)
-    try:
+    with serving(engine, max_seqs=1) as s:
         ask(s, first)
         ask(s, [70, 71, 72, 73, 74, 75])
         assert s.prompts.stats.host_saves == 1 and s.prompts.host_bytes > 0
         b = ask(s, follow)
         assert (b.text, b.cached_tokens) == (want, 12)
         assert s.prompts.stats.host_hits == 1
-    finally:
-        s.stop()
-        engine.close()
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qwen35moe"])
@@ -89,8 +93,7 @@ def test_a_running_sequence_lends_its_prefix(model_file, preset):
     shared = list(range(100, 109))
     second = shared + [7, 8, 9]
     want = cold(engine, second)
-    s = Scheduler(engine, max_seqs=2)
-    try:
+    with serving(engine, max_seqs=2) as s:
         events: queue.Queue[Event] = queue.Queue()
         long = SamplingParams(max_tokens=100, temperature=0.0, stop_at_eos=False)
         s.submit(Request(shared, long, events.put))
@@ -98,17 +101,13 @@ def test_a_running_sequence_lends_its_prefix(model_file, preset):
         b = ask(s, second)
         assert (b.text, b.cached_tokens) == (want, 8)
         assert s.prompts.stats.host_hits == 0 and len(s._caches) + len(s.running) == 2
-    finally:
-        s.stop()
-        engine.close()
 
 
 def test_the_host_tier_evicts_least_recently_used_within_its_budget(model_file):
     engine = load(model_file, "tiny")
     one = engine.new_cache().kv.rows(8).nbytes  # what a prefix of 8 rows keeps
-    s = Scheduler(engine, max_seqs=1, cache_ram=2 * one + one // 2)  # room for two
     prompts = [[p + i for i in range(9)] for p in (10, 30, 50, 70)]
-    try:
+    with serving(engine, max_seqs=1, cache_ram=2 * one + one // 2) as s:  # room for two
         for p in prompts:
             ask(s, p)
         stats = s.prompts.stats
@@ -118,21 +117,14 @@ def test_the_host_tier_evicts_least_recently_used_within_its_budget(model_file):
         assert ask(s, prompts[2] + [1]).cached_tokens == 8  # from host RAM
         assert s.prompts.stats.host_hits == 1
         assert s.prompts.host_bytes <= s.prompts.ram_bytes
-    finally:
-        s.stop()
-        engine.close()
 
 
 def test_a_prefix_larger_than_the_budget_is_not_kept(model_file):
     engine = load(model_file, "tiny")
-    s = Scheduler(engine, max_seqs=1, cache_ram=engine.new_cache().kv.rows(4).nbytes)
-    try:
+    with serving(engine, max_seqs=1, cache_ram=engine.new_cache().kv.rows(4).nbytes) as s:
         ask(s, list(range(10, 19)))
         ask(s, list(range(30, 39)))
         assert s.prompts.stats.host_saves == 0 and s.prompts.host_bytes == 0
-    finally:
-        s.stop()
-        engine.close()
 
 
 def test_reusable_prefixes_are_whole_micro_batches_with_one_token_left():
@@ -170,28 +162,35 @@ def prefill(engine, prompts: PromptCache, cache, tokens: list[int]) -> torch.Ten
     return logits
 
 
-@pytest.mark.parametrize("preset", PRESETS)
-def test_warm_logits_equal_cold_bit_for_bit(model_file, preset):
-    """The last prompt logits of a follow-up started from a cached prefix (in place after decode steps moved
-    the cache on; and back from host RAM) are those of a cold prefill, bit for bit."""
-    engine = load(model_file, preset)
-    first = list(range(200, 211))
-    follow = first + [3, 4, 5, 6, 7]
+def check_warm_logits(engine, first: list[int], follow: list[int]) -> None:
+    """The last prompt logits of follow started from first's cached prefix equal a cold prefill's bit for bit:
+    in place after decode steps moved the cache on, copied from a running cache, and back from host RAM."""
+    whole = len(first) - len(first) % UB
+    last = (len(follow) - 1) // UB * UB  # the same prompt again runs its last micro-batch
     want = prefill(engine, PromptCache(UB, 0), engine.new_cache(), follow)
     pc, free = PromptCache(UB), []
-    cache, n = pc.take(first, free, [], engine.new_cache)
+    cache, _ = pc.take(first, free, [], engine.new_cache)
     prefill(engine, pc, cache, first)
     for token in (1, 2, 3):  # decode steps move the KV and the recurrent state past the prefix
         engine.forward([token], cache)
     free.append(cache)
     cache, n = pc.take(follow, free, [], None)
-    assert n == 8 and cache.n_past == 8
+    assert n == whole and cache.n_past == whole
     assert torch.equal(prefill(engine, pc, cache, follow[n:]), want)
+    running, n = pc.take(follow, [], [cache], engine.new_cache)
+    assert n == last and torch.equal(prefill(engine, pc, running, follow[n:]), want)
     free.append(cache)
-    cache, n = pc.take(list(range(300, 310)), free, [], None)  # another prompt: the follow-up's prefix to host
-    prefill(engine, pc, cache, list(range(300, 310)))
+    other = list(range(300, 310))
+    cache, _ = pc.take(other, free, [], None)  # another prompt: the follow-up's prefix goes to host RAM
+    prefill(engine, pc, cache, other)
     free.append(cache)
     cache, n = pc.take(follow, free, [], None)
-    assert n == 12 and pc.stats.host_hits == 1
+    assert n == last and pc.stats.host_hits == 1
     assert torch.equal(prefill(engine, pc, cache, follow[n:]), want)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_warm_logits_equal_cold_bit_for_bit(model_file, preset):
+    engine = load(model_file, preset)
+    check_warm_logits(engine, list(range(200, 211)), list(range(200, 211)) + [3, 4, 5, 6, 7])
     engine.close()

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_prompt_cache import GREEDY, PRESETS, UB, ask, prefill
+from test_prompt_cache import GREEDY, PRESETS, UB, ask, check_warm_logits, serving
 
 import moestream
-from moestream.runtime.prompt_cache import PromptCache
-from moestream.serving.scheduler import Scheduler
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -28,8 +26,7 @@ def test_follow_ups_answer_as_cold_with_captured_steps(model_file, preset, n_cpu
     follow = first + [3, 4, 5, 6, 7, 8]
     other = list(range(90, 101))
     want = {tuple(p): engine.generate(p, GREEDY).text for p in (first, follow, other)}
-    s = Scheduler(engine, max_seqs=2)
-    try:
+    with serving(engine, max_seqs=2) as s:
         assert ask(s, first).text == want[tuple(first)]
         b = ask(s, follow)
         assert (b.text, b.cached_tokens) == (want[tuple(follow)], 16)
@@ -38,26 +35,10 @@ def test_follow_ups_answer_as_cold_with_captured_steps(model_file, preset, n_cpu
         c = ask(s, follow)
         assert (c.text, c.cached_tokens) == (want[tuple(follow)], 24)
         assert s.prompts.stats.host_saves >= 1
-    finally:
-        s.stop()
-        engine.close()
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qwen35moe"])
 def test_warm_prompt_logits_equal_cold_bit_for_bit(model_file, preset):
     engine = load(model_file, preset)
-    first = list(range(200, 219))
-    follow = first + [3, 4, 5, 6, 7]
-    want = prefill(engine, PromptCache(UB, 0), engine.new_cache(), follow)
-    pc, free = PromptCache(UB), []
-    cache, _ = pc.take(first, free, [], engine.new_cache)
-    prefill(engine, pc, cache, first)
-    for token in (1, 2, 3):
-        engine.forward([token], cache)
-    free.append(cache)
-    cache, n = pc.take(follow, free, [], None)
-    assert n == 16
-    assert torch.equal(prefill(engine, pc, cache, follow[n:]), want)
-    running, _ = pc.take(follow, [], [cache], engine.new_cache)  # copied on the device from a running cache
-    assert torch.equal(prefill(engine, pc, running, follow[running.n_past :]), want)
+    check_warm_logits(engine, list(range(200, 219)), list(range(200, 219)) + [3, 4, 5, 6, 7])
     engine.close()
