@@ -59,6 +59,10 @@ class DeltaNetState:
         self.conv_state.zero_()
         self.recurrent_state.zero_()
 
+    @property
+    def nbytes(self) -> int:
+        return self.conv_state.nbytes + self.recurrent_state.nbytes
+
     def copy(self, device: torch.device | str) -> DeltaNetState:
         """A copy on device (a prompt cache's snapshot: the recurrent state cannot be rewound)."""
         return DeltaNetState(self.conv_state.to(device, copy=True), self.recurrent_state.to(device, copy=True))

@@ -6,8 +6,9 @@ are copied), or from a host-RAM copy of a cache that has since been reused: an L
 (llama-server's --cache-ram). Only whole micro-batches are reused, rows that the prompt's prefill computed from
 position 0 in --ubatch steps, so the rest of a prompt runs in the micro-batches a cold prefill would and gives
 the same bits. Rows of generated tokens came from decode steps, whose bits differ from a prefill's: never reused.
-A recurrent state (qwen35moe's delta-net) cannot be rewound, so it is kept at the prompt's last whole micro-batch,
-and such a model's prefix is reusable only where a state was kept.
+A recurrent state (qwen35moe's delta-net) cannot be rewound, so a copy is kept in host RAM at the last micro-batch
+boundary before the prompt's end (where the same prompt sent again starts) and at its end when that is one (where
+a longer one starts); such a model's prefix is reusable only where a state was kept.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ class Saved:
 
     @property
     def nbytes(self) -> int:
-        states = sum(t.nbytes for at in self.prefix.states.values() for s in at.values() for t in _tensors(s))
+        states = sum(s.nbytes for at in self.prefix.states.values() for s in at.values())
         return self.rows.nbytes + states
 
 
@@ -78,10 +79,6 @@ class PromptCacheStats:
     host_hits: int = 0  # of the hits, those copied back from host RAM
     host_saves: int = 0  # prefixes copied to host RAM
     host_evictions: int = 0  # and dropped from it for room
-
-
-def _tensors(state) -> tuple[torch.Tensor, ...]:
-    return (state.conv_state, state.recurrent_state)
 
 
 class PromptCache:
