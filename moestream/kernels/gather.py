@@ -142,7 +142,7 @@ def first_picks(picks: torch.Tensor) -> torch.Tensor:
     """For each pick [n], the index of the first pick of the same expert: a batch's rows often share experts,
     and a gather that reads each once moves fewer bytes. Fixed shape, no host sync (a captured step's too)."""
     same = picks[:, None] == picks[None, :]  # [n, n]
-    return same.to(torch.int8).argmax(1)  # the first of the maxima
+    return same.int().argmax(1)  # the first of the maxima
 
 
 def available() -> bool:
