@@ -122,7 +122,7 @@ class PromptCache:
             free.remove(cache)
         else:
             n, source = there if there[0] else (0, None)
-            cache = grow() if grow is not None else free.pop(min(range(len(free)), key=lambda i: self._value(free[i])))
+            cache = self._spare(free, grow)
         states = self._states(source, n)
         if isinstance(source, Saved):  # most recently used before making room for what the cache held
             self.host.move_to_end(next(k for k, s in self.host.items() if s is source))
@@ -158,10 +158,15 @@ class PromptCache:
         held = self.held.get(cache)
         return 0 if held is None or cache.broken else held.reusable(prompt, self.ubatch)
 
-    def _value(self, cache: SequenceCache) -> tuple[bool, int]:
-        """Order of free caches to overwrite: those holding nothing reusable first, then least recently used."""
-        held = self.held.get(cache)
-        return (held is not None and held.end > 0, self.used.get(cache, -1))
+    def _spare(self, free: list[SequenceCache], grow: Callable[[], SequenceCache] | None) -> SequenceCache:
+        """A cache to overwrite: a free one holding nothing reusable, else a new one while the pool may grow, else
+        the least recently used free one (what it holds goes to host RAM)."""
+        empty = [c for c in free if (held := self.held.get(c)) is None or held.end == 0 or c.broken]
+        if empty or grow is None:
+            cache = empty[0] if empty else min(free, key=lambda c: self.used.get(c, -1))
+            free.remove(cache)
+            return cache
+        return grow()
 
     def _states(self, source: SequenceCache | Saved | None, n: int) -> dict:
         """The recurrent states source kept at position n ({} for an attention-only model)."""

@@ -194,3 +194,23 @@ def test_warm_logits_equal_cold_bit_for_bit(model_file, preset):
     engine = load(model_file, preset)
     check_warm_logits(engine, list(range(200, 211)), list(range(200, 211)) + [3, 4, 5, 6, 7])
     engine.close()
+
+
+def test_a_cache_holding_nothing_is_taken_before_the_pool_grows(model_file):
+    engine = load(model_file, "tiny")
+    pc, grown = PromptCache(UB), []
+
+    def grow():
+        grown.append(engine.new_cache())
+        return grown[-1]
+
+    a, _ = pc.take([1, 2, 3], [], [], grow)
+    prefill(engine, pc, a, [1, 2, 3])  # no whole micro-batch: nothing to keep
+    b, _ = pc.take(list(range(10, 19)), [a], [], grow)
+    assert b is a and len(grown) == 1
+    prefill(engine, pc, b, list(range(10, 19)))  # 8 rows worth keeping
+    c, _ = pc.take(list(range(30, 39)), [b], [], grow)
+    assert c is not b and len(grown) == 2 and pc.stats.host_saves == 0  # a new cache: b keeps its prefix
+    d, n = pc.take(list(range(10, 20)), [b], [c], None)
+    assert d is b and n == 8
+    engine.close()
