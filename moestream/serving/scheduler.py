@@ -223,10 +223,10 @@ class Scheduler:
                 continue
             self.stats.requests += 1
             try:
-                cache, cached = self._cache_for(req)
                 tok = self.engine.tokenizer
                 stream = TextStream(tok) if tok is not None else None
                 sampler = Sampler(req.params, req.prompt_tokens)
+                cache, cached = self._cache_for(req)  # last: a failure before leaves the pool as it was
                 seq = _Sequence(req, cache, sampler, stream, list(req.prompt_tokens[cached:]), cached=cached)
             except Exception as e:  # out of memory for another cache, say: this request fails, no other
                 self.stats.failed += 1
