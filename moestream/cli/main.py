@@ -173,6 +173,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--max-tokens", type=int, default=4096, help="the largest max_tokens a request may ask")
     serve.add_argument(
+        "--reasoning-format",
+        default="auto",
+        choices=("none", "deepseek", "auto"),
+        help="chat answers' <think> blocks and gpt-oss' analysis channel: apart as reasoning_content (deepseek, "
+        "auto) or left in the content (none); a request's reasoning_format overrides it",
+    )
+    serve.add_argument(
         "-cb",
         "--cont-batching",
         "--metrics",
@@ -415,7 +422,9 @@ def cmd_serve(a: argparse.Namespace) -> None:
             scheduler = Scheduler(engine, max_seqs=a.max_seqs)
             try:
                 name = a.alias or engine.source.path.name
-                app = create_app(scheduler, name, api_key=a.api_key, max_tokens=a.max_tokens)
+                app = create_app(
+                    scheduler, name, api_key=a.api_key, max_tokens=a.max_tokens, reasoning_format=a.reasoning_format
+                )
                 print(f"moestream: serving {name} on http://{a.host}:{a.port}/v1 (Ctrl-C stops)", file=sys.stderr)
                 uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])  # Ctrl-C: drains
             finally:

@@ -19,6 +19,7 @@ from typing import Any
 
 from moestream.errors import MoestreamError
 from moestream.serving.markers import partial_tail
+from moestream.serving.openai_fields import BadRequest
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -198,7 +199,7 @@ def template_messages(messages: list[dict]) -> list[dict]:
                     try:
                         args = json.loads(fn["arguments"])
                     except ValueError:
-                        raise MoestreamError(
+                        raise BadRequest(
                             f"messages: tool call {fn.get('name')!r} has arguments that are not JSON"
                         ) from None
                     call = call | {"function": fn | {"arguments": args}}
