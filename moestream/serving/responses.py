@@ -155,9 +155,17 @@ class Answer:
         return {
             "tokens": [_text(b) for b in text],
             "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{_text(self.token_bytes(t)): lp for t, lp in e.top} for e in entries],
+            "top_logprobs": [self._top_by_text(e) for e in entries],
             "text_offset": offsets,
         }
+
+
+    def _top_by_text(self, entry: TokenLogprob) -> dict[str, float]:
+        """Completions' alternatives, keyed by text: tokens of partial characters read alike, the likelier kept."""
+        out: dict[str, float] = {}
+        for t, lp in entry.top:
+            out.setdefault(_text(self.token_bytes(t)), lp)
+        return out
 
 
 def _text(b: bytes) -> str:
