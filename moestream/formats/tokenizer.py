@@ -327,7 +327,7 @@ _CHATML_TEMPLATE = (
     "{%- if tools %}"
     "{{- '<|im_start|>system\\n# Tools\\n\\nYou may call functions. Their signatures:\\n<tools>' }}"
     "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
-    "{{- '\\n</tools>\\n\\nCall one as <tool_call>\\n{\"name\": <name>, \"arguments\": <object>}\\n</tool_call>' }}"
+    '{{- \'\\n</tools>\\n\\nCall one as <tool_call>\\n{"name": <name>, "arguments": <object>}\\n</tool_call>\' }}'
     "{{- '<|im_end|>\\n' }}"
     "{%- endif %}"
     "{%- for message in messages %}"
@@ -336,7 +336,7 @@ _CHATML_TEMPLATE = (
     "{%- elif message.tool_calls %}"
     "{{- '<|im_start|>assistant\\n' + (message['content'] or '') }}"
     "{%- for call in message.tool_calls %}"
-    "{{- '\\n<tool_call>\\n{\"name\": \"' + call.function.name + '\", \"arguments\": ' }}"
+    '{{- \'\\n<tool_call>\\n{"name": "\' + call.function.name + \'", "arguments": \' }}'
     "{{- (call.function.arguments | tojson) + '}\\n</tool_call>' }}"
     "{%- endfor %}"
     "{{- '<|im_end|>\\n' }}"

@@ -159,7 +159,6 @@ class Answer:
             "text_offset": offsets,
         }
 
-
     def _top_by_text(self, entry: TokenLogprob) -> dict[str, float]:
         """Completions' alternatives, keyed by text: tokens of partial characters read alike, the likelier kept."""
         out: dict[str, float] = {}

@@ -4,6 +4,8 @@ field that is not taken."""
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 from local_server import LocalServer
@@ -212,3 +214,31 @@ def test_neutral_fields_are_accepted(client):
     assert list(r)[-1].usage.completion_tokens == 1
     c = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=1, user="u1", best_of=1, echo=False)
     assert c.usage.completion_tokens == 1
+
+
+def test_response_format_is_enforced(client):
+    """A random model, sampled: json_object and json_schema answers parse, the schema's answers follow it."""
+    schema = {
+        "type": "object",
+        "properties": {"mood": {"enum": ["calm", "storm"]}, "n": {"type": "integer"}},
+        "required": ["mood", "n"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": schema, "strict": True}}
+    r = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=80, temperature=1.0, seed=3, n=2, response_format=fmt
+    )
+    for choice in r.choices:
+        assert choice.finish_reason == "stop", choice.message.content
+        value = json.loads(choice.message.content)
+        assert set(value) == {"mood", "n"} and value["mood"] in ("calm", "storm") and isinstance(value["n"], int)
+    r = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=80, temperature=1.0, seed=4, response_format={"type": "json_object"}
+    )
+    if r.choices[0].finish_reason == "stop":  # a random model may not close its object in 80 tokens
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    else:
+        assert r.choices[0].message.content.lstrip().startswith("{")
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "minLength": 3}}}
+    with pytest.raises(openai.BadRequestError, match="minLength"):
+        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, response_format=bad)
