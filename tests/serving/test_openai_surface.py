@@ -242,3 +242,22 @@ def test_response_format_is_enforced(client):
     bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "minLength": 3}}}
     with pytest.raises(openai.BadRequestError, match="minLength"):
         client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, response_format=bad)
+
+
+def test_reasoning_format_none_leaves_harmony_raw_and_a_template_without_tools_refuses_them(model_file):
+    engine = moestream.load(model_file("tiny-gpt-oss", "Q8_0"), device="cpu", progress=False, n_ctx=1024)
+    srv = LocalServer(engine)
+    try:
+        c = openai.OpenAI(base_url=srv.url, api_key="none", max_retries=0, timeout=120)
+        rendered = engine.tokenizer.apply_chat_template(MESSAGES)
+        raw = c.completions.create(model="m", prompt=rendered, max_tokens=12, temperature=0).choices[0].text
+        r = c.chat.completions.create(
+            model="m", messages=MESSAGES, max_tokens=12, temperature=0, extra_body={"reasoning_format": "none"}
+        )
+        assert r.choices[0].message.content == raw
+        assert getattr(r.choices[0].message, "reasoning_content", None) is None
+        with pytest.raises(openai.BadRequestError, match="tools: the model's chat template"):
+            c.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2, tools=TOOLS)
+    finally:
+        srv.stop()
+        engine.close()
