@@ -258,6 +258,8 @@ class JsonConstraint:
         self.tokenizer = tokenizer
         self.state: tuple = (("value", schema),)
         self.blanks = 0  # blanks in a row outside strings
+        self._groups: dict[int, list[int]] | None = None  # normal token ids by first byte (built by mask)
+        self._plain: list[int] = []  # tokens a string takes whole
 
     def _after(self, token: int) -> tuple[tuple, int] | None:
         """The state and blank run after a token, or None if it breaks the JSON."""
@@ -280,10 +282,38 @@ class JsonConstraint:
         return self._after(token) is not None
 
     def mask(self, n_vocab: int) -> torch.Tensor:
+        """Every token's verdict. Tokens are grouped by their first byte, and a group whose first byte breaks the
+        JSON is skipped whole; inside a free string, tokens with no quote, backslash or control byte all stay."""
         import torch
 
-        allowed = [i < len(self.tokenizer.tokens) and self._after(i) is not None for i in range(n_vocab)]
-        return torch.tensor(allowed, dtype=torch.bool)
+        if self._groups is None:
+            self._index()
+        allowed = torch.zeros(n_vocab, dtype=torch.bool)
+        top = self.state[-1]
+        free = top[0] == "str" and top[3] == 0 and "enum" not in top[1]
+        if free:
+            allowed[self._plain[: min(n_vocab, len(self._plain))]] = True
+        for first, ids in self._groups.items():
+            if feed(self.state, first) is None:
+                continue
+            for i in ids:
+                if i < n_vocab and not (free and allowed[i]) and self._after(i) is not None:
+                    allowed[i] = True
+        for i in self.tokenizer.eos_ids:
+            if i < n_vocab and complete(self.state):
+                allowed[i] = True
+        return allowed
+
+    def _index(self) -> None:
+        """The vocabulary's normal tokens by first byte, and those a string takes whole: once, on the first mask."""
+        tok, groups, plain = self.tokenizer, {}, []
+        for i, kind in enumerate(tok.token_types):
+            data = tok.token_bytes(i) if kind == NORMAL else b""
+            if data:
+                groups.setdefault(data[0], []).append(i)
+                if all(b >= 0x20 and b not in (0x22, 0x5C) for b in data):
+                    plain.append(i)
+        self._groups, self._plain = groups, plain
 
     def advance(self, token: int) -> None:
         after = self._after(token)

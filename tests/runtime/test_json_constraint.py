@@ -92,13 +92,13 @@ def engine(model_file):
 def test_the_mask_is_what_allows_says(engine):
     tok = engine.tokenizer
     c = JsonConstraint(tok, SCHEMA)
-    for t in tok.encode('{"name": "Ann'):
-        assert c.allows(t)
-        c.advance(t)
-    mask = c.mask(tok.vocab_size)
-    assert mask.tolist() == [c.allows(i) for i in range(tok.vocab_size)]
-    quote = tok.encode('"')[0]
-    assert mask[quote] and not any(mask[i] for i in tok.eos_ids)
+    for text in ('{"name": "Ann', '", "mood": ', '"calm", "age": 1', "}"):  # a free string, a value, a number, the end
+        for t in tok.encode(text):
+            assert c.allows(t)
+            c.advance(t)
+        mask = c.mask(tok.vocab_size)
+        assert mask.tolist() == [c.allows(i) for i in range(tok.vocab_size)]
+        assert any(mask[i] for i in tok.eos_ids) == (text == "}")
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
