@@ -245,6 +245,14 @@ def _feed_array(rest: tuple, top: tuple, b: int) -> tuple | None:
     return feed((*rest, ("arr", schema, "value"), ("value", schema.get("items", {}))), b)
 
 
+def _free(stack: tuple) -> bool:
+    """Whether any plain text may follow: inside a string without an enum, or a key of an object of any keys."""
+    top = stack[-1]
+    if top[0] == "str":
+        return top[3] == 0 and "enum" not in top[1]
+    return top[0] == "obj" and top[2] == "key" and "properties" not in top[1]
+
+
 def complete(stack: tuple) -> bool:
     """Whether the bytes so far are one whole value (a bare number is whole where it may end)."""
     top = stack[-1]
@@ -259,7 +267,7 @@ class JsonConstraint:
         self.state: tuple = (("value", schema),)
         self.blanks = 0  # blanks in a row outside strings
         self._groups: dict[int, list[int]] | None = None  # normal token ids by first byte (built by mask)
-        self._plain: list[int] = []  # tokens a string takes whole
+        self._plain_rest: list[bool] = []  # per token: its bytes after the first are plain string text
 
     def _after(self, token: int) -> tuple[tuple, int] | None:
         """The state and blank run after a token, or None if it breaks the JSON."""
@@ -282,38 +290,37 @@ class JsonConstraint:
         return self._after(token) is not None
 
     def mask(self, n_vocab: int) -> torch.Tensor:
-        """Every token's verdict. Tokens are grouped by their first byte, and a group whose first byte breaks the
-        JSON is skipped whole; inside a free string, tokens with no quote, backslash or control byte all stay."""
+        """Every token's verdict. Tokens are grouped by their first byte: a group whose first byte breaks the JSON
+        is skipped whole, and where that byte leaves a free string (or any key), the group's tokens whose other
+        bytes hold no quote, backslash or control byte are taken without feeding them."""
         import torch
 
         if self._groups is None:
             self._index()
-        allowed = torch.zeros(n_vocab, dtype=torch.bool)
-        top = self.state[-1]
-        free = top[0] == "str" and top[3] == 0 and "enum" not in top[1]
-        if free:
-            allowed[self._plain[: min(n_vocab, len(self._plain))]] = True
+        allowed = [False] * n_vocab
         for first, ids in self._groups.items():
-            if feed(self.state, first) is None:
+            after = feed(self.state, first)
+            if after is None:
                 continue
+            free = _free(after) and (first not in WS or _free(self.state))  # a blank outside strings is counted
             for i in ids:
-                if i < n_vocab and not (free and allowed[i]) and self._after(i) is not None:
+                if i < n_vocab and ((free and self._plain_rest[i]) or self._after(i) is not None):
                     allowed[i] = True
         for i in self.tokenizer.eos_ids:
             if i < n_vocab and complete(self.state):
                 allowed[i] = True
-        return allowed
+        return torch.tensor(allowed, dtype=torch.bool)
 
     def _index(self) -> None:
-        """The vocabulary's normal tokens by first byte, and those a string takes whole: once, on the first mask."""
-        tok, groups, plain = self.tokenizer, {}, []
+        """The vocabulary's normal tokens by first byte, and whether the rest of each is plain string text."""
+        tok, groups = self.tokenizer, {}
+        plain_rest = [False] * len(tok.token_types)
         for i, kind in enumerate(tok.token_types):
             data = tok.token_bytes(i) if kind == NORMAL else b""
             if data:
                 groups.setdefault(data[0], []).append(i)
-                if all(b >= 0x20 and b not in (0x22, 0x5C) for b in data):
-                    plain.append(i)
-        self._groups, self._plain = groups, plain
+                plain_rest[i] = all(b >= 0x20 and b not in (0x22, 0x5C) for b in data[1:])
+        self._groups, self._plain_rest = groups, plain_rest
 
     def advance(self, token: int) -> None:
         after = self._after(token)
