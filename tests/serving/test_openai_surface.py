@@ -261,3 +261,20 @@ def test_reasoning_format_none_leaves_harmony_raw_and_a_template_without_tools_r
     finally:
         srv.stop()
         engine.close()
+
+
+def test_think_blocks_come_back_as_reasoning_content(client, engine):
+    """The model made to write <think> (a bias of 100 on that token): the first opens the block, the rest is
+    reasoning; reasoning_format none leaves it all in the content."""
+    think = engine.tokenizer.encode("<think>", add_special=False)
+    assert len(think) == 1
+    ask = dict(model="tiny", messages=MESSAGES, max_tokens=3, temperature=0, logit_bias={str(think[0]): 100})
+    r = client.chat.completions.create(**ask)
+    assert (r.choices[0].message.reasoning_content, r.choices[0].message.content) == ("<think><think>", "")
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    assert "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices) == (
+        "<think><think>"
+    )
+    raw = client.chat.completions.create(**ask, extra_body={"reasoning_format": "none"})
+    assert raw.choices[0].message.content == "<think>" * 3
+    assert getattr(raw.choices[0].message, "reasoning_content", None) is None
