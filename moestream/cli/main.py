@@ -320,8 +320,12 @@ def check_info(a: argparse.Namespace) -> None:
         at_least(a.tokens, 1, "--tokens")
         if not a.routing:
             raise MoestreamError(f"--tokens {a.tokens} is the prompt length of --routing: give --routing too")
-    if a.text is not None and not a.routing:
-        raise MoestreamError(f"--text {a.text} is the text of --routing: give --routing too")
+    if a.text is not None:
+        from moestream.tools.routing_stats import read_text
+
+        if not a.routing:
+            raise MoestreamError(f"--text {a.text} is the text of --routing: give --routing too")
+        read_text(a.text)  # a bad file now, not after the report
     a.tokens = 2048 if a.tokens is None else a.tokens
     Options.check(device=a.device)  # a bad name now, not after the report
 
