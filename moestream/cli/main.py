@@ -129,6 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("-r", "--repetitions", type=int, default=3, help="timed runs of each test")
     bench.add_argument("--no-floors", action="store_true", help="skip the all-resident compute-floor runs")
     bench.add_argument(
+        "--text",
+        default=None,
+        help="run a text file's tokens (repeated to length; decode teacher-forced over them) instead of random ids",
+    )
+    bench.add_argument(
         "-o",
         "--output",
         default="md",

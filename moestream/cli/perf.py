@@ -23,6 +23,7 @@ def sweep_of(a: argparse.Namespace) -> Sweep:
         caches=a.expert_cache or ["auto"],
         repeats=a.repetitions,
         floors=not a.no_floors,
+        text=a.text,
     )
 
 
@@ -36,6 +37,10 @@ def check_bench(a: argparse.Namespace) -> None:
         raise MoestreamError("-p 0 -n 0: nothing to measure; give a prompt length (-p) or a decode length (-n)")
     if a.batch_size is not None:
         at_least(a.batch_size, 1, "-b")
+    if a.text is not None:
+        from moestream.tools.routing_stats import read_text
+
+        read_text(a.text)
     check_engine(a, max(a.n_prompt) + max(a.n_gen) + 1, sweep_of(a).placements())  # every row, before the first
 
 

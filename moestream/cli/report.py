@@ -86,6 +86,8 @@ def record(row, info: dict, link_bps: float) -> dict:
         "expert_cache": row.expert_cache,
         "cache_hit": row.cache_hit,
         "bytes_uploaded": row.bytes_uploaded,
+        "bytes_per_token": row.bytes_uploaded / n,
+        "tokens": row.tokens,
         "experts_used": row.experts_used,
         "link_gbs": row.link_gbs,
         "links_gbs": row.links_gbs,  # --devices: each device's link

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -14,6 +15,7 @@ from moestream.options import Schedule
 from moestream.profiling.stats import summarize
 from moestream.profiling.timeline import Timeline
 from moestream.tools.probe import h2d_rate, timed
+from moestream.tools.routing_stats import text_tokens
 from moestream.tools.sweep import Sweep
 
 
@@ -46,10 +48,19 @@ class BenchRow:
     prefetch_hit: float | None = None  # the fraction of those layers' picks that were guessed (None: no prefetch)
     expert_cache: int = 0  # experts of each streamed layer the cache held (0: none)
     cache_hit: float | None = None  # the fraction of prefetched layers' picks it held (None: no cache)
+    tokens: str = "random"  # what the tests ran: random ids, or a --text file's name
 
 
 def random_prompt(n: int, n_vocab: int, seed: int = 0) -> list[int]:
     return torch.randint(0, n_vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def bench_tokens(text: list[int] | None, n: int, n_vocab: int) -> list[int]:
+    """A test's n tokens: the text's (repeated to length), else random ids. Decode feeds them one at a time,
+    whatever the model would have sampled, so every row and schedule runs the same sequence."""
+    if text is None:
+        return random_prompt(n, n_vocab)
+    return (text * -(-n // len(text)))[:n]
 
 
 @dataclass(frozen=True)
@@ -145,6 +156,7 @@ def run_bench(engine, sweep: Sweep, progress=None, say=None) -> tuple[list[Bench
     compute_floor: dict[tuple[str, int], float] = {}
     w = sweep
     tests = [(f"pp{p}", p) for p in w.prompts if p > 0] + [(f"tg{n}", n) for n in w.gens if n > 0]
+    text = text_tokens(engine, w.text) if w.text else None
     combos = w.placements()
     for i, placed in enumerate(combos):
         engine.setup.reconfigure(**placed, progress=False)
@@ -153,8 +165,7 @@ def run_bench(engine, sweep: Sweep, progress=None, say=None) -> tuple[list[Bench
             if say:
                 shown = " ".join(f"{key} {value}" for key, value in placed.items() if value is not None)
                 say(f"placement {i + 1}/{len(combos)}, {test} x {w.repeats} after a warm-up: {shown}")
-            tokens = random_prompt(n, engine.spec.n_vocab)
-            m = _measure(engine, test, tokens, w.repeats)
+            m = _measure(engine, test, bench_tokens(text, n, engine.spec.n_vocab), w.repeats)
             secs = statistics.mean(m.times)
             tps = [n / t for t in m.times]
             experts = engine.experts  # not kept past this row: its staging slots hold device memory
@@ -183,6 +194,7 @@ def run_bench(engine, sweep: Sweep, progress=None, say=None) -> tuple[list[Bench
                 prefetch_hit=m.hit,
                 expert_cache=experts.cached_width,
                 cache_hit=m.cached,
+                tokens=Path(w.text).name if w.text else "random",
             )
             del experts
             if m.logits is not None:
@@ -197,7 +209,7 @@ def run_bench(engine, sweep: Sweep, progress=None, say=None) -> tuple[list[Bench
         for ub in w.ubatches:
             engine.setup.reconfigure(ubatch=ub, n_cpu_moe=0, stream=Schedule.OVERLAP, vram_budget=None, progress=False)
             for test, n in tests:
-                m = _measure(engine, test, random_prompt(n, engine.spec.n_vocab), w.repeats)
+                m = _measure(engine, test, bench_tokens(text, n, engine.spec.n_vocab), w.repeats)
                 compute_floor[(test, ub)] = min(m.times)  # a floor: the best run, not the mean
         for row in rows:
             row.compute_floor_s = compute_floor[(row.test, row.ubatch)]

@@ -74,6 +74,23 @@ def test_info_routing_on_a_text(model_file, tmp_path, capsys):
     assert float(rows[1][-1]) <= 3.0  # entropy of 8 experts' picks, at most log2 8
 
 
+def test_bench_text_runs_the_texts_tokens(model_file, tmp_path, capsys):
+    """bench --text: decode is teacher-forced over the text's tokens; one word said over and over routes to the
+    same experts every step, so the cache holds more of its picks than of random tokens'."""
+    text = tmp_path / "same.txt"
+    text.write_text(" again" * 100)
+    path = model_file("tiny", "Q4_K_M")
+    argv = ["bench", "-m", path, "--device", "cpu", "-p", "0", "-n", "16", "-ncmoe", "all", "-r", "1", "-o", "json"]
+    argv += ["--small-batch", "gather", "--prefetch", "2", "--expert-cache", "3", "--no-floors"]
+    rows = {}
+    for flags in ([], ["--text", str(text)]):
+        assert main(argv + flags) == 0
+        (rows[bool(flags)],) = json.loads(capsys.readouterr().out)
+    assert rows[False]["tokens"] == "random" and rows[True]["tokens"] == "same.txt"
+    assert rows[True]["cache_hit"] > rows[False]["cache_hit"]
+    assert rows[True]["bytes_per_token"] == rows[True]["bytes_uploaded"] / 16
+
+
 def test_profile_writes_trace_and_plot(model_file, tmp_path, capsys):
     trace, plot = tmp_path / "t.json", tmp_path / "t.png"
     argv = [

@@ -6,7 +6,7 @@ import pytest
 
 import moestream
 from moestream.offload.device import CpuDevice
-from moestream.tools.bench import run_bench
+from moestream.tools.bench import bench_tokens, run_bench
 from moestream.tools.sweep import Sweep
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -37,3 +37,9 @@ def test_copy_rate_is_bytes_over_copy_time(model_file):
     for r in rows:
         assert r.copy_gbs == pytest.approx(tensor_bytes / 0.02 / 1e9, rel=0.3), r.stream
         assert r.link_gbs < r.copy_gbs  # over the whole run the link also sat idle
+
+
+def test_bench_tokens_repeat_a_text_to_length():
+    assert bench_tokens([5, 6, 7], 7, 100) == [5, 6, 7, 5, 6, 7, 5]
+    assert bench_tokens([5, 6, 7], 2, 100) == [5, 6]
+    assert bench_tokens(None, 4, 100) == bench_tokens(None, 4, 100) and len(bench_tokens(None, 4, 100)) == 4
