@@ -27,6 +27,10 @@ MIN_THETA, MAX_THETA = 0.02, 0.3  # rotary frequencies (radians a position) laye
 # a few tokens, no revival of far ones (the faster pairs alias, the slower ones never decay)
 
 
+BLIND = ("attn_v", "ffn_gate_exps", "ffn_up_exps", "ffn_gate_shexp", "ffn_up_shexp")  # projections that ignore u
+# (and attn_q / attn_k past layer 0, whose rows read only u)
+
+
 @dataclass(frozen=True)
 class RoutingTargets:
     """A trained model's routing, as public measurements give it (docs/routing.md)."""
@@ -59,13 +63,13 @@ ROUTING: dict[str, RoutingSettings] = {
     "qwen3-30b-a3b": RoutingSettings(
         RoutingTargets(guess=0.88, reuse=0.41, top_share=(0.26, 0.45)),
         shared=0.5,
-        popularity=0.35,
-        context=5.0,
+        popularity=0.32,
+        context=4.4,
         focus=12.0,
         lag=3.0,
-        update=0.2,
-        lift=1.85,
-        growth=1.006,
+        update=0.23,
+        lift=1.7,
+        growth=1.008,
     ),
 }
 
@@ -120,9 +124,12 @@ def planted(name: str, rows: np.ndarray, first: int, p: Preset, s: RoutingSettin
         # u . rms_norm(x) = shared * sqrt(D) / rms(x)
         tilt = s.popularity * s.rms(il) * (1 + s.shared**2) ** 0.5 / (s.shared * D**0.5)
         return rows + (tilt * bias[:, None] * u[None, :]).astype(np.float32)
-    if il == 0 and kind == "attn_v":  # the window's mean carries tokens, not u (that would be popularity)
+    if kind in BLIND:  # only the routers read u: an update that did would add the same vector to every token,
+        # a popularity that grows with depth
         return _without(rows, shared_direction(D, seed))
-    if il == 0 and kind in ("attn_q", "attn_k"):
+    if kind in ("attn_q", "attn_k"):
+        if il > 0:
+            return _without(rows, shared_direction(D, seed))
         lag = s.lag if kind == "attn_q" else 0.0
         return window_rows(rows, first, spec, lag, shared_direction(D, seed))
     if il == 0 and kind in ("attn_q_norm", "attn_k_norm"):
