@@ -25,6 +25,7 @@
 #   model35  generate the qwen3.6-35b-a3b model alone
 #   routing  issue 34: qwen3-30b-a3b made with --routing trained; info --routing on the shipped English text, then
 #            tg128 teacher-forced over that text at -ncmoe 26 spread 12 GiB: auto, and gather (prefetch x cache) as json
+#            for each --cache-policy
 #   qwen35 routing35   the issue-5 headline table (generates the qwen3.6-35b-a3b model first), its routing
 #   decode35 tg128 of that model: resident, and -ncmoe 26 spread 12 GiB: auto, gather (prefetch x cache), upload, cpu
 #   autopair auto against gather + prefetch 8 + cache auto (what auto picks), alternating processes ($AUTO_MODEL)
@@ -76,7 +77,10 @@ for step in "$@"; do
                $MS info $TRAINED --routing --text $TEXT 2>&1 | quiet | tail -60
                R="$MS bench -m $TRAINED -ncmoe 26 -r 3 -p 0 -n 128 --streamed-layers spread --vram-budget 12GiB --no-floors"
                $R --text $TEXT 2>&1 | quiet
-               $R --text $TEXT --small-batch gather --prefetch 0,8,12 --expert-cache 0,auto -o json 2>&1 | quiet; } \
+               for cp in static lru lfu; do
+                 $R --text $TEXT --small-batch gather --prefetch 8,12 --expert-cache 0,auto --cache-policy $cp -o json 2>&1 \
+                   | quiet
+               done; } \
                | tee -a "$OUT/model.txt" | tail -40 ;;
     pp512) $B -p 512 -ub 512 --stream serial,pinned,overlap,layer-major --streamed-layers first,spread \
              --vram-budget 12GiB 2>&1 | quiet | tee -a "$OUT/bench.txt" ;;

@@ -49,6 +49,7 @@ class BenchRow:
     expert_cache: int = 0  # experts of each streamed layer the cache held (0: none)
     cache_hit: float | None = None  # the fraction of prefetched layers' picks it held (None: no cache)
     tokens: str = "random"  # what the tests ran: random ids, or a --text file's name
+    cache_policy: str = "static"  # which experts the cache held (--cache-policy)
 
 
 def random_prompt(n: int, n_vocab: int, seed: int = 0) -> list[int]:
@@ -195,6 +196,7 @@ def run_bench(engine, sweep: Sweep, progress=None, say=None) -> tuple[list[Bench
                 expert_cache=experts.cached_width,
                 cache_hit=m.cached,
                 tokens=Path(w.text).name if w.text else "random",
+                cache_policy=engine.options.decode.cache_policy,
             )
             del experts
             if m.logits is not None:

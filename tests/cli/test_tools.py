@@ -89,6 +89,9 @@ def test_bench_text_runs_the_texts_tokens(model_file, tmp_path, capsys):
     assert rows[False]["tokens"] == "random" and rows[True]["tokens"] == "same.txt"
     assert rows[True]["cache_hit"] > rows[False]["cache_hit"]
     assert rows[True]["bytes_per_token"] == rows[True]["bytes_uploaded"] / 16
+    assert main(argv + ["--text", str(text), "--cache-policy", "lru"]) == 0
+    (lru,) = json.loads(capsys.readouterr().out)
+    assert lru["cache_policy"] == "lru" and rows[True]["cache_policy"] == "static" and lru["cache_hit"] > 0
 
 
 def test_profile_writes_trace_and_plot(model_file, tmp_path, capsys):
