@@ -461,8 +461,12 @@ def cmd_make_model(a: argparse.Namespace) -> None:
     from moestream.tools.synthetic import make_model
 
     preset = get_preset(a.preset, a.layers)
+    from moestream.tools.trained_routing import routing_settings
+
     make_model(a.out, preset, quant=a.quant, seed=a.seed, routing=a.routing)
-    print(f"wrote {a.out}: preset {preset.name}, {_count(preset.spec.n_layer, 'layer')}, {recipe(a.quant).name}")
+    routing = "trained" if routing_settings(preset, a.routing) else "uniform"
+    layers = _count(preset.spec.n_layer, "layer")
+    print(f"wrote {a.out}: preset {preset.name}, {layers}, {recipe(a.quant).name}, {routing} routing")
 
 
 # Each command: the check of every value (settling some into the namespace), run before torch is imported, so a
