@@ -8,11 +8,11 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
+from kernel_devices import DEVICE, gpu_or_interpreter
 
 from moestream.errors import MoestreamError
 from moestream.kernels import kv_quant
 from moestream.options import Options
-from tests.kernels.kernel_devices import DEVICE, gpu_or_interpreter
 
 TYPES = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0}
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from tests.runtime.test_kv_types import PRESETS, relative_errors, run
+from test_kv_types import PRESETS, relative_errors, run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
