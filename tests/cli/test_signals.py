@@ -95,13 +95,17 @@ def test_interrupts_held_until_the_block_ends():
     from moestream.cli.main import interrupts_held
 
     reached = False
-    with pytest.raises(KeyboardInterrupt):
-        with interrupts_held():
-            os.kill(os.getpid(), signal.SIGINT)  # a real signal to this process
-            time.sleep(0.05)  # the handler runs here; the block goes on
-            reached = True
-    assert reached
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the previous handler is back
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # a suite started in the background has it ignored
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with interrupts_held():
+                os.kill(os.getpid(), signal.SIGINT)  # a real signal to this process
+                time.sleep(0.05)  # the handler runs here; the block goes on
+                reached = True
+        assert reached
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the previous handler is back
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def test_serve_answers_on_the_socket_it_bound_and_stops_on_ctrl_c(model_file):
