@@ -95,7 +95,7 @@ def test_interrupts_held_until_the_block_ends():
     from moestream.cli.main import interrupts_held
 
     reached = False
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # a suite started in the background has it ignored
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # ignored in a suite run in the background
     try:
         with pytest.raises(KeyboardInterrupt):
             with interrupts_held():
