@@ -210,6 +210,9 @@ class DecodeOptions:
     # (offload/expert_cache.py; with prefetch). auto: as many as --vram-budget leaves (none without a budget)
 
 
+PROMPT_CACHE_RAM_MIB = 8192  # host RAM for prompt prefixes by default: llama-server's --cache-ram
+
+
 @dataclass(frozen=True)
 class ServingOptions:
     """What the engine holds for a server."""

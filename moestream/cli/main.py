@@ -31,6 +31,7 @@ from moestream.cli.llama import refuse_llama_flags
 from moestream.cli.perf import check_bench, check_probe, check_profile, cmd_bench, cmd_probe, cmd_profile, sweep_of
 from moestream.cli.warmup import add_warmup, check_warmup, cmd_warmup
 from moestream.errors import MoestreamError, Terminated, is_out_of_memory
+from moestream.options import PROMPT_CACHE_RAM_MIB
 from moestream.tools.presets import PRESETS
 
 
@@ -196,6 +197,19 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=10.0,
         help="on Ctrl-C or SIGTERM: seconds running requests may finish before each is ended (a second Ctrl-C: now)",
+    )
+    serve.add_argument(
+        "--cache-prompt",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="start each request from the longest prefix it shares with an earlier one (default: on)",
+    )
+    serve.add_argument(
+        "-cram",
+        "--cache-ram",
+        type=int,
+        default=PROMPT_CACHE_RAM_MIB,
+        help=f"MiB of host RAM for prompt prefixes no sequence holds ({PROMPT_CACHE_RAM_MIB}; 0: none, -1: no limit)",
     )
     serve.add_argument(
         "-cb",
@@ -408,6 +422,7 @@ def check_serve(a: argparse.Namespace) -> None:
         raise MoestreamError(f"--port {a.port}: expected 1 to 65535")
     at_least(a.max_seqs, 1, "--max-seqs")
     at_least(a.max_tokens, 1, "--max-tokens")
+    at_least(a.cache_ram, -1, "--cache-ram")
     if a.threads_http != -1:
         at_least(a.threads_http, 1, "--threads-http")
     at_least(a.max_connections, 1, "--max-connections")
@@ -441,7 +456,8 @@ def cmd_serve(a: argparse.Namespace) -> None:
         try:
             if engine.tokenizer is None:
                 raise MoestreamError(f"{a.model}: the file has no tokenizer; the server needs one to read prompts")
-            scheduler = Scheduler(engine, max_seqs=a.max_seqs)
+            ram = None if a.cache_ram < 0 else a.cache_ram << 20
+            scheduler = Scheduler(engine, max_seqs=a.max_seqs, cache_prompt=a.cache_prompt, cache_ram=ram)
             try:
                 name = a.alias or engine.source.path.name
                 threads = None if a.threads_http == -1 else a.threads_http

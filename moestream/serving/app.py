@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from moestream.errors import MoestreamError
+from moestream.runtime.prompt_cache import metrics as prompt_cache_metrics
 from moestream.runtime.sampling import SamplingParams
 from moestream.serving.errors import ApiError, Errors, parse_body
 from moestream.serving.errors import error_response as _error
@@ -110,6 +111,7 @@ def create_app(
                 "streamed layers' expert picks in decode that the guess a layer ahead named (0: no guesses)",
             ): s.guessed / s.picks if s.picks else 0.0,
             ("moestream_queue_length", "gauge", "requests waiting"): scheduler.queue.qsize(),
+            **prompt_cache_metrics(scheduler.prompts),
             ("moestream_running_sequences", "gauge", "sequences being served"): len(scheduler.running),
         }
         lines = []
@@ -161,7 +163,9 @@ def create_app(
             )
         except (MoestreamError, TypeError, ValueError) as e:
             raise ApiError(400, f"bad sampling parameters: {e}") from None
-        return Job(prompt_tokens, params, emit, stop=stop)
+        if not isinstance(cache_prompt := body.get("cache_prompt", True), bool):
+            raise ApiError(400, "cache_prompt must be true or false")
+        return Job(prompt_tokens, params, emit, stop=stop, cache_prompt=cache_prompt)
 
     async def run(request: Request, body: dict[str, Any], prompt_tokens: list[int], chat: bool):
         options = body.get("stream_options") or {}
@@ -212,6 +216,7 @@ def create_app(
                 "prompt_tokens": ev.prompt_tokens,
                 "completion_tokens": ev.completion_tokens,
                 "total_tokens": ev.prompt_tokens + ev.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": ev.cached_tokens},
             }
 
         if body.get("stream"):

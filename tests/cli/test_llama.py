@@ -285,3 +285,13 @@ def test_cache_types_as_llama_bench_takes_and_reports_them(model_file, capsys):
     ]
     assert main([*argv, "-ctk", "q3_k"]) == 2
     assert "--cache-type-k q3_k: expected one of f32, f16, bf16, q8_0, q4_0" in capsys.readouterr().err
+
+
+def test_serve_takes_llama_servers_prompt_cache_flags():
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    serve = commands["serve"]
+    a = serve.parse_args(["-m", "m.gguf"])
+    assert (a.cache_prompt, a.cache_ram) == (True, 8192)  # llama-server's defaults
+    a = serve.parse_args(["-m", "m.gguf", "--no-cache-prompt", "-cram", "0"])
+    assert (a.cache_prompt, a.cache_ram) == (False, 0)
+    assert serve.parse_args(["-m", "m.gguf", "--cache-ram", "-1"]).cache_ram == -1
