@@ -199,6 +199,9 @@ class StreamingOptions:
     stream_min_batch: int = 32  # smaller micro-batches do not upload whole layers: the decode options say how
 
 
+CACHE_POLICIES = ("static", "lru", "lfu")  # --cache-policy (offload/cache_policy.py)
+
+
 @dataclass(frozen=True)
 class DecodeOptions:
     """How a streamed layer serves a few tokens (offload/small_batch.py turns these into a plan)."""
@@ -208,6 +211,7 @@ class DecodeOptions:
     # the router picks)
     expert_cache: int | str = "auto"  # experts of each streamed layer kept on the GPU for decode's gathers
     # (offload/expert_cache.py; with prefetch). auto: as many as --vram-budget leaves (none without a budget)
+    cache_policy: str = "static"  # which experts that cache holds: static, lru or lfu (offload/cache_policy.py)
 
 
 PROMPT_CACHE_RAM_MIB = 8192  # host RAM for prompt prefixes by default: llama-server's --cache-ram
@@ -331,6 +335,8 @@ def _settled(
             raise MoestreamError(f"--expert-cache {decode.expert_cache}: expected an expert count or auto") from None
         if settled["expert_cache"] < 0:
             raise MoestreamError(f"--expert-cache {decode.expert_cache}: must be 0 (off), more experts or auto")
+    if decode.cache_policy not in CACHE_POLICIES:
+        raise MoestreamError(f"--cache-policy {decode.cache_policy}: choose {', '.join(CACHE_POLICIES)}")
     if placement.host_memory not in ("pinned", "pageable"):
         raise MoestreamError(f"--host-memory {placement.host_memory}: expected pinned or pageable")
     if placement.expandable_segments is None:

@@ -28,6 +28,9 @@
 #   lbuild llamacpp   build llama.cpp's llama-bench (background) / wait and run tg128 at -ncmoe 0,26 on each
 #            benchmark model generated so far (qwen3-30b, and qwen3.6-35b after decode35 or qwen35)
 #   model35  generate the qwen3.6-35b-a3b model alone
+#   routing  issue 34: qwen3-30b-a3b made with --routing trained; info --routing on the shipped English text, then
+#            tg128 teacher-forced over that text at -ncmoe 26 spread 12 GiB: auto, and gather (prefetch x cache) as json
+#            for each --cache-policy
 #   qwen35 routing35   the issue-5 headline table (generates the qwen3.6-35b-a3b model first), its routing
 #   decode35 tg128 of that model: resident, and -ncmoe 26 spread 12 GiB: auto, gather (prefetch x cache), upload, cpu
 #   autopair auto against gather + prefetch 8 + cache auto (what auto picks), alternating processes ($AUTO_MODEL)
@@ -49,10 +52,13 @@ SMALL_PRESET=${SMALL_PRESET:-qwen3-30b-a3b}  # small: which preset to slice
 SMALL=/tmp/$SMALL_PRESET-8layers-Q4_K_M.gguf
 quiet() { grep --line-buffered -v -e '%|' -e $'\r'; }  # drop progress bars
 make_small() { [[ -f $SMALL ]] || $MS make-model $SMALL --preset $SMALL_PRESET --layers 8 --quant Q4_K_M 2>&1 | quiet | tail -1; }
-make_model() {  # make_model PATH PRESET
+make_model() {  # make_model PATH PRESET [make-model flags]
   [[ -f $1 ]] && { echo "reusing $1"; return; }
-  /usr/bin/time -f "make-model: %e s, max RSS %M KB" $MS make-model "$1" --preset "$2" --quant Q4_K_M 2>&1 | quiet | tail -3
+  /usr/bin/time -f "make-model: %e s, max RSS %M KB" $MS make-model "$1" --preset "$2" --quant Q4_K_M "${@:3}" 2>&1 \
+    | quiet | tail -3
 }
+TRAINED=/tmp/qwen3-30b-a3b-trained-Q4_K_M.gguf
+TEXT=moestream/tools/data/english.txt
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   git log -1 --format='commit %H %cd' 2>/dev/null; date -u; } | tee -a "$OUT/gpu.txt"
@@ -82,6 +88,15 @@ for step in "$@"; do
            | tee -a "$OUT/gpu_tests.txt" | tail -25 ;;  # ~100 s: fla autotunes its kernels on first use
     model) { make_model $MODEL qwen3-30b-a3b; $MS info $MODEL --routing --tokens 2048 2>&1 | quiet | tail -60; } \
              | tee -a "$OUT/model.txt" | tail -8 ;;
+    routing) { make_model $TRAINED qwen3-30b-a3b --routing trained
+               $MS info $TRAINED --routing --text $TEXT 2>&1 | quiet | tail -60
+               R="$MS bench -m $TRAINED -ncmoe 26 -r 3 -p 0 -n 128 --streamed-layers spread --vram-budget 12GiB --no-floors"
+               $R --text $TEXT 2>&1 | quiet
+               for cp in static lru lfu; do
+                 $R --text $TEXT --small-batch gather --prefetch 8,12 --expert-cache 0,auto --cache-policy $cp -o json 2>&1 \
+                   | quiet
+               done; } \
+               | tee -a "$OUT/model.txt" | tail -40 ;;
     pp512) $B -p 512 -ub 512 --stream serial,pinned,overlap,layer-major --streamed-layers first,spread \
              --vram-budget 12GiB 2>&1 | quiet | tee -a "$OUT/bench.txt" ;;
     pp2048) $MS probe -m $MODEL -p 2048 -ub 2048 -ncmoe 26 2>&1 | tee -a "$OUT/gpu.txt"

@@ -113,8 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = sub.add_parser("info", help="architecture, shapes, tensor types and expert bytes of a model file")
     model_path(info)
-    info.add_argument("--routing", action="store_true", help="also print per-layer expert load on a random prompt")
-    info.add_argument("--tokens", type=int, default=None, help="prompt length for --routing (default 2048)")
+    info.add_argument(
+        "--routing",
+        action="store_true",
+        help="also measure routing per layer: next-layer guess, previous-token reuse, top-10%% share, entropy",
+    )
+    info.add_argument("--text", default=None, help="text --routing runs (default: a shipped English text)")
+    info.add_argument("--tokens", type=int, default=None, help="at most this many tokens for --routing (default 2048)")
     info.add_argument(
         "--device", default="auto", help="whose kernels the tensor types are checked against; runs --routing's prompt"
     )
@@ -132,6 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("-r", "--repetitions", type=int, default=3, help="timed runs of each test")
     bench.add_argument("--no-floors", action="store_true", help="skip the all-resident compute-floor runs")
+    bench.add_argument(
+        "--text",
+        default=None,
+        help="run a text file's tokens (repeated to length; decode teacher-forced over them) instead of random ids",
+    )
     bench.add_argument(
         "-o",
         "--output",
@@ -232,6 +242,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(a wrong name lists them all), or F32 / BF16",
     )
     make.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    make.add_argument(
+        "--routing",
+        choices=("trained", "uniform"),
+        default=None,
+        help="trained: weights planted to route like a trained model (default where the preset has settings); "
+        "uniform: plain random weights",
+    )
     return parser
 
 
@@ -360,6 +377,12 @@ def check_info(a: argparse.Namespace) -> None:
         at_least(a.tokens, 1, "--tokens")
         if not a.routing:
             raise MoestreamError(f"--tokens {a.tokens} is the prompt length of --routing: give --routing too")
+    if a.text is not None:
+        from moestream.tools.routing_stats import read_text
+
+        if not a.routing:
+            raise MoestreamError(f"--text {a.text} is the text of --routing: give --routing too")
+        read_text(a.text)  # a bad file now, not after the report
     a.tokens = 2048 if a.tokens is None else a.tokens
     Options.check(device=a.device)  # a bad name now, not after the report
 
@@ -400,21 +423,14 @@ def cmd_info(a: argparse.Namespace) -> None:
         _warn_fallbacks(f, s, device)
     if a.routing:
         from moestream.runtime.loader import load
-        from moestream.tools.routing import routing_load
+        from moestream.tools.routing_stats import report_lines, report_tokens, routing_report
 
         engine = load(a.model, device=a.device, n_ctx=tokens)
         try:
-            counter = routing_load(engine, tokens)
+            prompt, what = report_tokens(engine, a.text, tokens)
+            print("\n".join(report_lines(routing_report(engine, prompt), s.n_expert_used, what)))
         finally:
             engine.close()
-        print(f"routing on {tokens} random tokens: per layer min / mean / max load, max/mean, idle experts")
-        for il in s.expert_layers:  # a dense layer routes nothing
-            row, ratio = counter.counts[il], counter.imbalance()[il]
-            idle = int((row == 0).sum())
-            print(
-                f"  layer {il:3d}  {int(row.min()):6d} {row.float().mean():8.1f} {int(row.max()):6d}"
-                f"   {float(ratio):4.2f}x   {idle} idle"
-            )
 
 
 def check_serve(a: argparse.Namespace) -> None:
@@ -493,8 +509,9 @@ def _listening_socket(host: str, port: int) -> socket.socket:
 
 def check_make_model(a: argparse.Namespace) -> None:
     from moestream.tools.presets import get_preset
+    from moestream.tools.trained_routing import routing_settings
 
-    get_preset(a.preset, a.layers)
+    routing_settings(get_preset(a.preset, a.layers), a.routing)
     writable(a.out, "make-model")
 
 
@@ -504,8 +521,12 @@ def cmd_make_model(a: argparse.Namespace) -> None:
     from moestream.tools.synthetic import make_model
 
     preset = get_preset(a.preset, a.layers)
-    make_model(a.out, preset, quant=a.quant, seed=a.seed)
-    print(f"wrote {a.out}: preset {preset.name}, {_count(preset.spec.n_layer, 'layer')}, {recipe(a.quant).name}")
+    from moestream.tools.trained_routing import routing_settings
+
+    make_model(a.out, preset, quant=a.quant, seed=a.seed, routing=a.routing)
+    routing = "trained" if routing_settings(preset, a.routing) else "uniform"
+    layers = _count(preset.spec.n_layer, "layer")
+    print(f"wrote {a.out}: preset {preset.name}, {layers}, {recipe(a.quant).name}, {routing} routing")
 
 
 # Each command: the check of every value (settling some into the namespace), run before torch is imported, so a
