@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType
 from moestream.cli.main import main
 from moestream.formats import quants
 from moestream.formats.gguf import GGUFFile
+from moestream.options import cuda_available
 
 
 def info(capsys, path: str, *flags: str) -> tuple[list[str], list[str]]:
@@ -72,3 +73,11 @@ def test_info_on_the_cpu_imports_no_torch(model_file, preset):
     r = subprocess.run([sys.executable, "-c", NO_TORCH, path, "--device", "cpu"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "experts" in r.stdout and "Traceback" not in r.stderr
+
+
+def test_the_device_check_is_torchs_answer():
+    """info's auto device asks torch only where an NVIDIA driver is (options.cuda_available): the answer is torch's on a
+    machine with a GPU as without."""
+    import torch
+
+    assert cuda_available() == torch.cuda.is_available()
