@@ -31,7 +31,7 @@ from moestream.cli.llama import refuse_llama_flags
 from moestream.cli.perf import check_bench, check_probe, check_profile, cmd_bench, cmd_probe, cmd_profile, sweep_of
 from moestream.cli.warmup import add_warmup, check_warmup, cmd_warmup
 from moestream.errors import MoestreamError, Terminated, is_out_of_memory
-from moestream.options import PROMPT_CACHE_RAM_MIB
+from moestream.options import PROMPT_CACHE_RAM_MIB, driver_present
 from moestream.tools.presets import PRESETS
 
 
@@ -354,9 +354,9 @@ def _warn_fallbacks(f, s, device: str) -> None:
     """One warning per tensor type and kernel it lacks on device: which of the tensors that run, and what runs
     instead."""
     from moestream.kernels.types import FALLBACKS, fallbacks
-    from moestream.models.registry import architecture
+    from moestream.models.registry import layout
 
-    arch = architecture(s.arch)
+    arch = layout(s.arch)
     experts = {n for il in s.expert_layers for n in arch.expert_tensor_names(il)}
     types = {name: t.qtype for name, t in f.tensors.items()}
     for (qtype, kernel), names in fallbacks(types, experts, device).items():
@@ -389,8 +389,8 @@ def check_info(a: argparse.Namespace) -> None:
 
 def cmd_info(a: argparse.Namespace) -> None:
     from moestream.formats.gguf import GGUFFile
+    from moestream.models.describe import describe, expert_bytes_per_layer
     from moestream.options import Options
-    from moestream.runtime.loader import describe, expert_bytes_per_layer
 
     tokens = a.tokens
     device = Options.make(device=a.device).model.device
@@ -583,8 +583,14 @@ def _count(n: int, noun: str) -> str:
 # of stopping cleanly. The commands still import what they use; the slow part is loaded by then. (matplotlib,
 # for `profile --plot` only, is not preloaded: it would cost every profile run its import.)
 PRELOAD = {
-    "serve": ("moestream.runtime.loader", "moestream.serving.app", "uvicorn"),
-    "make-model": ("moestream.tools.synthetic",),
+    "serve": lambda a: ("moestream.runtime.loader", "moestream.serving.app", "uvicorn"),
+    "make-model": lambda a: ("moestream.tools.synthetic",),
+    # info reads the file without torch (models/describe.py) unless a GPU's kernels or --routing's model are asked
+    "info": lambda a: (
+        ("moestream.runtime.loader",)
+        if a.routing or (a.device != "cpu" and driver_present())
+        else ("moestream.models.describe",)
+    ),
 }
 
 
@@ -615,7 +621,7 @@ def main(argv: list[str] | None = None) -> int:
         check(args)
         print(f"moestream: {STARTING[args.command](args)}", file=sys.stderr, flush=True)  # before the slow imports
         with interrupts_held():
-            for module in PRELOAD.get(args.command, ("moestream.runtime.loader",)):
+            for module in PRELOAD.get(args.command, lambda a: ("moestream.runtime.loader",))(args):
                 importlib.import_module(module)
         command(args)
     except MoestreamError as e:

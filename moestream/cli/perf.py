@@ -229,8 +229,8 @@ def cmd_probe(a: argparse.Namespace) -> None:
     spec, streamed, registered = None, 0, None
     if a.model is not None:  # -m '': the file's own error
         from moestream.formats.gguf import GGUFFile
+        from moestream.models.describe import describe, expert_bytes_per_layer
         from moestream.offload.builder import streamed_layers
-        from moestream.runtime.loader import describe, expert_bytes_per_layer
 
         with GGUFFile(a.model) as f:
             _, spec = describe(f)

@@ -21,7 +21,7 @@ from moestream.errors import MoestreamError
 from moestream.formats.quantize import QUANTIZABLE, quantize
 from moestream.formats.tokenizer import UNUSED, tiny_tokenizer_metadata
 from moestream.formats.writer import TensorPlan, write_gguf
-from moestream.models.registry import architecture
+from moestream.models.registry import layout
 from moestream.models.spec import Preset
 from moestream.tools.recipes import Facts, Recipe, recipe, tensor_types
 from moestream.tools.trained_routing import RoutingSettings, planted, routing_settings, trained_std
@@ -38,7 +38,7 @@ def preset_metadata(p: Preset, r: Recipe, seed: int = 0, trained: bool = False) 
         "general.file_type": int(r.file_type),
         "general.quantization_version": 2,
     }
-    return meta | architecture(p.spec.arch).metadata(p) | tiny_tokenizer_metadata(p.spec.n_vocab, p.chat)
+    return meta | layout(p.spec.arch).metadata(p) | tiny_tokenizer_metadata(p.spec.n_vocab, p.chat)
 
 
 def description(p: Preset, r: Recipe, seed: int, trained: bool = False) -> str:
@@ -131,7 +131,7 @@ def _chunks(p: TensorPlan, n_layer: int, seed: int, real: int | None = None, pla
 
 def tensor_plans(preset: Preset, r: Recipe) -> list[TensorPlan]:
     """Each tensor of the preset's file, in the type the recipe gives it, in file order."""
-    arch = architecture(preset.spec.arch)
+    arch = layout(preset.spec.arch)
     spec = arch.read_spec(preset_metadata(preset, r), preset.spec.n_vocab)  # the spec a reader of the file sees
     shapes = {
         n: s
