@@ -94,6 +94,15 @@ class SmallBatch(enum.StrEnum):
         return way
 
 
+def format_size(n: float) -> str:
+    """A byte count as llama-bench prints sizes: GiB, MiB or KiB with two decimals (a tiny model is not
+    0.00 GiB), whole bytes below one KiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
 def parse_size(text: str | int | None) -> int | None:
     """'12GiB', '12G', '512MiB', '1e9' or a plain byte count."""
     if text is None or isinstance(text, int):

@@ -31,7 +31,7 @@ from moestream.cli.llama import refuse_llama_flags
 from moestream.cli.perf import check_bench, check_probe, check_profile, cmd_bench, cmd_probe, cmd_profile, sweep_of
 from moestream.cli.warmup import add_warmup, check_warmup, cmd_warmup
 from moestream.errors import MoestreamError, Terminated, is_out_of_memory
-from moestream.options import PROMPT_CACHE_RAM_MIB, driver_present
+from moestream.options import PROMPT_CACHE_RAM_MIB, driver_present, format_size
 from moestream.tools.presets import PRESETS
 
 
@@ -326,14 +326,6 @@ def _print_stats(gen) -> None:
     )
 
 
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return ""
-
-
 def _print_types(metadata: dict, tensors: list) -> None:
     """The file type and, like llama.cpp's loader, each tensor type's count (with its bytes), largest first."""
     from moestream.tools.recipes import RECIPES
@@ -347,7 +339,7 @@ def _print_types(metadata: dict, tensors: list) -> None:
         size[t.qtype.name] += t.nbytes
     for i, (qtype, n) in enumerate(size.most_common()):
         tensors = f"{count[qtype]} tensor" + ("s" if count[qtype] > 1 else "")
-        print(f"{'tensor types' if i == 0 else '':14}{qtype:8} {tensors:>12} {_size(n):>11}")
+        print(f"{'tensor types' if i == 0 else '':14}{qtype:8} {tensors:>12} {format_size(n):>11}")
 
 
 def _warn_fallbacks(f, s, device: str) -> None:
@@ -401,7 +393,7 @@ def cmd_info(a: argparse.Namespace) -> None:
             raise MoestreamError(
                 f"--tokens {tokens}: the model was trained for {s.n_ctx_train} positions; give at most {s.n_ctx_train}"
             )
-        print(f"file          {f.path} ({_size(f.path.stat().st_size)})")
+        print(f"file          {f.path} ({format_size(f.path.stat().st_size)})")
         print(f"architecture  {s.arch}   name: {f.metadata.get('general.name', '?')}")
         kinds = [f"{s.n_layer_dense_lead} dense first"] if s.n_layer_dense_lead else []
         kinds += [f"{s.n_layer_nextn} NextN after them, skipped"] if s.n_layer_nextn else []
@@ -415,11 +407,11 @@ def cmd_info(a: argparse.Namespace) -> None:
         _print_types(f.metadata, stored)
         per_layer = expert_bytes_per_layer(f, s)
         print(
-            f"expert bytes  {_size(sum(per_layer))} total; per layer: "
-            + " ".join(_size(b) for b in per_layer[:8])
+            f"expert bytes  {format_size(sum(per_layer))} total; per layer: "
+            + " ".join(format_size(b) for b in per_layer[:8])
             + (" ..." if len(per_layer) > 8 else "")
         )
-        print(f"other bytes   {_size(sum(t.nbytes for t in f.tensors.values()) - sum(per_layer))}")
+        print(f"other bytes   {format_size(sum(t.nbytes for t in f.tensors.values()) - sum(per_layer))}")
         _warn_fallbacks(f, s, device)
     if a.routing:
         from moestream.runtime.loader import load

@@ -13,6 +13,7 @@ import time
 import torch
 
 from moestream import __version__
+from moestream.options import format_size
 
 FORMATS = ("md", "json", "csv", "jsonl")
 TYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
@@ -146,20 +147,12 @@ def md_row(r, info: dict) -> str:
     cp = "-" if r.copy_gbs is None else f"{r.copy_gbs:.1f}"
     prefetch = "-" if r.prefetch is None else r.prefetch
     return (
-        f"| {r.model} | {_binary(info['model_size']):>10} | {_count(info['model_n_params']):>9} | "
+        f"| {r.model} | {format_size(info['model_size']):>10} | {_count(info['model_n_params']):>9} | "
         f"{info['backends']:<7} | {r.n_cpu_moe:>9} | {r.streamed_layers:<6} | {r.ubatch:>8} | {r.type_k:>6} | "
         f"{r.type_v:>6} | {r.stream:<11} | "
         f"{prefetch:>8} | {r.expert_cache:>5} | {r.test:>15} | {r.tps:9.2f} ± {r.tps_std:6.2f} | "
         f"{_decimal(r.bytes_uploaded):>9} | {r.experts_used:5.2f} | {r.link_gbs:6.1f} | {cp:>7} | {same:<4} |"
     )
-
-
-def _binary(n: float) -> str:
-    """A size as llama-bench prints it: GiB, or MiB (KiB) below one."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale or unit == "KiB":
-            return f"{n / scale:.2f} {unit}"
-    return ""
 
 
 def _count(n: float) -> str:

@@ -30,7 +30,7 @@ from moestream.offload.prefetch import Prefetcher, ring_bytes
 from moestream.offload.shards import ShardedStreamer, expert_ranges, shard_layer
 from moestream.offload.small_batch import Access, DecodePlan, Measured, decode_plan, ways
 from moestream.offload.streamer import HostLayer, Streamer
-from moestream.options import Options, SmallBatch, parse_size
+from moestream.options import Options, SmallBatch, format_size, parse_size
 
 
 @dataclass
@@ -79,10 +79,10 @@ class Offload:
             self.pinned.unregister()
 
     def describe(self) -> str:
-        p, gib = self.placement, 2**30
+        p = self.placement
         lines = [
-            f"placement: {len(p.resident)} layers' experts on the device ({p.resident_bytes / gib:.2f} GiB), "
-            f"{len(p.streamed)} streamed from host RAM ({p.host_bytes / gib:.2f} GiB)"
+            f"placement: {len(p.resident)} layers' experts on the device ({format_size(p.resident_bytes)}), "
+            f"{len(p.streamed)} streamed from host RAM ({format_size(p.host_bytes)})"
             + (f": layers {p.streamed}" if p.spread else "")
             + (f" ({self.note})" if self.note else ""),
         ]
@@ -91,7 +91,7 @@ class Offload:
             if self.bounce:
                 how = "pinned bounce buffers (page-locking was refused)"
             elif pinned:
-                how = f"{pinned / gib:.2f} GiB page-locked in place"
+                how = f"{format_size(pinned)} page-locked in place"
             else:
                 how = "the mapped file, pageable (--host-memory pageable, serial schedule or CPU device)"
             lines.append(
@@ -104,7 +104,7 @@ class Offload:
                 if pf.cache is not None:
                     held = (
                         f"; {pf.cache.n} of each held on the GPU, the most picked "
-                        f"({pf.cache.nbytes / 2**30:.2f} GiB, --expert-cache)"
+                        f"({format_size(pf.cache.nbytes)}, --expert-cache)"
                     )
                 lines.append(
                     f"decode: {pf.n_guess} experts of each streamed layer guessed ahead and gathered beside compute "
@@ -224,8 +224,8 @@ def _streamer(
     if pinned is not None and opts.streaming.stream.page_locks and opts.placement.host_memory == "pinned":
         views = [v.data for il in placement.streamed for v in tensors[il].views]
         if opts.model.progress:
-            gib = sum(v.nbytes for v in views) / 2**30
-            print(f"moestream: page-locking {gib:.2f} GiB of streamed experts in place", file=sys.stderr, flush=True)
+            size = format_size(sum(v.nbytes for v in views))
+            print(f"moestream: page-locking {size} of streamed experts in place", file=sys.stderr, flush=True)
         bounce = not pinned.register(views)
     if len(devs) > 1:
         return _sharded(streamed, spec, opts, devs, bounce), bounce

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from moestream.cli import report
 from moestream.cli.main import main
+from moestream.options import format_size
 
 
 def test_units_switch_as_llama_bench_prints_them():
-    assert report._binary(17.3 * 2**30) == "17.30 GiB" and report._binary(12.5 * 2**20) == "12.50 MiB"
+    assert format_size(17.3 * 2**30) == "17.30 GiB" and format_size(12.5 * 2**20) == "12.50 MiB"
     assert report._count(30.53e9) == "30.53 B" and report._count(4.2e6) == "4.20 M"
     assert report._decimal(884736) == "884.74 kB" and report._decimal(2.5e9) == "2.50 GB"
     assert report._decimal(0) == "0 B"
