@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from moestream.errors import MoestreamError, is_out_of_memory
 from moestream.formats.tokenizer import TextStream
 from moestream.offload.small_batch import Timings
-from moestream.runtime.sampling import Sampler, SamplingParams
+from moestream.runtime.sampling import Constraint, Sampler, SamplingParams, TokenLogprob
 
 
 @dataclass
@@ -31,6 +31,7 @@ class Event:
     finish_reason: str = ""  # stop | length
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of the tokens this text (or the end) brings
 
 
 @dataclass
@@ -40,6 +41,7 @@ class Request:
     emit: Callable[[Event], None]  # called on the scheduler thread; must not block
     stop: list[str] = field(default_factory=list)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    constraint: Constraint | None = None  # what may come next (response_format), this request's own
 
 
 def _error(e: Exception) -> Event:
@@ -103,6 +105,7 @@ class _Sequence:
     tokens: list[int] = field(default_factory=list)
     text: str = ""
     sent: int = 0  # characters of text already emitted
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of tokens not yet emitted (params.logprobs)
 
 
 @dataclass
@@ -209,7 +212,9 @@ class Scheduler:
                 cache.reset()
                 tok = self.engine.tokenizer
                 stream = TextStream(tok) if tok is not None else None
-                seq = _Sequence(req, cache, Sampler(req.params, req.prompt_tokens), stream, list(req.prompt_tokens))
+                seq = _Sequence(
+                    req, cache, Sampler(req.params, req.prompt_tokens, req.constraint), stream, list(req.prompt_tokens)
+                )
             except Exception as e:  # out of memory for another cache, say: this request fails, no other
                 self.stats.failed += 1
                 self._send(req, _error(e))
@@ -302,6 +307,8 @@ class Scheduler:
             self._finish(seq, "stop")
             return False
         seq.tokens.append(seq.token)
+        if seq.sampler.last is not None:
+            seq.logprobs.append(seq.sampler.last)
         if seq.stream is not None:
             seq.text += seq.stream.push(seq.token)
         if self._emit_text(seq):
@@ -323,15 +330,21 @@ class Scheduler:
         hold = max((len(s) - 1 for s in stops), default=0)
         end = max(len(seq.text) - hold, seq.sent)
         if end > seq.sent:
-            self._send(seq.req, Event("text", text=seq.text[seq.sent : end]))
+            self._send(seq.req, Event("text", text=seq.text[seq.sent : end], logprobs=self._logprobs(seq)))
             seq.sent = end
         return False
+
+    @staticmethod
+    def _logprobs(seq: _Sequence) -> list[TokenLogprob]:
+        """The log-probabilities of the tokens sent so far, taken (a token's text may be held back a while)."""
+        out, seq.logprobs = seq.logprobs, []
+        return out
 
     def _finish(self, seq: _Sequence, reason: str, flush: bool = True) -> None:
         if seq.stream is not None and flush:  # bytes of an unfinished character
             seq.text += seq.stream.flush()
         if seq.sent < len(seq.text):
-            self._send(seq.req, Event("text", text=seq.text[seq.sent :]))
+            self._send(seq.req, Event("text", text=seq.text[seq.sent :], logprobs=self._logprobs(seq)))
         self._send(
             seq.req,
             Event(
@@ -339,6 +352,7 @@ class Scheduler:
                 finish_reason=reason,
                 prompt_tokens=len(seq.req.prompt_tokens),
                 completion_tokens=len(seq.tokens),
+                logprobs=self._logprobs(seq),
             ),
         )
         self._release(seq)
