@@ -17,6 +17,15 @@ from moestream.serving.reasoning import FORMATS as REASONING_FORMATS
 
 MAX_STOPS = 4  # as OpenAI's API
 MAX_N = 16  # choices of one request, each its own sequence
+# template variables the server sets itself, so chat_template_kwargs may not: name -> where they come from
+SERVER_VARIABLES = {
+    "messages": "from messages",
+    "tools": "from tools",
+    "add_generation_prompt": "always true",
+    "bos_token": "from the model file",
+    "eos_token": "from the model file",
+    "n_ctx": "the rendering's cap, from --ctx",
+}
 
 
 class BadRequest(MoestreamError):
@@ -232,6 +241,9 @@ def _read_chat(body: dict, ask: Ask) -> None:
     kwargs = body.get("chat_template_kwargs", {})
     if not isinstance(kwargs, dict):
         raise BadRequest("chat_template_kwargs must be an object of template variables")
+    name = next((n for n in kwargs if n in SERVER_VARIABLES), None)
+    if name is not None:
+        raise BadRequest(f"chat_template_kwargs.{name}: the server sets it ({SERVER_VARIABLES[name]}); leave it out")
     ask.template_variables = dict(kwargs)
     if "reasoning_effort" in body:
         if body["reasoning_effort"] not in ("minimal", "low", "medium", "high"):

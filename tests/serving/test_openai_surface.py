@@ -165,6 +165,11 @@ def test_template_variables(client):
         )
     with pytest.raises(openai.BadRequestError, match="reasoning_effort"):  # ChatML reads no such variable
         client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1, reasoning_effort="low")
+    for name in ("messages", "tools", "add_generation_prompt"):  # read by the template, but the server's to set
+        with pytest.raises(openai.BadRequestError, match=f"chat_template_kwargs.{name}: the server sets it"):
+            client.chat.completions.create(
+                model="tiny", messages=MESSAGES, max_tokens=1, extra_body={"chat_template_kwargs": {name: []}}
+            )
 
 
 @pytest.mark.parametrize(
