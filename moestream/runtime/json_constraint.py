@@ -25,6 +25,7 @@ IGNORED = frozenset({"title", "description", "$schema", "default", "examples", "
 TAKEN = frozenset({"type", "properties", "required", "enum", "items", "additionalProperties"})
 TYPES = frozenset({"object", "array", "string", "number", "integer", "boolean", "null"})
 MAX_BLANKS = 16  # blanks in a row outside strings: a model cannot pad forever
+MAX_DEPTH = 64  # schemas nested deeper are refused: the checks recurse (and no answer needs so many levels)
 WS = frozenset(b" \t\n\r")
 LITERALS = {b"t": b"true", b"f": b"false", b"n": b"null"}
 _KIND_OF = {b"true": "boolean", b"false": "boolean", b"null": "null"}
@@ -54,28 +55,37 @@ def schema_of(response_format: dict) -> dict:
     return schema
 
 
-def _check(schema: Any, where: str) -> None:
+def _check(schema: Any, where: str, depth: int = 0) -> None:
+    if depth > MAX_DEPTH:
+        raise MoestreamError(f"the schema nests deeper than {MAX_DEPTH} levels; flatten it")
     if not isinstance(schema, dict):
         raise MoestreamError(f"{where} must be a schema object")
     for key in schema:
         if key not in TAKEN | IGNORED:
             raise MoestreamError(f"{where}: the keyword {key!r} is not supported (only {', '.join(sorted(TAKEN))})")
     kinds = schema.get("type", [])
-    for kind in [kinds] if isinstance(kinds, str) else kinds:
-        if kind not in TYPES:
-            raise MoestreamError(f"{where}: type {kind!r} is not a JSON schema type")
+    kinds = [kinds] if isinstance(kinds, str) else kinds
+    if not isinstance(kinds, list) or not all(isinstance(k, str) and k in TYPES for k in kinds):
+        raise MoestreamError(
+            f"{where}: type {schema['type']!r} is not a JSON schema type ({', '.join(sorted(TYPES))}, or a list)"
+        )
     if schema.get("additionalProperties", False) is not False:
         raise MoestreamError(f"{where}: only additionalProperties false (the properties listed, as OpenAI's strict)")
     enum = schema.get("enum")
     if enum is not None and (not isinstance(enum, list) or not enum or any(isinstance(v, (dict, list)) for v in enum)):
         raise MoestreamError(f"{where}: enum must be a non-empty list of strings, numbers, booleans or null")
-    for name, sub in (schema.get("properties") or {}).items():
-        _check(sub, f"{where}.properties.{name}")
+    properties = schema.get("properties", {})
+    if not isinstance(properties, dict):
+        raise MoestreamError(f"{where}: properties must be an object of name -> schema")
+    for name, sub in properties.items():
+        _check(sub, f"{where}.properties.{name}", depth + 1)
     required = schema.get("required", [])
-    if not set(required) <= set(schema.get("properties") or {}) and "properties" in schema:
+    if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+        raise MoestreamError(f"{where}: required must be a list of property names")
+    if not set(required) <= set(properties) and "properties" in schema:
         raise MoestreamError(f"{where}: required names a property that properties does not list")
     if "items" in schema:
-        _check(schema["items"], f"{where}.items")
+        _check(schema["items"], f"{where}.items", depth + 1)
 
 
 def _kinds(schema: dict) -> frozenset[str]:

@@ -198,7 +198,7 @@ def template_messages(messages: list[dict]) -> list[dict]:
                 if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
                     try:
                         args = json.loads(fn["arguments"])
-                    except ValueError:
+                    except (ValueError, RecursionError):  # not JSON, or nested past the parser's limit
                         raise BadRequest(
                             f"messages: tool call {fn.get('name')!r} has arguments that are not JSON"
                         ) from None

@@ -64,6 +64,13 @@ def test_any_json_object_and_numbers():
     assert accepts({"type": "number"}, "-12.5E3") and not accepts({"type": "integer"}, "2e3")
 
 
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
 @pytest.mark.parametrize(
     ("fmt", "word"),
     [
@@ -75,6 +82,11 @@ def test_any_json_object_and_numbers():
         ({"type": "json_schema", "json_schema": {"schema": {"type": "map"}}}, "map"),
         ({"type": "json_schema", "json_schema": {"schema": {"enum": [{"a": 1}]}}}, "enum"),
         ({"type": "json_schema", "json_schema": {"schema": {"properties": {"a": {"pattern": "x"}}}}}, "properties.a"),
+        # malformed shapes and hostile depth: a clear error, not a TypeError or a RecursionError
+        ({"type": "json_schema", "json_schema": {"schema": {"type": 5}}}, "type 5"),
+        ({"type": "json_schema", "json_schema": {"schema": {"properties": []}}}, "properties must be an object"),
+        ({"type": "json_schema", "json_schema": {"schema": {"required": "a"}}}, "required must be a list"),
+        ({"type": "json_schema", "json_schema": {"schema": _nested(900)}}, "nests deeper than 64"),
     ],
 )
 def test_unsupported_schemas_are_refused(fmt, word):

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from moestream.serving.harmony import HarmonySplit
+from moestream.serving.openai_fields import BadRequest
 from moestream.serving.output import AnswerSplit, tool_format
 from moestream.serving.tool_calls import ToolCallSplit, template_messages
 
@@ -121,3 +122,7 @@ def test_earlier_calls_reach_the_template_as_objects():
     out = template_messages([{"role": "assistant", "content": None, "tool_calls": calls}])
     assert out[0]["tool_calls"][0]["function"]["arguments"] == {"a": 1}
     assert calls[0]["function"]["arguments"] == '{"a": 1}'  # the request is left as it came
+    for bad in ("{oops", "[" * 100_000):  # not JSON, or nested past the parser's limit: a 400, not a 500
+        call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": bad}}
+        with pytest.raises(BadRequest, match="tool call 'f' has arguments that are not JSON"):
+            template_messages([{"role": "assistant", "content": None, "tool_calls": [call]}])
