@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     import torch
 
 MAX_THREADS_PER_CORE = 4  # --threads above this many a core only slows (and past ~30000 threads cannot start)
-DTYPES = ("float32", "bfloat16", "float16")  # torch's names (torch is imported when options are settled)
+DTYPES = ("float32", "bfloat16", "float16")  # torch's names
 KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")  # -ctk/-ctv: llama.cpp's names (kernels/kv_quant.py stores them)
 KV_NAMES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}  # a compute dtype's KV type (auto)
 STREAM_ENV = "MOESTREAM_STREAM"  # the default --stream
@@ -199,6 +199,9 @@ class StreamingOptions:
     stream_min_batch: int = 32  # smaller micro-batches do not upload whole layers: the decode options say how
 
 
+CACHE_POLICIES = ("static", "lru", "lfu")  # --cache-policy (offload/cache_policy.py)
+
+
 @dataclass(frozen=True)
 class DecodeOptions:
     """How a streamed layer serves a few tokens (offload/small_batch.py turns these into a plan)."""
@@ -208,6 +211,10 @@ class DecodeOptions:
     # the router picks)
     expert_cache: int | str = "auto"  # experts of each streamed layer kept on the GPU for decode's gathers
     # (offload/expert_cache.py; with prefetch). auto: as many as --vram-budget leaves (none without a budget)
+    cache_policy: str = "static"  # which experts that cache holds: static, lru or lfu (offload/cache_policy.py)
+
+
+PROMPT_CACHE_RAM_MIB = 8192  # host RAM for prompt prefixes by default: llama-server's --cache-ram
 
 
 @dataclass(frozen=True)
@@ -259,13 +266,11 @@ class Options:
 
         for name, value in _settled(**{g: getattr(self, g) for g in GROUPS}).items():
             resolve(name, value)
-        import torch  # here, not at import, and only once every value is known good
-
         if self.model.device == "auto":
-            resolve("device", "cuda" if torch.cuda.is_available() else "cpu")
+            resolve("device", "cuda" if cuda_available() else "cpu")
         if self.placement.devices is not None and self.placement.devices[0] != "cpu":
             _visible("--devices", ",".join(self.placement.devices), self.placement.devices)
-        if self.model.device != "cpu" and not torch.cuda.is_available():
+        if self.model.device != "cpu" and not cuda_available():
             raise MoestreamError(f"--device {self.model.device}: no CUDA GPU is visible to torch; use --device cpu")
         if self.model.device.startswith("cuda:") and self.placement.devices is None:
             _visible("--device", self.model.device, [self.model.device])
@@ -328,6 +333,8 @@ def _settled(
             raise MoestreamError(f"--expert-cache {decode.expert_cache}: expected an expert count or auto") from None
         if settled["expert_cache"] < 0:
             raise MoestreamError(f"--expert-cache {decode.expert_cache}: must be 0 (off), more experts or auto")
+    if decode.cache_policy not in CACHE_POLICIES:
+        raise MoestreamError(f"--cache-policy {decode.cache_policy}: choose {', '.join(CACHE_POLICIES)}")
     if placement.host_memory not in ("pinned", "pageable"):
         raise MoestreamError(f"--host-memory {placement.host_memory}: expected pinned or pageable")
     if placement.expandable_segments is None:
@@ -388,6 +395,25 @@ def _grouped(flat: dict[str, Any]) -> dict[str, dict[str, Any]]:
     if unknown:
         raise TypeError(f"unknown option(s) {', '.join(unknown)}; known: {', '.join(GROUP_OF)}")
     return {g: {k: v for k, v in flat.items() if GROUP_OF[k] == g} for g in GROUPS}
+
+
+# What a CUDA device needs from the system: the NVIDIA driver (Linux; /dev/dxg on WSL)
+DRIVER_PATHS = ("/proc/driver/nvidia/version", "/dev/nvidiactl", "/dev/dxg")
+
+
+def driver_present() -> bool:
+    """Whether a CUDA device can be there at all: without the driver, torch would see none."""
+    return any(os.path.exists(p) for p in DRIVER_PATHS)
+
+
+def cuda_available() -> bool:
+    """torch.cuda.is_available(), asked only where a driver is there to find: without one torch says False, and
+    its import (seconds) is spared, so `info` on a CPU machine stays torch-free."""
+    if not driver_present():
+        return False
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _visible(flag: str, shown: str, names: list[str] | tuple[str, ...]) -> None:

@@ -15,11 +15,11 @@ import torch
 from moestream.formats.gguf import GGUFFile
 from moestream.kernels import cpu_quant
 from moestream.kernels.gather import RowGather
+from moestream.models.describe import describe
 from moestream.offload.expert_tensors import ExpertTensors
 from moestream.ops.experts import matvecs
 from moestream.ops.moe_swiglu import moe_swiglu, moe_swiglu_picked
 from moestream.profiling.timeline import NULL
-from moestream.runtime.loader import describe
 
 
 def best(fn, repeats: int = 7) -> float:

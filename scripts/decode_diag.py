@@ -2,7 +2,10 @@
 step under several tile settings of the quantized matvecs (side by side, one process), and
 where the fastest step's GPU time goes (kernel table of eager static steps, the same kernels a graph replays).
 
-    python scripts/decode_diag.py MODEL [stream]
+    python scripts/decode_diag.py MODEL [stream] [table]
+
+table: the graphed step and the kernel table at the default tile settings alone (no sweep: each setting compiles
+its kernels anew, ~40 s a fused projection).
 """
 
 from __future__ import annotations
@@ -178,8 +181,11 @@ if __name__ == "__main__":
     opts = dict(n_cpu_moe=26, streamed_layers="spread", vram_budget="12GiB") if "stream" in rest else {}
     e = moestream.load(path, device="cuda", progress=False, **opts)
     gather_rate(e)
-    check_dots(e)
-    best = sweep(e, VARIANTS)
+    if "table" in rest:
+        best = sweep(e, {"defaults": {}})
+    else:
+        check_dots(e)
+        best = sweep(e, VARIANTS)
     print(f"kernel table of the fastest: {best}")
     with tuning.use(**best):
         kernel_table(e)

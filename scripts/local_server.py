@@ -25,8 +25,9 @@ class LocalServer:
         batched: bool | None = None,
         timeout: float = 30.0,
         max_connections: int = 512,
+        **scheduling,  # the rest of Scheduler's options (cache_prompt, cache_ram)
     ):
-        self.scheduler = Scheduler(engine, max_seqs=max_seqs, batched=batched)
+        self.scheduler = Scheduler(engine, max_seqs=max_seqs, batched=batched, **scheduling)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]

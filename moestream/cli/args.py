@@ -9,7 +9,7 @@ from pathlib import Path
 from moestream.cli.llama import LOAD_MODES, add_llama_flags, llama_notes
 from moestream.errors import MoestreamError
 from moestream.formats.model_file import check_model_file
-from moestream.options import Options, SmallBatch
+from moestream.options import CACHE_POLICIES, Options, SmallBatch
 
 LISTS = (
     "ubatch",
@@ -103,6 +103,13 @@ def engine_flags(p: argparse.ArgumentParser, lists: tuple[str, ...] = ()) -> Non
         help="decode with --prefetch: keep the N most-picked experts of each streamed layer on the GPU, read there "
         "instead of over the link (0: off; default auto: as many as --vram-budget leaves, none without a budget)"
         + more,
+    )
+    p.add_argument(
+        "--cache-policy",
+        choices=CACHE_POLICIES,
+        default="static",
+        help="which experts --expert-cache holds: static (most picked since load), lru (most recently picked) or "
+        "lfu (most picked lately, decaying)",
     )
     p.add_argument(
         "--small-batch",
@@ -214,6 +221,7 @@ def engine_flat(a: argparse.Namespace, ctx: int | None = None) -> dict:
         small_batch=a.small_batch,
         prefetch=first(a.prefetch) if a.prefetch is not None else None,
         expert_cache=first(a.expert_cache) if a.expert_cache is not None else "auto",
+        cache_policy=a.cache_policy,
         cache_type_k=first(a.cache_type_k),
         cache_type_v=first(a.cache_type_v),
         devices=a.devices,

@@ -127,8 +127,8 @@ SERVE = {
     ),
     "each request gives max_tokens; --max-tokens caps it": "-n --predict --n-predict",
     "the server renders the file's chat template": CHAT,
-    "each sequence has its own KV cache (--max-seqs) and no prompt is cached across requests": (
-        "-kvu --kv-unified -no-kvu --no-kv-unified --kv-unified-per-slot --cache-prompt --no-cache-prompt "
+    "each sequence has its own KV cache (--max-seqs); --cache-prompt reuses shared prefixes, -cram sizes its RAM": (
+        "-kvu --kv-unified -no-kvu --no-kv-unified --kv-unified-per-slot "
         "--cache-reuse --cache-idle-slots --no-cache-idle-slots -cms --checkpoint-min-step --slot-save-path -sps "
         "--slot-prompt-similarity"
     ),

@@ -32,6 +32,7 @@ from moestream.cli.llama import refuse_llama_flags
 from moestream.cli.perf import check_bench, check_probe, check_profile, cmd_bench, cmd_probe, cmd_profile, sweep_of
 from moestream.cli.warmup import add_warmup, check_warmup, cmd_warmup
 from moestream.errors import MoestreamError, Terminated, is_out_of_memory
+from moestream.options import PROMPT_CACHE_RAM_MIB, driver_present
 from moestream.tools.presets import PRESETS
 
 
@@ -122,8 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = sub.add_parser("info", help="architecture, shapes, tensor types and expert bytes of a model file")
     model_path(info)
-    info.add_argument("--routing", action="store_true", help="also print per-layer expert load on a random prompt")
-    info.add_argument("--tokens", type=int, default=None, help="prompt length for --routing (default 2048)")
+    info.add_argument(
+        "--routing",
+        action="store_true",
+        help="also measure routing per layer: next-layer guess, previous-token reuse, top-10%% share, entropy",
+    )
+    info.add_argument("--text", default=None, help="text --routing runs (default: a shipped English text)")
+    info.add_argument("--tokens", type=int, default=None, help="at most this many tokens for --routing (default 2048)")
     info.add_argument(
         "--device", default="auto", help="whose kernels the tensor types are checked against; runs --routing's prompt"
     )
@@ -141,6 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("-r", "--repetitions", type=int, default=3, help="timed runs of each test")
     bench.add_argument("--no-floors", action="store_true", help="skip the all-resident compute-floor runs")
+    bench.add_argument(
+        "--text",
+        default=None,
+        help="run a text file's tokens (repeated to length; decode teacher-forced over them) instead of random ids",
+    )
     bench.add_argument(
         "-o",
         "--output",
@@ -215,6 +226,19 @@ def build_parser() -> argparse.ArgumentParser:
         "auto) or left in the content (none); a request's reasoning_format overrides it",
     )
     serve.add_argument(
+        "--cache-prompt",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="start each request from the longest prefix it shares with an earlier one (default: on)",
+    )
+    serve.add_argument(
+        "-cram",
+        "--cache-ram",
+        type=int,
+        default=PROMPT_CACHE_RAM_MIB,
+        help=f"MiB of host RAM for prompt prefixes no sequence holds ({PROMPT_CACHE_RAM_MIB}; 0: none, -1: no limit)",
+    )
+    serve.add_argument(
         "-cb",
         "--cont-batching",
         "--metrics",
@@ -235,6 +259,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(a wrong name lists them all), or F32 / BF16",
     )
     make.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    make.add_argument(
+        "--routing",
+        choices=("trained", "uniform"),
+        default=None,
+        help="trained: weights planted to route like a trained model (default where the preset has settings); "
+        "uniform: plain random weights",
+    )
     return parser
 
 
@@ -341,9 +372,9 @@ def _warn_fallbacks(f, s, device: str) -> None:
     """One warning per tensor type and kernel it lacks on device: which of the tensors that run, and what runs
     instead."""
     from moestream.kernels.types import FALLBACKS, fallbacks
-    from moestream.models.registry import architecture
+    from moestream.models.registry import layout
 
-    arch = architecture(s.arch)
+    arch = layout(s.arch)
     experts = {n for il in s.expert_layers for n in arch.expert_tensor_names(il)}
     types = {name: t.qtype for name, t in f.tensors.items()}
     for (qtype, kernel), names in fallbacks(types, experts, device).items():
@@ -364,14 +395,20 @@ def check_info(a: argparse.Namespace) -> None:
         at_least(a.tokens, 1, "--tokens")
         if not a.routing:
             raise MoestreamError(f"--tokens {a.tokens} is the prompt length of --routing: give --routing too")
+    if a.text is not None:
+        from moestream.tools.routing_stats import read_text
+
+        if not a.routing:
+            raise MoestreamError(f"--text {a.text} is the text of --routing: give --routing too")
+        read_text(a.text)  # a bad file now, not after the report
     a.tokens = 2048 if a.tokens is None else a.tokens
     Options.check(device=a.device)  # a bad name now, not after the report
 
 
 def cmd_info(a: argparse.Namespace) -> None:
     from moestream.formats.gguf import GGUFFile
+    from moestream.models.describe import describe, expert_bytes_per_layer
     from moestream.options import Options
-    from moestream.runtime.loader import describe, expert_bytes_per_layer
 
     tokens = a.tokens
     device = Options.make(device=a.device).model.device
@@ -404,21 +441,14 @@ def cmd_info(a: argparse.Namespace) -> None:
         _warn_fallbacks(f, s, device)
     if a.routing:
         from moestream.runtime.loader import load
-        from moestream.tools.routing import routing_load
+        from moestream.tools.routing_stats import report_lines, report_tokens, routing_report
 
         engine = load(a.model, device=a.device, n_ctx=tokens)
         try:
-            counter = routing_load(engine, tokens)
+            prompt, what = report_tokens(engine, a.text, tokens)
+            print("\n".join(report_lines(routing_report(engine, prompt), s.n_expert_used, what)))
         finally:
             engine.close()
-        print(f"routing on {tokens} random tokens: per layer min / mean / max load, max/mean, idle experts")
-        for il in s.expert_layers:  # a dense layer routes nothing
-            row, ratio = counter.counts[il], counter.imbalance()[il]
-            idle = int((row == 0).sum())
-            print(
-                f"  layer {il:3d}  {int(row.min()):6d} {row.float().mean():8.1f} {int(row.max()):6d}"
-                f"   {float(ratio):4.2f}x   {idle} idle"
-            )
 
 
 def check_serve(a: argparse.Namespace) -> None:
@@ -426,6 +456,7 @@ def check_serve(a: argparse.Namespace) -> None:
         raise MoestreamError(f"--port {a.port}: expected 1 to 65535")
     at_least(a.max_seqs, 1, "--max-seqs")
     at_least(a.max_tokens, 1, "--max-tokens")
+    at_least(a.cache_ram, -1, "--cache-ram")
     if a.threads_http != -1:
         at_least(a.threads_http, 1, "--threads-http")
     at_least(a.max_connections, 1, "--max-connections")
@@ -459,7 +490,8 @@ def cmd_serve(a: argparse.Namespace) -> None:
         try:
             if engine.tokenizer is None:
                 raise MoestreamError(f"{a.model}: the file has no tokenizer; the server needs one to read prompts")
-            scheduler = Scheduler(engine, max_seqs=a.max_seqs)
+            ram = None if a.cache_ram < 0 else a.cache_ram << 20
+            scheduler = Scheduler(engine, max_seqs=a.max_seqs, cache_prompt=a.cache_prompt, cache_ram=ram)
             try:
                 name = a.alias or engine.source.path.name
                 threads = None if a.threads_http == -1 else a.threads_http
@@ -502,8 +534,9 @@ def _listening_socket(host: str, port: int) -> socket.socket:
 
 def check_make_model(a: argparse.Namespace) -> None:
     from moestream.tools.presets import get_preset
+    from moestream.tools.trained_routing import routing_settings
 
-    get_preset(a.preset, a.layers)
+    routing_settings(get_preset(a.preset, a.layers), a.routing)
     writable(a.out, "make-model")
 
 
@@ -513,8 +546,12 @@ def cmd_make_model(a: argparse.Namespace) -> None:
     from moestream.tools.synthetic import make_model
 
     preset = get_preset(a.preset, a.layers)
-    make_model(a.out, preset, quant=a.quant, seed=a.seed)
-    print(f"wrote {a.out}: preset {preset.name}, {_count(preset.spec.n_layer, 'layer')}, {recipe(a.quant).name}")
+    from moestream.tools.trained_routing import routing_settings
+
+    make_model(a.out, preset, quant=a.quant, seed=a.seed, routing=a.routing)
+    routing = "trained" if routing_settings(preset, a.routing) else "uniform"
+    layers = _count(preset.spec.n_layer, "layer")
+    print(f"wrote {a.out}: preset {preset.name}, {layers}, {recipe(a.quant).name}, {routing} routing")
 
 
 # Each command: the check of every value (settling some into the namespace), run before torch is imported, so a
@@ -571,8 +608,14 @@ def _count(n: int, noun: str) -> str:
 # of stopping cleanly. The commands still import what they use; the slow part is loaded by then. (matplotlib,
 # for `profile --plot` only, is not preloaded: it would cost every profile run its import.)
 PRELOAD = {
-    "serve": ("moestream.runtime.loader", "moestream.serving.app", "uvicorn"),
-    "make-model": ("moestream.tools.synthetic",),
+    "serve": lambda a: ("moestream.runtime.loader", "moestream.serving.app", "uvicorn"),
+    "make-model": lambda a: ("moestream.tools.synthetic",),
+    # info reads the file without torch (models/describe.py) unless a GPU's kernels or --routing's model are asked
+    "info": lambda a: (
+        ("moestream.runtime.loader",)
+        if a.routing or (a.device != "cpu" and driver_present())
+        else ("moestream.models.describe",)
+    ),
 }
 
 
@@ -603,7 +646,7 @@ def main(argv: list[str] | None = None) -> int:
         check(args)
         print(f"moestream: {STARTING[args.command](args)}", file=sys.stderr, flush=True)  # before the slow imports
         with interrupts_held():
-            for module in PRELOAD.get(args.command, ("moestream.runtime.loader",)):
+            for module in PRELOAD.get(args.command, lambda a: ("moestream.runtime.loader",))(args):
                 importlib.import_module(module)
         command(args)
     except MoestreamError as e:

@@ -26,6 +26,7 @@ def sweep_of(a: argparse.Namespace) -> Sweep:
         types_v=a.cache_type_v,
         repeats=a.repetitions,
         floors=not a.no_floors,
+        text=a.text,
     )
 
 
@@ -41,6 +42,10 @@ def check_bench(a: argparse.Namespace) -> None:
         raise MoestreamError("-p 0 -n 0: nothing to measure; give a prompt length (-p) or a decode length (-n)")
     if a.batch_size is not None:
         at_least(a.batch_size, 1, "-b")
+    if a.text is not None:
+        from moestream.tools.routing_stats import read_text
+
+        read_text(a.text)
     check_engine(a, _positions(a) + 1, sweep_of(a).placements())  # every row, before the first
 
 
@@ -224,8 +229,8 @@ def cmd_probe(a: argparse.Namespace) -> None:
     spec, streamed, registered = None, 0, None
     if a.model is not None:  # -m '': the file's own error
         from moestream.formats.gguf import GGUFFile
+        from moestream.models.describe import describe, expert_bytes_per_layer
         from moestream.offload.builder import streamed_layers
-        from moestream.runtime.loader import describe, expert_bytes_per_layer
 
         with GGUFFile(a.model) as f:
             _, spec = describe(f)

@@ -87,7 +87,10 @@ def record(row, info: dict, link_bps: float) -> dict:
         "prefetch_hit": row.prefetch_hit,
         "expert_cache": row.expert_cache,
         "cache_hit": row.cache_hit,
+        "cache_policy": row.cache_policy,
         "bytes_uploaded": row.bytes_uploaded,
+        "bytes_per_token": row.bytes_uploaded / n,
+        "tokens": row.tokens,
         "experts_used": row.experts_used,
         "link_gbs": row.link_gbs,
         "links_gbs": row.links_gbs,  # --devices: each device's link

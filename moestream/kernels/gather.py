@@ -40,10 +40,14 @@ if triton is not None:
     _PICKS, _MISSES, _MISS_BYTES, _GUESS_BYTES, _CACHED = (tl.constexpr(c.value) for c in Count)
 
     @triton.jit
-    def _gather_kernel(src, ids, dst, row_words, WORDS: tl.constexpr):
+    def _gather_kernel(src, ids, dst, row_words, first, WORDS: tl.constexpr, DEDUP: tl.constexpr):
+        """Pick r's row of src into dst row r; with DEDUP only where first[r] == r (the first pick of its
+        expert: the others' rows are not read, their picks index that row instead)."""
         r = tl.program_id(0)  # which pick
         w = tl.program_id(1) * WORDS + tl.arange(0, WORDS)
         ok = w < row_words
+        if DEDUP:
+            ok = ok & (tl.load(first + r) == r)
         row = tl.load(ids + r).to(tl.int64)
         tl.store(dst + r.to(tl.int64) * row_words + w, tl.load(src + row * row_words + w, mask=ok), mask=ok)
 
@@ -134,6 +138,13 @@ if triton is not None:
             tl.store(dst + (n_guess + r).to(tl.int64) * row_words + w, v, mask=ok)
 
 
+def first_picks(picks: torch.Tensor) -> torch.Tensor:
+    """For each pick [n], the index of the first pick of the same expert: a batch's rows often share experts,
+    and a gather that reads each once moves fewer bytes. Fixed shape, no host sync (a captured step's too)."""
+    same = picks[:, None] == picks[None, :]  # [n, n]
+    return same.int().argmax(1)  # the first of the maxima
+
+
 def available() -> bool:
     """Whether the kernel exists here (Triton present); whether it can read this host memory shows on first use."""
     return triton is not None
@@ -158,10 +169,13 @@ class RowGather:
         out: torch.Tensor | None = None,
         programs: int | None = None,
         cache: Cached | None = None,
+        first: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """src[rows] on rows' device, into out [n, ...] (contiguous) when given. src [N, ...] holds stored
         bytes (uint8, any device); rows [n] int64. programs: at most this many kernel programs (None: one a
-        pick and chunk of it, the fastest alone). cache: rows of src also held on the device, read there."""
+        pick and chunk of it, the fastest alone). cache: rows of src also held on the device, read there.
+        first: first_picks(rows): the kernel then reads only the rows where first[r] == r (the others are to be
+        indexed through first)."""
         out = torch.empty((rows.numel(), *src.shape[1:]), dtype=src.dtype, device=rows.device) if out is None else out
         if src.device == rows.device:
             return _from_cache(torch.index_select(src, 0, rows, out=out), rows, cache)
@@ -171,7 +185,13 @@ class RowGather:
                     if programs is None:
                         words = out[0].numel() // 4
                         _gather_kernel[(rows.numel(), triton.cdiv(words, WORDS_PER_PROGRAM))](
-                            _words(src), rows, _words(out), words, WORDS=WORDS_PER_PROGRAM
+                            _words(src),
+                            rows,
+                            _words(out),
+                            words,
+                            first if first is not None else rows,  # unread without DEDUP
+                            WORDS=WORDS_PER_PROGRAM,
+                            DEDUP=first is not None,
                         )
                     else:
                         self._few(src, rows, out, programs, at=False)

@@ -1,14 +1,17 @@
-"""What each tensor type has of its kernels on a device, so that a fallback is visible (`info` names it)."""
+"""What each tensor type has of its kernels on a device, so that a fallback is visible (`info` names it). The CPU's
+answer comes from the type registry alone; a GPU's imports its kernel modules (torch, Triton) when first asked."""
 
 from __future__ import annotations
 
 from collections.abc import Collection
+from typing import TYPE_CHECKING
 
-import torch
 from gguf import GGMLQuantizationType
 
 from moestream.formats import quants
-from moestream.kernels import cpu_quant, dequant, dots
+
+if TYPE_CHECKING:
+    import torch
 
 # Each kernel a type may lack, and what runs instead
 FALLBACKS = {
@@ -21,9 +24,11 @@ FALLBACKS = {
 def missing(qtype: GGMLQuantizationType, device: torch.device | str) -> list[str]:
     """The kernels (FALLBACKS' names) qtype lacks on device (a CUDA or the CPU device). A type formats/quants
     does not know cannot be read at all: quants.get's error says so."""
-    quants.get(qtype)
-    if torch.device(device).type == "cpu":
-        return [] if qtype in cpu_quant.TYPES else ["CPU dot"]
+    entry = quants.get(qtype)
+    if _kind(device) == "cpu":
+        return [] if entry.cpu_dot else ["CPU dot"]  # the C kernel (kernels/cpu_quant.py) has every named block
+    from moestream.kernels import dequant, dots  # what Triton compiles here (none without it)
+
     lacks = [] if qtype in dequant.TILES else ["Triton dequant tile"]
     return lacks + ([] if qtype in dots.DOTS or qtype in dots.FLOAT_DOTS else ["decode block dot"])
 
@@ -38,7 +43,7 @@ def fallbacks(
     On a GPU each block-quantized tensor wants its tile and dot; expert stacks (`experts`) also the CPU dot,
     for experts computed on the host. Float types lack nothing: dequantizing one is a cast."""
     out: dict[tuple[GGMLQuantizationType, str], list[str]] = {}
-    gpu = torch.device(device).type == "cuda"
+    gpu = _kind(device) == "cuda"
     for name, qtype in types.items():
         if qtype in FLOATS:
             continue
@@ -46,3 +51,8 @@ def fallbacks(
         for kernel in lacks:
             out.setdefault((qtype, kernel), []).append(name)
     return out
+
+
+def _kind(device: torch.device | str) -> str:
+    """cpu or cuda, as torch.device(device).type says, without importing torch."""
+    return str(device).partition(":")[0]

@@ -263,7 +263,9 @@ def _serve(
     sizes = [stored.tensors[il].expert_bytes for il in placement.streamed]
     n_cached = cached_experts(decode.expert_cache, placement, fp, budget, sizes, spec.n_expert)
     device, streamed = stored.dev.device, placement.streamed
-    cache = ExpertCache(stored.tensors, streamed, n_cached, device, stored.pick) if n_cached else None
+    cache = None
+    if n_cached:
+        cache = ExpertCache(stored.tensors, streamed, n_cached, device, stored.pick, decode.cache_policy)
     fp = replace(fp, expert_cache=cache.nbytes if cache is not None else 0)
     n_used = spec.n_expert_used
     prefetcher = Prefetcher(stored.tensors, streamed, decode.n_guess, n_used, stored.dev, stored.pick, cache)

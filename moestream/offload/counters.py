@@ -30,18 +30,29 @@ class Counters:
     """One placement's decode counters. on_device: int64 [len(Count)], what the gathers count without a host
     sync (their kernels add to it in place), None where decode does not guess (nothing counts there);
     read_bytes: expert bytes the host knows were read over the link besides the streamer's own uploads
-    (gathers without a guess, expert-cache refreshes, replayed steps' share); usage: while a list, each
-    streamed micro-batch's fraction of experts used (bench)."""
+    (expert-cache refreshes, replayed steps' share); gathered: int64 [] on the device, bytes the gathers
+    without a guess read (each picked expert once a pass, however many rows picked it: the count stays on the
+    device, in captured steps too); usage: while a list, each streamed micro-batch's fraction of experts used
+    (bench)."""
 
     streamer: Streamer | ShardedStreamer | None  # counts its own uploads (None: nothing streams)
     on_device: torch.Tensor | None = None
     read_bytes: int = 0
     usage: list[torch.Tensor] | None = None
+    gathered: torch.Tensor | None = None
 
     @classmethod
     def of(cls, streamer: Streamer | ShardedStreamer | None, guesses: bool, device: torch.device) -> Counters:
         """Counters beside streamer, with device slots where decode guesses."""
-        return cls(streamer, torch.zeros(len(Count), dtype=torch.long, device=device) if guesses else None)
+        slots = torch.zeros(len(Count), dtype=torch.long, device=device) if guesses else None
+        return cls(streamer, slots, gathered=torch.zeros((), dtype=torch.long, device=device))
+
+    def add_gathered(self, first: torch.Tensor, expert_bytes: int) -> None:
+        """Count a gather of the picks whose first_picks are first: each expert's bytes once (queued)."""
+        if self.gathered is None:
+            self.gathered = torch.zeros((), dtype=torch.long, device=first.device)
+        distinct = (first == torch.arange(first.numel(), device=first.device)).sum()
+        self.gathered += distinct * expert_bytes
 
     def add(self, slot: Count, n: int | torch.Tensor) -> None:
         """Add to one device slot (queued: a tensor n stays on the device)."""
@@ -64,4 +75,5 @@ class Counters:
         guesses and their misses (those counted on the device: reading them is a sync)."""
         s = self.stats()
         moved = self.streamer.bytes_uploaded if self.streamer is not None else 0
-        return moved + self.read_bytes + (s.miss_bytes + s.guess_bytes if s is not None else 0)
+        gathered = int(self.gathered) if self.gathered is not None else 0
+        return moved + self.read_bytes + gathered + (s.miss_bytes + s.guess_bytes if s is not None else 0)

@@ -4,9 +4,10 @@ A one-token step with streamed layers is link-bound once their experts are guess
 holds is one the link does not carry when it is guessed or missed: the prefetch and misses kernels read it
 from the cache's rows instead.
 
-Which experts: the most picked so far in each layer, counted on the device by the misses kernel. The cache is
-refreshed between passes (a host sync, never inside a captured step) after pass 1, 2, 4, ... REFRESH, then
-every REFRESH passes; only experts that changed are copied. Captured graphs read its rows and its map in place,
+Which experts: the best scored by the --cache-policy (offload/cache_policy.py) over the picks the misses kernel
+counts on the device: the most picked so far (static), the most recently (lru) or lately (lfu). The cache is
+refreshed between passes (a host sync, never inside a captured step) after pass 1, 2, 4, ... then every
+policy.refresh_every passes; only experts that changed are copied. Captured graphs read its rows and its map in place,
 so they stay valid. The rows hold the file's bytes: cached or not, the same tokens.
 """
 
@@ -15,16 +16,21 @@ from __future__ import annotations
 import torch
 
 from moestream.kernels.gather import Cached, RowGather
+from moestream.offload.cache_policy import CachePolicy
 from moestream.offload.expert_tensors import ExpertTensors
-
-REFRESH = 32  # passes between refreshes, once warm
 
 
 class ExpertCache:
     """n experts of each streamed layer on the device, with the map and pick counts the kernels use."""
 
     def __init__(
-        self, tensors: dict[int, ExpertTensors], streamed: list[int], n: int, device: torch.device, pick: RowGather
+        self,
+        tensors: dict[int, ExpertTensors],
+        streamed: list[int],
+        n: int,
+        device: torch.device,
+        pick: RowGather,
+        policy: str = "static",
     ):
         self.tensors, self.n, self.pick = tensors, n, pick
         self.layers = sorted(streamed)
@@ -35,6 +41,7 @@ class ExpertCache:
         }
         self.slot_of = torch.full((len(self.layers), n_expert), -1, dtype=torch.long, device=device)
         self.freq = torch.zeros((len(self.layers), n_expert), dtype=torch.long, device=device)  # picks so far
+        self.policy = CachePolicy(policy, self.freq)
         self.held = [[-1] * n for _ in self.layers]  # the expert in each row (host copy of slot_of)
         self.row = {il: i for i, il in enumerate(self.layers)}
         self.passes = 0
@@ -57,22 +64,23 @@ class ExpertCache:
         return self.freq[self.row[il]]
 
     def end_pass(self) -> int:
-        """A pass ended: on schedule, hold each layer's most-picked experts (a host sync). Returns the bytes
-        the refresh read over the link."""
+        """A pass ended: the policy scores its picks (on the device); on schedule, hold each layer's best scored
+        experts (a host sync). Returns the bytes the refresh read over the link."""
         self.passes += 1
-        p = self.passes
-        if (p & (p - 1) == 0 and p <= REFRESH) or p % REFRESH == 0:
+        self.policy.end_pass()
+        p, every = self.passes, self.policy.refresh_every
+        if (p & (p - 1) == 0 and p <= every) or p % every == 0:
             return self.refresh()
         return 0
 
     def refresh(self) -> int:
-        """Copy in the experts that became the most picked ones (a held one wins ties: no churn on equal
-        counts); nothing before any pick was counted. Returns the bytes read over the link. The map first
+        """Copy in the experts that became the best scored ones (a held one wins ties: no churn on equal
+        scores); nothing before any pick was counted. Returns the bytes read over the link. The map first
         drops the rows about to be rewritten, so a refresh stopped half-way leaves no row named for an
         expert it no longer holds."""
         if not int(self.freq.sum()):
             return 0
-        score = self.freq * 2 + (self.slot_of >= 0).long()
+        score = self.policy.ranking(self.slot_of >= 0)
         want = score.topk(self.n, dim=1).indices.tolist()
         moves = []  # (layer index, rows, new experts)
         for i, held in enumerate(self.held):

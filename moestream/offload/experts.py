@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from moestream.kernels import matvec
-from moestream.kernels.gather import RowGather
+from moestream.kernels.gather import RowGather, first_picks
 from moestream.kernels.grouped_moe import runs_on_device
 from moestream.offload.counters import Counters
 from moestream.offload.device import Device
@@ -144,8 +144,9 @@ class LayerExperts:
         p.open_span("experts", label)
         return self._on_device(tl, il, t, raws, x, ids)
 
-    def _on_device(self, tl: Timeline, il: int, t: ExpertTensors, raws, x, ids) -> StoredExperts:
-        """raws on x's device (or, gathered, page-locked host memory the GPU reads), ids indexing their rows."""
+    def _on_device(self, tl: Timeline, il: int, t: ExpertTensors, raws, x, ids, first=None) -> StoredExperts:
+        """raws on x's device (or, gathered, page-locked host memory the GPU reads), ids indexing their rows;
+        first: the picks' first_picks, where they are gathered."""
         self.dev.compute()  # injected slowness on the CPU device; nothing on a GPU
         if isinstance(raws, ShardedLayer):  # --devices: each range of experts on its own device
             parts = tuple((lo, hi, t.stored(r, ids, self.dtype, tl, il, self.pick)) for lo, hi, r in raws.parts)
@@ -154,8 +155,9 @@ class LayerExperts:
             # page-locked host memory: bring the chosen experts over first (whole experts move at link speed;
             # a matvec reading the host in short runs does not)
             picks = ids.reshape(-1)
-            raws = [self.pick(raw, picks) for raw in raws]
-            ids = torch.arange(picks.numel(), device=x.device).view_as(ids)
+            first = first_picks(picks) if first is None else first
+            raws = [self.pick(raw, picks, first=first) for raw in raws]
+            ids = first.view_as(ids)  # a pick's row: its expert's first pick's
         return t.stored(raws, ids, self.dtype, tl, il, self.pick)
 
     def _small_batch(self, p: ExpertPass, il: int, t: ExpertTensors, x, ids, label: dict) -> StoredExperts:
@@ -172,8 +174,9 @@ class LayerExperts:
             if self.prefetcher is not None and il in self.prefetcher.pending:  # misses counted on the device
                 rows, at = self.prefetcher.take(il, ids, self.counters)
                 return self._on_device(tl, il, t, rows, x, at)
-            self.counters.read_bytes += ids.numel() * t.expert_bytes  # read over the link
-            return self._on_device(tl, il, t, t.host_bytes(), x, ids)
+            first = first_picks(ids.reshape(-1))  # each expert read once for all the rows that picked it
+            self.counters.add_gathered(first, t.expert_bytes)
+            return self._on_device(tl, il, t, t.host_bytes(), x, ids, first)
         used = torch.unique(ids.cpu())  # sync: the host must know which experts to move or read
         local = torch.full((t.n_expert,), -1, dtype=torch.long)
         local[used] = torch.arange(used.numel())  # expert id -> its row among the chosen ones

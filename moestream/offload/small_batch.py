@@ -88,6 +88,7 @@ class DecodePlan:
     n_guess: int  # experts of a gathered layer guessed a layer ahead (--prefetch; 0: off)
     expert_cache: int | str  # --expert-cache as asked (the count comes from the budget the placement leaves)
     measured: Measured | None = None  # what auto timed to choose `way`
+    cache_policy: str = "static"  # --cache-policy: which experts that cache holds
 
     @property
     def gathers(self) -> bool:
@@ -143,7 +144,10 @@ def decode_plan(opts: Options, n_expert_used: int, access: Access, measured: Mea
     else:
         way = measured.chosen if measured is not None else rule(access)
     n_guess = n_expert_used if opts.decode.prefetch is None else opts.decode.prefetch
-    return DecodePlan(asked, way, access, opts.streaming.stream_min_batch, n_guess, opts.decode.expert_cache, measured)
+    d = opts.decode
+    return DecodePlan(
+        asked, way, access, opts.streaming.stream_min_batch, n_guess, d.expert_cache, measured, d.cache_policy
+    )
 
 
 def ways(access: Access, cpu_dots: bool) -> list[SmallBatch]:

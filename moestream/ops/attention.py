@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from moestream.kernels import decode_attention, fused
-from moestream.ops.kv_rows import QuantizedRows, row_attention
+from moestream.ops.kv_rows import QuantizedRows, row_attention, write_rows
 from moestream.ops.prefix_attention import in_chunks, prefix_attention
 from moestream.ops.rope import rms_norm_rope, rope_neox
 
@@ -46,8 +46,8 @@ def norm_rope_store(
         return _fused_store(caches, positions, q.dtype, lambda c, at: fused.qkv_store(q, k, v, norms, eps, rope, c, at))
     q_norm, k_norm = norms or (None, None)
     q = rms_norm_rope(q, q_norm, eps, cos, sin)
-    _store(caches[0], positions, rms_norm_rope(k, k_norm, eps, cos, sin))
-    _store(caches[1], positions, v)
+    write_rows(caches[0], positions, rms_norm_rope(k, k_norm, eps, cos, sin))
+    write_rows(caches[1], positions, v)
     return q
 
 
@@ -69,21 +69,14 @@ def rope_store(
             caches, positions, q.dtype, lambda c, at: fused.qkv_store(q, k, v, None, 0.0, rope, c, at, biases)
         )
     q, k, v = (t + b.view(t.shape[1:]) for t, b in zip((q, k, v), biases, strict=True))
-    _store(caches[0], positions, rope_neox(k, cos, sin))
-    _store(caches[1], positions, v)
+    write_rows(caches[0], positions, rope_neox(k, cos, sin))
+    write_rows(caches[1], positions, v)
     return rope_neox(q, cos, sin)
 
 
 def _floats(caches: tuple) -> tuple[torch.Tensor, ...]:
     """The caches kept in a torch dtype as such (stored rows are encoded after the fused launch)."""
     return tuple(c for c in caches if not isinstance(c, QuantizedRows))
-
-
-def _store(cache: torch.Tensor | QuantizedRows, positions: torch.Tensor, rows: torch.Tensor) -> None:
-    if isinstance(cache, QuantizedRows):
-        cache.write(positions, rows)
-    else:
-        cache.index_copy_(0, positions, rows)
 
 
 def _fused_store(caches: tuple, positions: torch.Tensor, dtype: torch.dtype, launch) -> torch.Tensor:
@@ -95,7 +88,7 @@ def _fused_store(caches: tuple, positions: torch.Tensor, dtype: torch.dtype, lau
     scratch = tuple(torch.empty((T, Hkv, Dh), dtype=dtype, device=positions.device) for _ in caches)
     q = launch(scratch, torch.arange(T, device=positions.device))
     for cache, rows in zip(caches, scratch, strict=True):
-        _store(cache, positions, rows)
+        write_rows(cache, positions, rows)
     return q
 
 

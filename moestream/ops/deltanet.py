@@ -59,6 +59,19 @@ class DeltaNetState:
         self.conv_state.zero_()
         self.recurrent_state.zero_()
 
+    @property
+    def nbytes(self) -> int:
+        return self.conv_state.nbytes + self.recurrent_state.nbytes
+
+    def copy(self, device: torch.device | str) -> DeltaNetState:
+        """A copy on device (a prompt cache's snapshot: the recurrent state cannot be rewound)."""
+        return DeltaNetState(self.conv_state.to(device, copy=True), self.recurrent_state.to(device, copy=True))
+
+    def copy_(self, other: DeltaNetState) -> None:
+        """Take other's values in place (captured decode steps point at these tensors)."""
+        self.conv_state.copy_(other.conv_state)
+        self.recurrent_state.copy_(other.recurrent_state)
+
 
 def l2_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim (q and k of each head, before the delta rule).

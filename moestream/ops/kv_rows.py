@@ -64,17 +64,19 @@ class QuantizedRows:
 
     def write(self, at: int | torch.Tensor, rows: torch.Tensor) -> None:
         """Store rows [T, Hkv, Dh] at rows at.. (an int) or at the device positions at [T] (a static batch)."""
-        encoded = self.encode(rows)
-        if isinstance(at, int):
-            self.data[at : at + rows.shape[0]] = encoded
-        else:
-            self.data.index_copy_(0, at, encoded)
+        _put(self.data, at, self.encode(rows))
 
-    def copy_rows(self, src: QuantizedRows, n: int) -> None:
-        """The first n rows of src (a store of the same type and heads: another sequence's cache) into this one's."""
+    def copy_(self, src: QuantizedRows) -> QuantizedRows:
+        """src's rows (as many as these: a store of the same type and heads, another sequence's cache or a copy
+        of one) into these, in place, as torch's Tensor.copy_."""
         if (src.name, src.heads) != (self.name, self.heads):
             raise ValueError(f"rows of {src.name} {src.heads} copied into {self.name} {self.heads}")
-        self.data[:n].copy_(src.data[:n])
+        self.data.copy_(src.data)
+        return self
+
+    def to(self, device: torch.device | str, copy: bool = False) -> QuantizedRows:
+        """These rows on device, as torch's Tensor.to (copy: always a new copy)."""
+        return QuantizedRows(self.name, self.data.to(device, copy=copy), self.heads)
 
     def dequantize(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
         """Rows start..end-1 as values [end - start, Hkv, Dh] in dtype."""
@@ -82,6 +84,22 @@ class QuantizedRows:
         if not self.quantized:
             return part.to(dtype)
         return kv_quant.dequantize(part, self.name, dtype).view(end - start, *self.heads)
+
+
+def write_rows(store: torch.Tensor | QuantizedRows, at: int | torch.Tensor, rows: torch.Tensor) -> None:
+    """Store rows [T, Hkv, Dh] in a KV cache's store (a tensor of the compute dtype or QuantizedRows) at rows
+    at.. (an int: a prompt) or at the device positions at [T] (a static batch): every cache write goes here."""
+    if isinstance(store, QuantizedRows):
+        store.write(at, rows)
+    else:
+        _put(store, at, rows)
+
+
+def _put(data: torch.Tensor, at: int | torch.Tensor, rows: torch.Tensor) -> None:
+    if isinstance(at, int):
+        data[at : at + rows.shape[0]] = rows
+    else:
+        data.index_copy_(0, at, rows)
 
 
 def row_attention(

@@ -6,51 +6,28 @@ Legend: T = tokens, H = heads, Dh = head dim.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from moestream.kernels import fused
 from moestream.ops.norm import rms_norm
+from moestream.ops.yarn import YaRN
 
 
-@dataclass(frozen=True)
-class YaRN:
-    """YaRN context extension as llama.cpp applies it (ggml's rope with ext_factor): each pair's angle mixes
-    the interpolated angle (position / factor) with the original one by a ramp over the pair index between
-    the correction dims, which llama.cpp rounds (floor, ceil) where the paper does not; cos and sin are
-    scaled by mscale."""
-
-    factor: float  # context scaling (rope.scaling.factor): angles divided by it where interpolated
-    n_ctx_orig: int  # the context the model was trained at (rope.scaling.original_context_length)
-    beta_fast: float = 32.0  # rotations that bound the ramp: pairs turning faster are extrapolated
-    beta_slow: float = 1.0  # ... and pairs turning slower than this are interpolated
-    ext_factor: float = 1.0  # weight of the extrapolated angle on the ramp; 0 interpolates every pair
-    mscale: float = 1.0  # cos and sin times this
-
-    def corr_dims(self, rot_dim: int, base: float) -> tuple[float, float]:
-        """The ramp's bounds in pair indices, rounded outwards and clamped to the rotated pairs."""
-
-        def dim(rotations: float) -> float:
-            return rot_dim * math.log(self.n_ctx_orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-        return max(0.0, math.floor(dim(self.beta_fast))), min(rot_dim - 1.0, math.ceil(dim(self.beta_slow)))
-
-    def angle_scale(self, rot_dim: int, base: float, device: torch.device) -> torch.Tensor:
-        """[rot_dim/2] multipliers of each pair's unscaled angle."""
-        low, high = self.corr_dims(rot_dim, base)
-        pair = torch.arange(rot_dim // 2, device=device, dtype=torch.float32)
-        extrapolated = (1 - ((pair - low) / max(0.001, high - low)).clamp(0, 1)) * self.ext_factor
-        return (1 - extrapolated) / self.factor + extrapolated
+def yarn_angle_scale(yarn: YaRN, rot_dim: int, base: float, device: torch.device | str) -> torch.Tensor:
+    """[rot_dim/2] multipliers of each pair's unscaled angle."""
+    low, high = yarn.corr_dims(rot_dim, base)
+    pair = torch.arange(rot_dim // 2, device=device, dtype=torch.float32)
+    extrapolated = (1 - ((pair - low) / max(0.001, high - low)).clamp(0, 1)) * yarn.ext_factor
+    return (1 - extrapolated) / yarn.factor + extrapolated
 
 
 def rope_cos_sin(positions: torch.Tensor, rot_dim: int, base: float, dtype: torch.dtype, yarn: YaRN | None = None):
     """cos, sin [T, rot_dim/2] for NEOX-style rotation of the first rot_dim channels (YaRN-scaled if given)."""
     inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, device=positions.device, dtype=torch.float32) / rot_dim))
     if yarn is not None:
-        inv_freq = inv_freq * yarn.angle_scale(rot_dim, base, positions.device)
+        inv_freq = inv_freq * yarn_angle_scale(yarn, rot_dim, base, positions.device)
     freqs = positions.float()[:, None] * inv_freq[None, :]
     if yarn is None or yarn.mscale == 1.0:
         return freqs.cos().to(dtype), freqs.sin().to(dtype)

@@ -104,17 +104,23 @@ class Engine:
 
     @torch.inference_mode()
     def forward(
-        self, tokens: list[int], cache: SequenceCache, all_logits: bool = False, on_route: OnRoute | None = None
+        self,
+        tokens: list[int],
+        cache: SequenceCache,
+        all_logits: bool = False,
+        on_route: OnRoute | None = None,
+        on_layer: Callable[[int, torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
         """Run tokens through the model in micro-batches of options.model.ubatch, appending to cache.
 
         Token-major runs each micro-batch through every layer; layer-major runs every micro-batch through
         layer L before layer L+1, so each streamed layer crosses the link once per prompt. Both compute
         exactly what chunked prefill computes. Returns logits [T, V] if all_logits else [1, V]. on_route sees
-        each layer's MoE input and routing (a single token then runs as a prefill, not a decode step).
+        each layer's MoE input and routing (a single token then runs as a prefill, not a decode step); on_layer
+        each layer's input, the residual stream a guess-ahead reads (called before the layer's on_route).
         """
         self._check(tokens, cache)
-        if len(tokens) == 1 and on_route is None:
+        if len(tokens) == 1 and on_route is None and on_layer is None:
             return self.step.one(tokens[0], cache)
         ub, n_layer, experts = self.options.model.ubatch, self.spec.n_layer, self.experts
         chunks = [tokens[i : i + ub] for i in range(0, len(tokens), ub)]
@@ -137,6 +143,8 @@ class Engine:
             for il, j in tqdm(order, desc="prefill", unit="layer", disable=not show, leave=False):
                 p.start_layer(il, j)
                 started = True
+                if on_layer is not None:
+                    on_layer(il, xs[j])
                 xs[j] = self.model.layer(il, xs[j], batches[j], cache, p)
         except BaseException:
             if started:  # some layers' KV / recurrent state already moved on: the cache is unusable

@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
+from moestream.runtime.prompt_cache import metrics as prompt_cache_metrics
 from moestream.serving.choices import answer_for, chat_variables, choice_jobs
 from moestream.serving.errors import ApiError, Errors, parse_body
 from moestream.serving.errors import error_response as _error
@@ -112,6 +113,7 @@ def create_app(
                 "streamed layers' expert picks in decode that the guess a layer ahead named (0: no guesses)",
             ): s.guessed / s.picks if s.picks else 0.0,
             ("moestream_queue_length", "gauge", "requests waiting"): scheduler.queue.qsize(),
+            **prompt_cache_metrics(scheduler.prompts),
             ("moestream_running_sequences", "gauge", "sequences being served"): len(scheduler.running),
         }
         lines = []
@@ -138,6 +140,7 @@ def create_app(
                 params,
                 lambda ev, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, ev)),
                 stop=ask.stop,
+                cache_prompt=ask.cache_prompt,
                 constraint=constraint,
             )
             for i, (params, constraint) in enumerate(choice_jobs(ask, engine.tokenizer))

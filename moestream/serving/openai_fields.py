@@ -2,8 +2,8 @@
 (it changes the answer), accepted as neutral (it cannot: a user id, storage hints), or refused with a 400 that
 names it. A field in no row is refused too, as OpenAI's API refuses an unknown argument: nothing is silently
 ignored. `null` means the default, as in OpenAI's API. Beyond OpenAI's fields: llama-server's and vLLM's
-sampling extensions (top_k, min_p, repeat_penalty, repeat_last_n, ignore_eos), reasoning_format and
-chat_template_kwargs."""
+sampling extensions (top_k, min_p, repeat_penalty, repeat_last_n, ignore_eos), cache_prompt,
+reasoning_format and chat_template_kwargs."""
 
 from __future__ import annotations
 
@@ -68,6 +68,7 @@ FIELDS: dict[str, tuple[str, str, str]] = {
     "repeat_penalty": (BOTH, TAKEN, "llama-server's"),
     "repeat_last_n": (BOTH, TAKEN, "llama-server's"),
     "ignore_eos": (BOTH, TAKEN, "vLLM's"),
+    "cache_prompt": (BOTH, TAKEN, "llama-server's: false runs the whole prompt, no cached prefix"),
     "user": (BOTH, NEUTRAL, "an end-user id; not stored"),
     "store": (CHAT, NEUTRAL, "nothing is stored"),
     "metadata": (CHAT, NEUTRAL, "nothing is stored"),
@@ -94,6 +95,7 @@ class Ask:
     stream: bool = False
     include_usage: bool = False
     stop: list[str] = field(default_factory=list)
+    cache_prompt: bool = True  # start from a cached prefix where there is one
     tools: list[dict] = field(default_factory=list)  # empty: none, or tool_choice none
     parallel_tool_calls: bool = True
     response_format: dict | None = None  # json_object or json_schema; None: text
@@ -180,7 +182,8 @@ def read_request(body: dict[str, Any], endpoint: str, max_tokens: int, n_vocab: 
         )
     except MoestreamError as e:
         raise BadRequest(f"bad sampling parameters: {e}") from None
-    ask = Ask(params, n, bool(_bool(body, "stream", False)), bool(options.get("include_usage", False)), stop)
+    stream, include_usage = _bool(body, "stream", False), bool(options.get("include_usage", False))
+    ask = Ask(params, n, stream, include_usage, stop, _bool(body, "cache_prompt", True))
     if chat:
         _read_chat(body, ask)
     return ask

@@ -15,11 +15,12 @@ from moestream.serving.output import AnswerSplit, Delta
 from moestream.serving.scheduler import Event
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -31,6 +32,7 @@ class _Choice:
     offset: int = 0  # characters of text before the next logprob entry (completions' text_offset)
     finish: str | None = None
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens its sequence took from the prompt cache
     started: bool = False  # a streamed chat choice's first chunk carries the role
     calls: int = 0  # tool calls sent so far
 
@@ -58,14 +60,20 @@ class Answer:
         return all(c.finish is not None for c in self.choices)
 
     @property
-    def usage(self) -> dict[str, int]:
-        return usage(self.prompt_tokens, sum(c.completion_tokens for c in self.choices))
+    def usage(self) -> dict[str, Any]:
+        """The prompt counted once; cached: the prompt tokens every choice's sequence took from the cache."""
+        cached = min(c.cached_tokens for c in self.choices)
+        return usage(self.prompt_tokens, sum(c.completion_tokens for c in self.choices), cached)
 
     def event(self, index: int, ev: Event) -> list[dict]:
         """The chunks a text or done event of choice `index` makes (it is also kept for `whole`)."""
         c = self.choices[index]
         if ev.kind == "done":
-            self.prompt_tokens, c.completion_tokens = ev.prompt_tokens, ev.completion_tokens
+            self.prompt_tokens, c.completion_tokens, c.cached_tokens = (
+                ev.prompt_tokens,
+                ev.completion_tokens,
+                ev.cached_tokens,
+            )
         delta = self._delta(c, ev.text, last=ev.kind == "done")
         chunks = [self._chunk(index, delta, ev.logprobs)] if delta or ev.logprobs else []
         c.logprobs += ev.logprobs

@@ -5,7 +5,8 @@ prompt never stalls the others for long), or one generated token. The decoding s
 the model together (`Engine.forward_each`: one pass, the experts read once for all of them, replayed on a GPU
 from a graph captured per set of caches) or each sequence alone, whichever `Mode` measured faster for that
 many; alone where only a one-token step can be captured.
-Each sequence has its own cache, from a pool reused across requests (with its captured steps).
+Each sequence has its own cache, from a pool reused across requests (with its captured steps); a new request
+starts from the longest prefix it shares with an earlier one (runtime/prompt_cache.py, --cache-prompt).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from dataclasses import dataclass, field
 from moestream.errors import MoestreamError, is_out_of_memory
 from moestream.formats.tokenizer import TextStream
 from moestream.offload.small_batch import Timings
+from moestream.options import PROMPT_CACHE_RAM_MIB
+from moestream.runtime.prompt_cache import PromptCache
 from moestream.runtime.sampling import Constraint, Sampler, SamplingParams, TokenLogprob
 
 
@@ -31,6 +34,7 @@ class Event:
     finish_reason: str = ""  # stop | length
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens taken from the prompt cache, not run
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of the tokens this text (or the end) brings
 
 
@@ -40,6 +44,7 @@ class Request:
     params: SamplingParams
     emit: Callable[[Event], None]  # called on the scheduler thread; must not block
     stop: list[str] = field(default_factory=list)
+    cache_prompt: bool = True  # start from a cached prefix where there is one (llama-server's field)
     cancelled: threading.Event = field(default_factory=threading.Event)
     constraint: Constraint | None = None  # what may come next (response_format), this request's own
 
@@ -101,6 +106,7 @@ class _Sequence:
     sampler: Sampler
     stream: TextStream | None
     pending: list[int]  # prompt tokens not yet run
+    cached: int = 0  # prompt tokens the prompt cache had
     token: int | None = None  # sampled, not yet emitted
     tokens: list[int] = field(default_factory=list)
     text: str = ""
@@ -124,9 +130,18 @@ class Stats:
 
 
 class Scheduler:
-    def __init__(self, engine, max_seqs: int = 4, max_queue: int = 64, batched: bool | None = None):
+    def __init__(
+        self,
+        engine,
+        max_seqs: int = 4,
+        max_queue: int = 64,
+        batched: bool | None = None,
+        cache_prompt: bool = True,
+        cache_ram: int | None = PROMPT_CACHE_RAM_MIB << 20,
+    ):
         """batched: None chooses per turn by measured speed (Mode); True always one pass where it can be
-        captured, False each decoding sequence on its own (the load test's baseline)."""
+        captured, False each decoding sequence on its own (the load test's baseline). cache_prompt: reuse
+        shared prefixes, with cache_ram bytes of host RAM for prefixes no cache holds (None: no limit)."""
         if max_seqs < 1 or max_queue < 1:
             raise MoestreamError("--max-seqs and the queue must hold at least one request")
         self.engine, self.max_seqs, self.batched = engine, max_seqs, batched
@@ -142,6 +157,7 @@ class Scheduler:
         self.stats = Stats()
         self.mode = Mode()
         self._caches: list = []  # free caches, reused
+        self.prompts = PromptCache(engine.options.model.ubatch, cache_ram) if cache_prompt else None
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="moestream-scheduler", daemon=True)
@@ -163,6 +179,8 @@ class Scheduler:
         self._wake.set()
         self._thread.join()
         self._caches.clear()
+        if self.prompts is not None:
+            self.prompts.clear()
 
     @property
     def link_bytes(self) -> int:
@@ -208,18 +226,26 @@ class Scheduler:
                 continue
             self.stats.requests += 1
             try:
-                cache = self._caches.pop() if self._caches else self.engine.new_cache()
-                cache.reset()
                 tok = self.engine.tokenizer
                 stream = TextStream(tok) if tok is not None else None
-                seq = _Sequence(
-                    req, cache, Sampler(req.params, req.prompt_tokens, req.constraint), stream, list(req.prompt_tokens)
-                )
+                sampler = Sampler(req.params, req.prompt_tokens, req.constraint)
+                cache, cached = self._cache_for(req)  # last: a failure before leaves the pool as it was
+                seq = _Sequence(req, cache, sampler, stream, list(req.prompt_tokens[cached:]), cached=cached)
             except Exception as e:  # out of memory for another cache, say: this request fails, no other
                 self.stats.failed += 1
                 self._send(req, _error(e))
                 continue
             self.running.append(seq)
+
+    def _cache_for(self, req: Request) -> tuple[object, int]:
+        """A cache for the request and how many of its prompt tokens are in it already."""
+        if self.prompts is None:
+            cache = self._caches.pop() if self._caches else self.engine.new_cache()
+            cache.reset()
+            return cache, 0
+        grow = self.engine.new_cache if len(self._caches) + len(self.running) < self.max_seqs else None
+        running = [seq.cache for seq in self.running]
+        return self.prompts.take(req.prompt_tokens, self._caches, running, grow, reuse=req.cache_prompt)
 
     def _release(self, seq: _Sequence) -> None:
         if seq in self.running:
@@ -293,6 +319,8 @@ class Scheduler:
         ub = self.engine.options.model.ubatch
         chunk, seq.pending = seq.pending[:ub], seq.pending[ub:]
         logits = self.engine.forward(chunk, seq.cache)
+        if self.prompts is not None:
+            self.prompts.prefilled(seq.cache)
         self.stats.prompt_tokens += len(chunk)
         self.stats.prefill_s += time.perf_counter() - start
         if not seq.pending:
@@ -352,6 +380,7 @@ class Scheduler:
                 finish_reason=reason,
                 prompt_tokens=len(seq.req.prompt_tokens),
                 completion_tokens=len(seq.tokens),
+                cached_tokens=seq.cached,
                 logprobs=self._logprobs(seq),
             ),
         )

@@ -9,6 +9,7 @@ import contextlib
 import statistics
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -16,6 +17,7 @@ from moestream.options import Schedule
 from moestream.profiling.stats import summarize
 from moestream.profiling.timeline import Timeline
 from moestream.tools.probe import h2d_rate, timed
+from moestream.tools.routing_stats import text_tokens
 from moestream.tools.sweep import Sweep
 
 
@@ -51,6 +53,8 @@ class BenchRow:
     n_depth: int = 0  # tokens of context before the test (llama-bench's n_depth), their prefill not timed
     type_k: str = ""  # the KV cache's types (-ctk/-ctv, auto resolved)
     type_v: str = ""
+    tokens: str = "random"  # what the tests ran: random ids, or a --text file's name
+    cache_policy: str = "static"  # which experts the cache held (--cache-policy)
 
     @property
     def kind(self) -> str:
@@ -70,6 +74,16 @@ def named_test(kind: str, n: int, depth: int) -> str:
 
 def random_prompt(n: int, n_vocab: int, seed: int = 0) -> list[int]:
     return torch.randint(0, n_vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def bench_tokens(text: list[int] | None, n: int, n_vocab: int, depth: int = 0) -> tuple[list[int], list[int]]:
+    """A test's `depth` tokens of context and its n tokens: the text's (repeated to length; the test's continue
+    its context), else random ids. Decode feeds them one at a time, whatever the model would have sampled, so
+    every row and schedule runs the same sequence."""
+    if text is None:
+        return random_prompt(depth, n_vocab, seed=1), random_prompt(n, n_vocab)
+    seq = (text * -(-(depth + n) // len(text)))[: depth + n]
+    return seq[:depth], seq[depth:]
 
 
 @dataclass(frozen=True)
@@ -112,14 +126,13 @@ class _Tally:
         c.usage = None
 
 
-def _measure(engine, test: str, tokens: list[int], repeats: int, depth: int = 0) -> _Measured:
-    """Time `repeats` runs of test (ppN or tgN) after a warm-up, each after `depth` tokens of context whose
-    prefill is not timed (llama-bench's n_depth)."""
+def _measure(engine, kind: str, tokens: list[int], repeats: int, context: list[int]) -> _Measured:
+    """Time `repeats` runs of a pp or tg test over tokens after a warm-up, each after the context (llama-bench's
+    n_depth tokens), whose prefill is not timed."""
     experts = engine.experts
     streamer = experts.streamer
     last = {}
     cache = engine.new_cache()  # one for every run, as a server slot would be: its captured steps are reused
-    context = random_prompt(depth, engine.spec.n_vocab, seed=1)
 
     def at_depth():
         cache.reset()
@@ -134,7 +147,7 @@ def _measure(engine, test: str, tokens: list[int], repeats: int, depth: int = 0)
         for t in tokens[1:]:
             engine.forward([t], cache)
 
-    fn = prefill if test.startswith("pp") else decode
+    fn = prefill if kind == "pp" else decode
     copy_gbs = None
     at_depth()
     if streamer is None:
@@ -194,6 +207,7 @@ def run_bench(engine, sweep: Sweep, progress=None, say=None) -> tuple[list[Bench
     compute_floor: dict[tuple[str, int], float] = {}
     w = sweep
     tests = [(kind, n, d) for d in w.depths for kind, ns in (("pp", w.prompts), ("tg", w.gens)) for n in ns if n > 0]
+    text = text_tokens(engine, w.text) if w.text else None
     combos = w.placements()
     for i, placed in enumerate(combos):
         engine.setup.reconfigure(**placed, progress=False)
@@ -203,8 +217,8 @@ def run_bench(engine, sweep: Sweep, progress=None, say=None) -> tuple[list[Bench
             if say:
                 shown = " ".join(f"{key} {value}" for key, value in placed.items() if value is not None)
                 say(f"placement {i + 1}/{len(combos)}, {test} x {w.repeats} after a warm-up: {shown}")
-            tokens = random_prompt(n, engine.spec.n_vocab)
-            m = _measure(engine, kind, tokens, w.repeats, depth)
+            context, tokens = bench_tokens(text, n, engine.spec.n_vocab, depth)
+            m = _measure(engine, kind, tokens, w.repeats, context)
             secs = statistics.mean(m.times)
             tps = [n / t for t in m.times]
             experts = engine.experts  # not kept past this row: its staging slots hold device memory
@@ -234,6 +248,8 @@ def run_bench(engine, sweep: Sweep, progress=None, say=None) -> tuple[list[Bench
                 expert_cache=experts.cached_width,
                 cache_hit=m.cached,
                 n_depth=depth,
+                tokens=Path(w.text).name if w.text else "random",
+                cache_policy=engine.options.decode.cache_policy,
             )
             row.type_k, row.type_v = engine.options.model.kv_types
             del experts
@@ -249,7 +265,8 @@ def run_bench(engine, sweep: Sweep, progress=None, say=None) -> tuple[list[Bench
         for ub in w.ubatches:
             engine.setup.reconfigure(ubatch=ub, n_cpu_moe=0, stream=Schedule.OVERLAP, vram_budget=None, progress=False)
             for kind, n, depth in tests:
-                m = _measure(engine, kind, random_prompt(n, engine.spec.n_vocab), w.repeats, depth)
+                context, tokens = bench_tokens(text, n, engine.spec.n_vocab, depth)
+                m = _measure(engine, kind, tokens, w.repeats, context)
                 compute_floor[(named_test(kind, n, depth), ub)] = min(m.times)  # a floor: the best run, not the mean
         for row in rows:
             row.compute_floor_s = compute_floor[(row.test, row.ubatch)]

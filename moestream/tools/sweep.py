@@ -25,6 +25,7 @@ class Sweep:
     types_v: list[str] = field(default_factory=lambda: ["auto"])  # -ctv
     repeats: int = 3
     floors: bool = True  # also time each test with every expert resident (the compute floor)
+    text: str | None = None  # --text: the tests run this file's tokens (None: random token ids)
 
     def placements(self) -> list[dict]:
         """Each row's engine options, in order (what run_bench reconfigures to; the CLI checks them first)."""

@@ -12,6 +12,7 @@ import os
 import signal
 import zlib
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -20,28 +21,31 @@ from moestream.errors import MoestreamError
 from moestream.formats.quantize import QUANTIZABLE, quantize
 from moestream.formats.tokenizer import UNUSED, tiny_tokenizer_metadata
 from moestream.formats.writer import TensorPlan, write_gguf
-from moestream.models.registry import architecture
+from moestream.models.registry import layout
 from moestream.models.spec import Preset
 from moestream.tools.recipes import Facts, Recipe, recipe, tensor_types
+from moestream.tools.trained_routing import RoutingSettings, planted, routing_settings, trained_std
 
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent ends
 
 
-def preset_metadata(p: Preset, r: Recipe, seed: int = 0) -> dict[str, Any]:
+def preset_metadata(p: Preset, r: Recipe, seed: int = 0, trained: bool = False) -> dict[str, Any]:
     """General keys (what made the file among them), the architecture's `{arch}.*` keys and a test tokenizer."""
     meta: dict[str, Any] = {
         "general.architecture": p.spec.arch,
         "general.name": f"moestream-generated {p.name}",
-        "general.description": description(p, r, seed),
+        "general.description": description(p, r, seed, trained),
         "general.file_type": int(r.file_type),
         "general.quantization_version": 2,
     }
-    return meta | architecture(p.spec.arch).metadata(p) | tiny_tokenizer_metadata(p.spec.n_vocab, p.chat)
+    return meta | layout(p.spec.arch).metadata(p) | tiny_tokenizer_metadata(p.spec.n_vocab, p.chat)
 
 
-def description(p: Preset, r: Recipe, seed: int) -> str:
+def description(p: Preset, r: Recipe, seed: int, trained: bool = False) -> str:
     """How the file was made: a reader must not take its blocks for a real quantization's."""
     text = f"moestream make-model: random weights (preset {p.name}, seed {seed})"
+    if trained:
+        text += " planted to route like a trained model's (--routing trained)"
     if not r.quantized:
         return f"{text}, stored in {r.name}"
     imatrix = " (as with an importance matrix, which llama.cpp requires for it)" if r.imatrix else ""
@@ -64,11 +68,27 @@ def init_std(name: str, shape: tuple[int, ...], n_layer: int) -> float:
 CHUNK_ELEMENTS = 1 << 22  # generation unit: fixed, so a file does not depend on the number of workers
 
 
+@dataclass(frozen=True)
+class Planting:
+    """What trained routing plants (make-model --routing trained): the preset and its settings."""
+
+    preset: Preset
+    settings: RoutingSettings
+
+
 def _float_rows(
-    name: str, shape: tuple[int, ...], n_layer: int, seed: int, part: int, n_rows: int, real: int | None = None
+    name: str,
+    shape: tuple[int, ...],
+    n_layer: int,
+    seed: int,
+    part: int,
+    n_rows: int,
+    real: int | None = None,
+    plant: Planting | None = None,
 ) -> np.ndarray:
     """Rows [part * chunk, part * chunk + n_rows) of the tensor, flattened to [n_rows, shape[-1]]. real: the
-    output head's real tokens (the rest pad the vocabulary to the embedding's size)."""
+    output head's real tokens (the rest pad the vocabulary to the embedding's size). plant: trained routing's
+    structures (None: uniform routing)."""
     # crc32, not hash(): Python salts hash() per process
     rng = np.random.default_rng([seed, zlib.crc32(name.encode()), part])
     size = (n_rows, shape[-1])
@@ -77,32 +97,41 @@ def _float_rows(
     if name.endswith(".bias") or "attn_sinks" in name:  # biases and gpt-oss's sinks: around zero
         return rng.standard_normal(size, dtype=np.float32)
     if len(shape) == 1:  # norm weights and dt bias: near one
-        return (1.0 + 0.05 * rng.standard_normal(size, dtype=np.float32)).astype(np.float32)
-    rows = init_std(name, shape, n_layer) * rng.standard_normal(size, dtype=np.float32)
+        rows = (1.0 + 0.05 * rng.standard_normal(size, dtype=np.float32)).astype(np.float32)
+        return rows if plant is None else _plant(name, rows, part, shape, seed, plant)
+    std = init_std(name, shape, n_layer)
+    if plant is not None:
+        std = trained_std(name, shape[-1], plant.settings) or std
+    rows = std * rng.standard_normal(size, dtype=np.float32)
     if real is not None:  # the head favours real tokens, so greedy text (and most samples) can be read: a
         # padding token's logit is 0, a real one's about N(0, 16), still random
         first = part * max(1, CHUNK_ELEMENTS // shape[-1])
         rows *= np.where(np.arange(first, first + n_rows) < real, 4.0, 0.0).astype(np.float32)[:, None]
-    return rows
+    return rows if plant is None else _plant(name, rows, part, shape, seed, plant)
+
+
+def _plant(name: str, rows: np.ndarray, part: int, shape: tuple[int, ...], seed: int, plant: Planting) -> np.ndarray:
+    first = part * max(1, CHUNK_ELEMENTS // shape[-1])
+    return planted(name, rows, first, plant.preset, plant.settings, seed)
 
 
 def _make_chunk(task: tuple) -> np.ndarray:
-    name, shape, qtype, n_layer, seed, part, n_rows, real = task
-    return quantize(_float_rows(name, shape, n_layer, seed, part, n_rows, real), qtype)
+    name, shape, qtype, n_layer, seed, part, n_rows, real, plant = task
+    return quantize(_float_rows(name, shape, n_layer, seed, part, n_rows, real, plant), qtype)
 
 
-def _chunks(p: TensorPlan, n_layer: int, seed: int, real: int | None = None) -> list[tuple]:
+def _chunks(p: TensorPlan, n_layer: int, seed: int, real: int | None = None, plant: Planting | None = None) -> list:
     n_rows = int(np.prod(p.shape[:-1]))
     step = max(1, CHUNK_ELEMENTS // p.shape[-1])
     return [
-        (p.name, p.shape, p.qtype, n_layer, seed, k, min(step, n_rows - start), real)
+        (p.name, p.shape, p.qtype, n_layer, seed, k, min(step, n_rows - start), real, plant)
         for k, start in enumerate(range(0, n_rows, step))
     ]
 
 
 def tensor_plans(preset: Preset, r: Recipe) -> list[TensorPlan]:
     """Each tensor of the preset's file, in the type the recipe gives it, in file order."""
-    arch = architecture(preset.spec.arch)
+    arch = layout(preset.spec.arch)
     spec = arch.read_spec(preset_metadata(preset, r), preset.spec.n_vocab)  # the spec a reader of the file sees
     shapes = {
         n: s
@@ -114,23 +143,34 @@ def tensor_plans(preset: Preset, r: Recipe) -> list[TensorPlan]:
 
 
 def make_model(
-    out: str | os.PathLike[str], preset: Preset, quant: str = "Q4_K_M", seed: int = 0, progress: bool = True
+    out: str | os.PathLike[str],
+    preset: Preset,
+    quant: str = "Q4_K_M",
+    seed: int = 0,
+    progress: bool = True,
+    routing: str | None = None,
 ) -> None:
-    """Write a generated model of the preset to `out` in a llama.cpp recipe (--quant), one tensor at a time."""
+    """Write a generated model of the preset to `out` in a llama.cpp recipe (--quant), one tensor at a time.
+    routing: trained (weights planted to route like a trained model's), uniform (plain random weights) or None
+    (trained where the preset has settings for it)."""
     r = recipe(quant)
     if seed < 0:
         raise MoestreamError(f"--seed {seed}: give a seed of 0 or more")
+    settings = routing_settings(preset, routing)
+    plant = None if settings is None else Planting(preset, settings)
     plans = tensor_plans(preset, r)
     if lacking := sorted({p.qtype.name for p in plans if p.qtype not in QUANTIZABLE}):
         raise MoestreamError(
             f"--quant {r.name}: moestream cannot write {', '.join(lacking)} blocks yet (no "
             f"quantizer for that type); choose another recipe"
         )
-    meta = preset_metadata(preset, r, seed)
+    meta = preset_metadata(preset, r, seed, trained=plant is not None)
 
     types_of_tokens = meta["tokenizer.ggml.token_type"]
     real = types_of_tokens.index(UNUSED) if UNUSED in types_of_tokens else None  # padding follows the real ones
-    tasks = {p.name: _chunks(p, preset.spec.n_layer, seed, real if p.name == "output.weight" else None) for p in plans}
+    tasks = {
+        p.name: _chunks(p, preset.spec.n_layer, seed, real if p.name == "output.weight" else None, plant) for p in plans
+    }
     workers = min(os.cpu_count() or 1, 32)
     # big files: worker processes generate and quantize chunks (numpy holds the GIL too often for threads)
     many = workers > 1 and max(map(len, tasks.values())) > 1

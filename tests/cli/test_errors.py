@@ -230,6 +230,12 @@ def test_a_flag_argparse_refuses_is_one_line_too(capsys, argv):
     assert e.value.code == 2 and len(err) == 1 and err[0].startswith("moestream: error:") and "--help" in err[0]
 
 
+def test_make_model_trained_routing_of_a_preset_without_its_settings(tmp_path, capsys):
+    code, line = run_cli(capsys, "make-model", str(tmp_path / "o.gguf"), "--preset", "tiny", "--routing", "trained")
+    assert_one_clear_line(code, line, "--routing trained", "tiny", "qwen3-30b-a3b", "--routing uniform")
+    assert not (tmp_path / "o.gguf").exists()
+
+
 def test_make_model_layers_past_what_a_file_may_hold(tmp_path, capsys):
     code, line = run_cli(capsys, "make-model", str(tmp_path / "o.gguf"), "--preset", "tiny", "--layers", "100000")
     assert_one_clear_line(code, line, "--layers 100000", "4096")
@@ -243,6 +249,8 @@ def test_make_model_layers_past_what_a_file_may_hold(tmp_path, capsys):
         (["--tokens", "-5"], ["--tokens -5", "at least 1"]),  # passed silently
         (["--tokens", "16"], ["--tokens", "--routing"]),  # ignored without --routing
         (["--routing", "--device", "cudax"], ["--device cudax", "cuda:N"]),  # said after the whole report
+        (["--text", "a.txt"], ["--text a.txt", "--routing"]),
+        (["--routing", "--text", "/no/such.txt"], ["--text /no/such.txt", "No such file", "plain text"]),
     ],
 )
 def test_info_tokens(model_file, capsys, flags, words):

@@ -1,16 +1,20 @@
-"""`moestream info`: the tensor types of a file (count and bytes), and a warning for each type that has no fast
-path on the device."""
+"""`moestream info`: the tensor types of a file (count and bytes), a warning for each type that has no fast path on
+the device, and all of it without importing torch (seconds) on the CPU."""
 
 from __future__ import annotations
 
+import dataclasses
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
 from gguf import GGMLQuantizationType
 
 from moestream.cli.main import main
+from moestream.formats import quants
 from moestream.formats.gguf import GGUFFile
-from moestream.kernels import cpu_quant
+from moestream.options import cuda_available
 
 
 def info(capsys, path: str, *flags: str) -> tuple[list[str], list[str]]:
@@ -37,7 +41,8 @@ def test_each_type_with_its_tensors_and_bytes(model_file, capsys, preset):
 
 def test_a_type_without_the_cpu_dot_is_named_with_its_expert_tensors(model_file, capsys, monkeypatch):
     # Every supported type has its kernels (tests/kernels/test_types.py): Q3_K's CPU dot is taken away here
-    monkeypatch.setattr(cpu_quant, "TYPES", cpu_quant.TYPES - {GGMLQuantizationType.Q3_K})
+    q3_k = quants.TYPES[GGMLQuantizationType.Q3_K]
+    monkeypatch.setitem(quants.TYPES, q3_k.qtype, dataclasses.replace(q3_k, cpu_dot=None))
     path = model_file("tiny-qwen35moe", "Q3_K_M")  # gate and up experts in Q3_K
     _, err = info(capsys, path, "--device", "cpu")
     with GGUFFile(path) as f:
@@ -51,3 +56,28 @@ def test_a_type_without_the_cpu_dot_is_named_with_its_expert_tensors(model_file,
 def test_no_warning_where_every_type_has_its_kernels(model_file, capsys):
     _, err = info(capsys, model_file("tiny", "Q4_K_M"), "--device", "cpu")  # experts in Q4_K and Q6_K
     assert err == []
+
+
+NO_TORCH = """
+import sys
+from moestream.cli.main import main
+assert main(["info", *sys.argv[1:]]) == 0
+assert "torch" not in sys.modules, "info imported torch"
+"""
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen35moe", "tiny-gpt-oss", "tiny-glm4moe"])
+def test_info_on_the_cpu_imports_no_torch(model_file, preset):
+    """Each architecture's layout, the type registry and the CPU's kernel list are read without torch."""
+    path = model_file(preset, "Q4_K_M")
+    r = subprocess.run([sys.executable, "-c", NO_TORCH, path, "--device", "cpu"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "experts" in r.stdout and "Traceback" not in r.stderr
+
+
+def test_the_device_check_is_torchs_answer():
+    """info's auto device asks torch only where an NVIDIA driver is (options.cuda_available): the answer is torch's on a
+    machine with a GPU as without."""
+    import torch
+
+    assert cuda_available() == torch.cuda.is_available()

@@ -311,3 +311,13 @@ def test_logit_bias_as_llama_cpp(model_file, capsys):
             main(["run", "-m", "m.gguf", "-p", "hi", "-l", bad])
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "TOKEN_ID+BIAS" in err[0], err
+
+
+def test_serve_takes_llama_servers_prompt_cache_flags():
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    serve = commands["serve"]
+    a = serve.parse_args(["-m", "m.gguf"])
+    assert (a.cache_prompt, a.cache_ram) == (True, 8192)  # llama-server's defaults
+    a = serve.parse_args(["-m", "m.gguf", "--no-cache-prompt", "-cram", "0"])
+    assert (a.cache_prompt, a.cache_ram) == (False, 0)
+    assert serve.parse_args(["-m", "m.gguf", "--cache-ram", "-1"]).cache_ram == -1

@@ -49,6 +49,30 @@ def test_depth_rows_carry_n_depth_in_json_and_name_it_in_the_table(model_file, c
     assert any("| tg2 @ d24 |" in line.replace("  ", " ") or " tg2 @ d24 |" in line for line in table)
 
 
+def test_depth_and_text_together_keep_every_column(model_file, tmp_path, capsys):
+    """bench -d with --text: the context and the test are the text's tokens; the rows keep llama-bench's n_depth
+    and type_k/type_v beside the tokens they ran and the cache policy."""
+    import json
+
+    text = tmp_path / "t.txt"
+    text.write_text("The cat sat on the mat. " * 20)
+    path = model_file("tiny", "Q4_K_M")
+    argv = ["bench", "-m", path, "--device", "cpu", "-p", "8", "-n", "2", "-d", "0,24", "-r", "1", "--no-floors"]
+    argv += ["--text", str(text), "-ctk", "q8_0", "-ctv", "f16"]
+    assert main([*argv, "-o", "json"]) == 0
+    records = json.loads(capsys.readouterr().out)
+    assert [(r["test"], r["n_depth"], r["tokens"]) for r in records] == [
+        ("pp8", 0, "t.txt"),
+        ("tg2", 0, "t.txt"),
+        ("pp8 @ d24", 24, "t.txt"),
+        ("tg2 @ d24", 24, "t.txt"),
+    ]
+    assert {(r["type_k"], r["type_v"], r["cache_policy"]) for r in records} == {("q8_0", "f16", "static")}
+    assert main([*argv, "-o", "csv"]) == 0
+    header = capsys.readouterr().out.splitlines()[0].split(",")
+    assert {'"n_depth"', '"type_k"', '"type_v"', '"tokens"', '"cache_policy"'} <= set(header)
+
+
 def test_a_negative_depth_is_refused(model_file, capsys):
     path = model_file("tiny", "Q4_K_M")
     assert main(["bench", "-m", path, "--device", "cpu", "-d", "-1"]) == 2

@@ -60,6 +60,40 @@ def test_info_and_bench_on_a_glm4moe_file(model_file, capsys):
     assert all(r["experts_used"] > 0 for r in rows if r["n_cpu_moe"] > 0 and r["test"] == "pp24")
 
 
+def test_info_routing_on_a_text(model_file, tmp_path, capsys):
+    """info --routing --text: a row per layer (layer 0 has no layer before it to guess from), then the means."""
+    text = tmp_path / "t.txt"
+    text.write_text("The cat sat on the mat. " * 20)
+    path = model_file("tiny", "F32")
+    assert main(["info", path, "--routing", "--text", str(text), "--tokens", "50", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    start = next(i for i, line in enumerate(out) if line.startswith("routing on 50 tokens of t.txt"))
+    rows = [line.split() for line in out[start + 2 :]]
+    assert [r[:2] for r in rows[:2]] == [["layer", "0"], ["layer", "1"]] and [r[0] for r in rows[2:]] == ["mean"]
+    assert rows[0][2:4] == ["-", "-"] and all(c.endswith("%") for c in rows[1][2:6])
+    assert float(rows[1][-1]) <= 3.0  # entropy of 8 experts' picks, at most log2 8
+
+
+def test_bench_text_runs_the_texts_tokens(model_file, tmp_path, capsys):
+    """bench --text: decode is teacher-forced over the text's tokens; one word said over and over routes to the
+    same experts every step, so the cache holds more of its picks than of random tokens'."""
+    text = tmp_path / "same.txt"
+    text.write_text(" again" * 100)
+    path = model_file("tiny", "Q4_K_M")
+    argv = ["bench", "-m", path, "--device", "cpu", "-p", "0", "-n", "16", "-ncmoe", "all", "-r", "1", "-o", "json"]
+    argv += ["--small-batch", "gather", "--prefetch", "2", "--expert-cache", "3", "--no-floors"]
+    rows = {}
+    for flags in ([], ["--text", str(text)]):
+        assert main(argv + flags) == 0
+        (rows[bool(flags)],) = json.loads(capsys.readouterr().out)
+    assert rows[False]["tokens"] == "random" and rows[True]["tokens"] == "same.txt"
+    assert rows[True]["cache_hit"] > rows[False]["cache_hit"]
+    assert rows[True]["bytes_per_token"] == rows[True]["bytes_uploaded"] / 16
+    assert main(argv + ["--text", str(text), "--cache-policy", "lru"]) == 0
+    (lru,) = json.loads(capsys.readouterr().out)
+    assert lru["cache_policy"] == "lru" and rows[True]["cache_policy"] == "static" and lru["cache_hit"] > 0
+
+
 def test_profile_writes_trace_and_plot(model_file, tmp_path, capsys):
     trace, plot = tmp_path / "t.json", tmp_path / "t.png"
     argv = [

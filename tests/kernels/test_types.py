@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from gguf import GGMLQuantizationType as Q
 from grid_patterns import GRID_TYPES
 
 from moestream.errors import MoestreamError
 from moestream.formats import quants
-from moestream.kernels import cpu_quant, dequant, dots, types
+from moestream.kernels import dequant, dots, types
 from moestream.kernels.launch import triton
 
 
@@ -36,15 +38,19 @@ def test_every_supported_type_has_its_kernels():
 
 
 # Every supported type has its kernels (above), so the two tests below take one away to see it reported
+def without_cpu_dot(monkeypatch, qtype: Q) -> None:
+    monkeypatch.setitem(quants.TYPES, qtype, dataclasses.replace(quants.TYPES[qtype], cpu_dot=None))
+
+
 def test_fallbacks_on_the_cpu_are_expert_stacks_without_a_cpu_dot(monkeypatch):
-    monkeypatch.setattr(cpu_quant, "TYPES", cpu_quant.TYPES - {Q.Q5_K})
+    without_cpu_dot(monkeypatch, Q.Q5_K)
     qtypes = {"a.weight": Q.Q5_K, "e.weight": Q.Q5_K, "f.weight": Q.Q4_K, "n.weight": Q.F32, "g.weight": Q.F32}
     assert types.fallbacks(qtypes, {"e.weight", "f.weight", "g.weight"}, "cpu") == {(Q.Q5_K, "CPU dot"): ["e.weight"]}
 
 
 @pytest.mark.skipif(triton is None, reason="needs Triton")
 def test_fallbacks_on_a_gpu_are_every_tensor_without_its_kernels(monkeypatch):
-    monkeypatch.setattr(cpu_quant, "TYPES", cpu_quant.TYPES - {Q.Q3_K})
+    without_cpu_dot(monkeypatch, Q.Q3_K)
     monkeypatch.setattr(dequant, "TILES", {q: t for q, t in dequant.TILES.items() if q != Q.Q3_K})
     monkeypatch.setattr(dots, "DOTS", {q: d for q, d in dots.DOTS.items() if q != Q.Q3_K})
     qtypes = {"q.weight": Q.Q3_K, "k.weight": Q.Q4_K, "exps.weight": Q.Q3_K, "b.weight": Q.BF16}

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from moestream.formats.gguf import GGUFFile
-from moestream.runtime.loader import describe
+from moestream.models.describe import describe
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -11,7 +11,7 @@ import moestream
 from moestream.errors import MoestreamError
 from moestream.formats.gguf import GGUFFile
 from moestream.models import glm4moe
-from moestream.runtime.loader import describe
+from moestream.models.describe import describe
 from moestream.runtime.sampling import SamplingParams
 from moestream.tools.presets import get_preset
 from moestream.tools.recipes import recipe

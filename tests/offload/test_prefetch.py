@@ -8,7 +8,7 @@ import torch
 
 import moestream
 from moestream.errors import MoestreamError
-from moestream.offload import expert_cache, prefetch
+from moestream.offload import cache_policy, prefetch
 from moestream.offload.placement import CACHE_SLACK, Footprint, Placement, cached_experts
 from moestream.offload.prefetch import ring_bytes
 from moestream.options import Options
@@ -204,7 +204,7 @@ def test_the_cache_refreshes_on_a_doubling_then_fixed_schedule(model_file, monke
         cache = e.experts.prefetcher.cache
         seen = []
         monkeypatch.setattr(cache, "refresh", lambda: seen.append(cache.passes))
-        for _ in range(3 * expert_cache.REFRESH):
+        for _ in range(3 * cache_policy.REFRESH["static"]):
             cache.end_pass()
         assert seen == [1, 2, 4, 8, 16, 32, 64, 96]
     finally:

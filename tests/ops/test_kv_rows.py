@@ -38,13 +38,13 @@ def test_rows_store_what_their_type_keeps(name):
     assert torch.equal(rows.dequantize(50, 64, torch.float32), torch.zeros(14, 2, 64))
 
 
-def test_copy_rows_copies_a_prefix_and_refuses_another_layout():
+def test_copy_copies_a_prefix_and_refuses_another_layout():
     src, _ = filled("q8_0")
     dst = QuantizedRows.empty("q8_0", 64, 2, 64, torch.device("cpu"))
-    dst.copy_rows(src, 30)
+    dst[:30].copy_(src[:30])
     assert torch.equal(dst.data[:30], src.data[:30]) and not dst.data[30:].any()
     with pytest.raises(ValueError, match="rows of q4_0"):
-        dst.copy_rows(QuantizedRows.empty("q4_0", 64, 2, 64, torch.device("cpu")), 3)
+        dst[:3].copy_(QuantizedRows.empty("q4_0", 64, 2, 64, torch.device("cpu"))[:3])
 
 
 @pytest.mark.parametrize("name", TYPES)

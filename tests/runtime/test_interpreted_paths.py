@@ -102,3 +102,27 @@ def test_kv_types_through_the_kernels_give_the_cpu_paths_tokens(model_file, monk
     e.close()
     assert got == want
     assert float((logits - want_logits).abs().max() / want_logits.abs().max()) < 1e-4
+
+
+def test_batched_rows_through_the_gather_read_shared_experts_once_and_answer_as_alone(model_file, monkeypatch):
+    """A pass of one token for each of several sequences, streamed experts gathered (rows that pick the same
+    expert read it once, and index its one row): each row's greedy tokens are those of its sequence alone."""
+    most = tuning.current().max_tokens
+    monkeypatch.setattr(matvec, "usable", lambda qtype, device, n: qtype in dots.DOTS and n <= most)
+    e = moestream.load(model_file("tiny", "Q4_K_M"), device="cpu", progress=False, **PLACEMENTS["gather"])
+    prompts = [PROMPT[:5], PROMPT[3:10], PROMPT[6:9]]
+    alone = []
+    for prompt in prompts:
+        cache = e.new_cache()
+        tokens = [int(e.forward(prompt, cache)[-1].argmax())]
+        for _ in range(3):
+            tokens.append(int(e.forward([tokens[-1]], cache)[-1].argmax()))
+        alone.append(tokens)
+    caches = [e.new_cache() for _ in prompts]
+    last = [int(e.forward(p, c)[-1].argmax()) for p, c in zip(prompts, caches, strict=True)]
+    together = [last]
+    for _ in range(3):
+        last = e.forward_each(last, caches).argmax(-1).tolist()
+        together.append(last)
+    e.close()
+    assert [list(t) for t in zip(*together, strict=True)] == alone

@@ -1,5 +1,6 @@
 """The KV cache in each -ctk/-ctv type: what it allocates is what placement budgets (kv_cache_bytes), its rows
-read back as their type keeps them, and a prefix of one sequence's rows copies into another's."""
+read back as their type keeps them, and a prefix of one sequence's rows copies into another's, directly or through
+a copy in host RAM."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def test_the_budget_counts_what_the_cache_allocates(model_file, preset, types):
 
 
 @pytest.mark.parametrize("types", TYPES)
-def test_update_stores_rows_and_copy_prefix_moves_them(types):
+def test_update_stores_rows_and_copy_prefix_moves_them_as_stored(types):
     torch.manual_seed(0)
     a = KVCache([0, 3], 40, 2, 64, torch.float32, torch.device("cpu"), types)
     b = KVCache([0, 3], 40, 2, 64, torch.float32, torch.device("cpu"), types)
@@ -43,7 +44,11 @@ def test_update_stores_rows_and_copy_prefix_moves_them(types):
         a.update(il, 0, k[:10], v[:10])
         k_all, v_all = a.update(il, 10, k[10:], v[10:])
         assert k_all.shape == v_all.shape == (25, 2, 64)
-    b.copy_prefix(a, 20)
+    b.copy_prefix(a.rows(20))
+    host = KVCache([0, 3], 40, 2, 64, torch.float32, torch.device("cpu"), types)
+    host.copy_prefix(a.rows(25, "cpu").first(20))  # through a copy apart from the cache, as the prompt cache keeps
+    for mine, theirs in ((host.k, b.k), (host.v, b.v)):
+        assert all(torch.equal(_data(mine[il]), _data(theirs[il])) for il in (0, 3))
     for name, mine, theirs, values in ((types[0], b.k, a.k, k), (types[1], b.v, a.v, v)):
         got = mine[3].dequantize(0, 40, torch.float32) if isinstance(mine[3], QuantizedRows) else mine[3]
         want = theirs[3].dequantize(0, 20, torch.float32) if isinstance(theirs[3], QuantizedRows) else theirs[3][:20]
@@ -53,4 +58,8 @@ def test_update_stores_rows_and_copy_prefix_moves_them(types):
                 want.view(20, -1), kv_quant.dequantize(kv_quant.quantize(values[:20], name), name, torch.float32)
             )
     with pytest.raises(ValueError, match="copied into"):
-        b.copy_prefix(KVCache([0, 3], 40, 2, 64, torch.float32, torch.device("cpu"), ("f16", "q4_0")), 5)
+        b.copy_prefix(KVCache([0, 3], 40, 2, 64, torch.float32, torch.device("cpu"), ("f16", "q4_0")).rows(5))
+
+
+def _data(store: torch.Tensor | QuantizedRows) -> torch.Tensor:
+    return store.data if isinstance(store, QuantizedRows) else store

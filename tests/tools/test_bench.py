@@ -6,7 +6,7 @@ import pytest
 
 import moestream
 from moestream.offload.device import CpuDevice
-from moestream.tools.bench import run_bench
+from moestream.tools.bench import bench_tokens, run_bench
 from moestream.tools.sweep import Sweep
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -68,3 +68,11 @@ def test_depth_rows_time_the_test_not_the_context_before_it(model_file):
     assert deep.bytes_uploaded == base.bytes_uploaded > 0
     assert deep.seconds - base.seconds < 0.45, (deep.samples_s, base.samples_s)  # timed, the depth adds 0.9 s
     assert all(r.tps > 0 for r in rows)
+
+
+def test_bench_tokens_repeat_a_text_to_length_the_test_continuing_its_context():
+    assert bench_tokens([5, 6, 7], 7, 100) == ([], [5, 6, 7, 5, 6, 7, 5])
+    assert bench_tokens([5, 6, 7], 2, 100) == ([], [5, 6])
+    assert bench_tokens([5, 6, 7], 2, 100, depth=4) == ([5, 6, 7, 5], [6, 7])
+    context, tokens = bench_tokens(None, 4, 100, depth=3)
+    assert (context, tokens) == bench_tokens(None, 4, 100, depth=3) and len(context) == 3 and len(tokens) == 4

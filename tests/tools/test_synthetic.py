@@ -3,6 +3,8 @@ reference, every streaming schedule the resident run's tokens, and a file that s
 
 from __future__ import annotations
 
+import hashlib
+
 import gguf
 import numpy as np
 import pytest
@@ -123,3 +125,17 @@ def test_the_head_favours_real_tokens_so_generated_text_shows(model_file):
         e.close()
     assert all(t < real for t in greedy.tokens) and greedy.text.strip()
     assert sum(t < real for t in sampled.tokens) > 0.8 * len(sampled.tokens)
+
+
+def test_uniform_routing_writes_the_files_it_always_did(tmp_path):
+    """--routing uniform is the generator as it was before trained routing existed: the same bytes (the hash of
+    this file as main wrote it then)."""
+    out = tmp_path / "u.gguf"
+    make_model(out, get_preset("tiny-qwen35moe"), quant="Q4_K_M", progress=False, routing="uniform")
+    digest = hashlib.sha256(out.read_bytes()).hexdigest()
+    assert digest == "4cc889ce8ef4769f8c6507d28a67d811a1983883e872e63a702aaffdd0c705e2"
+
+
+def test_trained_routing_needs_a_preset_with_its_settings(tmp_path):
+    with pytest.raises(MoestreamError, match="tiny has no trained routing settings.*qwen3-30b-a3b"):
+        make_model(tmp_path / "t.gguf", get_preset("tiny"), progress=False, routing="trained")

@@ -5,8 +5,6 @@ from __future__ import annotations
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from moestream.formats.quants.tensor_type import TensorType
-
 
 def _f32(b: torch.Tensor) -> torch.Tensor:
     """F32: one 4-byte float per block."""
@@ -23,9 +21,8 @@ def _bf16(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous().view(torch.bfloat16).to(torch.float32)
 
 
-# The decode matvec reads a float weight (the router, a shared-expert gate) in blocks of its own (kernels/dots.py)
-TYPES = (
-    TensorType(Q.F32, _f32, dot="f32_dot"),
-    TensorType(Q.F16, _f16, dot="f16_dot"),
-    TensorType(Q.BF16, _bf16, dot="bf16_dot"),
-)
+REFERENCES = {
+    Q.F32: _f32,
+    Q.F16: _f16,
+    Q.BF16: _bf16,
+}

@@ -16,7 +16,6 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from moestream.formats.quants.fields import f16, split_bits
-from moestream.formats.quants.tensor_type import TensorType
 
 # The 7-bit sign indices of IQ2_XXS, IQ2_XS and IQ3_XXS name 8-bit patterns with an even count of minus signs
 KSIGNS = np.frombuffer(gguf.quants.IQ2_XXS.ksigns, dtype=np.uint8)
@@ -158,16 +157,13 @@ def _iq1_m(b: torch.Tensor) -> torch.Tensor:
     return _shifted(Q.IQ1_M, dl, b[:, :32].to(torch.int32) | ((qh & 7) << 8), qh >> 3)
 
 
-def _entry(qtype: Q, reference, **kernels) -> TensorType:
-    return TensorType(qtype, reference, table=functools.partial(kernel_table, qtype), **kernels)
-
-
-TYPES = (
-    _entry(Q.IQ2_XXS, _iq2_xxs, tile="iq2_xxs_tile", dot="iq2_xxs_dot", cpu_dot="iq2_xxs_block"),
-    _entry(Q.IQ2_XS, _iq2_xs, tile="iq2_xs_tile", dot="iq2_xs_dot", cpu_dot="iq2_xs_block"),
-    _entry(Q.IQ2_S, _iq2_s, tile="iq2_s_tile", dot="iq2_s_dot", cpu_dot="iq2_s_block"),
-    _entry(Q.IQ3_XXS, _iq3_xxs, tile="iq3_xxs_tile", dot="iq3_xxs_dot", cpu_dot="iq3_xxs_block"),
-    _entry(Q.IQ3_S, _iq3_s, tile="iq3_s_tile", dot="iq3_s_dot", cpu_dot="iq3_s_block"),
-    _entry(Q.IQ1_S, _iq1_s, tile="iq1_s_tile", dot="iq1_s_dot", cpu_dot="iq1_s_block"),
-    _entry(Q.IQ1_M, _iq1_m, tile="iq1_m_tile", dot="iq1_m_dot", cpu_dot="iq1_m_block"),
-)
+# Each type's torch reference (its entry in registry.py names this module); kernel_table is their tables' maker
+REFERENCES = {
+    Q.IQ2_XXS: _iq2_xxs,
+    Q.IQ2_XS: _iq2_xs,
+    Q.IQ2_S: _iq2_s,
+    Q.IQ3_XXS: _iq3_xxs,
+    Q.IQ3_S: _iq3_s,
+    Q.IQ1_S: _iq1_s,
+    Q.IQ1_M: _iq1_m,
+}

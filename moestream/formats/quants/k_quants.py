@@ -6,7 +6,6 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from moestream.formats.quants.fields import f16, split_bits
-from moestream.formats.quants.tensor_type import TensorType
 
 
 def _q2_k(b: torch.Tensor) -> torch.Tensor:
@@ -74,10 +73,10 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return q.mul_(d).reshape(n, 256)
 
 
-TYPES = (
-    TensorType(Q.Q2_K, _q2_k, tile="q2_k_tile", dot="q2_k_dot", cpu_dot="q2_k_block"),
-    TensorType(Q.Q3_K, _q3_k, tile="q3_k_tile", dot="q3_k_dot", cpu_dot="q3_k_block"),
-    TensorType(Q.Q4_K, _q4_k, tile="q4_k_tile", dot="q4_k_dot", cpu_dot="q4_k_block"),
-    TensorType(Q.Q5_K, _q5_k, tile="q5_k_tile", dot="q5_k_dot", cpu_dot="q5_k_block"),
-    TensorType(Q.Q6_K, _q6_k, tile="q6_k_tile", dot="q6_k_dot", cpu_dot="q6_k_block"),
-)
+REFERENCES = {
+    Q.Q2_K: _q2_k,
+    Q.Q3_K: _q3_k,
+    Q.Q4_K: _q4_k,
+    Q.Q5_K: _q5_k,
+    Q.Q6_K: _q6_k,
+}

@@ -6,7 +6,6 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from moestream.formats.quants.fields import f16, split_bits
-from moestream.formats.quants.tensor_type import TensorType
 
 
 def _nibbles32(qs: torch.Tensor) -> torch.Tensor:
@@ -49,10 +48,10 @@ def _q5_1(b: torch.Tensor) -> torch.Tensor:
     return q.mul_(f16(b, 0)).add_(f16(b, 2))
 
 
-TYPES = (
-    TensorType(Q.Q8_0, _q8_0, tile="q8_0_tile", dot="q8_0_dot", cpu_dot="q8_0_block"),
-    TensorType(Q.Q4_0, _q4_0, tile="q4_0_tile", dot="q4_0_dot", cpu_dot="q4_0_block"),
-    TensorType(Q.Q4_1, _q4_1, tile="q4_1_tile", dot="q4_1_dot", cpu_dot="q4_1_block"),
-    TensorType(Q.Q5_0, _q5_0, tile="q5_0_tile", dot="q5_0_dot", cpu_dot="q5_0_block"),
-    TensorType(Q.Q5_1, _q5_1, tile="q5_1_tile", dot="q5_1_dot", cpu_dot="q5_1_block"),
-)
+REFERENCES = {
+    Q.Q8_0: _q8_0,
+    Q.Q4_0: _q4_0,
+    Q.Q4_1: _q4_1,
+    Q.Q5_0: _q5_0,
+    Q.Q5_1: _q5_1,
+}

@@ -6,7 +6,6 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from moestream.formats.quants.fields import split_bits
-from moestream.formats.quants.tensor_type import TensorType
 
 # The E2M1 values doubled, by code (bit 3 the sign): the scale is halved to match, as ggml stores them
 E2M1_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
@@ -26,4 +25,6 @@ def _mxfp4(b: torch.Tensor) -> torch.Tensor:
     return values.mul_(e8m0_half(b[:, 0:1]))
 
 
-TYPES = (TensorType(Q.MXFP4, _mxfp4, tile="mxfp4_tile", dot="mxfp4_dot", cpu_dot="mxfp4_block"),)
+REFERENCES = {
+    Q.MXFP4: _mxfp4,
+}

@@ -6,7 +6,6 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from moestream.formats.quants.fields import f16, split_bits
-from moestream.formats.quants.tensor_type import TensorType
 
 # The 16 values a nibble names, in ggml's order
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
@@ -34,7 +33,7 @@ def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
     return dl.mul(_values(codes)).reshape(n, 256)
 
 
-TYPES = (
-    TensorType(Q.IQ4_NL, _iq4_nl, tile="iq4_nl_tile", dot="iq4_nl_dot", cpu_dot="iq4_nl_block"),
-    TensorType(Q.IQ4_XS, _iq4_xs, tile="iq4_xs_tile", dot="iq4_xs_dot", cpu_dot="iq4_xs_block"),
-)
+REFERENCES = {
+    Q.IQ4_NL: _iq4_nl,
+    Q.IQ4_XS: _iq4_xs,
+}

@@ -6,7 +6,6 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from moestream.formats.quants.fields import f16, split_bits
-from moestream.formats.quants.tensor_type import TensorType
 
 
 def _tq1_0(b: torch.Tensor) -> torch.Tensor:
@@ -32,7 +31,7 @@ def _tq2_0(b: torch.Tensor) -> torch.Tensor:
     return q.to(torch.float32).mul_(f16(b, 64))
 
 
-TYPES = (
-    TensorType(Q.TQ1_0, _tq1_0, tile="tq1_0_tile", dot="tq1_0_dot", cpu_dot="tq1_0_block"),
-    TensorType(Q.TQ2_0, _tq2_0, tile="tq2_0_tile", dot="tq2_0_dot", cpu_dot="tq2_0_block"),
-)
+REFERENCES = {
+    Q.TQ1_0: _tq1_0,
+    Q.TQ2_0: _tq2_0,
+}
