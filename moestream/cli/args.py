@@ -167,6 +167,20 @@ def _int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
 
 
+def logit_bias(text: str) -> tuple[int, float]:
+    """llama.cpp's -l TOKEN(+|-)BIAS: 15043+1 raises token 15043's logit by 1, 15043-inf bans it."""
+    token, sign, bias = text.partition("+") if "+" in text else text.partition("-")
+    try:
+        value = float(bias) * (-1 if sign == "-" else 1)
+        if not sign or not token.strip().isdigit() or bias.strip().startswith(("+", "-")):
+            raise ValueError
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected TOKEN_ID+BIAS or TOKEN_ID-BIAS (15043+1, 15043-inf: a ban), got {text!r}"
+        ) from None
+    return int(token), value
+
+
 def int_list(text: str) -> list[int]:
     return [_int(t) for t in text.split(",")]
 

@@ -9,7 +9,10 @@ import argparse
 
 LOAD_MODES = {"none": "pinned", "mmap": "pageable"}  # llama.cpp --load-mode -> --host-memory
 
-SAMPLERS = "--temp, --top-k, --top-p, --min-p, --repeat-penalty, --presence-penalty, --frequency-penalty and --seed"
+SAMPLERS = (
+    "--temp, --top-k, --top-p, --min-p, --repeat-penalty, --presence-penalty, --frequency-penalty, --logit-bias "
+    "and --seed"
+)
 
 # What to use instead -> the llama.cpp flags it answers (space-separated), per group of commands.
 ENGINE = {  # every command that loads a model to run it (run, bench, profile, serve)

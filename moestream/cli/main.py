@@ -23,6 +23,7 @@ from moestream.cli.args import (
     engine_flags,
     engine_options,
     int_list,
+    logit_bias,
     model_path,
     ncmoe,
     writable,
@@ -98,6 +99,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--repeat-last-n", type=int, default=64, help="recent tokens the penalties look at (0: off)")
     run.add_argument("--presence-penalty", type=float, default=0.0, help="subtracted from each recent token")
     run.add_argument("--frequency-penalty", type=float, default=0.0, help="subtracted per use of a recent token")
+    run.add_argument(
+        "-l",
+        "--logit-bias",
+        type=logit_bias,
+        action="append",
+        default=[],
+        metavar="TOKEN(+|-)BIAS",
+        help="add BIAS to a token's logit, as llama.cpp: 15043+1, 15043-inf bans it (repeat the flag for more)",
+    )
     run.add_argument("-s", "--seed", type=int, default=None, help="sampling seed (default -1: random)")
     run.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-text tokens")
     run.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -209,6 +219,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="on Ctrl-C or SIGTERM: seconds running requests may finish before each is ended (a second Ctrl-C: now)",
     )
     serve.add_argument(
+        "--reasoning-format",
+        default="auto",
+        choices=("none", "deepseek", "auto"),
+        help="chat answers' <think> blocks and gpt-oss' analysis channel: apart as reasoning_content (deepseek, "
+        "auto) or left in the content (none); a request's reasoning_format overrides it",
+    )
+    serve.add_argument(
         "--cache-prompt",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -276,6 +293,7 @@ def check_run(a: argparse.Namespace) -> None:
         frequency_penalty=a.frequency_penalty,
         seed=a.seed,
         stop_at_eos=not a.ignore_eos,
+        logit_bias={t: sum(b for u, b in a.logit_bias if u == t) for t, _ in a.logit_bias},  # added up, as llama.cpp
     )
     check_engine(a)
 
@@ -469,7 +487,14 @@ def cmd_serve(a: argparse.Namespace) -> None:
             try:
                 name = a.alias or engine.source.path.name
                 threads = None if a.threads_http == -1 else a.threads_http
-                app = create_app(scheduler, name, api_key=a.api_key, max_tokens=a.max_tokens, threads_http=threads)
+                app = create_app(
+                    scheduler,
+                    name,
+                    api_key=a.api_key,
+                    max_tokens=a.max_tokens,
+                    threads_http=threads,
+                    reasoning_format=a.reasoning_format,
+                )
                 print(f"moestream: serving {name} on http://{a.host}:{a.port}/v1 (Ctrl-C stops)", file=sys.stderr)
                 config = server_config(app, sock, a.timeout, a.max_connections, log_level="warning")
                 server = GracefulServer(config, a.shutdown_timeout, end_streams=scheduler.stop)

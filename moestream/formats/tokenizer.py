@@ -328,9 +328,28 @@ for night in range(365):
     print(keeper_log(20, 15, "lamp lit, sky clear, wind west, sea calm"))
 """
 
+# Qwen3's tool prompt, shortened: the tools as JSON in a system turn, calls as <tool_call> JSON, results as
+# <tool_response> in a user turn. Without tools it renders plain ChatML.
 _CHATML_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n# Tools\\n\\nYou may call functions. Their signatures:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    '{{- \'\\n</tools>\\n\\nCall one as <tool_call>\\n{"name": <name>, "arguments": <object>}\\n</tool_call>\' }}'
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
+    "{%- if message['role'] == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- elif message.tool_calls %}"
+    "{{- '<|im_start|>assistant\\n' + (message['content'] or '') }}"
+    "{%- for call in message.tool_calls %}"
+    '{{- \'\\n<tool_call>\\n{"name": "\' + call.function.name + \'", "arguments": \' }}'
+    "{{- (call.function.arguments | tojson) + '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- else %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}"
     "{{- '<|im_start|>assistant\\n' }}"

@@ -1,5 +1,8 @@
-"""Choosing the next token as llama.cpp's default chain does: repetition penalties over the last tokens, then
-top-k, top-p and min-p on the penalised logits, then temperature (0: greedy), reproducible with a seed.
+"""Choosing the next token as llama.cpp's default chain does: logit biases and repetition penalties over the last
+tokens, then top-k, top-p and min-p on the adjusted logits, then temperature (0: greedy), reproducible with a seed.
+A constraint (a JSON grammar, say) is checked on the pick first and masks the logits only when the pick breaks it,
+as llama.cpp applies its grammars. Log-probabilities, when asked, are of the adjusted (biased, penalised, masked)
+logits at temperature 1: the distribution the pick was made from before truncation.
 
 torch is imported by the Sampler, not here: the CLI checks SamplingParams before the slow imports."""
 
@@ -7,8 +10,8 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 from moestream.errors import MoestreamError
 
@@ -19,6 +22,27 @@ UNTIL_DONE = -1  # max_tokens: until an end-of-text token or a full context (lla
 # float32's smallest normal number: logits divided by a temperature below it overflow, or divide by zero (a
 # temperature below float32's subnormals rounds to 0), so such a temperature is taken as greedy
 GREEDY_BELOW = 2.0**-126
+BAN = -100.0  # a logit bias this low bans the token (OpenAI's meaning of -100); llama.cpp's -l ID-inf does too
+MAX_LOGPROBS = 20  # alternatives a step reports at most, as OpenAI's top_logprobs
+
+
+class Constraint(Protocol):
+    """What a token may come next (runtime/json_constraint.py): checked per pick, a full mask only when needed."""
+
+    def allows(self, token: int) -> bool: ...
+
+    def mask(self, n_vocab: int) -> torch.Tensor: ...  # bool [n_vocab]: True where the token may come next
+
+    def advance(self, token: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One step's pick and its log-probability, with the most likely alternatives (most likely first)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -34,6 +58,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted per occurrence among the recent tokens
     seed: int | None = None  # None (or llama.cpp's -1): a random seed
     stop_at_eos: bool = True
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit; <= BAN: banned
+    logprobs: int | None = None  # None: off; N: each pick's log-probability and the N most likely (<= 20)
 
     def __post_init__(self) -> None:
         if self.max_tokens < UNTIL_DONE:
@@ -62,6 +88,13 @@ class SamplingParams:
             raise MoestreamError(f"--repeat-penalty {self.repeat_penalty}: must be above 0 (1: off)")
         if self.repeat_last_n < 0:
             raise MoestreamError(f"--repeat-last-n {self.repeat_last_n}: must be >= 0 (0: off)")
+        for token, bias in self.logit_bias.items():
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise MoestreamError(f"--logit-bias {token}: a token id is a whole number >= 0")
+            if math.isnan(bias) or bias == math.inf:
+                raise MoestreamError(f"--logit-bias {token}{bias:+}: the bias must be a finite number (or -inf: a ban)")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise MoestreamError(f"logprobs {self.logprobs}: must be from 0 to {MAX_LOGPROBS}")
 
     @property
     def limit(self) -> float:
@@ -83,30 +116,63 @@ class SamplingParams:
 class Sampler:
     """Picks each next token of one sequence; it remembers the prompt and its picks for the penalties."""
 
-    def __init__(self, params: SamplingParams, prompt: list[int] = ()):
+    def __init__(self, params: SamplingParams, prompt: list[int] = (), constraint: Constraint | None = None):
         import torch
 
         self.params = params
+        self.constraint = constraint
         self.recent: deque[int] = deque(prompt, maxlen=params.repeat_last_n)
         self.generator = torch.Generator()
         if params.seed is not None:
             self.generator.manual_seed(params.seed)
         else:
             self.generator.seed()
+        bias = params.logit_bias
+        self._bias_ids = torch.tensor(list(bias), dtype=torch.long)
+        self._bias = torch.tensor([-math.inf if b <= BAN else b for b in bias.values()], dtype=torch.float32)
+        self.last: TokenLogprob | None = None  # the last pick's log-probabilities, when params.logprobs is set
 
     def __call__(self, logits: torch.Tensor) -> int:
         """Pick a token from logits [V] (on any device; sampled on the CPU for reproducibility)."""
-        token = self._pick(logits.float().cpu())  # sync: one token per step must reach the host anyway
+        import torch
+
+        logits = logits.float().cpu()  # sync: one token per step must reach the host anyway
+        if len(self._bias_ids):
+            if int(self._bias_ids.max()) >= len(logits):
+                raise MoestreamError(
+                    f"logit_bias names token {int(self._bias_ids.max())}; the model has {len(logits)} tokens"
+                )
+            logits = logits.index_add(0, self._bias_ids, self._bias)
+        if self.params.penalises and self.recent:
+            logits = self._penalised(logits)
+        token = self._pick(logits)
+        if self.constraint is not None and not self.constraint.allows(token):
+            allowed = self.constraint.mask(len(logits))
+            if not bool(allowed.any()):
+                raise MoestreamError("no token can continue the constrained output (response_format)")
+            logits = logits.masked_fill(~allowed, -math.inf)
+            token = self._pick(logits)
+        if self.params.logprobs is not None:
+            self.last = self._logprob(torch.log_softmax(logits, dim=-1), token)
+        if self.constraint is not None:
+            self.constraint.advance(token)
         if self.recent.maxlen:
             self.recent.append(token)
         return token
+
+    def _logprob(self, logprobs: torch.Tensor, token: int) -> TokenLogprob:
+        import torch
+
+        top = torch.topk(logprobs, min(self.params.logprobs, len(logprobs)))
+        pairs = tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+        return TokenLogprob(token, float(logprobs[token]), pairs)
 
     def _pick(self, logits: torch.Tensor) -> int:
         import torch
 
         p = self.params
-        if p.penalises and self.recent:
-            logits = self._penalised(logits)
+        if logits.max() == -math.inf:
+            raise MoestreamError("every token is banned (logit_bias, or a constraint with -inf biases); ban fewer")
         if p.greedy:
             return int(torch.argmax(logits))
         logits = logits - logits.max()

@@ -1,10 +1,15 @@
 """gpt-oss's answers in Harmony: a turn is messages of `<|channel|>{channel}<|message|>{text}<|end|>`, each but
 the first after `<|start|>assistant`. The final channel is the answer (`content`); the analysis channel is the
-model's reasoning, which the server returns apart as `reasoning_content` (as llama.cpp's server does). Fed
-text as it streams, a split holds back only what may be the start of a marker.
+model's reasoning, which the server returns apart as `reasoning_content` (as llama.cpp's server does). A message
+addressed `to=functions.NAME` (on the commentary channel) is a tool call, its text the arguments. Fed text as it
+streams, a split holds back only what may be the start of a marker, and a call until its message ends.
 """
 
 from __future__ import annotations
+
+import re
+
+from moestream.serving.tool_calls import ToolCall, new_call
 
 MARKERS = ("<|channel|>", "<|message|>", "<|end|>", "<|start|>", "<|constrain|>", "<|return|>", "<|call|>")
 
@@ -18,7 +23,10 @@ class HarmonySplit:
     """A turn's text, as it comes, into (reasoning, content): analysis messages are reasoning, the others
     content; headers (roles, channels) and markers are neither. Text before any marker is content."""
 
-    def __init__(self) -> None:
+    def __init__(self, calls: bool = False) -> None:
+        """calls: messages to functions become `calls` (taken with take_calls), not content."""
+        self._calls_on, self._calls, self._call = calls, [], None  # _call: [name, arguments] being read
+        self._route = ""  # the whole header since <|start|>: a recipient may come before or after the channel
         self._pending = ""  # text not yet placed: what follows a "<|" that may still become a marker
         self._framed = False  # a marker has been seen: text outside a message is a header
         self._header = ""  # the current header's text (role, channel, recipient)
@@ -53,23 +61,42 @@ class HarmonySplit:
         out = ["", ""]
         self._place(self._pending, out)
         self._pending = ""
+        if self._call is not None:  # <|call|> ends generation, so the server never sees it: the call is whole
+            self._marker("<|call|>")
         return out[0], out[1]
+
+    def take_calls(self) -> list[ToolCall]:
+        """The tool calls whose messages ended since the last take."""
+        calls, self._calls = self._calls, []
+        return calls
 
     def _marker(self, marker: str) -> None:
         self._framed = True
+        self._route += " "  # a marker parts the header's words
         if marker == "<|message|>":
             self._channel = self._header.split()[0] if self._header.split() else ""
+            to = re.search(r"to=functions\.([^\s<]+)", self._route)
+            if self._calls_on and to:
+                self._call = [to[1], ""]
         elif marker in ("<|channel|>", "<|start|>"):
             self._header, self._channel = "", None
+            if marker == "<|start|>":
+                self._route = ""
         elif marker == "<|constrain|>":
             self._header += " "
         else:  # <|end|>, <|return|>, <|call|>: the message is over
-            self._header, self._channel = "", None
+            self._header, self._channel, self._route = "", None, ""
+            if self._call is not None:
+                self._calls.append(new_call(self._call[0], self._call[1].strip()))
+                self._call = None
 
     def _place(self, text: str, out: list[str]) -> None:
-        if self._channel is not None:
+        if self._call is not None:
+            self._call[1] += text
+        elif self._channel is not None:
             out[0 if self._channel == "analysis" else 1] += text
         elif self._framed:
             self._header += text
+            self._route += text
         else:
             out[1] += text

@@ -24,7 +24,7 @@ from moestream.formats.tokenizer import TextStream
 from moestream.offload.small_batch import Timings
 from moestream.options import PROMPT_CACHE_RAM_MIB
 from moestream.runtime.prompt_cache import PromptCache
-from moestream.runtime.sampling import Sampler, SamplingParams
+from moestream.runtime.sampling import Constraint, Sampler, SamplingParams, TokenLogprob
 
 
 @dataclass
@@ -35,6 +35,7 @@ class Event:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens taken from the prompt cache, not run
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of the tokens this text (or the end) brings
 
 
 @dataclass
@@ -45,6 +46,7 @@ class Request:
     stop: list[str] = field(default_factory=list)
     cache_prompt: bool = True  # start from a cached prefix where there is one (llama-server's field)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    constraint: Constraint | None = None  # what may come next (response_format), this request's own
 
 
 def _error(e: Exception) -> Event:
@@ -109,6 +111,7 @@ class _Sequence:
     tokens: list[int] = field(default_factory=list)
     text: str = ""
     sent: int = 0  # characters of text already emitted
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of tokens not yet emitted (params.logprobs)
 
 
 @dataclass
@@ -225,7 +228,7 @@ class Scheduler:
             try:
                 tok = self.engine.tokenizer
                 stream = TextStream(tok) if tok is not None else None
-                sampler = Sampler(req.params, req.prompt_tokens)
+                sampler = Sampler(req.params, req.prompt_tokens, req.constraint)
                 cache, cached = self._cache_for(req)  # last: a failure before leaves the pool as it was
                 seq = _Sequence(req, cache, sampler, stream, list(req.prompt_tokens[cached:]), cached=cached)
             except Exception as e:  # out of memory for another cache, say: this request fails, no other
@@ -332,6 +335,8 @@ class Scheduler:
             self._finish(seq, "stop")
             return False
         seq.tokens.append(seq.token)
+        if seq.sampler.last is not None:
+            seq.logprobs.append(seq.sampler.last)
         if seq.stream is not None:
             seq.text += seq.stream.push(seq.token)
         if self._emit_text(seq):
@@ -353,15 +358,21 @@ class Scheduler:
         hold = max((len(s) - 1 for s in stops), default=0)
         end = max(len(seq.text) - hold, seq.sent)
         if end > seq.sent:
-            self._send(seq.req, Event("text", text=seq.text[seq.sent : end]))
+            self._send(seq.req, Event("text", text=seq.text[seq.sent : end], logprobs=self._logprobs(seq)))
             seq.sent = end
         return False
+
+    @staticmethod
+    def _logprobs(seq: _Sequence) -> list[TokenLogprob]:
+        """The log-probabilities of the tokens sent so far, taken (a token's text may be held back a while)."""
+        out, seq.logprobs = seq.logprobs, []
+        return out
 
     def _finish(self, seq: _Sequence, reason: str, flush: bool = True) -> None:
         if seq.stream is not None and flush:  # bytes of an unfinished character
             seq.text += seq.stream.flush()
         if seq.sent < len(seq.text):
-            self._send(seq.req, Event("text", text=seq.text[seq.sent :]))
+            self._send(seq.req, Event("text", text=seq.text[seq.sent :], logprobs=self._logprobs(seq)))
         self._send(
             seq.req,
             Event(
@@ -370,6 +381,7 @@ class Scheduler:
                 prompt_tokens=len(seq.req.prompt_tokens),
                 completion_tokens=len(seq.tokens),
                 cached_tokens=seq.cached,
+                logprobs=self._logprobs(seq),
             ),
         )
         self._release(seq)

@@ -7,6 +7,7 @@ import argparse
 import csv
 import io
 import json
+import math
 import resource
 import subprocess
 import sys
@@ -286,6 +287,31 @@ def test_cache_types_as_llama_bench_takes_and_reports_them(model_file, capsys):
     ]
     assert main([*argv, "-ctk", "q3_k"]) == 2
     assert "--cache-type-k q3_k: expected one of f32, f16, bf16, q8_0, q4_0" in capsys.readouterr().err
+
+
+def test_logit_bias_as_llama_cpp(model_file, capsys):
+    """-l TOKEN(+|-)BIAS: a ban changes the greedy text, biases for one token add up, a bad spelling is one line."""
+    path = model_file("tiny", "Q4_K_M")
+    engine = moestream.load(path, device="cpu", progress=False)
+    try:
+        first = engine.generate("The", moestream.SamplingParams(max_tokens=1)).tokens[0]
+    finally:
+        engine.close()
+
+    def text(*flags: str) -> str:
+        assert main(["run", "-m", path, "-p", "The", "-n", "8", "--device", "cpu", *flags]) == 0
+        return capsys.readouterr().out
+
+    greedy = text()
+    assert text("-l", f"{first}-inf") != greedy
+    assert text("--logit-bias", f"{first}-5", "-l", f"{first}+5") == greedy
+    parsed = build_parser().parse_args(["run", "-m", "m.gguf", "-p", "hi", "-l", "7+1.5", "-l", "9-inf"])
+    assert parsed.logit_bias == [(7, 1.5), (9, -math.inf)]
+    for bad in ("7", "x+1", "7+", "7+-1"):
+        with pytest.raises(SystemExit):
+            main(["run", "-m", "m.gguf", "-p", "hi", "-l", bad])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "TOKEN_ID+BIAS" in err[0], err
 
 
 def test_serve_takes_llama_servers_prompt_cache_flags():

@@ -83,3 +83,55 @@ def test_bad_values_are_named(changes, word):
 def test_minus_one_means_until_done_and_a_random_seed():
     p = SamplingParams(max_tokens=-1, seed=-1)
     assert p.limit == math.inf and p.seed is None
+
+
+def test_logit_bias_adds_to_the_logit_and_minus_100_bans():
+    assert Sampler(SamplingParams(logit_bias={1: -0.5}))(LOGITS) == 3  # 3.0 < 3.25
+    assert Sampler(SamplingParams(logit_bias={4: 10.0}))(LOGITS) == 4
+    banned = Sampler(SamplingParams(temperature=100.0, logit_bias={1: -100, 3: -math.inf}, seed=0))
+    assert {banned(LOGITS) for _ in range(60)} == {0, 2, 4}
+    with pytest.raises(MoestreamError, match="every token is banned"):
+        Sampler(SamplingParams(logit_bias={i: -100 for i in range(5)}))(LOGITS)
+    with pytest.raises(MoestreamError, match="names token 9"):
+        Sampler(SamplingParams(logit_bias={9: 1.0}))(LOGITS)
+    with pytest.raises(MoestreamError, match="--logit-bias"):
+        SamplingParams(logit_bias={1: math.inf})
+
+
+def test_logprobs_are_of_the_adjusted_logits_with_the_top_alternatives():
+    sampler = Sampler(SamplingParams(logprobs=2, logit_bias={0: 2.0}))
+    assert sampler(LOGITS) == 1
+    want = torch.log_softmax(LOGITS + torch.tensor([2.0, 0, 0, 0, 0]), dim=-1)
+    assert sampler.last.token == 1 and math.isclose(sampler.last.logprob, float(want[1]), rel_tol=1e-6)
+    assert [t for t, _ in sampler.last.top] == [1, 3]
+    assert math.isclose(sampler.last.top[1][1], float(want[3]), rel_tol=1e-6)
+    assert Sampler(SamplingParams(logprobs=0))(LOGITS) == 1
+    with pytest.raises(MoestreamError, match="logprobs 21"):
+        SamplingParams(logprobs=21)
+
+
+class _OnlyEven:
+    """A constraint allowing even token ids: the pick is checked, the mask built only when it breaks it."""
+
+    def __init__(self):
+        self.masks, self.seen = 0, []
+
+    def allows(self, token: int) -> bool:
+        return token % 2 == 0
+
+    def mask(self, n_vocab: int) -> torch.Tensor:
+        self.masks += 1
+        return torch.arange(n_vocab) % 2 == 0
+
+    def advance(self, token: int) -> None:
+        self.seen.append(token)
+
+
+def test_a_constraint_masks_only_when_the_pick_breaks_it():
+    c = _OnlyEven()
+    sampler = Sampler(SamplingParams(), constraint=c)
+    assert sampler(LOGITS) == 0 and c.masks == 1  # 1 broke it: the best even token
+    assert sampler(torch.tensor([1.0, 0.5, -2.0, 0.25, 2.0])) == 4 and c.masks == 1  # allowed: no mask built
+    assert c.seen == [0, 4]
+    sampled = Sampler(SamplingParams(temperature=100.0, seed=0), constraint=_OnlyEven())
+    assert {sampled(LOGITS) for _ in range(60)} == {0, 2, 4}

@@ -1,0 +1,339 @@
+"""response_format json_object / json_schema as a token mask: an incremental JSON validator fed each candidate
+token's bytes. The sampler asks `allows(pick)` first and builds the whole `mask` only when the pick breaks the
+JSON (as llama.cpp applies grammars), so most steps check one token.
+
+Bytes, not characters: JSON's structure is ASCII, and a token may end inside a UTF-8 character. A string's
+non-ASCII bytes are taken as they come (the text is decoded, with replacement, as any answer is).
+The schema subset: type (one or a list), properties (only those keys: OpenAI's strict outputs), required,
+enum (of scalars), items, additionalProperties false; titles and descriptions are read past. Any other keyword
+is refused, so a schema is never half enforced. The state is a tuple of frames, so checking a token copies
+nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from moestream.errors import MoestreamError
+from moestream.formats.tokenizer import NORMAL
+
+if TYPE_CHECKING:
+    import torch
+
+IGNORED = frozenset({"title", "description", "$schema", "default", "examples", "strict", "$comment"})
+TAKEN = frozenset({"type", "properties", "required", "enum", "items", "additionalProperties"})
+TYPES = frozenset({"object", "array", "string", "number", "integer", "boolean", "null"})
+MAX_BLANKS = 16  # blanks in a row outside strings: a model cannot pad forever
+MAX_DEPTH = 64  # schemas nested deeper are refused: the checks recurse (and no answer needs so many levels)
+WS = frozenset(b" \t\n\r")
+LITERALS = {b"t": b"true", b"f": b"false", b"n": b"null"}
+_KIND_OF = {b"true": "boolean", b"false": "boolean", b"null": "null"}
+# the number grammar as a DFA: state -> {byte class: state}; accepting: 2 (0), 3 (digits), 5 (fraction), 8 (exponent)
+_NUM = {
+    0: {"-": 1, "0": 2, "d": 3},
+    1: {"0": 2, "d": 3},
+    2: {".": 4, "e": 6},
+    3: {"0": 3, "d": 3, ".": 4, "e": 6},
+    4: {"0": 5, "d": 5},
+    5: {"0": 5, "d": 5, "e": 6},
+    6: {"+": 7, "-": 7, "0": 8, "d": 8},
+    7: {"0": 8, "d": 8},
+    8: {"0": 8, "d": 8},
+}
+_NUM_DONE = frozenset({2, 3, 5, 8})
+
+
+def schema_of(response_format: dict) -> dict:
+    """The schema a response_format asks for, checked: json_object is any object."""
+    if response_format.get("type") == "json_object":
+        return {"type": "object"}
+    schema = (response_format.get("json_schema") or {}).get("schema")
+    if not isinstance(schema, dict):
+        raise MoestreamError("json_schema.schema must be a JSON schema object")
+    _check(schema, "schema")
+    return schema
+
+
+def _check(schema: Any, where: str, depth: int = 0) -> None:
+    if depth > MAX_DEPTH:
+        raise MoestreamError(f"the schema nests deeper than {MAX_DEPTH} levels; flatten it")
+    if not isinstance(schema, dict):
+        raise MoestreamError(f"{where} must be a schema object")
+    for key in schema:
+        if key not in TAKEN | IGNORED:
+            raise MoestreamError(f"{where}: the keyword {key!r} is not supported (only {', '.join(sorted(TAKEN))})")
+    kinds = schema.get("type", [])
+    kinds = [kinds] if isinstance(kinds, str) else kinds
+    if not isinstance(kinds, list) or not all(isinstance(k, str) and k in TYPES for k in kinds):
+        raise MoestreamError(
+            f"{where}: type {schema['type']!r} is not a JSON schema type ({', '.join(sorted(TYPES))}, or a list)"
+        )
+    if schema.get("additionalProperties", False) is not False:
+        raise MoestreamError(f"{where}: only additionalProperties false (the properties listed, as OpenAI's strict)")
+    enum = schema.get("enum")
+    if enum is not None and (not isinstance(enum, list) or not enum or any(isinstance(v, (dict, list)) for v in enum)):
+        raise MoestreamError(f"{where}: enum must be a non-empty list of strings, numbers, booleans or null")
+    properties = schema.get("properties", {})
+    if not isinstance(properties, dict):
+        raise MoestreamError(f"{where}: properties must be an object of name -> schema")
+    for name, sub in properties.items():
+        _check(sub, f"{where}.properties.{name}", depth + 1)
+    required = schema.get("required", [])
+    if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+        raise MoestreamError(f"{where}: required must be a list of property names")
+    if not set(required) <= set(properties) and "properties" in schema:
+        raise MoestreamError(f"{where}: required names a property that properties does not list")
+    if "items" in schema:
+        _check(schema["items"], f"{where}.items", depth + 1)
+
+
+def _kinds(schema: dict) -> frozenset[str]:
+    kinds = schema.get("type")
+    if kinds is None:
+        return TYPES
+    kinds = frozenset([kinds] if isinstance(kinds, str) else kinds)
+    return kinds | {"number"} if "integer" in kinds else kinds  # integer: a number without . or e (checked below)
+
+
+def _enum_ok(schema: dict, raw: bytes, done: bool) -> bool:
+    enum = schema.get("enum")
+    if enum is None:
+        return True
+    texts = [json.dumps(v, ensure_ascii=False).encode() for v in enum]
+    return raw in texts if done else any(t.startswith(raw) for t in texts)
+
+
+# Frames (tuples): ("value", schema) a value is due; ("obj", schema, phase, seen, key); ("arr", schema, phase);
+# ("str", schema, raw, escape) escape: 0, "\" seen (-1) or hex digits left; ("num", schema, raw, dfa state);
+# ("lit", schema, raw); ("done",) the whole value is read.
+
+
+def _start(schema: dict, b: int) -> tuple | None:
+    """The frame a value starting with byte b opens, if the schema lets it."""
+    kinds, c = _kinds(schema), bytes([b])
+    if c == b"{" and "object" in kinds and "enum" not in schema:
+        return ("obj", schema, "first", frozenset(), b"")
+    if c == b"[" and "array" in kinds and "enum" not in schema:
+        return ("arr", schema, "first")
+    if c == b'"' and "string" in kinds:
+        return ("str", schema, c, 0) if _enum_ok(schema, c, False) else None
+    if c in LITERALS and _KIND_OF[LITERALS[c]] in kinds:
+        return ("lit", schema, c) if _enum_ok(schema, c, False) else None
+    if (c == b"-" or c.isdigit()) and "number" in kinds:
+        return _number(("num", schema, b"", 0), b)
+    return None
+
+
+def _integer_only(schema: dict) -> bool:
+    declared = schema.get("type")
+    declared = {declared} if isinstance(declared, str) else set(declared or ())
+    return "integer" in declared and "number" not in declared
+
+
+def _number(frame: tuple, b: int) -> tuple | None:
+    _, schema, raw, state = frame
+    c = chr(b)
+    cls = "d" if c in "123456789" else "e" if c in "eE" else c
+    nxt = _NUM[state].get(cls)
+    if nxt is None or (cls in (".", "e") and _integer_only(schema)):
+        return None
+    raw += bytes([b])
+    return ("num", schema, raw, nxt) if _enum_ok(schema, raw, False) else None
+
+
+def _value_done(stack: tuple) -> tuple | None:
+    """The parent's frame after a value ends (stack: without the value's frame)."""
+    if not stack:
+        return (("done",),)
+    parent = stack[-1]
+    if parent[0] == "obj":
+        _, schema, _, seen, key = parent
+        return (*stack[:-1], ("obj", schema, "after", seen | {key}, b""))
+    return (*stack[:-1], ("arr", parent[1], "after"))
+
+
+def _close_ok(frame: tuple) -> bool:
+    required = frame[1].get("required", [])
+    return all(name.encode() in frame[3] for name in required)
+
+
+def _property_schema(schema: dict, key: bytes) -> dict | None:
+    props = schema.get("properties")
+    if props is None:
+        return {}
+    return props.get(key.decode("utf-8", errors="replace"))
+
+
+def feed(stack: tuple, b: int) -> tuple | None:
+    """The state after byte b, or None if no JSON the schema allows goes this way."""
+    top = stack[-1]
+    kind, rest = top[0], stack[:-1]
+    if kind == "done":
+        return stack if b in WS else None
+    if kind == "value":
+        if b in WS:
+            return stack
+        frame = _start(top[1], b)
+        return None if frame is None else (*rest, frame)
+    if kind == "str":
+        _, schema, raw, esc = top
+        raw2 = raw + bytes([b])
+        if esc == -1:
+            if b == ord("u"):
+                return (*rest, ("str", schema, raw2, 4))
+            return (*rest, ("str", schema, raw2, 0)) if bytes([b]) in b'"\\/bfnrt' else None
+        if esc > 0:
+            return (*rest, ("str", schema, raw2, esc - 1)) if bytes([b]) in b"0123456789abcdefABCDEF" else None
+        if b < 0x20:
+            return None
+        if b == ord("\\"):
+            return (*rest, ("str", schema, raw2, -1)) if _enum_ok(schema, raw2, False) else None
+        if not _enum_ok(schema, raw2, b == ord('"')):
+            return None
+        if b == ord('"'):
+            return _value_done(rest)
+        return (*rest, ("str", schema, raw2, 0))
+    if kind == "lit":
+        _, schema, raw = top
+        raw2 = raw + bytes([b])
+        word = LITERALS[raw[:1]]
+        if not word.startswith(raw2) or not _enum_ok(schema, raw2, raw2 == word):
+            return None
+        return _value_done(rest) if raw2 == word else (*rest, ("lit", schema, raw2))
+    if kind == "num":
+        grown = _number(top, b)
+        if grown is not None:
+            return (*rest, grown)
+        if top[3] not in _NUM_DONE or not _enum_ok(top[1], top[2], True):
+            return None
+        after = _value_done(rest)  # the number ended: the byte belongs to what follows
+        return None if after is None else feed(after, b)
+    if kind == "obj":
+        return _feed_object(rest, top, b)
+    return _feed_array(rest, top, b)
+
+
+def _feed_object(rest: tuple, top: tuple, b: int) -> tuple | None:
+    _, schema, phase, seen, key = top
+    if phase == "key":
+        if b == ord('"'):
+            sub = _property_schema(schema, key)
+            return None if sub is None or key in seen else (*rest, ("obj", schema, "colon", seen, key))
+        if b < 0x20 or b == ord("\\"):
+            return None
+        key += bytes([b])
+        props = schema.get("properties")
+        if props is not None and not any(n.encode().startswith(key) and n.encode() not in seen for n in props):
+            return None
+        return (*rest, ("obj", schema, "key", seen, key))
+    if b in WS:
+        return (*rest, top)
+    if phase in ("first", "next") and b == ord('"') and schema.get("properties", True):  # {} : no key to write
+        return (*rest, ("obj", schema, "key", seen, b""))
+    if phase in ("first", "after") and b == ord("}"):
+        return _value_done(rest) if _close_ok(top) else None
+    if phase == "after" and b == ord(","):  # only where a key is left to write
+        props = schema.get("properties")
+        left = props is None or any(n.encode() not in seen for n in props)
+        return (*rest, ("obj", schema, "next", seen, b"")) if left else None
+    if phase == "colon" and b == ord(":"):
+        return (*rest, ("obj", schema, "value", seen, key), ("value", _property_schema(schema, key)))
+    return None
+
+
+def _feed_array(rest: tuple, top: tuple, b: int) -> tuple | None:
+    _, schema, phase = top
+    if b in WS:
+        return (*rest, top)
+    if phase == "first" and b == ord("]"):
+        return _value_done(rest)
+    if phase == "after":
+        if b == ord("]"):
+            return _value_done(rest)
+        return (*rest, ("arr", schema, "next")) if b == ord(",") else None
+    return feed((*rest, ("arr", schema, "value"), ("value", schema.get("items", {}))), b)
+
+
+def _free(stack: tuple) -> bool:
+    """Whether any plain text may follow: inside a string without an enum, or a key of an object of any keys."""
+    top = stack[-1]
+    if top[0] == "str":
+        return top[3] == 0 and "enum" not in top[1]
+    return top[0] == "obj" and top[2] == "key" and "properties" not in top[1]
+
+
+def complete(stack: tuple) -> bool:
+    """Whether the bytes so far are one whole value (a bare number is whole where it may end)."""
+    top = stack[-1]
+    return top[0] == "done" or (len(stack) == 1 and top[0] == "num" and top[3] in _NUM_DONE)
+
+
+class JsonConstraint:
+    """The sampler's Constraint for one sequence: JSON the schema allows, then an end-of-text token."""
+
+    def __init__(self, tokenizer, schema: dict) -> None:
+        self.tokenizer = tokenizer
+        self.state: tuple = (("value", schema),)
+        self.blanks = 0  # blanks in a row outside strings
+        self._groups: dict[int, list[int]] | None = None  # normal token ids by first byte (built by mask)
+        self._plain_rest: list[bool] = []  # per token: its bytes after the first are plain string text
+
+    def _after(self, token: int) -> tuple[tuple, int] | None:
+        """The state and blank run after a token, or None if it breaks the JSON."""
+        tok = self.tokenizer
+        if token in tok.eos_ids:
+            return (self.state, self.blanks) if complete(self.state) else None
+        data = tok.token_bytes(token)
+        if not data or tok.token_types[token] != NORMAL:  # only normal tokens spell JSON (no markers, no padding)
+            return None
+        state, blanks = self.state, self.blanks
+        for b in data:
+            in_string = state[-1][0] == "str" or (state[-1][0] == "obj" and state[-1][2] == "key")
+            blanks = 0 if in_string or b not in WS else blanks + 1
+            state = feed(state, b) if blanks <= MAX_BLANKS else None
+            if state is None:
+                return None
+        return state, blanks
+
+    def allows(self, token: int) -> bool:
+        return self._after(token) is not None
+
+    def mask(self, n_vocab: int) -> torch.Tensor:
+        """Every token's verdict. Tokens are grouped by their first byte: a group whose first byte breaks the JSON
+        is skipped whole, and where that byte leaves a free string (or any key), the group's tokens whose other
+        bytes hold no quote, backslash or control byte are taken without feeding them."""
+        import torch
+
+        if self._groups is None:
+            self._index()
+        allowed = [False] * n_vocab
+        for first, ids in self._groups.items():
+            after = feed(self.state, first)
+            if after is None:
+                continue
+            free = _free(after) and (first not in WS or _free(self.state))  # a blank outside strings is counted
+            for i in ids:
+                if i < n_vocab and ((free and self._plain_rest[i]) or self._after(i) is not None):
+                    allowed[i] = True
+        for i in self.tokenizer.eos_ids:
+            if i < n_vocab and complete(self.state):
+                allowed[i] = True
+        return torch.tensor(allowed, dtype=torch.bool)
+
+    def _index(self) -> None:
+        """The vocabulary's normal tokens by first byte, and whether the rest of each is plain string text."""
+        tok, groups = self.tokenizer, {}
+        plain_rest = [False] * len(tok.token_types)
+        for i, kind in enumerate(tok.token_types):
+            data = tok.token_bytes(i) if kind == NORMAL else b""
+            if data:
+                groups.setdefault(data[0], []).append(i)
+                plain_rest[i] = all(b >= 0x20 and b not in (0x22, 0x5C) for b in data[1:])
+        self._groups, self._plain_rest = groups, plain_rest
+
+    def advance(self, token: int) -> None:
+        after = self._after(token)
+        if after is None:  # the sampler picks only allowed tokens
+            raise MoestreamError(f"token {token} breaks the JSON the answer must be")
+        self.state, self.blanks = after

@@ -1,0 +1,138 @@
+"""The JSON token mask: the validator on fixed texts, cut at every byte; the mask on a real tokenizer; a
+generated model's sampled answers always parse and follow the schema."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import moestream
+from moestream.errors import MoestreamError
+from moestream.runtime.json_constraint import JsonConstraint, complete, feed, schema_of
+from moestream.runtime.sampling import SamplingParams
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "mood": {"enum": ["calm", "storm"]},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "ok": {"type": ["boolean", "null"]},
+    },
+    "required": ["name", "mood"],
+    "additionalProperties": False,
+}
+
+
+def accepts(schema: dict, text: str) -> bool:
+    state = (("value", schema),)
+    for b in text.encode():
+        state = feed(state, b)
+        if state is None:
+            return False
+    return complete(state)
+
+
+@pytest.mark.parametrize(
+    ("text", "ok"),
+    [
+        ('{"name": "Ann", "mood": "calm"}', True),
+        ('{"name":"A\\u00e9\\n","age":-12,"mood":"storm","tags":["x",""],"ok":null}', True),
+        ('{ "mood" : "calm" , "name" : "é" }', True),
+        ('{"name": "Ann"}', False),  # mood is required
+        ('{"name": "Ann", "mood": "rain"}', False),  # not in the enum
+        ('{"name": "Ann", "mood": "calm", "age": 1.5}', False),  # an integer
+        ('{"name": "Ann", "mood": "calm", "extra": 1}', False),  # only the listed properties
+        ('{"name": "Ann", "name": "Bo", "mood": "calm"}', False),  # a key twice
+        ('{"name": 3, "mood": "calm"}', False),
+        ('{"name": "Ann", "mood": "calm"', False),  # not closed
+        ('{"name": "Ann", "mood": "calm", "tags": [1]}', False),
+        ('{"name": "Ann", "mood": "calm", "ok": true}  ', True),
+        ('{"name": "Ann", "mood": "calm"} x', False),
+    ],
+)
+def test_the_validator_against_the_schema(text, ok):
+    assert accepts(SCHEMA, text) == ok
+
+
+def test_any_json_object_and_numbers():
+    obj = schema_of({"type": "json_object"})
+    assert accepts(obj, '{"a": [1, -0.5e+3, {"b": null}], "c": "d"}')
+    assert not accepts(obj, "[1]") and not accepts(obj, '{"a": 01}') and not accepts(obj, '{"a": 1.}')
+    assert accepts({"type": "number"}, "-12.5E3") and not accepts({"type": "integer"}, "2e3")
+
+
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+@pytest.mark.parametrize(
+    ("fmt", "word"),
+    [
+        ({"type": "json_schema", "json_schema": {"schema": {"anyOf": []}}}, "anyOf"),
+        (
+            {"type": "json_schema", "json_schema": {"schema": {"type": "object", "additionalProperties": True}}},
+            "additionalProperties",
+        ),
+        ({"type": "json_schema", "json_schema": {"schema": {"type": "map"}}}, "map"),
+        ({"type": "json_schema", "json_schema": {"schema": {"enum": [{"a": 1}]}}}, "enum"),
+        ({"type": "json_schema", "json_schema": {"schema": {"properties": {"a": {"pattern": "x"}}}}}, "properties.a"),
+        # malformed shapes and hostile depth: a clear error, not a TypeError or a RecursionError
+        ({"type": "json_schema", "json_schema": {"schema": {"type": 5}}}, "type 5"),
+        ({"type": "json_schema", "json_schema": {"schema": {"properties": []}}}, "properties must be an object"),
+        ({"type": "json_schema", "json_schema": {"schema": {"required": "a"}}}, "required must be a list"),
+        ({"type": "json_schema", "json_schema": {"schema": _nested(900)}}, "nests deeper than 64"),
+    ],
+)
+def test_unsupported_schemas_are_refused(fmt, word):
+    with pytest.raises(MoestreamError, match=word):
+        schema_of(fmt)
+
+
+@pytest.fixture(scope="module")
+def engine(model_file):
+    e = moestream.load(model_file("tiny", "Q4_K_M"), device="cpu", progress=False, n_ctx=1024, ubatch=16)
+    yield e
+    e.close()
+
+
+def test_the_mask_is_what_allows_says(engine):
+    tok = engine.tokenizer
+    c = JsonConstraint(tok, SCHEMA)
+    for text in ('{"name": "Ann', '", "mood": ', '"calm", "age": 1', "}"):  # a free string, a value, a number, the end
+        for t in tok.encode(text):
+            assert c.allows(t)
+            c.advance(t)
+        mask = c.mask(tok.vocab_size)
+        assert mask.tolist() == [c.allows(i) for i in range(tok.vocab_size)]
+        assert any(mask[i] for i in tok.eos_ids) == (text == "}")
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_sampled_answers_follow_the_schema(engine, seed):
+    """A random model at temperature 1: every answer the mask lets through parses and follows the schema."""
+    from moestream.runtime.sampling import Sampler
+
+    schema = {
+        "type": "object",
+        "properties": {"mood": {"enum": ["calm", "storm"]}, "n": {"type": "integer"}},
+        "required": ["mood", "n"],
+        "additionalProperties": False,
+    }
+    tok = engine.tokenizer
+    constraint = JsonConstraint(tok, schema)
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=seed), constraint=constraint)
+    cache = engine.new_cache()
+    prompt = tok.encode("Answer in JSON:")
+    token, out = sampler(engine.forward(prompt, cache)[-1]), []
+    while token not in tok.eos_ids and len(out) < 60:
+        out.append(token)
+        token = sampler(engine.forward([token], cache)[-1])
+    value = json.loads(tok.decode(out))
+    assert token in tok.eos_ids, tok.decode(out)
+    assert set(value) == {"mood", "n"} and value["mood"] in ("calm", "storm") and isinstance(value["n"], int)

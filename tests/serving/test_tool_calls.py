@@ -1,0 +1,128 @@
+"""Tool calls read from fixed model outputs in each format, whole and cut at every point as a stream cuts them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moestream.serving.harmony import HarmonySplit
+from moestream.serving.openai_fields import BadRequest
+from moestream.serving.output import AnswerSplit, tool_format
+from moestream.serving.tool_calls import ToolCallSplit, template_messages
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}, "units": {"type": "object"}},
+            },
+        },
+    }
+]
+WANT = [("get_weather", {"city": "Paris", "days": 3}), ("get_weather", {"city": "10", "units": {"c": True}})]
+
+OUTPUTS = {
+    "hermes": (
+        "Let me check.\n<tool_call>\n"
+        '{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>\n<tool_call>\n'
+        '{"name": "get_weather", "arguments": {"city": "10", "units": {"c": true}}}\n</tool_call>'
+    ),
+    "qwen3_xml": (
+        "Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n"
+        '<parameter=city>\n10\n</parameter>\n<parameter=units>\n{"c": true}\n</parameter>\n</function>\n'
+        "</tool_call>"
+    ),
+    "glm45": (
+        "Let me check.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+        "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>\n<tool_call>get_weather\n"
+        '<arg_key>city</arg_key>\n<arg_value>10</arg_value>\n<arg_key>units</arg_key>\n<arg_value>{"c": true}'
+        "</arg_value>\n</tool_call>"
+    ),
+}
+
+
+def run(split: ToolCallSplit, pieces: list[str]) -> tuple[str, list]:
+    content, calls = "", []
+    for piece in pieces:
+        c, k = split.push(piece)
+        content += c
+        calls += k
+    return content + split.flush(), calls
+
+
+@pytest.mark.parametrize("fmt", list(OUTPUTS))
+def test_each_format_whole_and_cut_anywhere(fmt):
+    text = OUTPUTS[fmt]
+    cuts = [[text]] + [[text[:i], text[i:]] for i in range(1, len(text))] + [list(text)]
+    for pieces in cuts:
+        content, calls = run(ToolCallSplit(fmt, TOOLS), pieces)
+        assert content == "Let me check.", pieces
+        assert [(c.name, json.loads(c.arguments)) for c in calls] == WANT
+        assert all(c.id.startswith("call_") for c in calls) and len({c.id for c in calls}) == 2
+
+
+def test_a_call_that_does_not_parse_stays_text_and_so_does_an_unfinished_one():
+    bad = "a <tool_call>{not json}</tool_call> b"
+    assert run(ToolCallSplit("hermes", TOOLS), [bad]) == (bad, [])
+    cut = 'x <tool_call>{"name": "get_weather"'
+    assert run(ToolCallSplit("hermes", TOOLS), [cut]) == (cut, [])
+    plain = "a < b, <tool and <tool_cal"
+    assert run(ToolCallSplit("hermes", TOOLS), list(plain)) == (plain, [])
+
+
+def test_harmony_calls_on_the_commentary_channel():
+    """Both places Harmony allows the recipient; <|call|> itself ends generation, so a flush closes the call."""
+    turn = (
+        "<|channel|>analysis<|message|>Need weather.<|end|>"
+        '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}'
+        "<|call|><|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"
+        '{"city": "Rome"}'
+    )
+    for pieces in ([turn], list(turn)):
+        s, reasoning, content, calls = HarmonySplit(calls=True), "", "", []
+        for p in pieces:
+            r, c = s.push(p)
+            reasoning, content, calls = reasoning + r, content + c, calls + s.take_calls()
+        r, c = s.flush()
+        calls += s.take_calls()
+        assert (reasoning + r, content + c) == ("Need weather.", "")
+        assert [(k.name, json.loads(k.arguments)) for k in calls] == [
+            ("get_weather", {"city": c}) for c in ("Paris", "Rome")
+        ]
+
+
+def test_template_formats_and_the_answer_split():
+    assert tool_format("{{ '<|channel|>' }}") == "harmony"
+    assert tool_format("<tool_call>\n<function=x>") == "qwen3_xml"
+    assert tool_format("<tool_call>{{ x }}<arg_key>") == "glm45"
+    assert tool_format("{%- if tools %}<tool_call>") == "hermes"
+    assert tool_format("plain") is None
+    template = "{%- if tools %}<tool_call>{% endif %}<think>"
+    text = "<think>\nI should call.\n</think>\n\n" + OUTPUTS["hermes"]
+    for pieces in ([text], list(text)):
+        s, out = AnswerSplit(template, "auto", TOOLS, opens_thinking=False), None
+        from moestream.serving.output import Delta
+
+        out = Delta()
+        for p in pieces:
+            out += s.push(p)
+        out += s.flush()
+        assert (out.reasoning, out.content, len(out.calls)) == ("I should call.\n", "Let me check.", 2)
+    raw = AnswerSplit(template, "none", [], opens_thinking=False)
+    assert raw.push(text).content + raw.flush().content == text
+
+
+def test_earlier_calls_reach_the_template_as_objects():
+    calls = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]
+    out = template_messages([{"role": "assistant", "content": None, "tool_calls": calls}])
+    assert out[0]["tool_calls"][0]["function"]["arguments"] == {"a": 1}
+    assert calls[0]["function"]["arguments"] == '{"a": 1}'  # the request is left as it came
+    for bad in ("{oops", "[" * 100_000):  # not JSON, or nested past the parser's limit: a 400, not a 500
+        call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": bad}}
+        with pytest.raises(BadRequest, match="tool call 'f' has arguments that are not JSON"):
+            template_messages([{"role": "assistant", "content": None, "tool_calls": [call]}])
