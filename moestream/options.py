@@ -94,6 +94,11 @@ class SmallBatch(enum.StrEnum):
         return way
 
 
+def count_of(n: int, noun: str) -> str:
+    """'1 token', '2 tokens': a count with its noun, for the lines a user reads."""
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def format_size(n: float) -> str:
     """A byte count as llama-bench prints sizes: GiB, MiB or KiB with two decimals (a tiny model is not
     0.00 GiB), whole bytes below one KiB."""

@@ -32,8 +32,17 @@ from moestream.cli.llama import refuse_llama_flags
 from moestream.cli.perf import check_bench, check_probe, check_profile, cmd_bench, cmd_probe, cmd_profile, sweep_of
 from moestream.cli.warmup import add_warmup, check_warmup, cmd_warmup
 from moestream.errors import MoestreamError, Terminated, is_out_of_memory
-from moestream.options import PROMPT_CACHE_RAM_MIB, driver_present, format_size
+from moestream.options import PROMPT_CACHE_RAM_MIB, count_of, driver_present, format_size
 from moestream.tools.presets import PRESETS
+
+DESCRIPTION = (
+    "Run Mixture-of-Experts GGUF models bigger than the GPU: the experts of the first N layers stay in host RAM "
+    "and stream to the GPU, overlapped with compute (llama.cpp's files and its --n-cpu-moe)."
+)
+EPILOG = (
+    "Try it on a generated model: moestream make-model tiny.gguf --preset tiny && moestream run -m tiny.gguf -p "
+    "'The capital of France is' -n 32. `moestream COMMAND --help` lists a command's flags."
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -70,7 +79,7 @@ class _Help(argparse.HelpFormatter):
 def build_parser() -> argparse.ArgumentParser:
     from moestream import __version__
 
-    parser = _Parser(prog="moestream", description=__doc__)
+    parser = _Parser(prog="moestream", description=DESCRIPTION, epilog=EPILOG)
     parser.add_argument("--version", action="version", version=f"moestream {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add = sub.add_parser
@@ -336,9 +345,9 @@ def cmd_run(a: argparse.Namespace) -> None:
 
 def _print_stats(gen) -> None:
     print(
-        f"prompt {_count(len(gen.prompt_tokens), 'token')} in {gen.prefill_s:.2f} s (first-use setup included) | "
-        f"generated {_count(len(gen.tokens), 'token')}"
-        + (f", {gen.decode_tps:.1f} tok/s over {_count(gen.decode_steps, 'step')}" if gen.decode_steps else "")
+        f"prompt {count_of(len(gen.prompt_tokens), 'token')} in {gen.prefill_s:.2f} s (first-use setup included) | "
+        f"generated {count_of(len(gen.tokens), 'token')}"
+        + (f", {gen.decode_tps:.1f} tok/s over {count_of(gen.decode_steps, 'step')}" if gen.decode_steps else "")
         + f" | stop: {gen.stop_reason}",
         file=sys.stderr,
     )
@@ -356,7 +365,7 @@ def _print_types(metadata: dict, tensors: list) -> None:
         count[t.qtype.name] += 1
         size[t.qtype.name] += t.nbytes
     for i, (qtype, n) in enumerate(size.most_common()):
-        tensors = f"{count[qtype]} tensor" + ("s" if count[qtype] > 1 else "")
+        tensors = count_of(count[qtype], "tensor")
         print(f"{'tensor types' if i == 0 else '':14}{qtype:8} {tensors:>12} {format_size(n):>11}")
 
 
@@ -542,7 +551,7 @@ def cmd_make_model(a: argparse.Namespace) -> None:
 
     make_model(a.out, preset, quant=a.quant, seed=a.seed, routing=a.routing)
     routing = "trained" if routing_settings(preset, a.routing) else "uniform"
-    layers = _count(preset.spec.n_layer, "layer")
+    layers = count_of(preset.spec.n_layer, "layer")
     print(f"wrote {a.out}: preset {preset.name}, {layers}, {recipe(a.quant).name}, {routing} routing")
 
 
@@ -568,13 +577,15 @@ def _one_line_warning(message, category, filename, lineno, file=None, line=None)
 STARTING = {
     "run": lambda a: (
         f"run: loading {a.model}, then generating "
-        + ("until the end of text" if a.n_predict == -1 else _count(a.n_predict, "token"))
+        + ("until the end of text" if a.n_predict == -1 else count_of(a.n_predict, "token"))
     ),
-    "info": lambda a: f"info: reading {a.model}" + (f", then routing {_count(a.tokens, 'token')}" if a.routing else ""),
+    "info": lambda a: (
+        f"info: reading {a.model}" + (f", then routing {count_of(a.tokens, 'token')}" if a.routing else "")
+    ),
     "bench": lambda a: (
-        f"bench: loading {a.model}, then {_count(len(sweep_of(a).placements()), 'placement')} x "
-        + _count(sum(n > 0 for n in a.n_prompt + a.n_gen) * len(a.n_depth), "test")
-        + f", {_count(a.repetitions, 'repetition')} each"
+        f"bench: loading {a.model}, then {count_of(len(sweep_of(a).placements()), 'placement')} x "
+        + count_of(sum(n > 0 for n in a.n_prompt + a.n_gen) * len(a.n_depth), "test")
+        + f", {count_of(a.repetitions, 'repetition')} each"
     ),
     "profile": lambda a: (
         f"profile: loading {a.model}, then pp{a.n_prompt} under " + ", ".join(a.stream or ["serial", "overlap"])
@@ -582,16 +593,12 @@ STARTING = {
     "probe": lambda a: "probe: timing this machine's link and expert GEMMs" + (f" for {a.model}" if a.model else ""),
     "make-model": lambda a: (
         f"make-model: writing {a.out} (preset {a.preset}"
-        + (f", {_count(a.layers, 'layer')}" if a.layers else "")
+        + (f", {count_of(a.layers, 'layer')}" if a.layers else "")
         + f", {a.quant})"
     ),
     "serve": lambda a: f"serve: loading {a.model} for http://{a.host}:{a.port}/v1",
     "warmup": lambda a: f"warmup: compiling the kernels a run of {a.model} with these flags needs",
 }
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 # The slow third-party imports of each command (torch, numpy, gguf through the loader; the server's packages),

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from moestream.cli.args import at_least, check_engine, check_model_path, engine_options, writable
 from moestream.errors import MoestreamError
+from moestream.options import format_size
 from moestream.tools.sweep import Sweep
+
+if TYPE_CHECKING:
+    from moestream.tools.bench import BenchRow
 
 
 def sweep_of(a: argparse.Namespace) -> Sweep:
@@ -93,7 +98,8 @@ def cmd_bench(a: argparse.Namespace) -> None:
         for r in rows:
             bound = max(r.transfer_floor_s, r.compute_floor_s)
             print(
-                f"  ncmoe {r.n_cpu_moe:>2} ub {r.ubatch:>5} {r.stream:<11} {r.test:>7}: {r.seconds * 1e3:8.1f} ms; "
+                f"  ncmoe {r.n_cpu_moe:>2} ub {r.ubatch:>5} {r.stream:<11} {_prefetch_cache(r)} {r.test:>7}: "
+                f"{r.seconds * 1e3:8.1f} ms; "
                 f"transfer {r.transfer_floor_s * 1e3:7.1f} ms, compute {r.compute_floor_s * 1e3:7.1f} ms, "
                 f"time / max(floors) = {r.seconds / bound if bound else float('nan'):.2f}"
                 + (f"; peak GPU memory {r.gpu_peak_gib:.2f} GiB" if info["backends"] == "CUDA" else "")
@@ -118,9 +124,15 @@ def cmd_bench(a: argparse.Namespace) -> None:
             if r.cache_hit is not None:
                 guess += f", expert cache {r.expert_cache} a layer: {r.cache_hit:.1%} of picks held"
             print(
-                f"  {r.test} ncmoe {r.n_cpu_moe} {r.streamed_layers} {r.small_batch}: {r.seconds / n * 1e3:.2f} ms a "
+                f"  {r.test} ncmoe {r.n_cpu_moe} {r.streamed_layers} {r.small_batch} {_prefetch_cache(r)}: "
+                f"{r.seconds / n * 1e3:.2f} ms a "
                 f"token, {r.bytes_uploaded / n / 1e6:.1f} MB of experts fetched a token{guess}"
             )
+
+
+def _prefetch_cache(r: BenchRow) -> str:
+    """The row's --prefetch and --expert-cache, so the lines under the table tell apart the rows they sweep."""
+    return f"pf {r.prefetch} cache {r.expert_cache}"
 
 
 def _positions(a: argparse.Namespace) -> int:
@@ -261,7 +273,7 @@ def cmd_probe(a: argparse.Namespace) -> None:
         print(f"floors for pp{a.n_prompt} ub{a.ubatch} ncmoe {a.n_cpu_moe}:")
         print(
             f"  transfer: token-major {n_chunks * streamed / pinned * 1e3:.1f} ms "
-            f"({n_chunks} x {streamed / 1e9:.2f} GB), layer-major {streamed / pinned * 1e3:.1f} ms"
+            f"({n_chunks} x {format_size(streamed)}), layer-major {streamed / pinned * 1e3:.1f} ms"
         )
         print(
             f"  compute (expert GEMMs only, at the rate above): {flops / gemm * 1e3:.1f} ms; "

@@ -30,7 +30,7 @@ from moestream.offload.prefetch import Prefetcher, ring_bytes
 from moestream.offload.shards import ShardedStreamer, expert_ranges, shard_layer
 from moestream.offload.small_batch import Access, DecodePlan, Measured, decode_plan, ways
 from moestream.offload.streamer import HostLayer, Streamer
-from moestream.options import Options, SmallBatch, format_size, parse_size
+from moestream.options import Options, SmallBatch, count_of, format_size, parse_size
 
 
 @dataclass
@@ -81,7 +81,7 @@ class Offload:
     def describe(self) -> str:
         p = self.placement
         lines = [
-            f"placement: {len(p.resident)} layers' experts on the device ({format_size(p.resident_bytes)}), "
+            f"placement: {_layers_experts(len(p.resident))} on the device ({format_size(p.resident_bytes)}), "
             f"{len(p.streamed)} streamed from host RAM ({format_size(p.host_bytes)})"
             + (f": layers {p.streamed}" if p.spread else "")
             + (f" ({self.note})" if self.note else ""),
@@ -95,7 +95,7 @@ class Offload:
             else:
                 how = "the mapped file, pageable (--host-memory pageable, serial schedule or CPU device)"
             lines.append(
-                f"staging: {len(self.experts.streamer.slots)} slot{'s' * (len(self.experts.streamer.slots) != 1)} x "
+                f"staging: {count_of(len(self.experts.streamer.slots), 'slot')} x "
                 f"{p.slot_bytes / 2**20:.1f} MiB; host: {how}"
             )
             if (pf := self.experts.prefetcher) is not None:
@@ -107,10 +107,16 @@ class Offload:
                         f"({format_size(pf.cache.nbytes)}, --expert-cache)"
                     )
                 lines.append(
-                    f"decode: {pf.n_guess} experts of each streamed layer guessed ahead and gathered beside compute "
+                    f"decode: {count_of(pf.n_guess, 'expert')} of each streamed layer guessed ahead and gathered "
+                    "beside compute "
                     f"(--prefetch; ring {ring / 2**20:.1f} MiB){held}"
                 )
         return "\n".join(lines)
+
+
+def _layers_experts(n: int) -> str:
+    """'1 layer's experts', '2 layers' experts'."""
+    return f"{n} layer's experts" if n == 1 else f"{n} layers' experts"
 
 
 def streamed_layers(n_cpu_moe: int | str, n_layer: int) -> tuple[int | str, str]:
@@ -119,7 +125,8 @@ def streamed_layers(n_cpu_moe: int | str, n_layer: int) -> tuple[int | str, str]
     if n_cpu_moe == "all":
         return n_layer, ""
     if isinstance(n_cpu_moe, int) and n_cpu_moe > n_layer:
-        note = f"--n-cpu-moe {n_cpu_moe} is more than the {n_layer} layers: every layer streams, as in llama.cpp"
+        layers = count_of(n_layer, "layer")
+        note = f"--n-cpu-moe {n_cpu_moe} is more than the {layers}: every layer streams, as in llama.cpp"
         return n_layer, note
     return n_cpu_moe, ""
 
@@ -191,8 +198,8 @@ def build_offload(
         asked = opts.streaming.stream.staging_slots(opts.streaming.slots)
         if streamer is not None and len(streamer.slots) < asked and opts.model.progress:
             print(
-                f"moestream: note: --slots {opts.streaming.slots}: {len(streamer.slots)} staging slots, as many as "
-                "layers stream (more would hold nothing)",
+                f"moestream: note: --slots {opts.streaming.slots}: {count_of(len(streamer.slots), 'staging slot')}, "
+                "as many as layers stream (more would hold nothing)",
                 file=sys.stderr,
             )
         readable = device.type == "cpu" or (pinned is not None and pinned.nbytes > 0)  # page-locked: kernels read it

@@ -176,6 +176,19 @@ def test_min_p_changes_the_text(model_file, capsys):
     assert text("--temp", "1.5", "--seed", "1", "--min-p", "0") == sampled
 
 
+def test_repeat_penalty_reaches_the_sampler(model_file, capsys):
+    """--repeat-penalty below 1 favours the recent tokens until one repeats; --repeat-last-n 0 turns it off."""
+    path = model_file("tiny", "Q4_K_M")
+
+    def text(*flags: str) -> str:
+        assert main(["run", "-m", path, "-p", "The", "-n", "16", "--device", "cpu", "--ignore-eos", *flags]) == 0
+        return capsys.readouterr().out
+
+    greedy = text()
+    repeated = text("--repeat-penalty", "0.001")
+    assert repeated != greedy and text("--repeat-penalty", "0.001", "--repeat-last-n", "0") == greedy
+
+
 def test_info_takes_m_and_probe_a_path(model_file, capsys):
     path = model_file("tiny", "F32")
     assert main(["info", "-m", path]) == 0

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import select
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -17,16 +19,26 @@ import pytest
         (["run", "-m", "MODEL", "-p", "hi", "-n", "1", "--device", "cpu"], ["run: loading", "then generating 1 token"]),
         (["info", "MODEL"], ["info: reading"]),
         (["bench", "-m", "MODEL", "-p", "8,16", "-n", "2", "-r", "1", "--device", "cpu"], ["1 placement x 3 tests"]),
+        (["profile", "-m", "MODEL", "-p", "16", "--device", "cpu"], ["profile: loading", "pp16 under serial"]),
+        (["probe", "MODEL", "--device", "cpu"], ["probe: timing"]),
+        (["serve", "-m", "MODEL", "--port", "PORT", "--device", "cpu"], ["serve: loading", "http://127.0.0.1:"]),
+        (["warmup", "-m", "MODEL", "--device", "cpu"], ["warmup: compiling"]),
+        (["make-model", "OUT", "--preset", "tiny"], ["make-model: writing", "preset tiny"]),
     ],
 )
-def test_a_line_saying_what_it_does_comes_first_and_at_once(model_file, argv, words):
-    argv = [model_file("tiny", "F32") if a == "MODEL" else a for a in argv]
+def test_a_line_saying_what_it_does_comes_first_and_at_once(model_file, tmp_path, argv, words):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    given = {"MODEL": model_file("tiny", "F32"), "PORT": port, "OUT": str(tmp_path / "out.gguf")}
+    argv = [given.get(a, a) for a in argv]
     t0 = time.perf_counter()
     p = subprocess.Popen(
         [sys.executable, "-m", "moestream.cli", *argv],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        start_new_session=True,  # its own group: make-model's workers go with it
     )
     try:
         ready, _, _ = select.select([p.stderr], [], [], 10)
@@ -34,7 +46,7 @@ def test_a_line_saying_what_it_does_comes_first_and_at_once(model_file, argv, wo
         assert ready, "nothing on stderr"
         line = p.stderr.readline().decode()
     finally:
-        p.kill()  # only the first line matters
+        os.killpg(p.pid, signal.SIGKILL)  # only the first line matters
         p.communicate(timeout=60)
     assert line.startswith("moestream: ") and all(w in line for w in words), line
     assert elapsed < 2.0, f"{elapsed:.2f} s"  # about 0.2 s on an idle dev machine: torch is not imported yet
@@ -60,6 +72,28 @@ def test_help_explains_every_flag_and_names_each_default_once(command):
     assert "(default: None)" not in text and "(default: False)" not in text
     if command == "make-model":
         assert "qwen3-30b-a3b" in text and "tiny" in text  # the preset names
+
+
+def test_the_description_says_what_moestream_is_for(capsys):
+    """It was the module's docstring (how the command parses flags), not what the program does."""
+    from moestream.cli.main import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Mixture-of-Experts GGUF models bigger than the GPU" in text and "make-model tiny.gguf" in text
+    assert "parse flags" not in text
+
+
+def test_one_of_a_thing_is_said_in_the_singular(model_file, capsys):
+    """One streamed layer of two: '1 layer's experts', '1 staging slot', not '1 layers'', '1 staging slots'."""
+    from moestream.cli.main import main
+
+    argv = ["run", "-m", model_file("tiny", "F32"), "-p", "hi", "-n", "1", "--device", "cpu", "-ncmoe", "1"]
+    assert main([*argv, "--slots", "5"]) == 0
+    err = capsys.readouterr().err
+    assert "--slots 5: 1 staging slot, as many as layers stream" in err
+    assert "placement: 1 layer's experts on the device" in err and "staging: 1 slot x" in err
 
 
 def test_version():
@@ -89,7 +123,9 @@ def test_fewer_slots_than_asked_are_said(model_file, capsys):
 
     argv = ["run", "-m", model_file("tiny", "F32"), "-p", "hi", "-n", "1", "--device", "cpu", "-ncmoe", "all"]
     assert main([*argv, "--slots", "5"]) == 0
-    assert "--slots 5: 2 staging slots, as many as layers stream" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--slots 5: 2 staging slots, as many as layers stream" in err
+    assert "experts:" not in err  # no bar of resident layers when none is (it read 'experts: 0layer')
 
 
 def test_a_temperature_too_small_to_divide_by_runs_greedy(model_file, capsys):

@@ -122,8 +122,10 @@ def test_profile_writes_trace_and_plot(model_file, tmp_path, capsys):
         str(plot),
     ]
     assert main(argv) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "== serial" in out and "== overlap" in out and "link while copying" in out
+    # progress: a line as each pass starts (profile -p 128 on the CPU ran six minutes with none)
+    assert "profile: serial: warm-up pass" in err and "profile: overlap: passes 1 and 2 of 2" in err
     events = json.loads(trace.read_text())["traceEvents"]
     assert {e["args"]["name"] for e in events if e.get("name") == "process_name"} >= {"moestream serial"}
     assert matplotlib.image.imread(plot).shape[0] > 100
@@ -145,7 +147,7 @@ def test_probe_reads_n_cpu_moe_past_the_layers_as_every_layer_like_run(model_fil
     for n in ("2", "99"):  # tiny has 2 layers
         assert main(["probe", "--device", "cpu", "-m", path, "-p", "64", "-ub", "32", "-ncmoe", n]) == 0
         out = capsys.readouterr().out
-        floors[n] = re.search(r"\(\d+ x [\d.]+ GB\)", out).group()  # the bytes streamed, not the rates
+        floors[n] = re.search(r"\(\d+ x [\d.]+ [KMG]iB\)", out).group()  # the bytes streamed, not the rates
     assert "every layer streams, as in llama.cpp" in out
     assert floors["99"] == floors["2"]
 
@@ -196,3 +198,20 @@ def test_bench_reports_guesses_and_the_expert_cache(model_file, capsys):
     assert all(r["same_tokens"] is not False and 0 < r["prefetch_hit"] <= 1 for r in rows)
     assert main(argv) == 0
     assert "expert cache 3 a layer:" in capsys.readouterr().out
+
+
+def test_decode_on_the_cpu_multiplies_every_weight_from_its_blocks(model_file, capsys, monkeypatch):
+    """A one-token prompt and its decode steps on the CPU device dequantize no weight (the Q6_K head and Q8_0
+    projections included): the C kernel reads each one's blocks. The head was dequantized on every step."""
+    from moestream.offload import expert_tensors
+    from moestream.ops import linear
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a weight was dequantized")
+
+    monkeypatch.setattr(linear, "dequantize", refuse)
+    monkeypatch.setattr(expert_tensors, "dequantize", refuse)
+    for placement in ([], ["-ncmoe", "all"]):
+        argv = ["run", "-m", model_file("tiny", "Q4_K_M"), "--device", "cpu", "-p", "The", "-n", "6", *placement]
+        assert main(argv) == 0
+        assert "generated 6 tokens" in capsys.readouterr().err
