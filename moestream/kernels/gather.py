@@ -14,6 +14,8 @@ import warnings
 
 import torch
 
+from moestream.kernels.launch import on_device
+
 try:  # Triton ships with CUDA builds of torch
     import triton
     import triton.language as tl
@@ -57,38 +59,43 @@ if triton is not None:
     ):
         """_gather_kernel's copies from PROGRAMS programs, each looping over (pick, chunk) items: a gather
         beside compute must leave it most multiprocessors (a program waiting on the link holds one). AT: ids
-        are word offsets from src (anywhere in the unified address space: a device cache's rows too)."""
+        are word offsets from src (anywhere in the unified address space: a device cache's rows too). A negative
+        id's row is not written."""
         for start in range(0, n_items, PROGRAMS):
             item = start + tl.program_id(0)
             r = item // chunks
             w = (item % chunks) * WORDS + tl.arange(0, WORDS)
-            ok = (w < row_words) & (item < n_items)
-            row = tl.load(ids + r, mask=item < n_items, other=0).to(tl.int64)
+            row = tl.load(ids + r, mask=item < n_items, other=-1).to(tl.int64)
+            ok = (w < row_words) & (row >= 0)  # -1: a row nobody reads (a repeated guess)
             at = row if AT else row * row_words
             tl.store(dst + r.to(tl.int64) * row_words + w, tl.load(src + at + w, mask=ok), mask=ok)
 
     @triton.jit
     def _held_offsets_kernel(
-        guess, slot_of, offs, counts, n_guess, w0, w1, w2, d0, d1, d2, expert_bytes, GUESS: tl.constexpr
+        guess, n_live, slot_of, offs, counts, n_guess, w0, w1, w2, d0, d1, d2, expert_bytes, GUESS: tl.constexpr
     ):
         """For each guessed expert and stack s (words a row w_s): where the gather reads it, as a word offset
         from that stack's host base: its row of the device cache (d_s words away) when slot_of holds it, else
-        its host row; and the bytes the guess reads over the link, added to counts' GUESS_BYTES."""
+        its host row; -1 past the first n_live (repeats: not read); and the bytes the guess reads over the link,
+        added to counts' GUESS_BYTES."""
         g = tl.arange(0, GUESS)
-        live = g < n_guess
+        inside = g < n_guess
+        live = inside & (g < tl.load(n_live))
         e = tl.load(guess + g, mask=live, other=0)
         at = tl.load(slot_of + e, mask=live, other=-1)
         hot = at >= 0
-        tl.store(offs + g, tl.where(hot, d0 + at * w0, e * w0), mask=live)
-        tl.store(offs + n_guess + g, tl.where(hot, d1 + at * w1, e * w1), mask=live)
-        tl.store(offs + 2 * n_guess + g, tl.where(hot, d2 + at * w2, e * w2), mask=live)
+        tl.store(offs + g, tl.where(live, tl.where(hot, d0 + at * w0, e * w0), -1), mask=inside)
+        tl.store(offs + n_guess + g, tl.where(live, tl.where(hot, d1 + at * w1, e * w1), -1), mask=inside)
+        tl.store(offs + 2 * n_guess + g, tl.where(live, tl.where(hot, d2 + at * w2, e * w2), -1), mask=inside)
         tl.atomic_add(counts + _GUESS_BYTES, tl.sum((live & (at < 0)).to(tl.int64), axis=0) * expert_bytes)
 
     @triton.jit
     def _misses_kernel(
         src,
         ids,
+        first,
         guess,
+        n_live,
         dst,
         mats,
         counts,
@@ -99,35 +106,38 @@ if triton is not None:
         n_guess,
         GUESS: tl.constexpr,
         WORDS: tl.constexpr,
-        FIRST: tl.constexpr,
+        COUNTING: tl.constexpr,
         CACHED: tl.constexpr,
     ):
-        """Pick r's row of dst: guess's position j if ids[r] is guess[j] (prefetched there), else n_guess + r,
-        read here from host memory, or from the device stack cache when CACHED and slot_of names a row of it.
-        The first stack's launch writes that row index to mats and counts picks and misses (and with CACHED,
-        picks the cache holds, and each expert's picks in freq) on the device; each launch adds the bytes its
-        own stack read over the link."""
+        """Pick r's row of dst: guess's position j if ids[r] is guess[j] (prefetched there; only the first
+        n_live are), else n_guess + first[r], read here (by the expert's first pick alone) from host memory, or
+        from the device stack cache when CACHED and slot_of names a row of it. The first stack's launch writes
+        that row index to mats and counts picks and misses (and with CACHED, picks the cache holds, and each
+        expert's picks in freq) on the device; each launch adds the bytes its own stack read over the link."""
         r = tl.program_id(0)
         c = tl.program_id(1)
         row = tl.load(ids + r)
+        lead = tl.load(first + r)
         g = tl.arange(0, GUESS)
-        hit = (tl.load(guess + g, mask=g < n_guess, other=-1) == row).to(tl.int32)
+        live = (g < n_guess) & (g < tl.load(n_live))
+        hit = (tl.load(guess + g, mask=live, other=-1) == row).to(tl.int32)
         found = tl.max(hit, axis=0)
+        reads = (found == 0) & (lead == r)  # a miss, the first pick of its expert
         if CACHED:
             at = tl.load(slot_of + row)
         else:
             at = tl.full((), -1, tl.int64)
         if c == 0:
-            if FIRST:
-                tl.store(mats + r, tl.where(found > 0, tl.argmax(hit, axis=0), n_guess + r).to(tl.int64))
+            if COUNTING:
+                tl.store(mats + r, tl.where(found > 0, tl.argmax(hit, axis=0), n_guess + lead).to(tl.int64))
                 tl.atomic_add(counts + _PICKS, 1)
                 tl.atomic_add(counts + _MISSES, (1 - found).to(tl.int64))
                 if CACHED:
                     tl.atomic_add(counts + _CACHED, (at >= 0).to(tl.int64))
                     tl.atomic_add(freq + row, 1)
-            if (found == 0) & (at < 0):
+            if reads & (at < 0):
                 tl.atomic_add(counts + _MISS_BYTES, row_words.to(tl.int64) * 4)
-        if found == 0:
+        if reads:
             w = c * WORDS + tl.arange(0, WORDS)
             ok = w < row_words
             if CACHED:
@@ -143,6 +153,17 @@ def first_picks(picks: torch.Tensor) -> torch.Tensor:
     and a gather that reads each once moves fewer bytes. Fixed shape, no host sync (a captured step's too)."""
     same = picks[:, None] == picks[None, :]  # [n, n]
     return same.int().argmax(1)  # the first of the maxima
+
+
+def union(picks: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct ids of picks [n] in the order first seen, then repeats of them, [width] (width at least as
+    many as are distinct, at most n), and how many are distinct ([] on the device): several rows' guesses, each
+    expert read once. A fixed shape and no host sync (a captured step's too)."""
+    at = torch.arange(picks.numel(), device=picks.device)
+    lead = first_picks(picks) == at
+    kept = lead.cumsum(0)  # distinct ids up to each pick
+    to = torch.where(lead, kept - 1, kept[-1] + at - kept)  # the first picks in order, then the repeats
+    return torch.empty_like(picks).scatter_(0, to, picks)[:width], kept[-1]
 
 
 def available() -> bool:
@@ -181,7 +202,7 @@ class RowGather:
             return _from_cache(torch.index_select(src, 0, rows, out=out), rows, cache)
         if self.reads(src, rows):
             try:
-                with torch.cuda.device(rows.device):
+                with on_device(rows):
                     if programs is None:
                         words = out[0].numel() // 4
                         _gather_kernel[(rows.numel(), triton.cdiv(words, WORDS_PER_PROGRAM))](
@@ -211,6 +232,7 @@ class RowGather:
         self,
         srcs: list[torch.Tensor],
         ids: torch.Tensor,
+        n_live: torch.Tensor,
         outs: list[torch.Tensor],
         stacks: list[torch.Tensor],
         slot_of: torch.Tensor,
@@ -219,17 +241,27 @@ class RowGather:
         programs: int,
     ) -> None:
         """Each host stack's rows ids [G] into outs on PROGRAMS programs, those slot_of [n_expert] names read
-        from the device stacks instead (offs [3, G]: where each is read); counts (slots of Count) gains the bytes
-        read over the link as GUESS_BYTES. Raises if the kernels fail (the caller then picks another way)."""
+        from the device stacks instead (offs [3, G]: where each is read); only the first n_live ([] on the
+        device) are read, the rest (repeats, union's) left unwritten; counts (slots of Count) gains the bytes read
+        over the link as GUESS_BYTES. Raises if the kernels fail (the caller then picks another way)."""
         G = ids.numel()
         words = [out[0].numel() // 4 for out in outs]
         deltas = []
         for src, stack in zip(srcs, stacks, strict=True):
             gap = stack.data_ptr() - src.data_ptr()  # one address space: the device rows seen from the host base
             deltas.append(gap // 4)
-        with torch.cuda.device(ids.device):
+        with on_device(ids):
             _held_offsets_kernel[(1,)](
-                ids, slot_of, offs, counts, G, *words, *deltas, 4 * sum(words), GUESS=triton.next_power_of_2(G)
+                ids,
+                n_live,
+                slot_of,
+                offs,
+                counts,
+                G,
+                *words,
+                *deltas,
+                4 * sum(words),
+                GUESS=triton.next_power_of_2(G),
             )
             for s, (src, out) in enumerate(zip(srcs, outs, strict=True)):
                 self._few(src, offs[s], out, programs, at=True)
@@ -248,26 +280,32 @@ class RowGather:
 def fill_misses(
     src: torch.Tensor,
     ids: torch.Tensor,
+    first: torch.Tensor,
     guess: torch.Tensor,
+    n_live: torch.Tensor,
     dst: torch.Tensor,
     mats: torch.Tensor,
     counts: torch.Tensor,
-    first: bool,
+    counting: bool,
     cache: Cached | None = None,
     freq: torch.Tensor | None = None,
 ) -> None:
-    """The picks ids [n] of host stack src that guess [G] missed, read into dst rows G.. (dst [G + n, ...] holds
-    the guessed experts in rows 0..G-1), from cache where it holds them; mats [n] gets each pick's row of dst, and
-    counts (slots of Count) gains PICKS, MISSES and CACHED and freq [n_expert] (with a cache) from the first
-    stack's launch (first), MISS_BYTES from each. No host sync: ids stay on the device."""
+    """The picks ids [n] of host stack src that guess [G] missed (its first n_live, [] on the device, were
+    gathered), read into dst rows G.. (dst [G + n, ...] holds the guessed experts in rows 0..G-1), each missed
+    expert once (first: first_picks(ids); the row of its first pick), from cache where it holds them; mats [n]
+    gets each pick's row of dst, and counts (slots of Count) gains PICKS, MISSES and CACHED and freq [n_expert]
+    (with a cache) from the first stack's launch (counting), MISS_BYTES from each. No host sync: ids stay on
+    the device."""
     words = src[0].numel() // 4
     G = guess.numel()
     stack, slot_of = cache if cache is not None else (dst, ids)  # unread without a cache
-    with torch.cuda.device(ids.device):
+    with on_device(ids):
         _misses_kernel[(ids.numel(), triton.cdiv(words, WORDS_PER_PROGRAM))](
             _words(src),
             ids,
+            first,
             guess,
+            n_live,
             _words(dst),
             mats,
             counts,
@@ -278,7 +316,7 @@ def fill_misses(
             G,
             GUESS=triton.next_power_of_2(G),
             WORDS=WORDS_PER_PROGRAM,
-            FIRST=first,
+            COUNTING=counting,
             CACHED=cache is not None,
         )
 

@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from moestream.errors import MoestreamError
 from moestream.formats.gguf import GGUFFile, torch_bytes
-from moestream.kernels import cpu_quant
+from moestream.kernels import cpu_quant, tuning
 from moestream.kernels.gather import RowGather
 from moestream.offload.device import CpuDevice, CudaDevice, cap_vram, make_device
 from moestream.offload.expert_cache import ExpertCache
@@ -106,10 +106,10 @@ class Offload:
                         f"; {pf.cache.n} of each held on the GPU, the most picked "
                         f"({format_size(pf.cache.nbytes)}, --expert-cache)"
                     )
+                rows = f" for each of up to {pf.rows} sequences a pass" if pf.rows > 1 else ""
                 lines.append(
-                    f"decode: {count_of(pf.n_guess, 'expert')} of each streamed layer guessed ahead and gathered "
-                    "beside compute "
-                    f"(--prefetch; ring {ring / 2**20:.1f} MiB){held}"
+                    f"decode: {count_of(pf.n_guess, 'expert')} of each streamed layer guessed ahead{rows} and "
+                    f"gathered beside compute (--prefetch; ring {ring / 2**20:.1f} MiB){held}"
                 )
         return "\n".join(lines)
 
@@ -159,10 +159,11 @@ def build_offload(
     # the ring of guesses is budgeted where small batches will gather, judged before page-locking is tried
     will_lock = device.type == "cpu" or (opts.placement.host_memory == "pinned" and opts.streaming.stream.page_locks)
     expected = decode_plan(opts, spec.n_expert_used, _access(opts, pick, will_lock), measured)
+    rows = _guessed_rows(opts, spec)
     sizing = Sizing(
         opts.model.context(spec.n_ctx_train),
         opts.model.ubatch,
-        lambda n_ctx, ubatch: _footprint(arch, spec, opts, dense_bytes, tensors, expected, n_ctx, ubatch),
+        lambda n_ctx, ubatch: _footprint(arch, spec, opts, dense_bytes, tensors, expected, rows, n_ctx, ubatch),
     )
     fp = sizing.footprint
     n_cpu_moe, note = streamed_layers(opts.placement.n_cpu_moe, spec.n_layer)
@@ -206,7 +207,7 @@ def build_offload(
         decode = decode_plan(opts, spec.n_expert_used, _access(opts, pick, readable, streamer is not None), measured)
         decode.warn()
         stored = ExpertBytes(tensors, resident, streamer, first, opts.model.torch_dtype, pick)
-        experts, fp = _serve(stored, decode, placement, fp, budget, spec)
+        experts, fp = _serve(stored, decode, placement, fp, budget, spec, rows)
     except BaseException:
         if pinned is not None:
             pinned.unregister()
@@ -244,13 +245,24 @@ def _access(opts: Options, pick: RowGather, readable: bool, streams: bool = True
     return Access(opts.model.torch_device.type == "cuda", readable, pick.kernel_ok, sharded, streams)
 
 
+def _guessed_rows(opts: Options, spec) -> int:
+    """The most rows (a token for each of --max-seqs sequences) a static pass guesses ahead for, the ring sized
+    for them: as many as a GPU pass holds (DecodeStep.each: the tuning's max_tokens), fewer than
+    --stream-min-batch, and picking fewer experts than a layer has (else the layer uploads or gathers whole).
+    At least one: a one-token step guesses wherever it can."""
+    most = min(opts.serving.n_seqs, opts.streaming.stream_min_batch - 1, (spec.n_expert - 1) // spec.n_expert_used)
+    if opts.model.torch_device.type == "cuda":
+        most = min(most, tuning.current().max_tokens)
+    return max(1, most)
+
+
 def _footprint(
-    arch, spec, opts: Options, dense_bytes: int, tensors: dict, decode: DecodePlan, n_ctx: int, ubatch: int
+    arch, spec, opts: Options, dense_bytes: int, tensors: dict, decode: DecodePlan, rows: int, n_ctx: int, ubatch: int
 ) -> Footprint:
-    """Device bytes besides the resident experts and staging slots, the guesses' ring where decode plans one,
-    for a context of n_ctx positions and micro-batches of ubatch tokens."""
+    """Device bytes besides the resident experts and staging slots, the guesses' ring for passes of up to rows
+    rows where decode plans one, for a context of n_ctx positions and micro-batches of ubatch tokens."""
     dtype = opts.model.torch_dtype
-    ring = ring_bytes(tensors, tensors, decode.n_guess, spec.n_expert_used) if decode.guesses else 0
+    ring = ring_bytes(tensors, tensors, decode.n_guess, spec.n_expert_used, rows) if decode.guesses else 0
     kv_types = dict(zip(("type_k", "type_v"), opts.model.kv_types, strict=True))
     return Footprint(
         dense=dense_bytes,
@@ -261,10 +273,11 @@ def _footprint(
 
 
 def _serve(
-    stored: ExpertBytes, decode: DecodePlan, placement: Placement, fp: Footprint, budget: int | None, spec
+    stored: ExpertBytes, decode: DecodePlan, placement: Placement, fp: Footprint, budget: int | None, spec, rows: int
 ) -> tuple[LayerExperts, Footprint]:
-    """The decode side the plan asks for: where one-token steps guess ahead, the ring of guesses and an expert
-    cache as large as asked or as the budget leaves. Returns it and the footprint with the cache counted."""
+    """The decode side the plan asks for: where static steps guess ahead, the ring of guesses (for passes of up
+    to rows rows) and an expert cache as large as asked or as the budget leaves. Returns it and the footprint
+    with the cache counted."""
     if not decode.guesses:
         return LayerExperts(stored, decode), fp
     sizes = [stored.tensors[il].expert_bytes for il in placement.streamed]
@@ -275,7 +288,7 @@ def _serve(
         cache = ExpertCache(stored.tensors, streamed, n_cached, device, stored.pick, decode.cache_policy)
     fp = replace(fp, expert_cache=cache.nbytes if cache is not None else 0)
     n_used = spec.n_expert_used
-    prefetcher = Prefetcher(stored.tensors, streamed, decode.n_guess, n_used, stored.dev, stored.pick, cache)
+    prefetcher = Prefetcher(stored.tensors, streamed, decode.n_guess, n_used, stored.dev, stored.pick, cache, rows)
     return LayerExperts(stored, decode, prefetcher), fp
 
 

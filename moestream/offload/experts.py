@@ -83,13 +83,14 @@ class LayerExperts:
         return self.plan.gathers and (not self.plan.access.on_gpu or self.pick.kernel_ok)
 
     def guess_plan(self, n_tokens: int, static: bool) -> dict[int, int]:
-        """For a pass of n_tokens: {layer at whose start (-1: before layer 0) to call prefetch(): the gathered
-        layer to guess}. Empty unless a static pass of one token, gathered, prefetch on."""
+        """For a pass of n_tokens (a token for each of that many sequences): {layer at whose start (-1: before
+        layer 0) to call prefetch(): the gathered layer to guess}. Empty unless a static pass of at most the
+        rows the prefetcher's ring holds, gathered, prefetch on."""
         p = self.prefetcher
-        if p is None or not static or n_tokens != 1 or n_tokens >= self.plan.min_batch:
+        if p is None or not static or n_tokens > p.rows or n_tokens >= self.plan.min_batch:
             return {}  # a batch of min_batch tokens uploads whole layers
-        if p.n_used >= next(iter(self.tensors.values())).n_expert or not self.gathers:
-            return {}  # every expert picked: the layer gathers whole
+        if n_tokens * p.n_used >= p.n_expert or not self.gathers:
+            return {}  # as many picks as experts: the layer gathers whole
         return p.schedule()
 
     @property
@@ -104,8 +105,8 @@ class LayerExperts:
         return p.cache.n if p is not None and p.cache is not None else 0
 
     def prefetch(self, il: int, guess: torch.Tensor, timeline: Timeline = NULL) -> None:
-        """Start gathering layer il's experts guess [1, G] names, beside compute (no host sync); nothing once
-        the gather kernel has failed (the layer then picks through the host)."""
+        """Start gathering layer il's experts guess [R, G] names (each row's), beside compute (no host sync);
+        nothing once the gather kernel has failed (the layer then picks through the host)."""
         if self.gathers:
             self.prefetcher.prefetch(il, guess, self.counters, timeline)
 

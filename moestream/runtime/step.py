@@ -8,7 +8,7 @@ sequence cache and key-count bucket and then replayed: one launch per token (run
 The first step of a bucket runs eagerly (it is also the warm-up that compiles the Triton kernels), later ones
 replay; both run the same kernels, so they give the same bits. A server's running batch (a token for each of
 several sequences) is captured the same way, once per set of caches and buckets. Gathered layers' experts are
-guessed from the input of an earlier layer (offload/prefetch.py) and fetched beside it.
+guessed from the input of an earlier layer (offload/prefetch.py; for every row of a batch) and fetched beside it.
 """
 
 from __future__ import annotations

@@ -70,12 +70,13 @@ class QueueFull(MoestreamError):
 class Mode:
     """Whether n decoding sequences go through one pass or each alone, by which was faster at n so far.
 
-    Which wins depends on the placement: one pass reads resident weights once for all rows, but with most
-    layers' experts over the link, a pass of several rows gathers every row's picks without the one-token
-    step's guess-ahead and expert cache. Both give the same tokens (each row is computed as it would be alone),
-    so the choice is only about speed, timed as --small-batch auto's is (offload/small_batch.py Timings). Each
-    way is tried twice first (the first turns compile and capture), and the slower one again every `explore`
-    turns, in case the placement's balance moved."""
+    Which wins depends on the placement: one pass reads resident weights once for all rows and each streamed
+    expert once for the rows that picked it (guessed ahead for all of them, the expert cache read), but the
+    union of several rows' picks can cross the link slower than each row's alone behind its own guess. Both
+    give the same tokens (each row is computed as it would be alone), so the choice is only about speed, timed
+    as --small-batch auto's is (offload/small_batch.py Timings). Each way is tried twice first (the first turns
+    compile and capture), and the slower one again every `explore` turns, in case the placement's balance
+    moved."""
 
     def __init__(self, explore: int = 64, window: int = 5):
         self.explore = explore

@@ -84,6 +84,89 @@ def test_generation_matches_resident_with_prefetch_on_by_default(model_file):
         e.close()
 
 
+BATCH = [PROMPT[:5], PROMPT[3:10], PROMPT[6:9]]
+
+
+def decode_together(engine, prompts: list, n: int = 6) -> torch.Tensor:
+    """Each prompt in its own cache, then n greedy tokens for all of them in one-pass steps (forward_each, a
+    server's running batch): the steps' logits [n, B, V]."""
+    caches = [engine.new_cache() for _ in prompts]
+    last = [int(engine.forward(p, c)[-1].argmax()) for p, c in zip(prompts, caches, strict=True)]
+    out = []
+    for _ in range(n):
+        out.append(engine.forward_each(last, caches))
+        last = out[-1].argmax(-1).tolist()
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("held", [0, 3])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen35moe", "tiny-glm4moe"])
+def test_a_batched_step_guesses_for_every_row_and_gives_the_unguessed_bits(model_file, preset, held):
+    """Three sequences a pass (--max-seqs 3): the union of their guesses gathered ahead, picks taken from it and
+    from the expert cache, the misses gathered after routing: the bits of the same passes without a guess."""
+    path = model_file(preset, "Q4_K_M")
+    off = moestream.load(path, prefetch=0, n_seqs=3, **GATHERED)
+    want = decode_together(off, BATCH)
+    off.close()
+    e = moestream.load(path, n_seqs=3, expert_cache=held, **GATHERED)
+    try:
+        experts, spec = e.experts, e.spec
+        assert experts.prefetcher.rows == 3 and experts.guess_plan(3, static=True) == experts.prefetcher.schedule()
+        got = decode_together(e, BATCH)
+        picks, misses, _, _, cached = experts.counters.stats()
+    finally:
+        e.close()
+    assert torch.equal(got, want)
+    assert picks == 6 * len(spec.expert_layers) * 3 * spec.n_expert_used  # every step, layer, row and pick
+    assert 0 <= misses < picks, "picks were taken from the prefetched rows"
+    assert (cached > 0) == bool(held)
+
+
+def test_identical_rows_read_each_guessed_and_missed_expert_once(model_file):
+    """Three rows stepping the same sequence pick alike: the union of their guesses is one row's, and an expert
+    all three missed crosses the link once (F32: every expert of every layer the same bytes)."""
+    e = moestream.load(model_file("tiny", "F32"), n_seqs=3, prefetch=1, **GATHERED)
+    try:
+        experts = e.experts
+        got = decode_together(e, [PROMPT] * 3, 4)
+        picks, misses, miss_bytes, guess_bytes, _ = experts.counters.stats()
+        expert_bytes = experts.tensors[0].expert_bytes
+    finally:
+        e.close()
+    assert all(torch.equal(got[:, 0], got[:, i]) for i in (1, 2))
+    assert guess_bytes == 4 * e.spec.n_layer * expert_bytes  # one guess a layer and step, not three
+    assert misses % 3 == 0 and misses > 0 and miss_bytes == misses // 3 * expert_bytes
+
+
+def test_a_batch_size_reads_the_same_part_of_its_slot_every_step(model_file, monkeypatch):
+    """A pass of R rows guesses a fixed number of experts (the union padded with repeats) into the same tensors
+    every step, as a captured step replays; one token's pass is the R = 1 case, at the front of the slot."""
+    e = moestream.load(model_file("tiny", "Q4_K_M"), n_seqs=3, **GATHERED)
+    p = e.experts.prefetcher
+    seen: dict[tuple[int, int], set] = {}
+    queue = p.prefetch
+
+    def probe(il, guess, *args):
+        queue(il, guess, *args)
+        part = p.pending[il]
+        at = [(t.shape, t.data_ptr()) for t in (part.guess, part.mats, part.offs, *part.rows)]
+        seen.setdefault((guess.shape[0], il), set()).add(tuple(at))
+
+    monkeypatch.setattr(p, "prefetch", probe)
+    try:
+        assert [p.width(n) for n in (1, 2, 3)] == [2, 4, 6]  # tiny: 2 guessed a row, 8 experts a layer
+        decode_together(e, BATCH, 4)
+        decode_together(e, BATCH[:2], 4)
+        decode(e, 4)
+    finally:
+        e.close()
+    assert sorted(seen) == [(n, il) for n in (1, 2, 3) for il in range(e.spec.n_layer)]
+    for (n, _), parts in seen.items():
+        assert len(parts) == 1, f"{n} rows: one part of the slot every step"
+        (guess, mats, *_), *_ = parts
+        assert guess[0] == (p.width(n),) and mats[0] == (n * e.spec.n_expert_used,)
+
+
 @pytest.mark.parametrize("lead", ["layer", "streamed"])
 @pytest.mark.parametrize("n_cpu_moe", [1, 2])
 def test_a_spread_placement_guesses_across_resident_layers(model_file, n_cpu_moe, lead, monkeypatch):
@@ -134,6 +217,15 @@ def test_the_guess_ring_is_budgeted_as_allocated_and_only_when_layers_stream(mod
         p, fp = e.experts.prefetcher, e.offload.footprint
         allocated = sum(buf.numel() for slot in p.slots for buf in slot.bufs)
         assert fp.prefetch == allocated == ring_bytes(p.tensors, p.tensors, p.n_guess, p.n_used) > 0
+    finally:
+        e.close()
+    e = moestream.load(model_file("tiny", "Q4_K_M"), n_seqs=5, **GATHERED)  # 3 rows: 4 would pick all 8 experts
+    try:
+        p, fp = e.experts.prefetcher, e.offload.footprint
+        allocated = sum(buf.numel() for slot in p.slots for buf in slot.bufs)
+        assert p.rows == 3 and fp.prefetch == allocated == ring_bytes(p.tensors, p.tensors, 2, 2, rows=3)
+        assert "guessed ahead for each of up to 3 sequences a pass" in e.offload.describe()
+        assert allocated == 2 * (6 + 6) * sum(prefetch.stack_sizes(p.tensors, p.tensors))  # 6 guessed, 6 picks
     finally:
         e.close()
     fp = Footprint(dense=100, kv_cache=10, workspace=1, prefetch=5000)

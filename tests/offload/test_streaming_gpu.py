@@ -109,8 +109,9 @@ def test_gather_reads_page_locked_host_memory(own_pages):
 
 
 def test_held_gathers_read_cache_rows_on_the_device_and_the_rest_from_the_host(own_pages):
-    """gather_held (the expert cache's prefetch read) and fill_misses with a cache: every row the bytes of its
-    expert, held ones read from the device stacks (a corrupted cache row shows), link bytes only for the rest."""
+    """gather_held (the expert cache's prefetch read) of a batch's united guesses and fill_misses with a cache:
+    every row the bytes of its expert, held ones read from the device stacks (a corrupted cache row shows),
+    repeats of the union and an expert several rows missed read once, link bytes only for the rest."""
     import numpy as np
 
     from moestream.kernels import gather
@@ -126,27 +127,31 @@ def test_held_gathers_read_cache_rows_on_the_device_and_the_rest_from_the_host(o
         slot_of = torch.full((32,), -1, dtype=torch.long, device="cuda")
         slot_of[held] = torch.arange(3, device="cuda")
         stacks = [src[held].cuda() for src in srcs]
-        guess = torch.tensor([9, 1, 30, 12], device="cuda")
-        outs = [torch.empty((4 + 3, *src.shape[1:]), dtype=torch.uint8, device="cuda") for src in srcs]  # G + picks
+        rows = torch.tensor([[9, 1], [30, 9], [12, 1]], device="cuda")  # three rows' guesses
+        guess, n_live = gather.union(rows.reshape(-1), 6)  # 9, 1, 30, 12, then two repeats
+        outs = [torch.full((6 + 5, *src.shape[1:]), 7, dtype=torch.uint8, device="cuda") for src in srcs]
         counts = torch.zeros(5, dtype=torch.long, device="cuda")
-        offs = torch.zeros((3, 4), dtype=torch.long, device="cuda")
+        offs = torch.zeros((3, 6), dtype=torch.long, device="cuda")
         pick = gather.RowGather()
-        pick.gather_held(srcs, guess, [o[:4] for o in outs], stacks, slot_of, counts, offs, 16)
+        pick.gather_held(srcs, guess, n_live, [o[:6] for o in outs], stacks, slot_of, counts, offs, 16)
         expert_bytes = sum(src[0].numel() for src in srcs)
         for src, out in zip(srcs, outs, strict=True):
-            assert torch.equal(out[:4].cpu(), src[guess.cpu()])
+            assert torch.equal(out[:4].cpu(), src[guess[:4].cpu()]) and (out[4:6] == 7).all(), "repeats not read"
         assert counts.tolist() == [0, 0, 0, 2 * expert_bytes, 0]  # 1 and 12 crossed the link
-        picks = torch.tensor([12, 3, 5], device="cuda")  # guessed, held miss, host miss
-        mats = torch.zeros(3, dtype=torch.long, device="cuda")
+        picks = torch.tensor([12, 3, 5, 5, 3], device="cuda")  # guessed, held miss, host miss (twice each)
+        first = gather.first_picks(picks)
+        mats = torch.zeros(5, dtype=torch.long, device="cuda")
         freq = torch.zeros(32, dtype=torch.long, device="cuda")
         for s, (src, out) in enumerate(zip(srcs, outs, strict=True)):
             stack = stacks[s]
             stack[0].zero_()  # expert 3's cached rows: a miss of 3 must come from here
-            gather.fill_misses(src, picks, guess, out, mats, counts, s == 0, (stack, slot_of), freq)
+            gather.fill_misses(src, picks, first, guess, n_live, out, mats, counts, s == 0, (stack, slot_of), freq)
             got = out[mats].cpu()
-            assert torch.equal(got[0], src[12]) and torch.equal(got[2], src[5]) and int(got[1].sum()) == 0
-        assert counts.tolist() == [3, 2, expert_bytes, 2 * expert_bytes, 1]  # only 5 crossed the link
-        assert freq[[12, 3, 5]].tolist() == [1, 1, 1] and int(freq.sum()) == 3
+            assert torch.equal(got[0], src[12]) and torch.equal(got[2], src[5]) and torch.equal(got[3], src[5])
+            assert int(got[1].sum()) == int(got[4].sum()) == 0 and (out[6 + 3 :] == 7).all(), "read once"
+        assert mats.tolist() == [3, 7, 8, 8, 7]
+        assert counts.tolist() == [5, 4, expert_bytes, 2 * expert_bytes, 2]  # only 5 crossed the link, once
+        assert freq[[12, 3, 5]].tolist() == [1, 2, 2] and int(freq.sum()) == 5
         assert not pick.kernel_failed
     finally:
         pinned.unregister()

@@ -104,12 +104,17 @@ def test_kv_types_through_the_kernels_give_the_cpu_paths_tokens(model_file, monk
     assert float((logits - want_logits).abs().max() / want_logits.abs().max()) < 1e-4
 
 
-def test_batched_rows_through_the_gather_read_shared_experts_once_and_answer_as_alone(model_file, monkeypatch):
+@pytest.mark.parametrize("placement", ["gather", "gather+cache"])
+def test_batched_rows_through_the_gather_read_shared_experts_once_and_answer_as_alone(
+    model_file, monkeypatch, placement
+):
     """A pass of one token for each of several sequences, streamed experts gathered (rows that pick the same
-    expert read it once, and index its one row): each row's greedy tokens are those of its sequence alone."""
+    expert read it once, and index its one row), or guessed ahead for every row (the union of their guesses)
+    and read from the prefetched rows and the expert cache: each row's greedy tokens are those of its sequence
+    alone."""
     most = tuning.current().max_tokens
     monkeypatch.setattr(matvec, "usable", lambda qtype, device, n: qtype in dots.DOTS and n <= most)
-    e = moestream.load(model_file("tiny", "Q4_K_M"), device="cpu", progress=False, **PLACEMENTS["gather"])
+    e = moestream.load(model_file("tiny", "Q4_K_M"), device="cpu", progress=False, n_seqs=3, **PLACEMENTS[placement])
     prompts = [PROMPT[:5], PROMPT[3:10], PROMPT[6:9]]
     alone = []
     for prompt in prompts:
@@ -121,8 +126,12 @@ def test_batched_rows_through_the_gather_read_shared_experts_once_and_answer_as_
     caches = [e.new_cache() for _ in prompts]
     last = [int(e.forward(p, c)[-1].argmax()) for p, c in zip(prompts, caches, strict=True)]
     together = [last]
+    counted = e.experts.counters.stats()
     for _ in range(3):
         last = e.forward_each(last, caches).argmax(-1).tolist()
         together.append(last)
+    if counted is not None:  # guessed ahead: every row's picks counted, some taken from the guess
+        picks, misses, *_ = (b - a for a, b in zip(counted, e.experts.counters.stats(), strict=True))
+        assert picks == 3 * e.spec.n_layer * 3 * e.spec.n_expert_used and misses < picks
     e.close()
     assert [list(t) for t in zip(*together, strict=True)] == alone

@@ -219,6 +219,44 @@ def test_a_batched_step_gives_each_row_the_bits_of_its_step_alone(model_file, pr
         e.close()
 
 
+@pytest.mark.parametrize("held", [0, 3])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen35moe", "tiny-glm4moe-odd"])
+def test_a_batched_step_guesses_ahead_in_its_graph_and_replays_the_eager_bits(model_file, preset, held):
+    """Every layer's experts streamed and gathered, three sequences a pass (--max-seqs 3): the union of the rows'
+    guesses gathered ahead on the side stream, picks taken from it and from the expert cache, misses read once,
+    all inside one captured step. Replays equal the eager passes, the passes without a guess, and each row its
+    sequence stepped alone; every row's picks are counted."""
+    path = model_file(preset, "Q4_K_M")
+    opts = dict(device="cuda", progress=False, n_cpu_moe="all", small_batch="gather", n_seqs=3)
+    prompts = [TOKENS[:5], TOKENS[10:17], TOKENS[30:33]]
+    off = moestream.load(path, prefetch=0, **opts)
+    try:
+        unguessed, _, _ = _step_together(off, prompts, 10)
+    finally:
+        off.close()
+    e = moestream.load(path, expert_cache=held, **opts)
+    try:
+        experts, spec = e.experts, e.spec
+        assert e.step.replays(3) and experts.guess_plan(3, static=True) == experts.prefetcher.schedule()
+        counted = experts.counters.stats()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a refused capture warns and runs eagerly: not good enough here
+            graphed, fed, _ = _step_together(e, prompts, 10)
+        assert len(e.step.batch_graphs.steps) == 1, "the batch's steps replay one graph"
+        picks, misses, _, _, cached = (b - a for a, b in zip(counted, experts.counters.stats(), strict=True))
+        e.record(Timeline(e.device))  # recording runs every pass eagerly
+        eager, _, _ = _step_together(e, prompts, 10)
+        e.record(NULL)
+        alone = [_stepped_alone(e, prompt, fed, i) for i, prompt in enumerate(prompts)]
+    finally:
+        e.close()
+    assert torch.equal(graphed, eager) and torch.equal(graphed, unguessed)
+    for i, row in enumerate(alone):
+        assert torch.equal(row, graphed[:, i]), f"row {i}"
+    assert picks == 10 * len(spec.expert_layers) * 3 * spec.n_expert_used and misses < picks
+    assert (cached > 0) == bool(held)
+
+
 @pytest.mark.filterwarnings("error")  # a refused capture warns and runs eagerly: not good enough here
 def test_batch_graphs_go_with_their_caches_and_the_least_recently_replayed_first(model_file, monkeypatch):
     """A freed cache takes the batch steps naming it along (its id may name the next cache); past the limit the
