@@ -150,6 +150,7 @@ SPECS: dict[Q, _Spec] = {
 }
 _DELTA_GROUP = {Q.IQ1_S: 32, Q.IQ1_M: 8}  # values sharing IQ1's +-1/8 shift
 _DELTA = np.float32(0.125)
+_ODD_PARITY = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1).sum(axis=1) % 2 == 1  # per sign byte
 
 
 def pack(qtype: Q, fields: Fields) -> np.ndarray:
@@ -172,14 +173,13 @@ def fields_of(qtype: Q, x: np.ndarray) -> Fields:
         return _shifted_fields(qtype, spec, x)
     a = np.abs(x)
     d, scales, step = _scales(spec, a.reshape(n, -1, spec.per_scale).max(axis=-1) / grid_values(qtype).max())
-    negative = (x < 0).reshape(n, 32, 8)
+    signs = np.packbits((x < 0).reshape(n, 32, 8), axis=-1, bitorder="little").reshape(n, 32)
     target = a.reshape(n, 32, 8)
     if spec.parity:  # an odd count of minus signs: the smallest magnitude takes the wrong sign, aiming at 0
-        odd = np.flatnonzero(negative.sum(axis=-1) % 2)
+        odd = np.flatnonzero(_ODD_PARITY[signs])
         low = target.reshape(-1, 8)[odd].argmin(axis=-1)
-        negative.reshape(-1, 8)[odd, low] ^= True
+        signs.reshape(-1)[odd] ^= (1 << low).astype(np.uint8)
         target.reshape(-1, 8)[odd, low] = 0
-    signs = np.packbits(negative, axis=-1, bitorder="little")[..., 0]
     y = target.reshape(n, -1, spec.per_scale) * _inv(step)[..., None]
     index = _nearest(qtype, y.reshape(-1, spec.width))[0]
     return Fields(d, scales, index.reshape(n, -1), signs)
@@ -210,31 +210,62 @@ def _scales(spec: _Spec, want: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.n
 
 def _nearest(qtype: Q, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The grid row nearest each row of y [N, width], and its squared distance: of the _NEIGHBOURS rows nearest
-    the lattice point (each value rounded to the nearest grid level) that y rounds to."""
-    levels, neighbours, grid = _lattice(Q.IQ1_S if qtype == Q.IQ1_M else qtype)  # IQ1_M's grid is IQ1_S's
-    place = len(levels) ** np.arange(grid.shape[1])
+    the lattice point (each value rounded to the nearest grid level) that y rounds to, the first of least
+    distance. A distance sums its squares as ((s0 + s4) + (s1 + s5)) + ((s2 + s6) + (s3 + s7)) (width 4: (s0 +
+    s1) + (s2 + s3)): the order of numpy's einsum on 4-wide SIMD, the search this replaces, whose bytes it keeps;
+    spelt out, the order no longer depends on the machine."""
+    lattice = _lattice(Q.IQ1_S if qtype == Q.IQ1_M else qtype)  # IQ1_M's grid is IQ1_S's
     index, error = np.empty(len(y), np.int64), np.empty(len(y), np.float32)
+    rows = np.arange(_SEARCH_ROWS)
     for start in range(0, len(y), _SEARCH_ROWS):
         part = y[start : start + _SEARCH_ROWS]
-        candidates = neighbours[np.searchsorted((levels[1:] + levels[:-1]) / 2, part) @ place]
-        diff = grid[candidates] - part[:, None, :]
-        distance = np.einsum("nkw,nkw->nk", diff, diff)
-        best = distance.argmin(axis=-1)
-        index[start : start + len(part)] = np.take_along_axis(candidates, best[:, None], axis=-1)[:, 0]
-        error[start : start + len(part)] = np.take_along_axis(distance, best[:, None], axis=-1)[:, 0]
+        point = lattice.point(part)
+        squares = []  # per coordinate, [n, _NEIGHBOURS]: coordinate-major, each step a contiguous pass
+        for w, values in enumerate(lattice.values):
+            diff = np.take(values, point, axis=0)
+            diff -= part[:, w : w + 1]
+            squares.append(np.square(diff, out=diff))
+        for w in range(len(squares) - 4):  # width 8: lane w takes w + 4
+            squares[w] += squares[w + 4]
+        distance = squares[0] + squares[1]
+        distance += squares[2] + squares[3]
+        best, at = distance.argmin(axis=-1), rows[: len(part)]
+        index[start : start + len(part)] = lattice.neighbours[point, best]
+        error[start : start + len(part)] = distance[at, best]
     return index, error
 
 
+@dataclass(frozen=True)
+class _Lattice:
+    """A grid's search table: the points whose coordinates are each one of the grid's levels, each with the
+    _NEIGHBOURS grid rows nearest it, a point numbered by its levels' indices as digits (coordinate k the k-th
+    digit, base len(levels))."""
+
+    midpoints: np.ndarray  # halfway between neighbouring levels (the levels sorted)
+    place: np.ndarray  # each digit's place value, float32 (a point's number is a small integer)
+    neighbours: np.ndarray  # [points, _NEIGHBOURS] grid row indices
+    values: np.ndarray  # [width, points, _NEIGHBOURS]: coordinate w of each point's neighbours
+
+    def point(self, y: np.ndarray) -> np.ndarray:
+        """The number of the lattice point each row of y [n, width] rounds to (a tie to the lower level)."""
+        digits = (y > self.midpoints[0]).astype(np.float32)
+        for m in self.midpoints[1:]:
+            digits += y > m
+        return (digits @ self.place).astype(np.intp)
+
+
 @functools.cache
-def _lattice(qtype: Q) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The grid's levels (sorted), for every lattice point over them (digit k of its number in base len(levels)
-    naming coordinate k's level) the _NEIGHBOURS nearest grid rows, and the grid."""
+def _lattice(qtype: Q) -> _Lattice:
+    """The grid's search table, built once."""
     grid = grid_values(qtype)
     levels = np.unique(grid)
     digits = np.indices((len(levels),) * grid.shape[1]).reshape(grid.shape[1], -1)[::-1].T
     points = levels[digits]
     distance = (points * points).sum(axis=-1)[:, None] - 2 * points @ grid.T + (grid * grid).sum(axis=-1)
-    return levels, np.argpartition(distance, _NEIGHBOURS, axis=-1)[:, :_NEIGHBOURS], grid
+    neighbours = np.argpartition(distance, _NEIGHBOURS, axis=-1)[:, :_NEIGHBOURS]
+    place = (len(levels) ** np.arange(grid.shape[1])).astype(np.float32)
+    values = np.ascontiguousarray(grid[neighbours].transpose(2, 0, 1))
+    return _Lattice((levels[1:] + levels[:-1]) / 2, place, neighbours, values)
 
 
 def _inv(v: np.ndarray) -> np.ndarray:

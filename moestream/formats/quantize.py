@@ -26,8 +26,9 @@ Q = GGMLQuantizationType
 
 _BY_GGUF = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.TQ1_0, Q.TQ2_0})
 
-# Super-blocks encoded per step (4M floats): measured fastest of 1K/4K/16K, temporaries stay ~16 MiB.
-_CHUNK_BLOCKS = 16384
+# Floats encoded per step (4 MiB): of 64K to 4M, 1M was as fast as any (the IQ4 and K-quants 5-15% faster
+# than 4M), and temporaries stay a few MiB.
+_CHUNK_ELEMENTS = 1 << 20
 
 _F16_MAX = float(np.finfo(np.float16).max)
 
@@ -180,8 +181,13 @@ def _signed_fp16(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _iq4_codes(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    """The nearest IQ4 value's code for each x / scale (scale broadcast over x; 0 for a zero scale)."""
-    return np.searchsorted(_IQ4_MIDPOINTS, x * _inv(scale)).astype(np.uint8)
+    """The nearest IQ4 value's code for each x / scale (scale broadcast over x; 0 for a zero scale): the count
+    of midpoints below it, from 15 comparisons (np.searchsorted's count, 7x faster)."""
+    t = x * _inv(scale)
+    codes = (t > _IQ4_MIDPOINTS[0]).view(np.uint8)
+    for m in _IQ4_MIDPOINTS[1:]:
+        codes += t > m
+    return codes
 
 
 def _signed_absmax(xs: np.ndarray) -> np.ndarray:
@@ -241,6 +247,7 @@ def quantize(array: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     block, type_size = GGML_QUANT_SIZES[qtype]
     blocks = array.reshape(-1, block)
     out = np.empty((len(blocks), type_size), np.uint8)
-    for start in range(0, len(blocks), _CHUNK_BLOCKS):
-        _OURS[qtype](blocks[start : start + _CHUNK_BLOCKS], out[start : start + _CHUNK_BLOCKS])
+    step = _CHUNK_ELEMENTS // block
+    for start in range(0, len(blocks), step):
+        _OURS[qtype](blocks[start : start + step], out[start : start + step])
     return out.reshape(out_shape)
