@@ -39,7 +39,7 @@ if __name__ == "__main__":
         print(kv, "as is:", error(logits("cuda", kv), logits("cpu", kv)))
         print(kv, "ubatch 64:", error(logits("cuda", kv, 64), logits("cpu", kv, 64)))
     want = logits("cpu", "q8_0")
-    triton_quantize = kv_quant.quantize
+    triton_quantize, kernel_usable = kv_quant.quantize, decode_attention.usable
     kv_quant.quantize = kv_quant.quantize_torch
     print("q8_0, torch quantizer:", error(logits("cuda", "q8_0"), want))
     kv_quant.quantize = triton_quantize
@@ -47,3 +47,26 @@ if __name__ == "__main__":
     print("q8_0, no decode kernel:", error(logits("cuda", "q8_0"), want))
     kv_quant.quantize = kv_quant.quantize_torch
     print("q8_0, neither:", error(logits("cuda", "q8_0"), want))
+    # every row quantization inside the engine, both forms on the same input: where they differ, and whether a
+    # fresh copy of the input after a device sync quantizes right (a race) or not (the kernel)
+    kv_quant.quantize = triton_quantize
+    calls = []
+
+    def both(x: torch.Tensor, name: str) -> torch.Tensor:
+        x2 = x.reshape(x.shape[0], -1)
+        got, want = kv_quant.quantize_kernel(x2, name), kv_quant.quantize_torch(x2, name)
+        torch.cuda.synchronize()
+        again = kv_quant.quantize_kernel(x2.clone(), name)
+        bad = (got != want).sum().item()
+        if bad or len(calls) < 3:
+            calls.append(
+                f"{tuple(x.shape)} {x.dtype} stride {x.stride()} ptr%16 {x.data_ptr() % 16} "
+                f"contig {x.is_contiguous()} stream {torch.cuda.current_stream().cuda_stream}: {bad} bytes differ, "
+                f"after sync on a copy {(again != want).sum().item()}"
+            )
+        return want
+
+    kv_quant.quantize = both
+    decode_attention.usable = kernel_usable
+    print("q8_0, both quantizers compared:", error(logits("cuda", "q8_0"), want))
+    print("\n".join(calls[:12]))
