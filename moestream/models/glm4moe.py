@@ -19,13 +19,6 @@ import torch.nn.functional as F
 
 from moestream.models import qwen3moe
 from moestream.models.layers import Batch, Cache, Weights
-from moestream.models.layouts.glm4moe import (
-    ARCH,
-    expert_tensor_names,
-    metadata,
-    read_spec,
-    tensor_shapes,
-)
 from moestream.models.spec import ModelSpec
 from moestream.ops.attention import masked_attention, rope_store
 from moestream.ops.experts import ExpertSource, routed_swiglu
@@ -35,18 +28,6 @@ from moestream.ops.router import BiasedTopK, biased_topk, route_biased_topk
 
 if TYPE_CHECKING:
     from moestream.options import ModelOptions
-
-# The architecture (models/registry.py): its file's layout (models/layouts/glm4moe.py) and its math
-__all__ = [
-    "ARCH",
-    "FLOAT32",
-    "Model",
-    "expert_tensor_names",
-    "metadata",
-    "read_spec",
-    "state_bytes",
-    "tensor_shapes",
-]
 
 # The router's weights and correction bias, kept float32 whatever the compute dtype (llama.cpp keeps them F32):
 # the choice ranks sigmoid scores plus a bias, where bf16 rounding would pick other experts.

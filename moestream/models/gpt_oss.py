@@ -14,14 +14,7 @@ import torch.nn.functional as F
 
 from moestream.models import qwen3moe
 from moestream.models.layers import Batch, Cache
-from moestream.models.layouts.gpt_oss import (
-    ARCH,
-    EXPERT_TENSORS,
-    expert_tensor_names,
-    metadata,
-    read_spec,
-    tensor_shapes,
-)
+from moestream.models.layouts.gpt_oss import EXPERT_TENSORS
 from moestream.models.spec import ModelSpec
 from moestream.ops.attention import bias_rope, causal_attention, masked_attention, rope_store
 from moestream.ops.experts import ExpertSource, routed_swiglu
@@ -30,17 +23,6 @@ from moestream.ops.moe_swiglu import ClampedGlu
 from moestream.ops.norm import rms_norm
 from moestream.ops.rope import rope_cos_sin
 from moestream.ops.router import route_softmax_topk
-
-# The architecture (models/registry.py): its file's layout (models/layouts/gpt_oss.py) and its math
-__all__ = [
-    "ARCH",
-    "Model",
-    "expert_tensor_names",
-    "metadata",
-    "read_spec",
-    "state_bytes",
-    "tensor_shapes",
-]
 
 QKV = ("attn_q", "attn_k", "attn_v")
 SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # llama.cpp's gpt-oss constants: it reads none from the file

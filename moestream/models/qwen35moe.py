@@ -15,14 +15,7 @@ import torch
 
 from moestream.models import qwen3moe
 from moestream.models.layers import Batch, Cache, Weights
-from moestream.models.layouts.qwen35moe import (
-    ARCH,
-    conv_channels,
-    expert_tensor_names,
-    metadata,
-    read_spec,
-    tensor_shapes,
-)
+from moestream.models.layouts.qwen35moe import conv_channels
 from moestream.models.spec import ModelSpec
 from moestream.ops.delta_rule import DeltaRule, prefill_rule
 from moestream.ops.deltanet import DeltaNetState, MixWeights, Projected, gated_delta_net
@@ -34,18 +27,6 @@ from moestream.ops.router import softmax_topk
 
 if TYPE_CHECKING:
     from moestream.options import ModelOptions
-
-# The architecture (models/registry.py): its file's layout (models/layouts/qwen35moe.py) and its math
-__all__ = [
-    "ARCH",
-    "Model",
-    "expert_tensor_names",
-    "metadata",
-    "read_spec",
-    "recurrent_state",
-    "state_bytes",
-    "tensor_shapes",
-]
 
 
 def recurrent_state(spec: ModelSpec, device: torch.device | str) -> dict[int, DeltaNetState]:

@@ -13,13 +13,6 @@ import torch
 import torch.nn.functional as F
 
 from moestream.models.layers import Batch, Cache, Weights
-from moestream.models.layouts.qwen3moe import (
-    ARCH,
-    expert_tensor_names,
-    metadata,
-    read_spec,
-    tensor_shapes,
-)
 from moestream.models.spec import ModelSpec
 from moestream.ops.attention import causal_attention, masked_attention, norm_rope_store
 from moestream.ops.experts import ExpertSource, routed_swiglu
@@ -30,17 +23,6 @@ from moestream.ops.router import route_softmax_topk
 
 if TYPE_CHECKING:
     from moestream.options import ModelOptions
-
-# The architecture (models/registry.py): its file's layout (models/layouts/qwen3moe.py) and its math
-__all__ = [
-    "ARCH",
-    "Model",
-    "expert_tensor_names",
-    "metadata",
-    "read_spec",
-    "state_bytes",
-    "tensor_shapes",
-]
 
 
 def state_bytes(spec: ModelSpec) -> int:

@@ -1,5 +1,6 @@
-"""Architectures moestream runs, keyed by GGUF `general.architecture`: each one's file layout (torch-free, what
-`info` and the loader's checks read) and its model module (the layout plus the math; imports torch)."""
+"""Architectures moestream runs, keyed by GGUF `general.architecture`: each one's file layout (torch-free: tensor
+names and shapes, what `info`, the loader and placement read) and its model module (the math: Model, state_bytes;
+imports torch)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ def layout(name: str, path: object = "") -> ModuleType:
 
 
 def architecture(name: str, path: object = "") -> ModuleType:
-    """The model module of architecture `name` (models/<module>.py, named as its layout's)."""
+    """The model module of architecture `name` (models/<module>.py, named as its layout's): Model and
+    state_bytes; names and shapes are its layout's."""
     module = layout(name, path).__name__.rsplit(".", 1)[1]
     return importlib.import_module(f"moestream.models.{module}")

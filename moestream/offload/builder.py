@@ -12,6 +12,7 @@ from moestream.errors import MoestreamError
 from moestream.formats.gguf import GGUFFile, torch_bytes
 from moestream.kernels import cpu_quant, tuning
 from moestream.kernels.gather import RowGather
+from moestream.models.registry import layout
 from moestream.offload.device import CpuDevice, CudaDevice, cap_vram, make_device
 from moestream.offload.expert_cache import ExpertCache
 from moestream.offload.expert_tensors import ExpertTensors
@@ -141,20 +142,22 @@ def check_expert_counts(opts: Options, spec) -> None:
 
 def build_offload(
     f: GGUFFile,
-    arch,
     spec,
+    state_bytes: int,
     opts: Options,
     dense_bytes: int,
     dev: CudaDevice | CpuDevice | list | None = None,
     pick: RowGather | None = None,
     measured: Measured | None = None,
 ) -> Offload:
-    """The placement for opts, its experts put where it says and served by its decode plan. dev: the compute
+    """The placement for opts, its experts put where it says and served by its decode plan. state_bytes: one
+    sequence's state besides its KV cache (the model module's state_bytes); dev: the compute
     device (tests hand in simulated ones, a list for --devices); pick: the engine's expert picker, kept across
     placements (once its kernel failed, it is not retried); measured: what --small-batch auto timed."""
     pick = pick or RowGather()
     device = opts.model.torch_device
-    tensors = {il: ExpertTensors(tuple(f.tensor(n) for n in arch.expert_tensor_names(il))) for il in spec.expert_layers}
+    names = layout(spec.arch).expert_tensor_names  # the file's layout: a layer's expert tensors
+    tensors = {il: ExpertTensors(tuple(f.tensor(n) for n in names(il))) for il in spec.expert_layers}
     check_expert_counts(opts, spec)
     # the ring of guesses is budgeted where small batches will gather, judged before page-locking is tried
     will_lock = device.type == "cpu" or (opts.placement.host_memory == "pinned" and opts.streaming.stream.page_locks)
@@ -163,7 +166,7 @@ def build_offload(
     sizing = Sizing(
         opts.model.context(spec.n_ctx_train),
         opts.model.ubatch,
-        lambda n_ctx, ubatch: _footprint(arch, spec, opts, dense_bytes, tensors, expected, rows, n_ctx, ubatch),
+        lambda n_ctx, ubatch: _footprint(spec, state_bytes, opts, dense_bytes, tensors, expected, rows, n_ctx, ubatch),
     )
     fp = sizing.footprint
     n_cpu_moe, note = streamed_layers(opts.placement.n_cpu_moe, spec.n_layer)
@@ -257,7 +260,15 @@ def _guessed_rows(opts: Options, spec) -> int:
 
 
 def _footprint(
-    arch, spec, opts: Options, dense_bytes: int, tensors: dict, decode: DecodePlan, rows: int, n_ctx: int, ubatch: int
+    spec,
+    state_bytes: int,
+    opts: Options,
+    dense_bytes: int,
+    tensors: dict,
+    decode: DecodePlan,
+    rows: int,
+    n_ctx: int,
+    ubatch: int,
 ) -> Footprint:
     """Device bytes besides the resident experts and staging slots, the guesses' ring for passes of up to rows
     rows where decode plans one, for a context of n_ctx positions and micro-batches of ubatch tokens."""
@@ -266,7 +277,7 @@ def _footprint(
     kv_types = dict(zip(("type_k", "type_v"), opts.model.kv_types, strict=True))
     return Footprint(
         dense=dense_bytes,
-        kv_cache=opts.serving.n_seqs * (kv_cache_bytes(spec, n_ctx, dtype, **kv_types) + arch.state_bytes(spec)),
+        kv_cache=opts.serving.n_seqs * (kv_cache_bytes(spec, n_ctx, dtype, **kv_types) + state_bytes),
         workspace=workspace_bytes(spec, ubatch, n_ctx, dtype, opts.model.torch_device.type),
         prefetch=ring,
     )

@@ -41,31 +41,32 @@ def load(
         torch.set_num_threads(opts.model.threads)
     f = GGUFFile(path)
     try:
-        _, spec = describe(f)
-        arch = architecture(spec.arch)  # the model module: the layout describe checked, and the math
+        layout, spec = describe(f)  # the file's layout (tensor names), checked
+        module = architecture(spec.arch)  # the model module: Model, state_bytes and the math
         check_expert_counts(opts, spec)
         tokenizer = load_tokenizer(f)
         if before_weights is not None:
             before_weights(tokenizer, opts.model.context(spec.n_ctx_train), spec)
         device, dtype = opts.model.torch_device, opts.model.torch_dtype
-        host = {n for il in spec.expert_layers for n in arch.expert_tensor_names(il)} | {"token_embd.weight"}
+        host = {n for il in spec.expert_layers for n in layout.expert_tensor_names(il)} | {"token_embd.weight"}
         dense = {name: t for name, t in f.tensors.items() if name not in host}
         if "output.weight" not in dense:  # tied: the head reads the embedding matrix, so it goes to the device
             dense["output.weight"] = f.tensor("token_embd.weight")
         # before the first upload: dense weights count too
         cap_vram(device, parse_size(opts.placement.vram_budget), opts.placement.expandable_segments)
-        exact = getattr(arch, "FLOAT32", ())  # a layer's tensors the model reads in float32 whatever the dtype
+        exact = getattr(module, "FLOAT32", ())  # a layer's tensors the model reads in float32 whatever the dtype
         float32 = frozenset(name for name in dense if layer_part(name) in exact)
         weights = DenseWeights(dense, device, dtype, progress=opts.model.progress, float32=float32)
         dense_bytes = weights.nbytes
 
+        state_bytes = module.state_bytes(spec)
         pick = RowGather()  # the engine's expert picker: every placement it builds shares its kernel failure
 
         def build(o: Options, measured: Measured | None = None):
-            return build_offload(f, arch, spec, o, dense_bytes, device_impl, pick, measured)
+            return build_offload(f, spec, state_bytes, o, dense_bytes, device_impl, pick, measured)
 
         embedding = HostEmbedding(f.tensor("token_embd.weight"), device, dtype)
-        model = arch.Model(spec, weights, embedding, opts.model)
+        model = module.Model(spec, weights, embedding, opts.model)
         engine = Engine(model, tokenizer, Setup(model, opts, build), source=f)
     except BaseException:
         f.close()

@@ -10,8 +10,8 @@ from reference import assert_matches_reference, glm4moe_reference, prompt_tokens
 import moestream
 from moestream.errors import MoestreamError
 from moestream.formats.gguf import GGUFFile
-from moestream.models import glm4moe
 from moestream.models.describe import describe
+from moestream.models.layouts import glm4moe
 from moestream.runtime.sampling import SamplingParams
 from moestream.tools.presets import get_preset
 from moestream.tools.recipes import recipe

@@ -9,7 +9,7 @@ from reference import gpt_oss_reference, greedy, prompt_tokens, rel_err
 
 import moestream
 from moestream.errors import MoestreamError
-from moestream.models.gpt_oss import read_spec
+from moestream.models.layouts.gpt_oss import read_spec
 from moestream.offload.device import CpuDevice
 from moestream.runtime.sampling import SamplingParams
 from moestream.tools.presets import get_preset

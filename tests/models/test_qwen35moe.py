@@ -8,7 +8,7 @@ from reference import assert_matches_reference, prompt_tokens, qwen35moe_referen
 
 import moestream
 from moestream.formats.gguf import GGUFFile
-from moestream.models import qwen35moe
+from moestream.models.layouts import qwen35moe
 from moestream.tools.presets import get_preset
 from moestream.tools.recipes import recipe
 from moestream.tools.routing import routing_load

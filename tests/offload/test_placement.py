@@ -14,7 +14,7 @@ import torch
 
 import moestream
 from moestream.errors import MoestreamError
-from moestream.models.registry import architecture
+from moestream.models.registry import architecture, layout
 from moestream.offload import placement as P
 from moestream.offload.device import CpuMemory
 from moestream.offload.prefetch import RING
@@ -96,14 +96,15 @@ def preset_sizing(name: str, quant: str, ubatch: int, n_ctx: int) -> tuple[list[
     """Each layer's stored expert bytes and the footprint of a GPU run (bf16, decode gathering with a full
     prefetch ring, one sequence) from a preset's shapes and a recipe's types, as the loader would count the file."""
     preset = get_preset(name)
-    spec, arch = preset.spec, architecture(preset.spec.arch)
+    spec = preset.spec
+    state_bytes = architecture(spec.arch).state_bytes(spec)  # as the loader hands it to the builder
     plans = {p.name: p for p in tensor_plans(preset, recipe(quant))}
 
     def stored(name: str) -> int:
         block, size = gguf.GGML_QUANT_SIZES[plans[name].qtype]
         return math.prod(plans[name].shape) // block * size
 
-    names = {il: arch.expert_tensor_names(il) for il in spec.expert_layers}
+    names = {il: layout(spec.arch).expert_tensor_names(il) for il in spec.expert_layers}
     host = {n for ns in names.values() for n in ns} | {"token_embd.weight"}
     dense = sum(math.prod(p.shape) * 2 if p.qtype in FLOATS else stored(n) for n, p in plans.items() if n not in host)
     experts = [sum(map(stored, names[il])) if il in names else 0 for il in range(spec.n_layer)]
@@ -111,7 +112,7 @@ def preset_sizing(name: str, quant: str, ubatch: int, n_ctx: int) -> tuple[list[
     ring = RING * 2 * spec.n_expert_used * one_expert
 
     def at(c: int, u: int) -> P.Footprint:
-        kv = P.kv_cache_bytes(spec, c, torch.bfloat16) + arch.state_bytes(spec)
+        kv = P.kv_cache_bytes(spec, c, torch.bfloat16) + state_bytes
         return P.Footprint(dense, kv, P.workspace_bytes(spec, u, c, torch.bfloat16), ring)
 
     return experts, P.Sizing(n_ctx, ubatch, at)

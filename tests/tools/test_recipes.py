@@ -11,7 +11,7 @@ import gguf
 import pytest
 
 from moestream.errors import MoestreamError
-from moestream.models.registry import architecture
+from moestream.models.registry import layout
 from moestream.tools.presets import get_preset
 from moestream.tools.recipes import RECIPES, Facts, fit_row, recipe, tensor_types
 from moestream.tools.synthetic import preset_metadata
@@ -227,7 +227,7 @@ def expected(shapes: dict, name: str, table: dict) -> dict[str, Q]:
 
 def model(preset: str) -> tuple[dict[str, tuple[int, ...]], Facts]:
     p = get_preset(preset)
-    arch = architecture(p.spec.arch)
+    arch = layout(p.spec.arch)
     spec = arch.read_spec(preset_metadata(p, recipe("F32")), p.spec.n_vocab)
     shapes = arch.tensor_shapes(spec, tied_output=p.tied_output)
     return shapes, Facts.of(spec, shapes)
