@@ -205,14 +205,17 @@ def window_rows(rows: np.ndarray, first: int, spec: ModelSpec, lag: float, u: np
     return (scale[channel][:, None] * u[None, :] / len(u) ** 0.5).astype(np.float32)
 
 
-def fading_rows(kind: str, rows: np.ndarray, first: int, p: Preset, s: RoutingSettings, u: np.ndarray, il: int) -> np.ndarray:
-    """Layer il's delta-net as a fading average of the tokens before (every delta-net layer: random ones would
-    add token-specific updates only, and the shared part of the stream, reuse, would fade with depth): q and k read only u (the same unit vector
-    for every token, so the state holds a single running value) and pass the convolution, v is the mean of the
-    K - 1 tokens before (K the convolution's taps), the state does not decay and beta = 1 / (lag - K/2 + 1), so
-    the output is sum_j beta (1 - beta)^j v[t-j] at a mean distance of lag, gated by the same z every token."""
+def fading_rows(
+    kind: str, rows: np.ndarray, first: int, p: Preset, s: RoutingSettings, u: np.ndarray, il: int
+) -> np.ndarray:
+    """Layer il's delta-net as a fading average of the tokens before (every delta-net layer: random ones add
+    token-specific updates only, so the stream's shared part, and reuse, would fade with depth). q and k read
+    only u (the same unit vector every token, so the state holds a single running value) and pass the
+    convolution; v is the mean of the K - 1 tokens before (K the convolution's taps); the state does not decay
+    and beta = 1 / (lag - K/2 + 1), so the output is sum_j beta (1 - beta)^j v[t-j] at a mean distance of lag,
+    gated by the same z every token."""
     keys = p.gguf_keys
-    width, taps = 2 * keys["ssm.group_count"] * keys["ssm.state_size"], keys["ssm.conv_kernel"]  # q's and k's channels
+    width, taps = 2 * keys["ssm.group_count"] * keys["ssm.state_size"], keys["ssm.conv_kernel"]
     qk = (first + np.arange(rows.shape[0]) < width)[:, None]  # rows of q and k channels
     one = reads_one(s, il, len(u)) * u
     if kind == "attn_qkv":

@@ -9,6 +9,7 @@ settings (looked up by the preset's name). qwen3.6-35b-a3b's slice of 5 layers h
 from __future__ import annotations
 
 import math
+
 import pytest
 import torch
 
