@@ -22,7 +22,9 @@ FOLLOW = FIRST + [3, 4, 5, 6, 7, 8]
 
 
 def run(graphs: bool, n_cpu_moe) -> None:
-    engine = moestream.load(PATH, device=os.environ.get("DEVICE", "cuda"), progress=False, ubatch=UB, n_ctx=256, n_cpu_moe=n_cpu_moe)
+    engine = moestream.load(
+        PATH, device=os.environ.get("DEVICE", "cuda"), progress=False, ubatch=UB, n_ctx=256, n_cpu_moe=n_cpu_moe
+    )
     engine.step.capturing.one = engine.step.capturing.batch = graphs
     want = {tuple(p): engine.generate(p, GREEDY).text for p in (FIRST, FOLLOW)}
     again = engine.generate(FOLLOW, GREEDY).text
@@ -30,8 +32,10 @@ def run(graphs: bool, n_cpu_moe) -> None:
         got = [(ask(s, p, cache_prompt=c).text, p is FOLLOW, c) for c in (False, True) for p in (FIRST, FOLLOW)]
     for text, follow, cached in got:
         ok = text == want[tuple(FOLLOW if follow else FIRST)]
-        print(f"graphs {graphs} ncmoe {n_cpu_moe} {'follow' if follow else 'first '} cache_prompt {cached}: "
-              f"{'same' if ok else 'DIFFERS'} {text!r} vs generate {want[tuple(FOLLOW if follow else FIRST)]!r}")
+        print(
+            f"graphs {graphs} ncmoe {n_cpu_moe} {'follow' if follow else 'first '} cache_prompt {cached}: "
+            f"{'same' if ok else 'DIFFERS'} {text!r} vs generate {want[tuple(FOLLOW if follow else FIRST)]!r}"
+        )
     print(f"  generate(follow) twice equal: {again == want[tuple(FOLLOW)]}")
 
 

@@ -23,6 +23,7 @@ except ImportError:
     triton = None
 
 WORDS_PER_PROGRAM = 2048
+UNREAD = -(1 << 62)  # a row offset no read has (a device cache's rows may lie below a host base: negative)
 Cached = tuple[torch.Tensor, torch.Tensor]  # a device stack of some experts' rows, and slot_of [n_expert]: each
 # expert's row of it (-1: not held)
 
@@ -40,6 +41,7 @@ class Count(enum.IntEnum):
 
 if triton is not None:
     _PICKS, _MISSES, _MISS_BYTES, _GUESS_BYTES, _CACHED = (tl.constexpr(c.value) for c in Count)
+    _UNREAD = tl.constexpr(UNREAD)
 
     @triton.jit
     def _gather_kernel(src, ids, dst, row_words, first, WORDS: tl.constexpr, DEDUP: tl.constexpr):
@@ -59,14 +61,14 @@ if triton is not None:
     ):
         """_gather_kernel's copies from PROGRAMS programs, each looping over (pick, chunk) items: a gather
         beside compute must leave it most multiprocessors (a program waiting on the link holds one). AT: ids
-        are word offsets from src (anywhere in the unified address space: a device cache's rows too). A negative
-        id's row is not written."""
+        are word offsets from src (anywhere in the unified address space: a device cache's rows too, maybe below
+        src). An UNREAD id's row is not written."""
         for start in range(0, n_items, PROGRAMS):
             item = start + tl.program_id(0)
             r = item // chunks
             w = (item % chunks) * WORDS + tl.arange(0, WORDS)
-            row = tl.load(ids + r, mask=item < n_items, other=-1).to(tl.int64)
-            ok = (w < row_words) & (row >= 0)  # -1: a row nobody reads (a repeated guess)
+            row = tl.load(ids + r, mask=item < n_items, other=_UNREAD).to(tl.int64)
+            ok = (w < row_words) & (row != _UNREAD)  # a row nobody reads (a repeated guess)
             at = row if AT else row * row_words
             tl.store(dst + r.to(tl.int64) * row_words + w, tl.load(src + at + w, mask=ok), mask=ok)
 
@@ -76,7 +78,7 @@ if triton is not None:
     ):
         """For each guessed expert and stack s (words a row w_s): where the gather reads it, as a word offset
         from that stack's host base: its row of the device cache (d_s words away) when slot_of holds it, else
-        its host row; -1 past the first n_live (repeats: not read); and the bytes the guess reads over the link,
+        its host row; UNREAD past the first n_live (repeats); and the bytes the guess reads over the link,
         added to counts' GUESS_BYTES."""
         g = tl.arange(0, GUESS)
         inside = g < n_guess
@@ -84,9 +86,9 @@ if triton is not None:
         e = tl.load(guess + g, mask=live, other=0)
         at = tl.load(slot_of + e, mask=live, other=-1)
         hot = at >= 0
-        tl.store(offs + g, tl.where(live, tl.where(hot, d0 + at * w0, e * w0), -1), mask=inside)
-        tl.store(offs + n_guess + g, tl.where(live, tl.where(hot, d1 + at * w1, e * w1), -1), mask=inside)
-        tl.store(offs + 2 * n_guess + g, tl.where(live, tl.where(hot, d2 + at * w2, e * w2), -1), mask=inside)
+        tl.store(offs + g, tl.where(live, tl.where(hot, d0 + at * w0, e * w0), _UNREAD), mask=inside)
+        tl.store(offs + n_guess + g, tl.where(live, tl.where(hot, d1 + at * w1, e * w1), _UNREAD), mask=inside)
+        tl.store(offs + 2 * n_guess + g, tl.where(live, tl.where(hot, d2 + at * w2, e * w2), _UNREAD), mask=inside)
         tl.atomic_add(counts + _GUESS_BYTES, tl.sum((live & (at < 0)).to(tl.int64), axis=0) * expert_bytes)
 
     @triton.jit

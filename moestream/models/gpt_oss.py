@@ -23,12 +23,12 @@ from moestream.models.layouts.gpt_oss import (
     tensor_shapes,
 )
 from moestream.models.spec import ModelSpec
-from moestream.ops.attention import causal_attention, masked_attention, rope_store
+from moestream.ops.attention import bias_rope, causal_attention, masked_attention, rope_store
 from moestream.ops.experts import ExpertSource, routed_swiglu
 from moestream.ops.linear import linear, linears
 from moestream.ops.moe_swiglu import ClampedGlu
 from moestream.ops.norm import rms_norm
-from moestream.ops.rope import rope_cos_sin, rope_neox
+from moestream.ops.rope import rope_cos_sin
 from moestream.ops.router import route_softmax_topk
 
 # The architecture (models/registry.py): its file's layout (models/layouts/gpt_oss.py) and its math
@@ -94,8 +94,7 @@ class Model(qwen3moe.Model):
         biases = tuple(self.b(il, n) for n in QKV)
         sinks, window = self.w(il, "attn_sinks"), self.window(il)
         if batch.n_keys is None:
-            q, k, v = (t + b.view(t.shape[1:]) for t, b in zip((q, k, v), biases, strict=True))
-            q, k = rope_neox(q, batch.cos, batch.sin), rope_neox(k, batch.cos, batch.sin)
+            q, k, v = bias_rope(q, k, v, biases, (batch.cos, batch.sin))
             k_all, v_all = cache.kv.update(il, batch.pos0, k, v)
             return causal_attention(q, k_all, v_all, sinks, window)  # [T, H, Dh]
         caches = cache.kv.k[il], cache.kv.v[il]  # a static batch writes its rows at device positions

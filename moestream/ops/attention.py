@@ -74,6 +74,20 @@ def rope_store(
     return rope_neox(q, cos, sin)
 
 
+def bias_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    rope: tuple[torch.Tensor, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A prompt's q, k, v [T, H|Hkv, Dh] plus their biases, q and k rotated: rope_store's work and bits, since a
+    prompt's last token may run alone as a decode step and both must give the same tokens."""
+    T, device = k.shape[0], k.device
+    rows = tuple(torch.empty(t.shape, dtype=t.dtype, device=device) for t in (k, v))
+    return rope_store(q, k, v, biases, rope, rows, torch.arange(T, device=device)), *rows
+
+
 def _floats(caches: tuple) -> tuple[torch.Tensor, ...]:
     """The caches kept in a torch dtype as such (stored rows are encoded after the fused launch)."""
     return tuple(c for c in caches if not isinstance(c, QuantizedRows))

@@ -57,11 +57,11 @@ def test_a_batchs_guesses_and_misses_read_each_expert_once():
     counts, offs = torch.zeros(5, dtype=torch.long), torch.zeros((3, 8), dtype=torch.long)
     w = [src[0].numel() // 4 for src in srcs]
     expert_bytes = 4 * sum(w)
-    d = [1000, 2000, 3000]  # the cache's rows seen from each host stack's base (words)
+    d = [1000, -2000, 3000]  # the cache's rows seen from each host stack's base (words): above or below it
     gather._held_offsets_kernel[(1,)](guess, n_live, slot_of, offs, counts, 8, *w, *d, expert_bytes, GUESS=8)
     for s in range(3):
-        assert offs[s].tolist() == [3 * w[s], 9 * w[s], d[s], 12 * w[s]] + [-1] * 4, (
-            "held from the cache, repeats unread"
+        assert offs[s].tolist() == [3 * w[s], 9 * w[s], d[s], 12 * w[s]] + [gather.UNREAD] * 4, (
+            "held from the cache (below the host base too), repeats unread"
         )
     assert counts.tolist() == [0, 0, 0, 3 * expert_bytes, 0]  # 3, 9 and 12 crossed the link, 5 is held
     picks = torch.tensor([9, 7, 7, 2, 5, 7, 1, 1])  # guessed; missed by three rows; missed; held and guessed;

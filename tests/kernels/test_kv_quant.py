@@ -18,14 +18,16 @@ TYPES = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0}
 
 
 def rows(n: int = 7, c: int = 256) -> torch.Tensor:
-    """Random rows with the cases rounding cares about: a zero block, ties of magnitude of either sign, values
-    exactly half-way between steps, and a large range."""
+    """Random rows with the cases rounding cares about: a zero block, ties of magnitude of either sign (the
+    first one positive, then negative: the sign of q4_0's scale), values exactly half-way between steps (q8_0
+    rounds them away from zero, q4_0 truncates x / d + 8.5), and a large range."""
     torch.manual_seed(0)
     x = torch.randn(n, c) * torch.logspace(-3, 3, n)[:, None]
     x[0, :32] = 0
     x[1, :32] = torch.tensor([1.0, -1.0] * 16)  # q4_0's argmax takes the first of equal magnitudes
     x[2, :32] = torch.arange(32) - 15.5  # steps of one at a scale of 127 / 16
     x[3, 32:64] = 127 * (torch.arange(32) % 5 - 2) / 254  # halves: round half away from zero
+    x[4, :32] = torch.tensor([-8.0] + [j % 16 - 7.5 for j in range(31)])  # q4_0: d = 1, every x / d a half
     return x
 
 
