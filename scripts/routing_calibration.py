@@ -1,5 +1,6 @@
-"""Measure a preset's trained routing on a scaled-down file (the preset's experts, head size, rope base and routing
-settings; hidden 256, expert FFN 64): per layer, then the means, on the shipped English text.
+"""Measure a preset's trained routing on a scaled-down file (trained_routing.calibration_preset: the preset's
+experts, head sizes, rope and routing settings; hidden 256, expert FFN 64): per layer, then the means, on the
+shipped English text.
 
 Usage: python scripts/routing_calibration.py PRESET LAYERS [field=value ...]   (fields of RoutingSettings to try)
 """
@@ -14,16 +15,15 @@ from pathlib import Path
 
 import moestream
 from moestream.tools import trained_routing
-from moestream.tools.presets import get_preset
 from moestream.tools.routing_stats import report_lines, routing_report, text_tokens
 from moestream.tools.synthetic import make_model
+from moestream.tools.trained_routing import calibration_preset
 
 
 def main(name: str, layers: int, **fields) -> None:
     if fields:
         trained_routing.ROUTING[name] = replace(trained_routing.ROUTING[name], **fields)
-    p = get_preset(name, layers)
-    p = replace(p, spec=replace(p.spec, n_embd=256, n_head=4, n_head_kv=2, n_ff_exp=64, n_vocab=1280), n_ff=64)
+    p = calibration_preset(name, layers)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "scaled.gguf"
         make_model(path, p, quant="F32", progress=False, routing="trained")

@@ -93,20 +93,20 @@ def _float_rows(
     rng = np.random.default_rng([seed, zlib.crc32(name.encode()), part])
     size = (n_rows, shape[-1])
     if name.endswith(".ssm_a"):  # -exp(A_log): decay rates from slow to fast, as transformers initialises A
-        return -rng.uniform(0.01, 16, size).astype(np.float32)
-    if name.endswith(".bias") or "attn_sinks" in name:  # biases and gpt-oss's sinks: around zero
-        return rng.standard_normal(size, dtype=np.float32)
-    if len(shape) == 1:  # norm weights and dt bias: near one
+        rows = -rng.uniform(0.01, 16, size).astype(np.float32)
+    elif name.endswith(".bias") or "attn_sinks" in name:  # biases and gpt-oss's sinks: around zero
+        rows = rng.standard_normal(size, dtype=np.float32)
+    elif len(shape) == 1:  # norm weights: near one
         rows = (1.0 + 0.05 * rng.standard_normal(size, dtype=np.float32)).astype(np.float32)
-        return rows if plant is None else _plant(name, rows, part, shape, seed, plant)
-    std = init_std(name, shape, n_layer)
-    if plant is not None:
-        std = trained_std(name, shape[-1], plant.settings) or std
-    rows = std * rng.standard_normal(size, dtype=np.float32)
-    if real is not None:  # the head favours real tokens, so greedy text (and most samples) can be read: a
-        # padding token's logit is 0, a real one's about N(0, 16), still random
-        first = part * max(1, CHUNK_ELEMENTS // shape[-1])
-        rows *= np.where(np.arange(first, first + n_rows) < real, 4.0, 0.0).astype(np.float32)[:, None]
+    else:
+        std = init_std(name, shape, n_layer)
+        if plant is not None:
+            std = trained_std(name, shape[-1], plant.settings) or std
+        rows = std * rng.standard_normal(size, dtype=np.float32)
+        if real is not None:  # the head favours real tokens, so greedy text (and most samples) can be read: a
+            # padding token's logit is 0, a real one's about N(0, 16), still random
+            first = part * max(1, CHUNK_ELEMENTS // shape[-1])
+            rows *= np.where(np.arange(first, first + n_rows) < real, 4.0, 0.0).astype(np.float32)[:, None]
     return rows if plant is None else _plant(name, rows, part, shape, seed, plant)
 
 

@@ -6,9 +6,11 @@ in docs/routing.md):
 - popularity: every token embedding carries a shared direction u, and each layer's router rows are tilted
   along u by a per-expert amount, so some experts of a layer win far more often (not layer 0's, which trained
   models route near uniformly);
-- reuse: layer 0's attention looks at the last few tokens only (q and k read only u, so they are the same for
-  every token, and their rotary pairs are chosen so the score falls with distance), and adds their mean to the
-  residual stream: neighbours then share a part of every later router's input;
+- reuse: layer 0's token mix averages the last few tokens and adds that to the residual stream, so neighbours
+  share a part of every later router's input: attention whose q and k read only u (the same for every token)
+  on rotary pairs chosen so the score falls with distance, or, in every delta-net layer (qwen35moe's first is
+  one), a fading average of the tokens before (q and k read only u, the convolution's mean of the tokens
+  before as v, no decay, a fixed beta);
 - next-layer predictability: each layer's residual update (attention and expert outputs) is a fixed fraction of
   the stream it adds to, whatever the file's depth, so a slice routes like the same layers of the whole model.
 """
@@ -16,19 +18,24 @@ in docs/routing.md):
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from moestream.errors import MoestreamError
 from moestream.models.spec import ModelSpec, Preset
+from moestream.tools.presets import get_preset
 
 MIN_THETA, MAX_THETA = 0.02, 0.3  # rotary frequencies (radians a position) layer 0's q and k use: a window of
 # a few tokens, no revival of far ones (the faster pairs alias, the slower ones never decay)
 
 
 BLIND = ("attn_v", "ffn_gate_exps", "ffn_up_exps", "ffn_gate_shexp", "ffn_up_shexp")  # projections that ignore u
-# (and attn_q / attn_k past layer 0, whose rows read only u)
+MIXES = ("attn_q", "attn_k")  # and these past layer 0 (layer 0's read only u)
+FADING = ("attn_qkv", "ssm_conv1d", "ssm_beta", "ssm_a", "attn_gate")  # a delta-net layer's, a fading average
+VALUE_SCALE = 0.1  # the delta-net values, small enough that the convolution's silu is about linear (a
+# mean it added to every token would add the same vector to every router's input)
+GATE = 1.0  # the delta-net output gate z, the same for every token
 
 
 @dataclass(frozen=True)
@@ -47,12 +54,15 @@ class RoutingSettings:
     targets: RoutingTargets
     shared: float  # the shared direction's size in an embedding row, against the row's random part (RMS 1)
     popularity: float  # std of the router's per-expert bias, in logits (the random part's std is about 1)
-    context: float  # layer 0's attention output std per unit of input, against a random projection's 1
-    focus: float  # layer 0's attention score at its peak over its far floor: higher, a narrower window
-    lag: float  # the distance (tokens back) layer 0's attention peaks at: the window leaves the token out
-    update: float  # each later residual update's std, against the stream's RMS
+    context: float  # layer 0's token mix output std per unit of input, against a random projection's 1
+    lag: float  # how far back (tokens) the window sits, leaving the token out: where layer 0's attention
+    # peaks, or the mean distance of a delta-net's fading average
+    update: float  # each later residual update's std (a later delta-net's fading average too), against the
+    # stream's RMS
     lift: float  # the stream's RMS after layer 0 (its context added) over before
     growth: float  # the stream's RMS growth a later layer (what the update scale and router tilt follow)
+    focus: float | None = None  # layer 0's attention score at its peak over its far floor: higher, a narrower
+    # window (attention only)
 
     def rms(self, il: int) -> float:
         """The residual stream's expected RMS entering layer il, in units of an embedding row's."""
@@ -71,6 +81,16 @@ ROUTING: dict[str, RoutingSettings] = {
         lift=1.7,
         growth=1.008,
     ),
+    "qwen3.6-35b-a3b": RoutingSettings(
+        RoutingTargets(guess=0.81, reuse=0.35, top_share=(0.26, 0.45)),
+        shared=0.5,
+        popularity=0.32,
+        context=3.4,
+        lag=3.0,
+        update=0.27,
+        lift=2.18,
+        growth=1.013,
+    ),
 }
 
 
@@ -85,9 +105,21 @@ def routing_settings(p: Preset, routing: str | None) -> RoutingSettings | None:
             f"--routing trained: preset {p.name} has no trained routing settings (presets with them: "
             f"{', '.join(ROUTING)}); use --routing uniform"
         )
-    if routing == "trained" and p.spec.arch != "qwen3moe":
-        raise MoestreamError(f"--routing trained: not planted for {p.spec.arch} yet; use --routing uniform")
     return None if routing == "uniform" else settings
+
+
+def calibration_preset(name: str, layers: int) -> Preset:
+    """The preset scaled down to calibrate on a CPU in seconds (hidden 256, 4 heads over 2 KV heads, expert
+    FFN 64, the test vocabulary, 2 delta-net key heads over 4 value heads); what routing depends on is kept:
+    the experts and how many a token uses, the head sizes, rope and the routing settings (looked up by name)."""
+    p = get_preset(name, layers)
+    small = dict(n_embd=256, n_head=4, n_head_kv=2, n_ff_exp=64, n_vocab=1280)
+    if p.spec.n_ff_shexp:
+        small["n_ff_shexp"] = 64
+    keys = p.gguf_keys
+    if "ssm.group_count" in keys:
+        keys = keys | {"ssm.group_count": 2, "ssm.time_step_rank": 4, "ssm.inner_size": 4 * keys["ssm.state_size"]}
+    return replace(p, spec=replace(p.spec, **small), n_ff=64, gguf_keys=keys)
 
 
 def shared_direction(n_embd: int, seed: int) -> np.ndarray:
@@ -115,27 +147,32 @@ def planted(name: str, rows: np.ndarray, first: int, p: Preset, s: RoutingSettin
     if not name.startswith("blk."):
         return rows
     il, kind = int(name.split(".")[1]), name.split(".")[2]
+    u = shared_direction(D, seed)
     if kind == "ffn_gate_inp":  # router rows tilted along u by a per-expert bias only (none at layer 0)
-        u = shared_direction(D, seed)
         rows = _without(rows, u)
         if il == 0:
             return rows
         bias = np.random.default_rng([seed, zlib.crc32(name.encode()), 1]).standard_normal(rows.shape[0])
-        # u . rms_norm(x) = shared * sqrt(D) / rms(x)
-        tilt = s.popularity * s.rms(il) * (1 + s.shared**2) ** 0.5 / (s.shared * D**0.5)
+        tilt = s.popularity * reads_one(s, il, D)
         return rows + (tilt * bias[:, None] * u[None, :]).astype(np.float32)
-    if kind in BLIND:  # only the routers read u: an update that did would add the same vector to every token,
-        # a popularity that grows with depth
-        return _without(rows, shared_direction(D, seed))
-    if kind in ("attn_q", "attn_k"):
-        if il > 0:
-            return _without(rows, shared_direction(D, seed))
+    if kind in FADING:
+        return fading_rows(kind, rows, first, p, s, u, il)
+    if il == 0 and kind in ("attn_q", "attn_k"):
         lag = s.lag if kind == "attn_q" else 0.0
-        return window_rows(rows, first, spec, lag, shared_direction(D, seed))
+        return window_rows(rows, first, spec, lag, u)
+    if kind in BLIND or kind in MIXES:  # only the routers read u: an update that did would add the same vector
+        # to every token, a popularity that grows with depth
+        return _without(rows, u)
     if il == 0 and kind in ("attn_q_norm", "attn_k_norm"):
         # q . k / sqrt(Dh) at distance 0 is focus once q and k are rms-normed over Dh channels
         return np.full_like(rows, (s.focus / spec.head_dim**0.5) ** 0.5)
     return rows
+
+
+def reads_one(s: RoutingSettings, il: int, n_embd: int) -> float:
+    """The size along u of a row that reads 1 from every token's input to layer il: u . rms_norm(x) is
+    shared * sqrt(D) / rms(x)."""
+    return s.rms(il) * (1 + s.shared**2) ** 0.5 / (s.shared * n_embd**0.5)
 
 
 def _without(rows: np.ndarray, u: np.ndarray) -> np.ndarray:
@@ -149,7 +186,7 @@ def trained_std(name: str, fan_in: int, s: RoutingSettings) -> float | None:
     if not name.startswith("blk.") or not any(k in name for k in ("attn_output", "ffn_down", "ssm_out")):
         return None
     il = int(name.split(".")[1])
-    if il == 0 and "attn_output" in name:
+    if il == 0 and ("attn_output" in name or "ssm_out" in name):
         return s.context / fan_in**0.5
     return s.update * s.rms(il) / fan_in**0.5
 
@@ -166,3 +203,29 @@ def window_rows(rows: np.ndarray, first: int, spec: ModelSpec, lag: float, u: np
     scale[pairs], scale[pairs + half] = np.cos(angle), np.sin(angle)
     channel = (first + np.arange(rows.shape[0])) % spec.head_dim
     return (scale[channel][:, None] * u[None, :] / len(u) ** 0.5).astype(np.float32)
+
+
+def fading_rows(
+    kind: str, rows: np.ndarray, first: int, p: Preset, s: RoutingSettings, u: np.ndarray, il: int
+) -> np.ndarray:
+    """Layer il's delta-net as a fading average of the tokens before (every delta-net layer: random ones add
+    token-specific updates only, so the stream's shared part, and reuse, would fade with depth). q and k read
+    only u (the same unit vector every token, so the state holds a single running value) and pass the
+    convolution; v is the mean of the K - 1 tokens before (K the convolution's taps); the state does not decay
+    and beta = 1 / (lag - K/2 + 1), so the output is sum_j beta (1 - beta)^j v[t-j] at a mean distance of lag,
+    gated by the same z every token."""
+    keys = p.gguf_keys
+    width, taps = 2 * keys["ssm.group_count"] * keys["ssm.state_size"], keys["ssm.conv_kernel"]
+    qk = (first + np.arange(rows.shape[0]) < width)[:, None]  # rows of q and k channels
+    one = reads_one(s, il, len(u)) * u
+    if kind == "attn_qkv":
+        return np.where(qk, one, VALUE_SCALE * _without(rows, u)).astype(np.float32)
+    if kind == "ssm_conv1d":  # taps oldest first: q and k take the token's own input, v the mean of those before
+        mean = np.zeros_like(rows)
+        mean[:, -1:], mean[:, :-1] = qk, ~qk / (taps - 1)
+        return mean
+    if kind == "ssm_a":  # no decay: g = softplus(alpha + dt_bias) * 0
+        return np.zeros_like(rows)
+    beta = 1 / (s.lag - taps / 2 + 1)
+    logit = np.log(beta / (1 - beta)) if kind == "ssm_beta" else GATE
+    return np.broadcast_to(logit * one, rows.shape).astype(np.float32)
