@@ -441,13 +441,17 @@ def cmd_info(a: argparse.Namespace) -> None:
         print(f"other bytes   {format_size(sum(t.nbytes for t in f.tensors.values()) - sum(per_layer))}")
         _warn_fallbacks(f, s, device)
     if a.routing:
+        from moestream.options import CACHE_POLICIES
         from moestream.runtime.loader import load
+        from moestream.tools.cache_replay import cache_lines
         from moestream.tools.routing_stats import report_lines, report_tokens, routing_report
 
         engine = load(a.model, device=a.device, n_ctx=tokens)
         try:
             prompt, what = report_tokens(engine, a.text, tokens)
-            print("\n".join(report_lines(routing_report(engine, prompt), s.n_expert_used, what)))
+            r = routing_report(engine, prompt)
+            print("\n".join(report_lines(r, s.n_expert_used, what)))
+            print("\n".join(cache_lines(r.picks, s.n_expert, sum(per_layer), CACHE_POLICIES)))
         finally:
             engine.close()
 

@@ -35,6 +35,7 @@ class RoutingReport:
     layers: list[LayerRouting]
     n_tokens: int
     n_expert: int
+    picks: dict[int, torch.Tensor]  # each expert layer's picks [T, K], for the cache replay
 
     def mean(self, field: str) -> float:
         """A statistic's mean over the layers that have it."""
@@ -85,7 +86,7 @@ def routing_report(engine, tokens: list[int]) -> RoutingReport:
         layer_routing(il, torch.cat(picks[il]), spec.n_expert, torch.cat(guesses[il]) if guesses[il] else None)
         for il in sorted(routed)
     ]
-    return RoutingReport(layers, len(tokens), spec.n_expert)
+    return RoutingReport(layers, len(tokens), spec.n_expert, {il: torch.cat(picks[il]) for il in sorted(routed)})
 
 
 def read_text(path: str | Path) -> str:
