@@ -70,7 +70,6 @@ def cache_lines(picks: dict[int, torch.Tensor], n_expert: int, total: int, polic
     lines = [f"expert cache hit rate (a replay of the decode picks; sizes as {what})"]
     lines.append(f"  {'size':18s} {'experts/layer':>13s} " + " ".join(f"{p:>7s}" for p in policies))
     for label, n in rows:
-        n = min(n, n_expert)
         rates = " ".join(f"{100 * hit_rate(picks, n_expert, n, p):6.1f}%" for p in policies)
         lines.append(f"  {label:18s} {n:13d} {rates}")
     return lines

@@ -82,11 +82,12 @@ def routing_report(engine, tokens: list[int]) -> RoutingReport:
         picks[il].append(ids.cpu())
 
     engine.forward(tokens, engine.new_cache(), on_route=on_route, on_layer=on_layer)
+    joined = {il: torch.cat(picks[il]) for il in sorted(routed)}
     layers = [
-        layer_routing(il, torch.cat(picks[il]), spec.n_expert, torch.cat(guesses[il]) if guesses[il] else None)
-        for il in sorted(routed)
+        layer_routing(il, ids, spec.n_expert, torch.cat(guesses[il]) if guesses[il] else None)
+        for il, ids in joined.items()
     ]
-    return RoutingReport(layers, len(tokens), spec.n_expert, {il: torch.cat(picks[il]) for il in sorted(routed)})
+    return RoutingReport(layers, len(tokens), spec.n_expert, joined)
 
 
 def read_text(path: str | Path) -> str:
