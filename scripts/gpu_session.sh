@@ -57,7 +57,7 @@ make_model() {  # make_model PATH PRESET [make-model flags]
   /usr/bin/time -f "make-model: %e s, max RSS %M KB" $MS make-model "$1" --preset "$2" --quant Q4_K_M "${@:3}" 2>&1 \
     | quiet | tail -3
 }
-TRAINED=/tmp/qwen3-30b-a3b-trained-Q4_K_M.gguf
+TRAINED=$MODEL  # make-model routes like a trained model by default on this preset
 TEXT=moestream/tools/data/english.txt
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"

@@ -1,9 +1,8 @@
 """The KV cache's types (-ctk/-ctv): floats, and llama.cpp's Q8_0 and Q4_0 blocks of 32 values (q8_0: an f16
 scale then 32 int8, value q*d; q4_0: an f16 scale then 16 bytes of nibbles, value (q-8)*d, the low nibbles
 holding values 0..15 and the high ones 16..31). Rows are quantized as gguf.quants.quantize does, bit for bit:
-a torch form (the reference, and what the engine runs on every device: no host reads, so a captured decode step
-can write its rows) and a Triton kernel (one launch; tests only until its mismatch inside the engine on CUDA,
-scripts/kv_gpu_diag.py, is found).
+a torch form (the reference, and the engine's on CPU) and a Triton kernel (one launch, the engine's on CUDA; neither
+reads the host, so a captured decode step can write its rows).
 
 Legend: N = rows, C = values a row (a multiple of 32), B = bytes a row (C / 32 blocks of BLOCK_BYTES).
 """
@@ -36,9 +35,8 @@ def row_bytes(name: str, n_values: int) -> int:
 def quantize(x: torch.Tensor, name: str) -> torch.Tensor:
     """Rows x [N, C] (any float dtype) as blocks [N, B] uint8, bit-exact with gguf.quants.quantize."""
     row_bytes(name, x.shape[-1])
-    # the torch form on CUDA too: the Triton kernel, exact alone, gave wrong blocks inside the engine (see
-    # docs/benchmarks.md, twenty-first session)
-    return quantize_torch(x.reshape(x.shape[0], -1), name)
+    x = x.reshape(x.shape[0], -1)
+    return _quantize_triton(x, name) if x.is_cuda and triton is not None else quantize_torch(x, name)
 
 
 def quantize_torch(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -95,10 +93,10 @@ if triton is not None:
             d = tl.sum(tl.where(j[None, :] == first[:, None], b, 0.0), axis=1) / -8
         inv = tl.where(d == 0, 0.0, tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), d))
         y = b * inv[:, None]
-        bits = d.to(tl.float16).to(tl.int16, bitcast=True)
         base = out + blk * BYTES
-        tl.store(base, (bits & 255).to(tl.uint8), mask=ok)
-        tl.store(base + 1, ((bits >> 8) & 255).to(tl.uint8), mask=ok)
+        # the scale through a float16 pointer (blocks are 2-byte aligned): storing its bitcast low byte, ptxas
+        # (CUDA 13, sm_90) turned the byte store of the f16 register into a float-to-u8 conversion (0 for d < 1)
+        tl.store(base.to(tl.pointer_type(tl.float16)), d.to(tl.float16), mask=ok)
         if KIND == 1:  # round half away from zero, as gguf's np_roundf
             a = tl.abs(y)
             fl = tl.floor(a)
@@ -125,5 +123,5 @@ def _quantize_triton(x: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def quantize_kernel(x: torch.Tensor, name: str) -> torch.Tensor:
-    """The Triton form on any device Triton runs (the interpreter's CPU tensors too): for tests."""
+    """The Triton form on any device Triton runs (the interpreter's CPU tensors too)."""
     return _quantize_triton(x.reshape(x.shape[0], -1), name)
