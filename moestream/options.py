@@ -214,6 +214,7 @@ class StreamingOptions:
 
 
 CACHE_POLICIES = ("static", "lru", "lfu")  # --cache-policy (offload/cache_policy.py)
+PREFETCH_AHEAD = (1, 2)  # --prefetch-ahead: streamed layers between a guess and the layer it guesses
 
 
 @dataclass(frozen=True)
@@ -223,6 +224,7 @@ class DecodeOptions:
     small_batch: SmallBatch | str = "auto"  # upload, gather or cpu; auto: the rule, or measured at load
     prefetch: int | None = None  # experts of a gathered layer guessed one layer ahead (0: off; None: as many as
     # the router picks)
+    prefetch_ahead: int = 1  # made at the start of the streamed layer 1 or 2 before (offload/prefetch.py)
     expert_cache: int | str = "auto"  # experts of each streamed layer kept on the GPU for decode's gathers
     # (offload/expert_cache.py; with prefetch). auto: as many as --vram-budget leaves (none without a budget)
     cache_policy: str = "static"  # which experts that cache holds: static, lru or lfu (offload/cache_policy.py)
@@ -340,6 +342,11 @@ def _settled(
     settled["small_batch"] = SmallBatch.parse(decode.small_batch, len(settled.get("devices") or ()))
     if decode.prefetch is not None and decode.prefetch < 0:
         raise MoestreamError(f"--prefetch {decode.prefetch}: must be 0 (off) or more experts a layer")
+    if decode.prefetch_ahead not in PREFETCH_AHEAD:
+        raise MoestreamError(
+            f"--prefetch-ahead {decode.prefetch_ahead}: give 1 (guess from the streamed layer before) or 2 (from the "
+            "one two before)"
+        )
     if decode.expert_cache != "auto":
         try:
             settled["expert_cache"] = int(decode.expert_cache)

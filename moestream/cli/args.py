@@ -18,6 +18,7 @@ LISTS = (
     "stream",
     "slots",
     "prefetch",
+    "prefetch_ahead",
     "expert_cache",
     "cache_type_k",
     "cache_type_v",
@@ -95,6 +96,14 @@ def engine_flags(p: argparse.ArgumentParser, lists: tuple[str, ...] = ()) -> Non
         help="decode with --small-batch gather: fetch the N experts each gathered layer's router ranks first "
         "for the layer before's input while that layer runs, beside compute (0: off; default: as many as the "
         "router picks). A wrong guess costs link bytes, never a different answer" + more,
+    )
+    p.add_argument(
+        "--prefetch-ahead",
+        **typed("prefetch_ahead", int, int_list, 1),
+        metavar="N",
+        help="decode with --prefetch: guess each gathered layer's experts at the start of the streamed layer N "
+        "before it (1, default, or 2: the link has two layers' compute to hide behind, the guess names somewhat "
+        "fewer picks)" + more,
     )
     p.add_argument(
         "--expert-cache",
@@ -220,6 +229,7 @@ def engine_flat(a: argparse.Namespace, ctx: int | None = None) -> dict:
         streamed_layers=first(a.streamed_layers),
         small_batch=a.small_batch,
         prefetch=first(a.prefetch) if a.prefetch is not None else None,
+        prefetch_ahead=first(a.prefetch_ahead),
         expert_cache=first(a.expert_cache) if a.expert_cache is not None else "auto",
         cache_policy=a.cache_policy,
         cache_type_k=first(a.cache_type_k),

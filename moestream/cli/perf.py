@@ -25,6 +25,7 @@ def sweep_of(a: argparse.Namespace) -> Sweep:
         slots=a.slots,
         picks=a.streamed_layers,
         prefetches=a.prefetch or [None],
+        aheads=a.prefetch_ahead,
         caches=a.expert_cache or ["auto"],
         depths=a.n_depth,
         types_k=a.cache_type_k,
@@ -119,7 +120,7 @@ def cmd_bench(a: argparse.Namespace) -> None:
             guess = (
                 ""
                 if r.prefetch_hit is None
-                else f", prefetch {r.prefetch} a layer: {r.prefetch_hit:.1%} of picks guessed"
+                else f", prefetch {r.prefetch} a layer {r.prefetch_ahead} ahead: {r.prefetch_hit:.1%} of picks guessed"
             )
             if r.cache_hit is not None:
                 guess += f", expert cache {r.expert_cache} a layer: {r.cache_hit:.1%} of picks held"
@@ -131,8 +132,9 @@ def cmd_bench(a: argparse.Namespace) -> None:
 
 
 def _prefetch_cache(r: BenchRow) -> str:
-    """The row's --prefetch and --expert-cache, so the lines under the table tell apart the rows they sweep."""
-    return f"pf {r.prefetch} cache {r.expert_cache}"
+    """The row's --prefetch, --prefetch-ahead and --expert-cache, so the lines under the table tell apart the rows
+    they sweep."""
+    return f"pf {r.prefetch} ahead {r.prefetch_ahead} cache {r.expert_cache}"
 
 
 def _positions(a: argparse.Namespace) -> int:

@@ -85,6 +85,7 @@ def record(row, info: dict, link_bps: float) -> dict:
         "streamed_layers": row.streamed_layers,
         "small_batch": row.small_batch,
         "prefetch": row.prefetch,
+        "prefetch_ahead": row.prefetch_ahead,
         "prefetch_hit": row.prefetch_hit,
         "expert_cache": row.expert_cache,
         "cache_hit": row.cache_hit,
@@ -145,7 +146,9 @@ def md_header(model: str) -> str:
 def md_row(r, info: dict) -> str:
     same = ("yes" if r.same_tokens else "NO") + ("" if r.same_bits in (None, True) else "*")
     cp = "-" if r.copy_gbs is None else f"{r.copy_gbs:.1f}"
-    prefetch = "-" if r.prefetch is None else r.prefetch
+    prefetch = (
+        "-" if r.prefetch is None else f"{r.prefetch}" + (f" @{r.prefetch_ahead}" if r.prefetch_ahead > 1 else "")
+    )
     return (
         f"| {r.model} | {format_size(info['model_size']):>10} | {_count(info['model_n_params']):>9} | "
         f"{info['backends']:<7} | {r.n_cpu_moe:>9} | {r.streamed_layers:<6} | {r.ubatch:>8} | {r.type_k:>6} | "

@@ -108,9 +108,10 @@ class Offload:
                         f"({format_size(pf.cache.nbytes)}, --expert-cache)"
                     )
                 rows = f" for each of up to {pf.rows} sequences a pass" if pf.rows > 1 else ""
+                ahead = f" {pf.ahead} streamed layers" if pf.ahead > 1 else ""
                 lines.append(
-                    f"decode: {count_of(pf.n_guess, 'expert')} of each streamed layer guessed ahead{rows} and "
-                    f"gathered beside compute (--prefetch; ring {ring / 2**20:.1f} MiB){held}"
+                    f"decode: {count_of(pf.n_guess, 'expert')} of each streamed layer guessed{ahead} ahead{rows} "
+                    f"and gathered beside compute (--prefetch; ring {ring / 2**20:.1f} MiB){held}"
                 )
         return "\n".join(lines)
 
@@ -273,7 +274,8 @@ def _footprint(
     """Device bytes besides the resident experts and staging slots, the guesses' ring for passes of up to rows
     rows where decode plans one, for a context of n_ctx positions and micro-batches of ubatch tokens."""
     dtype = opts.model.torch_dtype
-    ring = ring_bytes(tensors, tensors, decode.n_guess, spec.n_expert_used, rows) if decode.guesses else 0
+    n_guess, n_used = decode.n_guess, spec.n_expert_used
+    ring = ring_bytes(tensors, tensors, n_guess, n_used, rows, decode.ahead) if decode.guesses else 0
     kv_types = dict(zip(("type_k", "type_v"), opts.model.kv_types, strict=True))
     return Footprint(
         dense=dense_bytes,
@@ -299,7 +301,9 @@ def _serve(
         cache = ExpertCache(stored.tensors, streamed, n_cached, device, stored.pick, decode.cache_policy)
     fp = replace(fp, expert_cache=cache.nbytes if cache is not None else 0)
     n_used = spec.n_expert_used
-    prefetcher = Prefetcher(stored.tensors, streamed, decode.n_guess, n_used, stored.dev, stored.pick, cache, rows)
+    prefetcher = Prefetcher(
+        stored.tensors, streamed, decode.n_guess, n_used, stored.dev, stored.pick, cache, rows, decode.ahead
+    )
     return LayerExperts(stored, decode, prefetcher), fp
 
 

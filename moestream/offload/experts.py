@@ -60,7 +60,7 @@ class LayerExperts:
         self.tensors, self.resident, self.streamer = stored.tensors, stored.resident, stored.streamer
         self.dev, self.dtype, self.pick = stored.dev, stored.dtype, stored.pick
         self.plan = plan
-        self.prefetcher = prefetcher  # gathered layers' experts guessed a layer or so ahead (--prefetch)
+        self.prefetcher = prefetcher  # gathered layers' experts guessed ahead (--prefetch, --prefetch-ahead)
         self.counters = Counters.of(self.streamer, prefetcher is not None, self.dev.device)
 
     def begin(
@@ -82,9 +82,9 @@ class LayerExperts:
         they take the upload way, picking through the host)."""
         return self.plan.gathers and (not self.plan.access.on_gpu or self.pick.kernel_ok)
 
-    def guess_plan(self, n_tokens: int, static: bool) -> dict[int, int]:
+    def guess_plan(self, n_tokens: int, static: bool) -> dict[int, list[int]]:
         """For a pass of n_tokens (a token for each of that many sequences): {layer at whose start (-1: before
-        layer 0) to call prefetch(): the gathered layer to guess}. Empty unless a static pass of at most the
+        layer 0) to call prefetch(): the gathered layers to guess, in order}. Empty unless a static pass of at most the
         rows the prefetcher's ring holds, gathered, prefetch on."""
         p = self.prefetcher
         if p is None or not static or n_tokens > p.rows or n_tokens >= self.plan.min_batch:
@@ -97,6 +97,11 @@ class LayerExperts:
     def guess_width(self) -> int:
         """How many experts a guess names (--prefetch)."""
         return self.prefetcher.n_guess if self.prefetcher is not None else 0
+
+    @property
+    def guess_ahead(self) -> int:
+        """How many streamed layers before its own a layer's guess is made (--prefetch-ahead; 0: no guesses)."""
+        return self.prefetcher.ahead if self.prefetcher is not None else 0
 
     @property
     def cached_width(self) -> int:
@@ -245,7 +250,7 @@ class ExpertPass:
             self.timeline.add("compute", name, start, self.timeline.stamp(), **label)
             self._span = None
 
-    def guess_plan(self, n_tokens: int) -> dict[int, int]:
+    def guess_plan(self, n_tokens: int) -> dict[int, list[int]]:
         return self.source.guess_plan(n_tokens, self.static)
 
     def prefetch(self, il: int, guess: torch.Tensor) -> None:

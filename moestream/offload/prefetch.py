@@ -12,8 +12,13 @@ A pass of several rows (a server's running batch, a token for each sequence) gue
 the union of the guesses, each expert once, into a slot part of a fixed width for that many rows (repeats pad
 it and are not read); a missed expert is read once, by its first pick, however many rows picked it.
 
-The side stream first waits for everything compute queued before it, so a slot is rewritten only after the
-layer that read it.
+The guess for a streamed layer is made --prefetch-ahead streamed layers before it (1 by default; at 2, from the
+input of the streamed layer two before, with its own router: the link has two layers' compute to hide behind,
+and a trained model's guess names a few points fewer of its picks). The first `ahead` streamed layers are
+guessed together before the first one, from its input (the embedding's for layer 0). The ring has ahead + 1
+slots, a streamed layer's the next after the one before's; the side stream first waits for everything compute
+queued before it, so a slot is rewritten (for the streamed layer ahead + 1 later, at the start of the one after
+its reader) only after the layer that read it.
 """
 
 from __future__ import annotations
@@ -29,12 +34,11 @@ from moestream.offload.expert_cache import ExpertCache
 from moestream.offload.expert_tensors import ExpertTensors
 from moestream.profiling.timeline import NULL, Timeline
 
-RING = 2
 PROGRAMS = 16  # gather programs on the side stream: a program waiting on the link holds a multiprocessor
-# Where a streamed layer's guess is made: at the start of the layer before it ("layer"), or of the streamed
-# layer before it ("streamed", the default: earlier where resident layers sit between, so the side stream has
-# the next gather queued before the current one ends). Two slots suffice for both: a slot is next written for
-# the streamed layer after next, queued after its last reader.
+# Where a streamed layer's guess is made, `ahead` layers before it: at the start of the layer that many before
+# ("layer"), or of the streamed layer that many before ("streamed", the default: earlier where resident layers
+# sit between, so the side stream has the next gather queued before the current one ends). ahead + 1 slots
+# suffice for both: a slot is next written for the streamed layer ahead + 1 later, queued after its last reader.
 LEAD = "streamed"
 
 
@@ -73,9 +77,9 @@ class _Slot:
 
 
 class Prefetcher:
-    """The guessed experts of gathered layers, a layer or so ahead, for static passes of a token for each of up
-    to `rows` sequences (a decode step, a server's running batch): the rows' guesses united, each expert read
-    once, and their misses read once however many rows picked them."""
+    """The guessed experts of gathered layers, `ahead` streamed layers ahead (--prefetch-ahead), for static
+    passes of a token for each of up to `rows` sequences (a decode step, a server's running batch): the rows'
+    guesses united, each expert read once, and their misses read once however many rows picked them."""
 
     def __init__(
         self,
@@ -87,15 +91,17 @@ class Prefetcher:
         pick: RowGather,
         cache: ExpertCache | None = None,
         rows: int = 1,
+        ahead: int = 1,
     ):
         self.tensors, self.n_guess, self.n_used, self.pick, self.dev = tensors, n_guess, n_used, pick, dev
         self.cache = cache  # experts held on the device: read there, not over the link
         self.rows = rows  # the most a pass guesses for (the ring is sized for them)
+        self.ahead = ahead  # streamed layers between a guess and the layer it guesses (--prefetch-ahead)
         self.n_expert = tensors[streamed[0]].n_expert
         self.side = dev.side()  # the gathers' stream
-        self.ring = {il: i % RING for i, il in enumerate(sorted(streamed))}  # layer -> its slot
+        self.ring = {il: i % (ahead + 1) for i, il in enumerate(sorted(streamed))}  # layer -> its slot
         sizes, width = stack_sizes(tensors, streamed), self.width(rows)
-        self.slots = [_Slot(sizes, width, rows * n_used, dev.device, self.side.event()) for _ in range(RING)]
+        self.slots = [_Slot(sizes, width, rows * n_used, dev.device, self.side.event()) for _ in range(ahead + 1)]
         self.unheld = torch.full((self.n_expert,), -1, dtype=torch.long, device=dev.device)  # no cache's map
         self.pending: dict[int, _Guessed] = {}  # layer -> its part of a slot, the guessed rows queued
 
@@ -103,11 +109,15 @@ class Prefetcher:
         """Guessed experts a pass of n_rows gathers: the union of the rows' guesses (slot_width)."""
         return slot_width(self.n_guess, n_rows, self.n_expert)
 
-    def schedule(self) -> dict[int, int]:
-        """{layer at whose start a guess is made (-1: before layer 0, from the embedding): the layer guessed}."""
-        order = sorted(self.ring)
-        lead = LEAD == "streamed"
-        return {(order[i - 1] if lead and i else il - 1): il for i, il in enumerate(order)}
+    def schedule(self) -> dict[int, list[int]]:
+        """{layer at whose start guesses are made (-1: before layer 0, from the embedding): the layers guessed,
+        in order}: each `ahead` layers (or streamed layers) before, the first ones before the first."""
+        order, n = sorted(self.ring), self.ahead
+        plan: dict[int, list[int]] = {}
+        for i, il in enumerate(order):
+            at = (order[i - n] if i >= n else order[0] - 1) if LEAD == "streamed" else max(il - n, -1)
+            plan.setdefault(at, []).append(il)
+        return plan
 
     def prefetch(self, il: int, guess: torch.Tensor, counters: Counters, timeline: Timeline = NULL) -> None:
         """Queue the gather of layer il's guessed experts (guess [R, G]: each row's ids, on the device; the
@@ -208,8 +218,10 @@ def stack_sizes(tensors: dict[int, ExpertTensors], layers) -> list[int]:
     return [max(tensors[il].views[s].nbytes // tensors[il].n_expert for il in layers) for s in range(3)]
 
 
-def ring_bytes(tensors: dict[int, ExpertTensors], layers, n_guess: int, n_used: int, rows: int = 1) -> int:
-    """Device bytes of the ring for guesses over these layers, passes of up to `rows` rows (what the placement
-    budgets)."""
+def ring_bytes(
+    tensors: dict[int, ExpertTensors], layers, n_guess: int, n_used: int, rows: int = 1, ahead: int = 1
+) -> int:
+    """Device bytes of the ring for guesses over these layers, passes of up to `rows` rows, made `ahead`
+    streamed layers ahead (what the placement budgets)."""
     n_expert = tensors[next(iter(layers))].n_expert
-    return RING * (slot_width(n_guess, rows, n_expert) + rows * n_used) * sum(stack_sizes(tensors, layers))
+    return (ahead + 1) * (slot_width(n_guess, rows, n_expert) + rows * n_used) * sum(stack_sizes(tensors, layers))

@@ -89,6 +89,7 @@ class DecodePlan:
     expert_cache: int | str  # --expert-cache as asked (the count comes from the budget the placement leaves)
     measured: Measured | None = None  # what auto timed to choose `way`
     cache_policy: str = "static"  # --cache-policy: which experts that cache holds
+    ahead: int = 1  # --prefetch-ahead: streamed layers between a guess and the layer it guesses
 
     @property
     def gathers(self) -> bool:
@@ -146,7 +147,15 @@ def decode_plan(opts: Options, n_expert_used: int, access: Access, measured: Mea
     n_guess = n_expert_used if opts.decode.prefetch is None else opts.decode.prefetch
     d = opts.decode
     return DecodePlan(
-        asked, way, access, opts.streaming.stream_min_batch, n_guess, d.expert_cache, measured, d.cache_policy
+        asked,
+        way,
+        access,
+        opts.streaming.stream_min_batch,
+        n_guess,
+        d.expert_cache,
+        measured,
+        d.cache_policy,
+        d.prefetch_ahead,
     )
 
 

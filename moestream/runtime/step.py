@@ -142,12 +142,12 @@ class DecodeStep:
             rows = tuple(model.static_batch(positions[i : i + 1], n, self.dtype) for i, n in enumerate(n_keys))
             batch, cache = Batch(-1, *model.rope(positions, self.dtype), positions, rows=rows), caches
         guesses, width = p.guess_plan(x.shape[0]), self.experts.guess_width
-        if -1 in guesses:
-            p.prefetch(guesses[-1], model.guess_experts(guesses[-1], x, width))
+        for later in guesses.get(-1, ()):
+            p.prefetch(later, model.guess_experts(later, x, width))
         for il in range(model.spec.n_layer):
             p.start_layer(il, 0)
-            if il in guesses:
-                p.prefetch(guesses[il], model.guess_experts(guesses[il], x, width))
+            for later in guesses.get(il, ()):
+                p.prefetch(later, model.guess_experts(later, x, width))
             x = model.layer(il, x, batch, cache, p)
         p.layers_done()
         with self.timeline.span("compute", "head"):

@@ -47,6 +47,7 @@ class BenchRow:
     small_batch: str = ""  # what micro-batches under --stream-min-batch did (auto resolved)
     links_gbs: list[float] = field(default_factory=list)  # --devices: each device's link, bytes into its ring / run
     prefetch: int = 0  # experts guessed a gathered layer ahead in decode (0: none)
+    prefetch_ahead: int = 0  # streamed layers before its own a layer's guess was made (0: no guesses)
     prefetch_hit: float | None = None  # the fraction of those layers' picks that were guessed (None: no prefetch)
     expert_cache: int = 0  # experts of each streamed layer the cache held (0: none)
     cache_hit: float | None = None  # the fraction of prefetched layers' picks it held (None: no cache)
@@ -244,6 +245,7 @@ def run_bench(engine, sweep: Sweep, progress=None, say=None) -> tuple[list[Bench
                 small_batch=experts.plan.way,
                 links_gbs=[b / secs / 1e9 for b in m.links],
                 prefetch=experts.guess_width,
+                prefetch_ahead=experts.guess_ahead,
                 prefetch_hit=m.hit,
                 expert_cache=experts.cached_width,
                 cache_hit=m.cached,

@@ -19,6 +19,7 @@ class Sweep:
     slots: list[int]
     picks: list[str]  # --streamed-layers first | spread
     prefetches: list[int | None] = field(default_factory=lambda: [None])  # --prefetch (None: the router's count)
+    aheads: list[int] = field(default_factory=lambda: [1])  # --prefetch-ahead
     caches: list[int | str] = field(default_factory=lambda: ["auto"])  # --expert-cache
     depths: list[int] = field(default_factory=lambda: [0])  # -d: tokens of context before each test (untimed)
     types_k: list[str] = field(default_factory=lambda: ["auto"])  # -ctk
@@ -29,7 +30,16 @@ class Sweep:
 
     def placements(self) -> list[dict]:
         """Each row's engine options, in order (what run_bench reconfigures to; the CLI checks them first)."""
-        keys = ("ubatch", "n_cpu_moe", "streamed_layers", "stream", "slots", "prefetch", "expert_cache")
-        lists = (self.ubatches, self.n_cpu_moes, self.picks, self.streams, self.slots, self.prefetches, self.caches)
-        keys, lists = (*keys, "cache_type_k", "cache_type_v"), (*lists, self.types_k, self.types_v)
-        return [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*lists)]
+        columns = {
+            "ubatch": self.ubatches,
+            "n_cpu_moe": self.n_cpu_moes,
+            "streamed_layers": self.picks,
+            "stream": self.streams,
+            "slots": self.slots,
+            "prefetch": self.prefetches,
+            "prefetch_ahead": self.aheads,
+            "expert_cache": self.caches,
+            "cache_type_k": self.types_k,
+            "cache_type_v": self.types_v,
+        }
+        return [dict(zip(columns, combo, strict=True)) for combo in itertools.product(*columns.values())]

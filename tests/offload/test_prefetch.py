@@ -182,7 +182,7 @@ def test_a_spread_placement_guesses_across_resident_layers(model_file, n_cpu_moe
         streamed = e.offload.placement.streamed
         assert sorted(e.experts.prefetcher.ring) == streamed
         at = [s - 1 for s in streamed] if lead == "layer" else [streamed[0] - 1, *streamed[:-1]]
-        assert e.experts.prefetcher.schedule() == dict(zip(at, streamed, strict=True))
+        assert e.experts.prefetcher.schedule() == {a: [il] for a, il in zip(at, streamed, strict=True)}
         assert decode(e)[0] == want
         assert e.experts.counters.stats()[0] == 10 * n_cpu_moe * e.spec.n_expert_used
     finally:
@@ -198,7 +198,7 @@ def test_only_gathered_one_token_static_passes_guess(model_file):
     try:
         experts = e.experts
         assert experts.guess_plan(1, static=False) == {}  # outside a static pass
-        assert experts.guess_plan(1, static=True) == {il - 1: il for il in range(e.spec.n_layer)}
+        assert experts.guess_plan(1, static=True) == {il - 1: [il] for il in range(e.spec.n_layer)}
         assert experts.guess_plan(2, static=True) == {}
     finally:
         e.close()
