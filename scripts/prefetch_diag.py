@@ -1,6 +1,7 @@
 """Next-layer prefetch on the GPU: the graphed decode step of a streamed placement (-ncmoe 26 spread, 12 GiB)
-without a guess and with one (its width, the side stream's gather programs, where it is made, the experts
-the expert cache holds), side by side in one process, each checked to give the unguessed run's greedy tokens.
+without a guess and with one (its width, the side stream's gather programs, where it is made and how many
+streamed layers ahead, the experts the expert cache holds), side by side in one process, each checked to give
+the unguessed run's greedy tokens.
 
     python scripts/prefetch_diag.py MODEL
 """
@@ -38,23 +39,26 @@ if __name__ == "__main__":
     )
     want = greedy(e)
     print(f"prefetch off                {step_ms(e):7.3f} ms a step", flush=True)
-    variants = [  # experts a guess, gather programs, where the guess is made, experts held a layer
-        (8, 16, "streamed", 0),
-        (8, 16, "streamed", "auto"),
-        (8, 16, "streamed", 8),
-        (8, 16, "layer", "auto"),
-        (10, 16, "streamed", "auto"),
+    variants = [  # experts a guess, gather programs, where the guess is made, layers ahead, experts held a layer
+        (8, 16, "streamed", 1, 0),
+        (8, 16, "streamed", 1, "auto"),
+        (8, 16, "streamed", 1, 8),
+        (8, 16, "layer", 1, "auto"),
+        (10, 16, "streamed", 1, "auto"),
+        (8, 16, "streamed", 2, 0),
+        (8, 16, "streamed", 2, "auto"),
     ]
-    for width, programs, lead, held in variants:
-        e.setup.reconfigure(prefetch=width, expert_cache=held)
+    for width, programs, lead, ahead, held in variants:
+        e.setup.reconfigure(prefetch=width, prefetch_ahead=ahead, expert_cache=held)
         prefetch.PROGRAMS, prefetch.LEAD = programs, lead
         before = e.experts.counters.stats()
         ms = step_ms(e)
         d = [b - a for a, b in zip(before, e.experts.counters.stats(), strict=True)]
         same = greedy(e) == want
         print(
-            f"prefetch {width:>2}, {programs:>3} programs, at the {lead:<8} before, {e.experts.cached_width:>3} "
-            f"held: {ms:7.3f} ms a step, {1 - d[1] / d[0]:.1%} guessed, {d[4] / d[0]:.1%} held, "
+            f"prefetch {width:>2}, {programs:>3} programs, at the {lead:<8} {ahead} before, "
+            f"{e.experts.cached_width:>3} held: {ms:7.3f} ms a step, {1 - d[1] / d[0]:.1%} guessed, "
+            f"{d[4] / d[0]:.1%} held, "
             f"{(d[2] + d[3]) / 144 / 1e6:.1f} MB a step over the link, same tokens: {same}",
             flush=True,
         )

@@ -12,13 +12,13 @@ A pass of several rows (a server's running batch, a token for each sequence) gue
 the union of the guesses, each expert once, into a slot part of a fixed width for that many rows (repeats pad
 it and are not read); a missed expert is read once, by its first pick, however many rows picked it.
 
-The guess for a streamed layer is made --prefetch-ahead streamed layers before it (1 by default; at 2, from the
-input of the streamed layer two before, with its own router: the link has two layers' compute to hide behind,
-and a trained model's guess names a few points fewer of its picks). The first `ahead` streamed layers are
-guessed together before the first one, from its input (the embedding's for layer 0). The ring has ahead + 1
-slots, a streamed layer's the next after the one before's; the side stream first waits for everything compute
-queued before it, so a slot is rewritten (for the streamed layer ahead + 1 later, at the start of the one after
-its reader) only after the layer that read it.
+How far ahead (--prefetch-ahead): a streamed layer's guess is made at the start of the streamed layer 1 (the
+default) or 2 before it, from that layer's input with the guessed layer's router: at 2 the link has two layers'
+compute to hide behind, and a trained model's guess names ~4 points fewer of its picks. The first `ahead` streamed
+layers are guessed together, at the start of the layer before the first (from the embedding for layer 0). The ring
+has ahead + 1 slots, used in turn; the side stream first waits for everything compute queued before it, so a slot
+is rewritten (for the streamed layer ahead + 1 later, at the start of the one after its reader) only after the
+layer that read it.
 """
 
 from __future__ import annotations

@@ -112,6 +112,7 @@ def test_prompt_longer_than_context(model_file, capsys):
         (["--device", "tpu"], "--device"),
         (["--expert-cache", "-2"], "--expert-cache"),
         (["--prefetch", "-1"], "--prefetch"),
+        (["--prefetch-ahead", "3"], "--prefetch-ahead 3"),
         (["--threads", "100000"], "--threads"),  # a thread that cannot start crashed the process
         (["--devices", "cuda:x"], "--devices"),
         (["--devices", "cpu,cpu", "-ts", "nan,1", "-ncmoe", "all"], "--tensor-split"),

@@ -32,7 +32,11 @@ def test_the_table_names_the_model_whole_and_tells_rows_apart(model_file, capsys
     out, err = capsys.readouterr()
     per_token = [line.split(":")[0] for line in out.splitlines() if " ms a token" in line]
     assert "bench: placement 4/4, tg2 x 1 after a warm-up" in err  # progress: a line as each row starts
-    assert len(per_token) == 4 and {p.split(" pf ")[1] for p in per_token} == {"0 cache 0", "2 cache 0", "2 cache 2"}
+    assert len(per_token) == 4 and {p.split(" pf ")[1] for p in per_token} == {
+        "0 ahead 0 cache 0",
+        "2 ahead 1 cache 0",
+        "2 ahead 1 cache 2",
+    }
 
 
 def test_depth_rows_carry_n_depth_in_json_and_name_it_in_the_table(model_file, capsys):

@@ -204,6 +204,22 @@ def test_bench_reports_guesses_and_the_expert_cache(model_file, capsys):
     assert "expert cache 3 a layer:" in capsys.readouterr().out
 
 
+def test_bench_sweeps_how_far_ahead_the_guess_is_made(model_file, capsys):
+    """--prefetch-ahead 1,2: a row each, the depth in -o json and in the table, each row's picks guessed."""
+    path = model_file("tiny", "Q4_K_M", layers=4)
+    argv = ["bench", "-m", path, "--device", "cpu", "-p", "0", "-n", "8", "-ncmoe", "all", "-r", "1", "--no-floors"]
+    argv += ["--small-batch", "gather", "--prefetch", "2", "--prefetch-ahead", "1,2"]
+    assert main(argv + ["-o", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["prefetch"], r["prefetch_ahead"]) for r in rows] == [(2, 1), (2, 2)]
+    assert all(r["same_tokens"] is not False and 0 < r["prefetch_hit"] <= 1 for r in rows)
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    cells = [{c.strip() for c in line.split("|")} for line in out.splitlines() if line.startswith("| ")]
+    assert "2" in cells[1] and "2 @2" in cells[2]  # the table's prefetch column: the depth when not 1
+    assert "prefetch 2 a layer 1 ahead:" in out and "prefetch 2 a layer 2 ahead:" in out
+
+
 def test_decode_on_the_cpu_multiplies_every_weight_from_its_blocks(model_file, capsys, monkeypatch):
     """A one-token prompt and its decode steps on the CPU device dequantize no weight (the Q6_K head and Q8_0
     projections included): the C kernel reads each one's blocks. The head was dequantized on every step."""

@@ -167,22 +167,85 @@ def test_a_batch_size_reads_the_same_part_of_its_slot_every_step(model_file, mon
         assert guess[0] == (p.width(n),) and mats[0] == (n * e.spec.n_expert_used,)
 
 
+def watch(p, monkeypatch) -> tuple[list[str], list[int]]:
+    """Record a prefetcher's guesses and takes in order ("guess2", "take0"), and for each take the picks its
+    layer's guess did not name."""
+    events, missed, guessed = [], [], {}
+    queue, take = p.prefetch, p.take
+
+    def probe(il, guess, *args):
+        events.append(f"guess{il}")
+        guessed[il] = set(guess.reshape(-1).tolist())
+        queue(il, guess, *args)
+
+    def taken(il, ids, *args):
+        events.append(f"take{il}")
+        missed.append(sum(int(x) not in guessed[il] for x in ids.reshape(-1)))
+        return take(il, ids, *args)
+
+    monkeypatch.setattr(p, "prefetch", probe)
+    monkeypatch.setattr(p, "take", taken)
+    return events, missed
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen35moe"])
+def test_two_layers_ahead_gives_the_resident_tokens_and_counts_misses_of_the_picks(model_file, preset, monkeypatch):
+    """--prefetch-ahead 2 over 4 streamed layers: the first two guessed before layer 0 (from the embedding), the
+    others at the start of the streamed layer two before, into a ring of three slots. One sequence and three a
+    pass give the bits of passes without a guess (and of ahead 1), one sequence the all-resident tokens; every
+    pick is counted, a miss being a pick the guess made that far ahead did not name."""
+    path = model_file(preset, "Q4_K_M", layers=4)
+    ref = moestream.load(path, device="cpu", progress=False)
+    resident = decode(ref)[0]
+    ref.close()
+    off = moestream.load(path, prefetch=0, n_seqs=3, **GATHERED)
+    want, together = decode(off), decode_together(off, BATCH)
+    off.close()
+    assert want[0] == resident
+    steps = {
+        1: "guess0 guess1 take0 guess2 take1 guess3 take2 take3",
+        2: "guess0 guess1 guess2 take0 guess3 take1 take2 take3",
+    }
+    for ahead, at in ((1, {-1: [0], 0: [1], 1: [2], 2: [3]}), (2, {-1: [0, 1], 0: [2], 1: [3]})):
+        e = moestream.load(path, prefetch_ahead=ahead, n_seqs=3, **GATHERED)
+        p, spec = e.experts.prefetcher, e.spec
+        assert p.schedule() == at and len(p.slots) == ahead + 1 and e.experts.guess_ahead == ahead
+        events, missed = watch(p, monkeypatch)
+        try:
+            tokens, logits = decode(e)
+            got = decode_together(e, BATCH)
+            picks, misses, *_ = e.experts.counters.stats()
+        finally:
+            e.close()
+        assert tokens == resident and torch.equal(logits, want[1]) and torch.equal(got, together)
+        assert " ".join(events[:8]) == steps[ahead]  # the first decode step's
+        assert picks == (10 + 6 * 3) * spec.n_layer * spec.n_expert_used  # every step, layer, row and pick
+        assert misses == sum(missed) and 0 <= misses < picks  # the counters' misses: picks the guess did not name
+
+
+@pytest.mark.parametrize("ahead", [1, 2])
 @pytest.mark.parametrize("lead", ["layer", "streamed"])
 @pytest.mark.parametrize("n_cpu_moe", [1, 2])
-def test_a_spread_placement_guesses_across_resident_layers(model_file, n_cpu_moe, lead, monkeypatch):
+def test_a_spread_placement_guesses_across_resident_layers(model_file, n_cpu_moe, lead, ahead, monkeypatch):
     """tiny-odd's 3 layers with 1 or 2 streamed, spread: guesses for a layer after a resident one (made there,
-    or at the streamed layer before it), and for layer 0 from the embedding; the all-resident model's tokens."""
+    or at the streamed layer before it; at 2 ahead, two layers or streamed layers before), and for layer 0 from
+    the embedding; the all-resident model's tokens."""
     monkeypatch.setattr(prefetch, "LEAD", lead)
     path = model_file("tiny-odd", "Q4_K_M")
     ref = moestream.load(path, device="cpu", progress=False)
     want = decode(ref)[0]
     ref.close()
-    e = moestream.load(path, **(GATHERED | dict(n_cpu_moe=n_cpu_moe, streamed_layers="spread")))
+    e = moestream.load(path, **(GATHERED | dict(n_cpu_moe=n_cpu_moe, streamed_layers="spread", prefetch_ahead=ahead)))
     try:
         streamed = e.offload.placement.streamed
         assert sorted(e.experts.prefetcher.ring) == streamed
-        at = [s - 1 for s in streamed] if lead == "layer" else [streamed[0] - 1, *streamed[:-1]]
-        assert e.experts.prefetcher.schedule() == {a: [il] for a, il in zip(at, streamed, strict=True)}
+        if lead == "layer":
+            plan = {max(s - ahead, -1): [s] for s in streamed}
+        elif ahead == 1:
+            plan = {a: [s] for a, s in zip([streamed[0] - 1, *streamed[:-1]], streamed, strict=True)}
+        else:  # both from the first one's input
+            plan = {streamed[0] - 1: streamed}
+        assert e.experts.prefetcher.schedule() == plan
         assert decode(e)[0] == want
         assert e.experts.counters.stats()[0] == 10 * n_cpu_moe * e.spec.n_expert_used
     finally:
@@ -228,6 +291,15 @@ def test_the_guess_ring_is_budgeted_as_allocated_and_only_when_layers_stream(mod
         assert allocated == 2 * (6 + 6) * sum(prefetch.stack_sizes(p.tensors, p.tensors))  # 6 guessed, 6 picks
     finally:
         e.close()
+    e = moestream.load(model_file("tiny", "Q4_K_M"), prefetch_ahead=2, **GATHERED)  # a third slot
+    try:
+        p, fp = e.experts.prefetcher, e.offload.footprint
+        allocated = sum(buf.numel() for slot in p.slots for buf in slot.bufs)
+        assert fp.prefetch == allocated == ring_bytes(p.tensors, p.tensors, 2, 2, ahead=2)
+        assert allocated == 3 * (2 + 2) * sum(prefetch.stack_sizes(p.tensors, p.tensors))
+        assert "guessed 2 streamed layers ahead and gathered" in e.offload.describe()
+    finally:
+        e.close()
     fp = Footprint(dense=100, kv_cache=10, workspace=1, prefetch=5000)
     assert Placement(0, [8000, 8000], n_slots=1).gpu_bytes(fp) == 111 + 16000
     assert Placement(1, [8000, 8000], n_slots=1).gpu_bytes(fp) == 111 + 8000 + 8000 + 5000
@@ -236,6 +308,9 @@ def test_the_guess_ring_is_budgeted_as_allocated_and_only_when_layers_stream(mod
 def test_bad_widths_are_refused(model_file):
     with pytest.raises(MoestreamError, match="--prefetch -1"):
         Options.make(prefetch=-1)
+    for ahead in (0, 3):
+        with pytest.raises(MoestreamError, match=f"--prefetch-ahead {ahead}: give 1 .* or 2"):
+            Options.make(prefetch_ahead=ahead)
     with pytest.raises(MoestreamError, match="--prefetch 9: the model has 8 experts"):
         moestream.load(
             model_file("tiny", "Q4_K_M"), prefetch=9, **{k: v for k, v in GATHERED.items() if k != "n_cpu_moe"}

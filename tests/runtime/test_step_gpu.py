@@ -68,11 +68,13 @@ def test_steps_launched_dependently_give_the_bits_of_steps_launched_in_turn(mode
     assert torch.equal(dependent, in_turn)
 
 
-@pytest.mark.parametrize("prefetch,held", [(0, 0), (None, 0), (1, 0), (None, 3), (1, 3)])
-def test_streamed_decode_reads_the_chosen_experts_and_gives_resident_tokens(model_file, prefetch, held):
-    """Gathered in replayed graphs, without a guess, with the router's count guessed a layer ahead on a side
-    stream, and with a one-expert guess (mostly misses, gathered after routing), with and without 3 experts a
-    layer held in the expert cache: resident tokens each time."""
+@pytest.mark.parametrize(
+    "prefetch,held,ahead", [(0, 0, 1), (None, 0, 1), (1, 0, 1), (None, 3, 1), (1, 3, 1), (None, 0, 2), (1, 3, 2)]
+)
+def test_streamed_decode_reads_the_chosen_experts_and_gives_resident_tokens(model_file, prefetch, held, ahead):
+    """Gathered in replayed graphs, without a guess, with the router's count guessed a layer (or two) ahead on a
+    side stream, and with a one-expert guess (mostly misses, gathered after routing), with and without 3 experts
+    a layer held in the expert cache: resident tokens each time."""
     path = model_file("tiny", "Q4_K_M")
     params = SamplingParams(max_tokens=24, stop_at_eos=False)
     ref = moestream.load(path, device="cuda", progress=False)
@@ -83,6 +85,7 @@ def test_streamed_decode_reads_the_chosen_experts_and_gives_resident_tokens(mode
         n_cpu_moe="all",
         small_batch="gather",
         prefetch=prefetch,
+        prefetch_ahead=ahead,
         expert_cache=held,
     )
     try:
@@ -219,9 +222,10 @@ def test_a_batched_step_gives_each_row_the_bits_of_its_step_alone(model_file, pr
         e.close()
 
 
+@pytest.mark.parametrize("ahead", [1, 2])
 @pytest.mark.parametrize("held", [0, 3])
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qwen35moe", "tiny-glm4moe-odd"])
-def test_a_batched_step_guesses_ahead_in_its_graph_and_replays_the_eager_bits(model_file, preset, held):
+def test_a_batched_step_guesses_ahead_in_its_graph_and_replays_the_eager_bits(model_file, preset, held, ahead):
     """Every layer's experts streamed and gathered, three sequences a pass (--max-seqs 3): the union of the rows'
     guesses gathered ahead on the side stream, picks taken from it and from the expert cache, misses read once,
     all inside one captured step. Replays equal the eager passes, the passes without a guess, and each row its
@@ -234,7 +238,7 @@ def test_a_batched_step_guesses_ahead_in_its_graph_and_replays_the_eager_bits(mo
         unguessed, _, _ = _step_together(off, prompts, 10)
     finally:
         off.close()
-    e = moestream.load(path, expert_cache=held, **opts)
+    e = moestream.load(path, expert_cache=held, prefetch_ahead=ahead, **opts)
     try:
         experts, spec = e.experts, e.spec
         assert e.step.replays(3) and experts.guess_plan(3, static=True) == experts.prefetcher.schedule()
