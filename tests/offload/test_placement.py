@@ -17,7 +17,6 @@ from moestream.errors import MoestreamError
 from moestream.models.registry import architecture, layout
 from moestream.offload import placement as P
 from moestream.offload.device import CpuMemory
-from moestream.offload.prefetch import RING
 from moestream.offload.streamer import ALIGN
 from moestream.options import Schedule
 from moestream.tools.presets import get_preset
@@ -109,7 +108,7 @@ def preset_sizing(name: str, quant: str, ubatch: int, n_ctx: int) -> tuple[list[
     dense = sum(math.prod(p.shape) * 2 if p.qtype in FLOATS else stored(n) for n, p in plans.items() if n not in host)
     experts = [sum(map(stored, names[il])) if il in names else 0 for il in range(spec.n_layer)]
     one_expert = sum(max(stored(names[il][s]) // spec.n_expert for il in names) for s in range(3))
-    ring = RING * 2 * spec.n_expert_used * one_expert
+    ring = 2 * 2 * spec.n_expert_used * one_expert  # 2 slots (--prefetch-ahead 1) of K guessed and K picked
 
     def at(c: int, u: int) -> P.Footprint:
         kv = P.kv_cache_bytes(spec, c, torch.bfloat16) + state_bytes
