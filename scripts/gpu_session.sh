@@ -28,9 +28,10 @@
 #   lbuild llamacpp   build llama.cpp's llama-bench (background) / wait and run tg128 at -ncmoe 0,26 on each
 #            benchmark model generated so far (qwen3-30b, and qwen3.6-35b after decode35 or qwen35)
 #   model35  generate the qwen3.6-35b-a3b model alone
-#   routing  issue 34: qwen3-30b-a3b made with --routing trained; info --routing on the shipped English text, then
-#            tg128 teacher-forced over that text at -ncmoe 26 spread 12 GiB: auto, and gather (prefetch x cache) as json
-#            for each --cache-policy
+#   routing  issue 34: qwen3-30b-a3b made with --routing trained; info --routing on the shipped English text
+#   policies tg128 teacher-forced over that text at -ncmoe 26 spread 12 GiB: auto, and gather (prefetch x cache) as
+#            json for each --cache-policy
+#   kvtests  the KV-type GPU tests and the Triton quantizer's diagnosis (kvtypes without the depth sweep)
 #   qwen35 routing35   the issue-5 headline table (generates the qwen3.6-35b-a3b model first), its routing
 #   decode35 tg128 of that model: resident, and -ncmoe 26 spread 12 GiB: auto, gather (prefetch x cache), upload, cpu
 #   autopair auto against gather + prefetch 8 + cache auto (what auto picks), alternating processes ($AUTO_MODEL)
@@ -73,6 +74,10 @@ for step in "$@"; do
              --ignore tests/serving/test_app.py 2>&1 \
              | tee -a "$OUT/gpu_tests.txt" | tail -25 ;;
     types) python3 scripts/type_rates.py 2>&1 | tee -a "$OUT/bench.txt" ;;  # issue 32: each type's decode kernels
+    kvtests) python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_kv_quant.py \
+               tests/kernels/test_decode_attention.py tests/runtime/test_kv_types_gpu.py 2>&1 \
+               | tee -a "$OUT/gpu_tests.txt" | tail -4
+             python3 scripts/kv_quant_gpu_diag.py 2>&1 | tee -a "$OUT/diag.txt" | tail -6 ;;
     kvtypes) python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_kv_quant.py \
                tests/kernels/test_decode_attention.py tests/runtime/test_kv_types_gpu.py 2>&1 \
                | tee -a "$OUT/gpu_tests.txt" | tail -4
@@ -89,8 +94,8 @@ for step in "$@"; do
     model) { make_model $MODEL qwen3-30b-a3b; $MS info $MODEL --routing --tokens 2048 2>&1 | quiet | tail -60; } \
              | tee -a "$OUT/model.txt" | tail -8 ;;
     routing) { make_model $TRAINED qwen3-30b-a3b --routing trained
-               $MS info $TRAINED --routing --text $TEXT 2>&1 | quiet | tail -60
-               R="$MS bench -m $TRAINED -ncmoe 26 -r 3 -p 0 -n 128 --streamed-layers spread --vram-budget 12GiB --no-floors"
+               $MS info $TRAINED --routing --text $TEXT 2>&1 | quiet | tail -60; } | tee -a "$OUT/model.txt" | tail -12 ;;
+    policies) { R="$MS bench -m $TRAINED -ncmoe 26 -r 3 -p 0 -n 128 --streamed-layers spread --vram-budget 12GiB --no-floors"
                $R --text $TEXT 2>&1 | quiet
                for cp in static lru lfu; do
                  $R --text $TEXT --small-batch gather --prefetch 8,12 --expert-cache 0,auto --cache-policy $cp -o json 2>&1 \
