@@ -222,9 +222,9 @@ class DecodeOptions:
     """How a streamed layer serves a few tokens (offload/small_batch.py turns these into a plan)."""
 
     small_batch: SmallBatch | str = "auto"  # upload, gather or cpu; auto: the rule, or measured at load
-    prefetch: int | None = None  # experts of a gathered layer guessed one layer ahead (0: off; None: as many as
-    # the router picks)
-    prefetch_ahead: int = 1  # made at the start of the streamed layer 1 or 2 before (offload/prefetch.py)
+    prefetch: int | None = None  # experts of a gathered layer guessed ahead (0: off; None: as many as the router
+    # picks)
+    prefetch_ahead: int = 1  # the guess made at the start of the streamed layer 1 or 2 before (offload/prefetch.py)
     expert_cache: int | str = "auto"  # experts of each streamed layer kept on the GPU for decode's gathers
     # (offload/expert_cache.py; with prefetch). auto: as many as --vram-budget leaves (none without a budget)
     cache_policy: str = "static"  # which experts that cache holds: static, lru or lfu (offload/cache_policy.py)
