@@ -95,12 +95,15 @@ for step in "$@"; do
              | tee -a "$OUT/model.txt" | tail -8 ;;
     routing) { make_model $TRAINED qwen3-30b-a3b --routing trained
                $MS info $TRAINED --routing --text $TEXT 2>&1 | quiet | tail -60; } | tee -a "$OUT/model.txt" | tail -12 ;;
-    policies) { R="$MS bench -m $TRAINED -ncmoe 26 -r 3 -p 0 -n 128 --streamed-layers spread --vram-budget 12GiB --no-floors"
+    policies) { make_model $TRAINED qwen3-30b-a3b
+               R="$MS bench -m $TRAINED -ncmoe 26 -r 3 -p 0 -n 128 --streamed-layers spread --vram-budget 12GiB --no-floors"
                $R --text $TEXT 2>&1 | quiet
                for cp in static lru lfu; do
                  $R --text $TEXT --small-batch gather --prefetch 8,12 --expert-cache 0,auto --cache-policy $cp -o json 2>&1 \
                    | quiet
-               done; } \
+               done
+               $R --text $TEXT --small-batch gather --prefetch 8 --prefetch-ahead 1,2 --expert-cache auto --cache-policy lru \
+                 2>&1 | quiet; } \
                | tee -a "$OUT/model.txt" | tail -40 ;;
     pp512) $B -p 512 -ub 512 --stream serial,pinned,overlap,layer-major --streamed-layers first,spread \
              --vram-budget 12GiB 2>&1 | quiet | tee -a "$OUT/bench.txt" ;;
