@@ -173,7 +173,7 @@ for step in "$@"; do
     lbuild) # llama.cpp's llama-bench from the llama-cpp-python sdist, packed into .lcpp/llama.tgz (models/docs
             # left out); built in its own session (setsid) so that it outlives this call and overlaps the next
             # steps; `llamacpp` and `compare` wait for its "build rc" line
-            mkdir -p /tmp/lcpp && tar xzf .lcpp/llama.tgz -C /tmp/lcpp && setsid bash -c 'cd /tmp/lcpp \
+            mkdir -p /tmp/lcpp && tar xzf .lcpp/llama.tgz -C /tmp/lcpp --strip-components=1 && setsid bash -c 'cd /tmp/lcpp \
               && cmake -S . -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF \
                    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DCMAKE_BUILD_TYPE=Release >/tmp/lcpp.log 2>&1 \
               && nice cmake --build build --target llama-bench -j 16 >>/tmp/lcpp.log 2>&1; echo "build rc $?" >>/tmp/lcpp.log' \
