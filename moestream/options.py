@@ -55,6 +55,12 @@ class Schedule(enum.Enum):
             given = f"{env}={text}" if env else f"--stream {text}"
             raise MoestreamError(f"{given}: expected one of {choices}") from None
 
+    @classmethod
+    def default(cls) -> Schedule:
+        """$MOESTREAM_STREAM, else layer-major: the same work as overlap for a prompt of one micro-batch, and each
+        streamed layer read once (not once a micro-batch) for a longer one."""
+        return cls.parse(os.environ.get(STREAM_ENV, "").strip() or "layer-major", STREAM_ENV)
+
     @property
     def overlaps(self) -> bool:
         """Uploads run on their own copy stream, ahead of compute (else on the compute stream, in turn)."""
@@ -329,11 +335,7 @@ def _settled(
         raise MoestreamError(f"--max-seqs {serving.n_seqs}: must be at least 1")
     if model.n_ctx < 0:
         raise MoestreamError(f"--ctx {model.n_ctx}: must be at least 1 (or 0 for the model's own context)")
-    stream = (
-        Schedule.parse(os.environ.get(STREAM_ENV, "").strip() or "overlap", STREAM_ENV)
-        if streaming.stream is None
-        else Schedule.parse(streaming.stream)
-    )
+    stream = Schedule.default() if streaming.stream is None else Schedule.parse(streaming.stream)
     settled["stream"] = stream
     if streaming.slots < 2 and stream.overlaps:
         raise MoestreamError(f"--slots {streaming.slots}: {stream} needs at least 2 staging slots")

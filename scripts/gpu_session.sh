@@ -24,6 +24,9 @@
 #   compare  issues 32/33: $COMPARE models (preset:recipe:streamed:budget) generated, moestream and llama-bench
 #            pp2048 + tg128 resident and streamed, each deleted after
 #   context  issue 36: pp16384 and pp32768 at -ncmoe auto --vram-budget 12GiB, tg128 at -d 8192,32768 (-ncmoe 0,26)
+#   peak     issue 36: placement's budget beside the measured peak of a 16k and a 32k prompt (scripts/placement_peak.py)
+#   oom      issue 36: `-ncmoe auto --vram-budget 12GiB` pp16384, where the memory was at an out-of-memory
+#            (scripts/oom_where.py), with and without the expert cache, and placement_peak at auto
 #   ctxllama llama-bench's same rows on the same file (-lm none for the prompts; needs lbuild)
 #   lbuild llamacpp   build llama.cpp's llama-bench (background) / wait and run tg128 at -ncmoe 0,26 on each
 #            benchmark model generated so far (qwen3-30b, and qwen3.6-35b after decode35 or qwen35)
@@ -185,14 +188,29 @@ for step in "$@"; do
               done ;;
     context) make_model $MODEL qwen3-30b-a3b | tee -a "$OUT/model.txt"  # issue 36: long prompts, decode at depth
              for p in 16384 32768; do
-               $MS bench -m $MODEL -p $p -ub 2048 -ncmoe auto --vram-budget 12GiB -r 3 --no-floors 2>&1 | quiet \
+               $MS bench -m $MODEL -p $p -ub 2048 -ncmoe auto --vram-budget 12GiB -r 2 --no-floors 2>&1 | quiet \
                  | tee -a "$OUT/bench.txt"
              done
-             $MS bench -m $MODEL -p 0 -n 128 -d 8192,32768 -ncmoe 0,26 -r 3 --no-floors 2>&1 | quiet | tee -a "$OUT/bench.txt" ;;
+             # -ncmoe 26 within about what llama.cpp takes there (its KV cache grows the same 2.25 GiB to d32768)
+             for db in 8192:12GiB 32768:14GiB; do
+               $MS bench -m $MODEL -p 0 -n 128 -d ${db%%:*} -ncmoe 26 --streamed-layers spread --vram-budget ${db##*:} \
+                 -r 2 --no-floors 2>&1 | quiet | tee -a "$OUT/bench.txt"
+             done
+             $MS bench -m $MODEL -p 0 -n 128 -d 8192,32768 -ncmoe 0 -r 2 --no-floors 2>&1 | quiet | tee -a "$OUT/bench.txt" ;;
+    peak) make_model $MODEL qwen3-30b-a3b | tee -a "$OUT/model.txt"
+          python3 scripts/placement_peak.py -m $MODEL --contexts 16384,32768 -ub 2048 -ncmoe 30 --streamed-layers spread \
+            --expert-cache 0 2>&1 | quiet | tee -a "$OUT/bench.txt" ;;
+    oom) make_model $MODEL qwen3-30b-a3b | tee -a "$OUT/model.txt"
+         for cache in auto 0; do
+           python3 scripts/oom_where.py bench -m $MODEL -p 16384 -n 0 -ub 2048 -ncmoe auto --vram-budget 12GiB -r 1 \
+             --no-floors --expert-cache $cache 2>&1 | quiet | grep -v '^|' | tee -a "$OUT/diag.txt"
+         done
+         python3 scripts/placement_peak.py -m $MODEL --contexts 16385 -ub 2048 -ncmoe auto --vram-budget 12GiB \
+           --streamed-layers first 2>&1 | quiet | tee -a "$OUT/diag.txt" ;;
     ctxllama) wait_build; tail -1 /tmp/lcpp.log | tee -a "$OUT/gpu.txt"  # context's rows by llama-bench, same file
-              /tmp/lcpp/build/bin/llama-bench -m $MODEL -ngl 99 -fa 1 -p 16384,32768 -n 0 -ub 2048 -r 3 -ncmoe 26 -lm none \
+              /tmp/lcpp/build/bin/llama-bench -m $MODEL -ngl 99 -fa 1 -p ${CTX_P:-16384,32768} -n 0 -ub 2048 -r 3 -ncmoe 26 -lm none \
                 2>&1 | grep -v '^ggml\|^load' | tee -a "$OUT/bench.txt"
-              /tmp/lcpp/build/bin/llama-bench -m $MODEL -ngl 99 -fa 1 -p 0 -n 128 -d 8192,32768 -r 3 -ncmoe 0,26 2>&1 \
+              /tmp/lcpp/build/bin/llama-bench -m $MODEL -ngl 99 -fa 1 -p 0 -n 128 -d ${CTX_D:-8192,32768} -r 3 -ncmoe 0,26 2>&1 \
                 | grep -v '^ggml\|^load' | tee -a "$OUT/bench.txt" ;;
     compare) # issues 32/33: each $COMPARE entry preset:recipe:streamed:budget (e.g. gpt-oss-20b:MXFP4_MOE:24:8GiB) is
              # generated, run by moestream (resident, then -ncmoe streamed within the budget) and by llama-bench

@@ -80,7 +80,7 @@ def engine_flags(p: argparse.ArgumentParser, lists: tuple[str, ...] = ()) -> Non
     p.add_argument(
         "--stream",
         **typed("stream", str, _str_list, None),
-        help="serial, pinned, overlap or layer-major (default: $MOESTREAM_STREAM or overlap)",
+        help="serial, pinned, overlap or layer-major (default: $MOESTREAM_STREAM or layer-major)",
     )
     p.add_argument("--slots", **typed("slots", int, int_list, 3), help="staging slots in the ring (>= 2)")
     p.add_argument(

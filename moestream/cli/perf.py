@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from moestream.cli.args import at_least, check_engine, check_model_path, engine_options, writable
 from moestream.errors import MoestreamError
-from moestream.options import format_size
+from moestream.options import Schedule, format_size
 from moestream.tools.sweep import Sweep
 
 if TYPE_CHECKING:
@@ -21,7 +21,7 @@ def sweep_of(a: argparse.Namespace) -> Sweep:
         gens=a.n_gen,
         ubatches=a.ubatch if a.batch_size is None else [min(u, a.batch_size) for u in a.ubatch],
         n_cpu_moes=["all" if a.cpu_moe else n for n in a.n_cpu_moe],
-        streams=a.stream or ["overlap"],
+        streams=a.stream or [str(Schedule.default())],
         slots=a.slots,
         picks=a.streamed_layers,
         prefetches=a.prefetch or [None],

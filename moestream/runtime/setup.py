@@ -88,17 +88,20 @@ class Setup:
         opts = self.options
         step = DecodeStep(self.model, self.offload.trial(way), self.n_ctx, opts.model.torch_dtype, self.capturing)
         cache = new_cache(self.model, self.n_ctx, opts.model.torch_dtype, opts.model.torch_device, opts.model.kv_types)
-        token = 1
+        # run reaches them through `live`, cleared when the trial ends: the caller may still hold run while the
+        # next trial makes its cache, which must not sit beside this one (the budget counts one)
+        live, token = [step, cache], 1
 
         @torch.inference_mode()
         def run() -> None:
             nonlocal token
-            token = int(step.one(token, cache)[-1].argmax())  # reading the token waits for the step
+            token = int(live[0].one(token, live[1])[-1].argmax())  # reading the token waits for the step
 
         try:
             yield run
         finally:
             step.close()
+            live.clear()
 
     def _rebuild(self, options: Options, measured: Measured | None = None) -> None:
         """A new placement for options, the old one's captured steps, memory and page locks released first."""

@@ -225,7 +225,7 @@ def test_stream_env_is_read_once_with_the_options(monkeypatch):
     with pytest.raises(dataclasses.FrozenInstanceError):
         opts.streaming.stream = Schedule.OVERLAP
     monkeypatch.setenv("MOESTREAM_STREAM", " ")  # blank: the default, as a blank $MOESTREAM_DELTANET is auto
-    assert Options.make(device="cpu").streaming.stream is Schedule.OVERLAP
+    assert Options.make(device="cpu").streaming.stream is Schedule.LAYER_MAJOR
 
 
 def test_allocator_settings_are_left_to_a_user_who_configured_them(monkeypatch):

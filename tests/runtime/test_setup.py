@@ -119,6 +119,29 @@ def test_the_measured_placement_is_freed_before_the_chosen_one_is_built(model_fi
         engine.close()
 
 
+def test_one_trial_cache_at_a_time(model_file, monkeypatch):
+    """Each way auto times runs on its own KV cache, which the budget counts once: the last way's must be gone
+    before the next one's is made (the step the caller still held kept it: two 16k caches overran 12 GiB)."""
+    from moestream.runtime import setup
+
+    made, alive_at_new = [], []
+    new_cache = setup.new_cache
+
+    def spy(*args, **kwargs):
+        alive_at_new.append(sum(ref() is not None for ref in made))
+        cache = new_cache(*args, **kwargs)
+        made.append(weakref.ref(next(iter(cache.kv.k.values()))))  # a tensor the cache alone holds
+        return cache
+
+    monkeypatch.setattr(setup, "new_cache", spy)
+    engine = moestream.load(model_file("tiny", "Q4_K_M"), device="cpu", n_cpu_moe="all", progress=False)
+    try:
+        assert engine.setup.measured is not None and len(made) >= 2
+        assert alive_at_new == [0] * len(made)
+    finally:
+        engine.close()
+
+
 def test_the_printed_choice_counts_the_rebuild(model_file, monkeypatch, capsys):
     """The line a load prints is setup.measured's, the rebuild's seconds in it (it once printed the copy
     made before the rebuild was timed: always 0.0 s)."""
