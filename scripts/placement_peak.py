@@ -82,7 +82,11 @@ def main(argv: list[str] | None = None) -> None:
                 ("staging", pl.staging_bytes / GIB, None),
                 ("kv cache", fp.kv_cache / GIB, None),
                 ("prefetch + expert cache", (fp.prefetch + fp.expert_cache) / GIB, None),
-                ("static (after load)", (pl.gpu_bytes(fp) - fp.workspace) / GIB, static / GIB),
+                (
+                    "static (after load; the KV cache comes later)",
+                    (pl.gpu_bytes(fp) - fp.workspace - fp.kv_cache) / GIB,
+                    static / GIB,
+                ),
                 ("temporaries (peak - before pass)", fp.workspace / GIB, (peak - before) / GIB),
                 ("total", pl.gpu_bytes(fp) / GIB, peak / GIB),
                 ("reserved at the end", None, torch.cuda.memory_reserved(dev) / GIB),
