@@ -24,6 +24,7 @@
 #   compare  issues 32/33: $COMPARE models (preset:recipe:streamed:budget) generated, moestream and llama-bench
 #            pp2048 + tg128 resident and streamed, each deleted after
 #   context  issue 36: pp16384 and pp32768 at -ncmoe auto --vram-budget 12GiB, tg128 at -d 8192,32768 (-ncmoe 0,26)
+#   ctxpp    context's first row alone: pp16384 at -ncmoe auto --vram-budget 12GiB
 #   peak     issue 36: placement's budget beside the measured peak of a 16k and a 32k prompt (scripts/placement_peak.py)
 #   oom      issue 36: `-ncmoe auto --vram-budget 12GiB` pp16384, where the memory was at an out-of-memory
 #            (scripts/oom_where.py), with and without the expert cache, and placement_peak at auto
@@ -197,6 +198,9 @@ for step in "$@"; do
                  -r 2 --no-floors 2>&1 | quiet | tee -a "$OUT/bench.txt"
              done
              $MS bench -m $MODEL -p 0 -n 128 -d 8192,32768 -ncmoe 0 -r 2 --no-floors 2>&1 | quiet | tee -a "$OUT/bench.txt" ;;
+    ctxpp) make_model $MODEL qwen3-30b-a3b | tee -a "$OUT/model.txt"
+           $MS bench -m $MODEL -p 16384 -ub 2048 -ncmoe auto --vram-budget 12GiB -r 2 --no-floors 2>&1 | quiet \
+             | tee -a "$OUT/bench.txt" ;;
     peak) make_model $MODEL qwen3-30b-a3b | tee -a "$OUT/model.txt"
           python3 scripts/placement_peak.py -m $MODEL --contexts 16384,32768 -ub 2048 -ncmoe 30 --streamed-layers spread \
             --expert-cache 0 2>&1 | quiet | tee -a "$OUT/bench.txt" ;;
