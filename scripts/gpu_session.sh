@@ -28,7 +28,8 @@
 #   peak     issue 36: placement's budget beside the measured peak of a 16k and a 32k prompt (scripts/placement_peak.py)
 #   oom      issue 36: `-ncmoe auto --vram-budget 12GiB` pp16384, where the memory was at an out-of-memory
 #            (scripts/oom_where.py), with and without the expert cache, and placement_peak at auto
-#   ctxllama llama-bench's same rows on the same file (-lm none for the prompts; needs lbuild)
+#   ctxllama llama-bench's same rows on the same file (-lm none for the prompts; needs lbuild; $CTX_P, $CTX_D: other
+#            prompt lengths and depths)
 #   lbuild llamacpp   build llama.cpp's llama-bench (background) / wait and run tg128 at -ncmoe 0,26 on each
 #            benchmark model generated so far (qwen3-30b, and qwen3.6-35b after decode35 or qwen35)
 #   model35  generate the qwen3.6-35b-a3b model alone
