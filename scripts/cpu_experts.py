@@ -1,6 +1,7 @@
 """The CPU side of `--small-batch cpu`, side by side: one token's 8 chosen experts of a layer computed by the
-compiled matvec on the stored blocks vs dequantized to float32 in torch (the path before it). Prints ms per
-layer and the stored bytes read per second; timed after a warm-up, the best of several repeats.
+compiled matvec on the stored blocks (x rounded to int8, as beside a GPU; x in float32, as on the CPU device)
+vs dequantized to float32 in torch (the path before it). Prints ms per layer and the stored bytes read per
+second; timed after a warm-up, the best of several repeats.
 
     python scripts/cpu_experts.py MODEL [--layer 0] [--threads N]
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from functools import partial
 
 import torch
 
@@ -53,7 +55,10 @@ def main() -> None:
         stored = t.stored(raws, ids, torch.float32, NULL, a.layer, RowGather(), on_host=True)
 
         def compiled():
-            return moe_swiglu_picked(x, weights, ids, *matvecs(cpu_quant, stored))
+            return moe_swiglu_picked(x, weights, ids, *matvecs(cpu_quant.matvec, stored))
+
+        def compiled_int8():
+            return moe_swiglu_picked(x, weights, ids, *matvecs(partial(cpu_quant.matvec, int8=True), stored))
 
         def torch_dequant():
             used = torch.unique(ids)
@@ -65,10 +70,16 @@ def main() -> None:
         err = float((compiled() - torch_dequant()).abs().max() / torch_dequant().abs().max())
         nbytes = K * (t.nbytes // t.n_expert)
         print(f"{a.model}: layer {a.layer}, {K} experts = {nbytes / 2**20:.1f} MiB, {torch.get_num_threads()} threads")
-        for name, fn in (("compiled matvec", compiled), ("torch float32 dequant", torch_dequant)):
+        ways = (
+            ("compiled, int8 x", compiled_int8),
+            ("compiled matvec", compiled),
+            ("torch float32 dequant", torch_dequant),
+        )
+        for name, fn in ways:
             s = best(fn)
             print(f"  {name:<22} {s * 1e3:8.2f} ms  {nbytes / s / 1e9:6.2f} GB/s")
-        print(f"  max relative difference {err:.1e}; compiled available: {cpu_quant.available()}")
+        err8 = float((compiled_int8() - torch_dequant()).abs().max() / torch_dequant().abs().max())
+        print(f"  max relative difference {err:.1e} (int8 x: {err8:.1e}); compiled available: {cpu_quant.available()}")
 
 
 if __name__ == "__main__":

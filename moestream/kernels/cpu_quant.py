@@ -35,6 +35,7 @@ PARALLEL_WEIGHTS = 1 << 20  # below this many products, threads cost more than t
 # threads wait for each other at the end of each call); every output is one thread's either way: the same bits
 SOURCE = Path(__file__).with_name("csrc") / "cpu_quant.c"
 TYPES = frozenset(t.qtype for t in quants.TYPES.values() if t.cpu_dot)
+INT8_TYPES = frozenset({Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q4_0, Q.Q8_0})  # cpu_quant.c's int8_offset
 
 
 def _cpu_flags() -> bytes:
@@ -105,18 +106,13 @@ def _build_and_load(lib: Path, header: bytes) -> ctypes.CDLL | None:
             os.replace(out, lib)
         compiles.compiled(time.perf_counter() - start)
     dll = ctypes.CDLL(str(lib))
-    dll.matvec_picked.restype = ctypes.c_int
-    dll.matvec_picked.argtypes = (
-        [ctypes.c_void_p, ctypes.c_int]
-        + [ctypes.c_int64] * 3
-        + [
-            ctypes.c_void_p,
-            ctypes.c_int64,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_int,
-        ]
-    )
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    head = [p, ctypes.c_int, i64, i64, i64, p, i64]  # weights, type, n_out, n_in, row bytes, matrices, picks
+    dll.matvec_picked.restype = dll.matvec_picked_int8.restype = dll.int8_offset.restype = ctypes.c_int
+    dll.matvec_picked.argtypes = head + [p, p, ctypes.c_int]
+    dll.matvec_picked_int8.argtypes = head + [p, p, p, p, p, ctypes.c_int]
+    dll.quantize_x.argtypes = [p, i64, p, p, p, p]
+    dll.int8_offset.argtypes = [ctypes.c_int]
     return dll
 
 
@@ -125,16 +121,23 @@ def available() -> bool:
 
 
 def matvec(
-    raw: torch.Tensor, qtype: GGMLQuantizationType, n_out: int, x: torch.Tensor, mats: torch.Tensor | None = None
+    raw: torch.Tensor,
+    qtype: GGMLQuantizationType,
+    n_out: int,
+    x: torch.Tensor,
+    mats: torch.Tensor | None = None,
+    int8: bool = False,
 ) -> torch.Tensor:
     """y [P, n_out] float32 = W_p x[p] for each row p of x [P, in]; raw holds the stored bytes of one matrix
-    [n_out, ...] (mats None) or a stack [E, n_out, ...] indexed by mats [P] (CPU tensors)."""
+    [n_out, ...] (mats None) or a stack [E, n_out, ...] indexed by mats [P] (CPU tensors). With int8, x is
+    rounded to int8 a 32 values first and the products are integer (llama.cpp's CPU experts do the same; about
+    3x the rate, ~0.5% relative error a dot) where the type and a row length of 256s allow."""
     lib = _library()
     if lib is None:
         raise MoestreamError("the compiled CPU matvec is unavailable here (see the warning given when it failed)")
     block, type_size = GGML_QUANT_SIZES[qtype]
     x = x.detach().to(torch.float32).contiguous()
-    n_in = x.shape[-1]
+    P, n_in = x.shape
     raw = raw.contiguous()  # a view of the map stays a view
     if (
         n_in % block
@@ -147,19 +150,22 @@ def matvec(
         mats = mats.to(torch.int64).contiguous()
         if mats.numel() and not (0 <= int(mats.min()) and int(mats.max()) < raw.shape[0]):
             raise IndexError("matrix index out of range")
-    y = torch.empty((x.shape[0], n_out), dtype=torch.float32)
-    err = lib.matvec_picked(
-        raw.data_ptr(),
-        int(qtype),
-        n_out,
-        n_in,
-        n_in // block * type_size,
-        mats.data_ptr() if mats is not None else None,
-        x.shape[0],
-        x.data_ptr(),
-        y.data_ptr(),
-        torch.get_num_threads() if x.shape[0] * n_out * n_in >= PARALLEL_WEIGHTS else 1,
-    )
+    y = torch.empty((P, n_out), dtype=torch.float32)
+    head = (raw.data_ptr(), int(qtype), n_out, n_in, n_in // block * type_size)
+    head += (mats.data_ptr() if mats is not None else None, P)
+    threads = torch.get_num_threads() if P * n_out * n_in >= PARALLEL_WEIGHTS else 1
+    if int8 and n_in % 256 == 0 and qtype in INT8_TYPES:
+        xq = torch.empty((P, n_in), dtype=torch.int8)
+        dx, xqs, xs = (
+            torch.empty((P, n_in // n), dtype=d)
+            for n, d in ((32, torch.float32), (16, torch.int32), (16, torch.float32))
+        )
+        lib.quantize_x(x.data_ptr(), P * n_in, xq.data_ptr(), dx.data_ptr(), xqs.data_ptr(), xs.data_ptr())
+        err = lib.matvec_picked_int8(
+            *head, xq.data_ptr(), dx.data_ptr(), xqs.data_ptr(), xs.data_ptr(), y.data_ptr(), threads
+        )
+    else:
+        err = lib.matvec_picked(*head, x.data_ptr(), y.data_ptr(), threads)
     if err:
         raise ValueError(f"CPU matvec: type {qtype.name} is not supported")
     return y

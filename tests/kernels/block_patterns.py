@@ -25,6 +25,7 @@ F16_FIELDS = {
     Q.TQ2_0: (64,),
 }
 E8M0_FIELDS = {Q.MXFP4: (0,)}
+K_FIELDS = {Q.Q4_K: (0, 2), Q.Q6_K: (208,)}  # the types with kernel tests of their own, for the tests that cover all
 
 
 def bit_patterns(rng: np.random.Generator, qtype: Q, rows: tuple[int, ...], n_in: int) -> np.ndarray:
@@ -33,7 +34,7 @@ def bit_patterns(rng: np.random.Generator, qtype: Q, rows: tuple[int, ...], n_in
     b = rng.integers(0, 256, size=(*rows, n_in // block, size), dtype=np.uint8)
     flat = b.reshape(-1, size)
     flat[0::5], flat[1::5] = 0xFF, 0x00
-    for at in F16_FIELDS[qtype]:
+    for at in {**F16_FIELDS, **K_FIELDS}[qtype]:
         d = (rng.standard_normal(len(flat)) * rng.choice([0.01, 1.0], len(flat))).astype(np.float16)
         flat[:, at : at + 2] = d.view(np.uint8).reshape(-1, 2)
     for at in E8M0_FIELDS.get(qtype, ()):

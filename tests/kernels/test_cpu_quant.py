@@ -70,3 +70,42 @@ def test_every_half_float_scale_decodes_exactly():
     finite = np.isfinite(want)
     assert np.array_equal(got[finite], want[finite])
     assert np.array_equal(np.isnan(got), np.isnan(want)) and np.array_equal(np.isinf(got), np.isinf(want))
+
+
+def test_int8_types_are_those_the_c_file_unpacks():
+    lib = cpu_quant._library()
+    assert {q for q in cpu_quant.TYPES if lib.int8_offset(int(q)) >= 0} == cpu_quant.INT8_TYPES
+
+
+def representable(rows: int, n: int, seed: int) -> torch.Tensor:
+    """x whose int8 rounding is exact: integers up to 127 (each 32 holding a 127) times a power of two a 32."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (rows, n // 32, 32), generator=g)
+    q[:, :, 5] = 127 * (1 - 2 * torch.randint(0, 2, (rows, n // 32), generator=g))
+    scale = 2.0 ** torch.randint(-12, -4, (rows, n // 32, 1), generator=g)
+    return (q * scale).reshape(rows, n).float()
+
+
+@pytest.mark.parametrize("qtype", sorted(cpu_quant.INT8_TYPES), ids=lambda t: t.name)
+def test_int8_matvec_is_exact_where_x_rounds_exactly(qtype):
+    """Every stored bit pattern through the integer unpacks: with x that int8 holds exactly, the integer
+    products and the scales must give the float product of the dequantized weights."""
+    stored = torch.from_numpy(bit_patterns(np.random.default_rng(7), qtype, (3, 40), 768))
+    W = quants.dequantize(stored, qtype, (3, 40, 768), torch.float64)
+    x = representable(3, 768, 3)
+    mats = torch.tensor([2, 0, 2])
+    ref = torch.einsum("pod,pd->po", W[mats], x.double())
+    got = cpu_quant.matvec(stored, qtype, 40, x, mats, int8=True)
+    assert float((got.double() - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("qtype", sorted(cpu_quant.INT8_TYPES), ids=lambda t: t.name)
+def test_int8_matvec_rounds_x_like_a_q8_block(qtype):
+    """Any x: within int8 rounding of the float product (and not equal to it: the rounding happened)."""
+    w = (np.random.default_rng(0).standard_normal((6, 40, 768)) * 0.05).astype(np.float32)
+    raw = torch.from_numpy(quantize(w, qtype))
+    x = torch.randn(5, 768, generator=torch.Generator().manual_seed(1))
+    mats = torch.tensor([5, 0, 5, 2, 3])
+    ref = cpu_quant.matvec(raw, qtype, 40, x, mats)
+    err = float((cpu_quant.matvec(raw, qtype, 40, x, mats, int8=True) - ref).abs().max() / ref.abs().max())
+    assert 1e-5 < err < 2e-2

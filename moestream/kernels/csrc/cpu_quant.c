@@ -5,6 +5,7 @@
  * float32; rows are shared out over OpenMP threads. Compiled on first use for the machine it runs on
  * (kernels/cpu_quant.py), so -march=native picks its vector units.
  */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -14,6 +15,10 @@ enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q
 enum { IQ2_XXS = 16, IQ2_XS = 17, IQ3_XXS = 18, IQ1_S = 19, IQ3_S = 21, IQ2_S = 22, IQ1_M = 29 };
 enum { IQ4_NL = 20, IQ4_XS = 23, TQ1_0 = 34, TQ2_0 = 35 };
 
+#if defined(__F16C__)
+#include <immintrin.h>
+static float f16(const uint8_t *p) { return _cvtsh_ss((unsigned short)(p[0] | (p[1] << 8))); } /* exact */
+#else
 static float f16(const uint8_t *p) {
     uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 1023, bits;
@@ -34,6 +39,7 @@ static float f16(const uint8_t *p) {
     memcpy(&f, &bits, 4);
     return f;
 }
+#endif
 
 /* Q2_K and Q3_K: value 128 h + 32 j + l is the 2-bit field j of byte 32 h + l, in sub-block 8 h + 2 j + l / 16. */
 static void q2_k_block(const uint8_t *b, float *out) {
@@ -407,6 +413,223 @@ int matvec_picked(const uint8_t *w, int qtype, int64_t n_out, int64_t n_in, int6
         for (int64_t r = 0; r < n_out; r++) {
             const uint8_t *row = w + ((mats ? mats[p] : 0) * n_out + r) * row_bytes;
             y[p * n_out + r] = row_dot(qtype, row, n_blocks, x + p * n_in);
+        }
+    }
+    return 0;
+}
+
+/* ---- Integer dots: x quantized to int8, as llama.cpp's CPU backend does, for the experts of a few tokens.
+ * A block unpacks to unsigned integers u (at most 255) with a float scale and min a sub-block of 16 values and
+ * an offset a type: w = scale[s] * (u - offset) - minv[s]. x comes as int8 xq a 32 values with a scale dx,
+ * with per 16 values the sum of xq (for the offset) and the exact float sum of x (for the min terms, so only
+ * the u * x products see x's rounding). With AVX512-VNNI a multiply-add instruction does 64 products. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define VNNI 1
+#else
+#define VNNI 0
+#endif
+
+typedef uint8_t v16 __attribute__((vector_size(16)));
+
+/* The type's offset, or -1 where it has no integer unpack below. */
+int int8_offset(int qtype) {
+    switch (qtype) {
+    case Q4_K: case Q5_K: case Q2_K: return 0;
+    case Q6_K: return 32;
+    case Q3_K: return 4;
+    case Q4_0: return 8;
+    case Q8_0: return 128;
+    }
+    return -1;
+}
+
+static void unpack_q4_k(const uint8_t *restrict b, uint8_t *restrict u, float *restrict scale, float *restrict minv) {
+    const float d = f16(b), dmin = f16(b + 2);
+    const uint8_t *qs = b + 16;
+    for (int k = 0; k < 8; k++) {
+        int a, m;
+        k_scale_min(b + 4, k, &a, &m);
+        scale[2 * k] = scale[2 * k + 1] = d * a;
+        minv[2 * k] = minv[2 * k + 1] = dmin * m;
+    }
+    for (int j = 0; j < 4; j++)
+        for (int l = 0; l < 32; l++) {
+            u[64 * j + l] = qs[32 * j + l] & 15;
+            u[64 * j + 32 + l] = qs[32 * j + l] >> 4;
+        }
+}
+
+static void unpack_q5_k(const uint8_t *restrict b, uint8_t *restrict u, float *restrict scale, float *restrict minv) {
+    const float d = f16(b), dmin = f16(b + 2);
+    const uint8_t *qh = b + 16, *qs = b + 48;
+    for (int k = 0; k < 8; k++) {
+        int a, m;
+        k_scale_min(b + 4, k, &a, &m);
+        scale[2 * k] = scale[2 * k + 1] = d * a;
+        minv[2 * k] = minv[2 * k + 1] = dmin * m;
+        for (int l = 0; l < 32; l++)
+            u[32 * k + l] = ((qs[32 * (k / 2) + l] >> (4 * (k % 2))) & 15) | (((qh[l] >> k) & 1) << 4);
+    }
+}
+
+static void unpack_q6_k(const uint8_t *restrict b, uint8_t *restrict u, float *restrict scale, float *restrict minv) {
+    const float d = f16(b + 208);
+    for (int s = 0; s < 16; s++) {
+        scale[s] = d * (int8_t)b[192 + s];
+        minv[s] = 0.0f;
+    }
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
+        uint8_t *o = u + 128 * h;
+        for (int l = 0; l < 32; l++) {
+            o[l] = (ql[l] & 15) | ((qh[l] & 3) << 4);
+            o[l + 32] = (ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4);
+            o[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+            o[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+        }
+    }
+}
+
+static void unpack_q2_k(const uint8_t *restrict b, uint8_t *restrict u, float *restrict scale, float *restrict minv) {
+    const float d = f16(b + 80), dmin = f16(b + 82);
+    const uint8_t *qs = b + 16;
+    for (int s = 0; s < 16; s++) {
+        scale[s] = d * (b[s] & 15);
+        minv[s] = dmin * (b[s] >> 4);
+    }
+    for (int h = 0; h < 2; h++)
+        for (int j = 0; j < 4; j++)
+            for (int l = 0; l < 32; l++) u[128 * h + 32 * j + l] = (qs[32 * h + l] >> (2 * j)) & 3;
+}
+
+static void unpack_q3_k(const uint8_t *restrict b, uint8_t *restrict u, float *restrict scale, float *restrict minv) {
+    const float d = f16(b + 108);
+    const uint8_t *hmask = b, *qs = b + 32, *sc = b + 96;
+    for (int s = 0; s < 16; s++) {
+        scale[s] = d * ((((sc[s % 8] >> (4 * (s / 8))) & 15) | (((sc[8 + s % 4] >> (2 * (s / 4))) & 3) << 4)) - 32);
+        minv[s] = 0.0f;
+    }
+    for (int h = 0; h < 2; h++)
+        for (int j = 0; j < 4; j++)
+            for (int l = 0; l < 32; l++)
+                u[128 * h + 32 * j + l] = ((qs[32 * h + l] >> (2 * j)) & 3) | (((hmask[l] >> (4 * h + j)) & 1) << 2);
+}
+
+static void unpack_q8_0(const uint8_t *restrict b, uint8_t *restrict u, float *restrict scale, float *restrict minv) {
+    scale[0] = scale[1] = f16(b);
+    minv[0] = minv[1] = 0.0f;
+    for (int l = 0; l < 32; l++) u[l] = (uint8_t)(b[2 + l] ^ 0x80); /* two's complement + 128 */
+}
+
+static void unpack_q4_0(const uint8_t *restrict b, uint8_t *restrict u, float *restrict scale, float *restrict minv) {
+    scale[0] = scale[1] = f16(b);
+    minv[0] = minv[1] = 0.0f;
+    v16 q; /* as 16 lanes: a plain loop here compiled to byte-by-byte stores */
+    memcpy(&q, b + 2, 16);
+    const v16 lo = q & 15, hi = q >> 4;
+    memcpy(u, &lo, 16);
+    memcpy(u + 16, &hi, 16);
+}
+
+/* Blocks of 32 values go eight at a time, so that every unpack fills 256 values. */
+static void unpack(int qtype, const uint8_t *b, int size, uint8_t *u, float *scale, float *minv) {
+    switch (qtype) {
+    case Q4_K: unpack_q4_k(b, u, scale, minv); return;
+    case Q5_K: unpack_q5_k(b, u, scale, minv); return;
+    case Q6_K: unpack_q6_k(b, u, scale, minv); return;
+    case Q2_K: unpack_q2_k(b, u, scale, minv); return;
+    case Q3_K: unpack_q3_k(b, u, scale, minv); return;
+    }
+    for (int i = 0; i < 8; i++) {
+        if (qtype == Q8_0) unpack_q8_0(b + i * size, u + 32 * i, scale + 2 * i, minv + 2 * i);
+        else unpack_q4_0(b + i * size, u + 32 * i, scale + 2 * i, minv + 2 * i);
+    }
+}
+
+/* x [n] (n a multiple of 256) as int8 xq (round to nearest, |xq| <= 127) with a scale dx a 32 values, and per
+ * 16 values the sums of xq (xqs) and of x (xs). */
+void quantize_x(const float *x, int64_t n, int8_t *xq, float *dx, int32_t *xqs, float *xs) {
+    for (int64_t b = 0; b < n / 32; b++) {
+        const float *v = x + 32 * b;
+        float amax = 0.0f;
+        for (int l = 0; l < 32; l++) amax = fmaxf(amax, fabsf(v[l]));
+        const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        for (int l = 0; l < 32; l++) xq[32 * b + l] = (int8_t)lrintf(v[l] * id);
+        dx[b] = amax / 127.0f;
+        for (int h = 0; h < 2; h++) {
+            int32_t qsum = 0;
+            float sum = 0.0f;
+            for (int l = 16 * h; l < 16 * h + 16; l++) {
+                qsum += xq[32 * b + l];
+                sum += v[l];
+            }
+            xqs[2 * b + h] = qsum;
+            xs[2 * b + h] = sum;
+        }
+    }
+}
+
+/* One row of n_super 256-value blocks against quantized x. */
+static float row_dot_int8(int qtype, int offset, const uint8_t *row, int size, int64_t n_super, const int8_t *xq,
+                          const float *dx, const int32_t *xqs, const float *xs) {
+    uint8_t u[256] __attribute__((aligned(64)));
+    float scale[16], minv[16], acc = 0.0f;
+    const int per_super = qtype == Q8_0 || qtype == Q4_0 ? 8 : 1;
+#if VNNI
+    __m512 vacc = _mm512_setzero_ps(), vcorr = _mm512_setzero_ps();
+    const __m512i voffset = _mm512_set1_epi32(offset);
+    const __m512i halves = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+#endif
+    for (int64_t j = 0; j < n_super; j++) {
+        unpack(qtype, row + j * per_super * size, size, u, scale, minv);
+        const int8_t *xb = xq + 256 * j;
+        const float *db = dx + 8 * j, *sb = xs + 16 * j;
+        const int32_t *qb = xqs + 16 * j;
+#if VNNI
+        const __m512 vsdx = _mm512_mul_ps(_mm512_loadu_ps(scale), _mm512_permutexvar_ps(halves, _mm512_castps256_ps512(_mm256_loadu_ps(db))));
+        vcorr = _mm512_fmadd_ps(vsdx, _mm512_cvtepi32_ps(_mm512_mullo_epi32(_mm512_loadu_si512(qb), voffset)), vcorr);
+        vcorr = _mm512_fmadd_ps(_mm512_loadu_ps(minv), _mm512_loadu_ps(sb), vcorr);
+        for (int c = 0; c < 4; c++) { /* 64 values: lane i holds 4 products of sub-block 4 c + i / 4 */
+            const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_load_si512(u + 64 * c),
+                                                    _mm512_loadu_si512(xb + 64 * c));
+            const __m512 lane_scale = _mm512_permutexvar_ps(_mm512_add_epi32(spread, _mm512_set1_epi32(4 * c)), vsdx);
+            vacc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), lane_scale, vacc);
+        }
+#else
+        float sdx[16];
+        for (int s = 0; s < 16; s++) {
+            sdx[s] = scale[s] * db[s / 2];
+            acc -= sdx[s] * (float)(offset * qb[s]) + minv[s] * sb[s];
+        }
+        for (int s = 0; s < 16; s++) {
+            int32_t dot = 0;
+            for (int l = 0; l < 16; l++) dot += u[16 * s + l] * xb[16 * s + l];
+            acc += sdx[s] * (float)dot;
+        }
+#endif
+    }
+#if VNNI
+    acc += _mm512_reduce_add_ps(_mm512_sub_ps(vacc, vcorr));
+#endif
+    return acc;
+}
+
+/* matvec_picked with x quantized by quantize_x (a row of n_in a pick; n_in a multiple of 256); 0, or -1 for a
+ * type int8_offset does not know. */
+int matvec_picked_int8(const uint8_t *w, int qtype, int64_t n_out, int64_t n_in, int64_t row_bytes,
+                       const int64_t *mats, int64_t n_pick, const int8_t *xq, const float *dx, const int32_t *xqs,
+                       const float *xs, float *y, int n_threads) {
+    int elems;
+    const int offset = int8_offset(qtype), size = block_bytes(qtype, &elems);
+    if (offset < 0 || !size || n_in % 256) return -1;
+#pragma omp parallel for collapse(2) schedule(static) num_threads(n_threads)
+    for (int64_t p = 0; p < n_pick; p++) {
+        for (int64_t r = 0; r < n_out; r++) {
+            const uint8_t *row = w + ((mats ? mats[p] : 0) * n_out + r) * row_bytes;
+            y[p * n_out + r] = row_dot_int8(qtype, offset, row, size, n_in / 256, xq + p * n_in, dx + p * n_in / 32,
+                                            xqs + p * n_in / 16, xs + p * n_in / 16);
         }
     }
     return 0;
