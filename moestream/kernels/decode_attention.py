@@ -231,8 +231,10 @@ def attention(
     G = H // Hkv
     t = tuning.current()
     block = min(64, 16384 // (Dh * q.element_size()))  # K and V tiles of at most 16 KiB: no register spills
-    # chunks sized for a power of two of keys, those past S empty: a prompt's any length compiles few kernels
-    bucket = triton.next_power_of_2(S)
+    # chunks sized for a bucket of keys (a power of two, or a step of one), those past S empty: a prompt's any
+    # length compiles few kernels
+    step = max(1, triton.next_power_of_2(S) // t.attention_bucket_steps)
+    bucket = triton.cdiv(S, step) * step
     chunk = chunk_size(bucket, T * Hkv, block, t)
     n_chunks = triton.cdiv(bucket, chunk)
     out = torch.empty((T, H, Dh), dtype=q.dtype, device=q.device)
