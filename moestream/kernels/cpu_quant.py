@@ -113,6 +113,7 @@ def _build_and_load(lib: Path, header: bytes) -> ctypes.CDLL | None:
     dll.matvec_picked_int8.argtypes = head + [p, p, p, p, p, ctypes.c_int]
     dll.quantize_x.argtypes = [p, i64, p, p, p, p]
     dll.int8_offset.argtypes = [ctypes.c_int]
+    dll.host_swiglu.argtypes, dll.host_swiglu.restype = [p], None
     return dll
 
 

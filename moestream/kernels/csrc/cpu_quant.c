@@ -634,3 +634,66 @@ int matvec_picked_int8(const uint8_t *w, int qtype, int64_t n_out, int64_t n_in,
     }
     return 0;
 }
+
+/* ---- A streamed layer's routed experts for a few tokens, whole, as a CUDA host function: the GPU queues the
+ * copies of x, the picks and their weights to page-locked buffers, then this, then the copy of out back, so a
+ * decode step with experts on the CPU still replays as one graph. Plain SwiGLU (silu(gate) * up, down,
+ * weighted sum over the picks); products as matvec_picked_int8 where the type allows, else float. */
+typedef struct {
+    const uint8_t *w[3]; /* gate, up, down stacks [E, rows, row bytes] */
+    int64_t qtype[3], row_bytes[3];
+    int64_t n_embd, n_ff, n_tokens, n_used, n_threads;
+    const float *x;       /* [T, D] */
+    const int64_t *ids;   /* [T, K] */
+    const float *weights; /* [T, K] */
+    float *out;           /* [T, D] */
+    float *gu;            /* [T * K, 2 F]: gate then up of each pick, then h in the first F */
+    float *down;          /* [T * K, D] */
+    int8_t *xq;           /* [max(T, T * K) * max(D, F)] and the matching dx, xqs, xs */
+    float *dx, *xs;
+    int32_t *xqs;
+} host_swiglu_args;
+
+static float dot_row(int qtype, const uint8_t *row, int64_t n_in, const float *x, const int8_t *xq, const float *dx,
+                     const int32_t *xqs, const float *xs) {
+    int elems;
+    const int size = block_bytes(qtype, &elems);
+    if (int8_offset(qtype) >= 0 && n_in % 256 == 0)
+        return row_dot_int8(qtype, int8_offset(qtype), row, size, n_in / 256, xq, dx, xqs, xs);
+    return row_dot(qtype, row, n_in / elems, x);
+}
+
+void host_swiglu(void *arg) {
+    const host_swiglu_args *a = (const host_swiglu_args *)arg;
+    const int64_t D = a->n_embd, F = a->n_ff, T = a->n_tokens, K = a->n_used, P = T * K;
+    const int nt = (int)a->n_threads;
+    for (int64_t t = 0; t < T; t++) quantize_x(a->x + t * D, D, a->xq + t * D, a->dx + t * D / 32, a->xqs + t * D / 16, a->xs + t * D / 16);
+#pragma omp parallel for collapse(2) schedule(static) num_threads(nt)
+    for (int64_t p = 0; p < P; p++) {
+        for (int64_t r = 0; r < 2 * F; r++) { /* gate rows, then up rows */
+            const int s = r >= F, t = (int)(p / K);
+            const uint8_t *row = a->w[s] + (a->ids[p] * F + r - s * F) * a->row_bytes[s];
+            a->gu[p * 2 * F + r] = dot_row((int)a->qtype[s], row, D, a->x + t * D, a->xq + t * D, a->dx + t * D / 32,
+                                           a->xqs + t * D / 16, a->xs + t * D / 16);
+        }
+    }
+    for (int64_t p = 0; p < P; p++) {
+        float *g = a->gu + p * 2 * F;
+        for (int64_t i = 0; i < F; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * g[F + i];
+        quantize_x(g, F, a->xq + p * F, a->dx + p * F / 32, a->xqs + p * F / 16, a->xs + p * F / 16);
+    }
+#pragma omp parallel for collapse(2) schedule(static) num_threads(nt)
+    for (int64_t p = 0; p < P; p++) {
+        for (int64_t r = 0; r < D; r++) {
+            const uint8_t *row = a->w[2] + (a->ids[p] * D + r) * a->row_bytes[2];
+            a->down[p * D + r] = dot_row((int)a->qtype[2], row, F, a->gu + p * 2 * F, a->xq + p * F, a->dx + p * F / 32,
+                                         a->xqs + p * F / 16, a->xs + p * F / 16);
+        }
+    }
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t d = 0; d < D; d++) {
+            float sum = 0.0f;
+            for (int64_t k = 0; k < K; k++) sum += a->weights[t * K + k] * a->down[(t * K + k) * D + d];
+            a->out[t * D + d] = sum;
+        }
+}

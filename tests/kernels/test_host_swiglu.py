@@ -1,0 +1,72 @@
+"""A streamed layer's experts on the CPU as a host function: the same numbers as the int8 matvecs composed in
+torch, and on a GPU the same inside a replayed CUDA graph as queued eagerly."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from moestream.formats.quantize import quantize
+from moestream.kernels import cpu_quant, host_swiglu
+from moestream.ops.moe_swiglu import moe_swiglu_picked
+
+pytestmark = pytest.mark.skipif(not cpu_quant.available(), reason="no C compiler")
+
+E, F, D = 6, 512, 768
+
+
+def stacks(types):
+    rng = np.random.default_rng(0)
+    shapes = ((E, F, D), (E, F, D), (E, D, F))
+    return [
+        torch.from_numpy(quantize((rng.standard_normal(s) * 0.05).astype(np.float32), q))
+        for s, q in zip(shapes, types, strict=True)
+    ]
+
+
+def composed(x, weights, ids, raws, types, int8):
+    dot = partial(cpu_quant.matvec, int8=int8)
+    mvs = [lambda p, rows, r=r, q=q: dot(r, q, r.shape[1], rows, p) for r, q in zip(raws, types, strict=True)]
+    return moe_swiglu_picked(x, weights, ids, *mvs)
+
+
+@pytest.mark.parametrize(("types", "int8"), [((Q.Q4_K, Q.Q4_K, Q.Q6_K), True), ((Q.IQ4_XS, Q.IQ4_XS, Q.IQ4_NL), False)])
+def test_host_function_equals_the_composed_matvecs(types, int8):
+    """Types with integer dots use them (x and the hidden rows rounded to int8), the others float products."""
+    raws = stacks(types)
+    g = torch.Generator().manual_seed(1)
+    x, ids, weights = (
+        torch.randn(2, D, generator=g),
+        torch.tensor([[0, 5, 2], [3, 5, 1]]),
+        torch.rand(2, 3, generator=g),
+    )
+    ref = composed(x, weights, ids, raws, types, int8)
+    got = host_swiglu.swiglu(x, weights, ids, raws, types)
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_in_a_replayed_graph_as_queued_eagerly():
+    types = (Q.Q4_K, Q.Q4_K, Q.Q6_K)
+    raws = stacks(types)
+    assert host_swiglu.usable(types, torch.device("cuda"))
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(1, D, generator=g).cuda().bfloat16()
+    ids, weights = torch.tensor([[4, 1, 0]], device="cuda"), torch.rand(1, 3, generator=g).cuda()
+    cpu = host_swiglu.swiglu(x.cpu().float(), weights.cpu(), ids.cpu(), raws, types)
+    eager = host_swiglu.swiglu(x, weights, ids, raws, types)
+    torch.cuda.synchronize()
+    assert torch.equal(eager, cpu.bfloat16().cuda())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = host_swiglu.swiglu(x, weights, ids, raws, types) * 2
+    x.copy_(-x)  # the replay must read the new x: out = 2 * experts(-x)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = host_swiglu.swiglu(x.cpu().float(), weights.cpu(), ids.cpu(), raws, types)
+    assert torch.equal(out, (want.bfloat16() * 2).cuda())
