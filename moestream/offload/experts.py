@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moestream.kernels import matvec
+from moestream.kernels import host_swiglu, matvec
 from moestream.kernels.gather import RowGather, first_picks
 from moestream.kernels.grouped_moe import runs_on_device
 from moestream.offload.counters import Counters
@@ -48,6 +48,7 @@ class ExpertBytes:
     dev: Device
     dtype: torch.dtype
     pick: RowGather
+    plain_swiglu: bool = True  # the architecture's experts are plain SwiGLU (kernels/host_swiglu.py serves them)
 
 
 class LayerExperts:
@@ -122,7 +123,7 @@ class LayerExperts:
     def capturable(self, n_tokens: int, n_expert_used: int) -> bool:
         """Whether a static pass of n_tokens queues the same device work every time, with no host sync:
         the expert products run on the device (matvecs, or grouped matmuls), and streamed layers (if any) read
-        their experts there."""
+        their experts there or run them on the CPU as a host function in the stream."""
         t = next(iter(self.tensors.values()))
         _, n_ff, n_embd = t.views[0].shape
         dev = self.dev.device
@@ -130,7 +131,11 @@ class LayerExperts:
             return False
         if len(self.resident) == len(self.tensors):
             return True
-        return n_tokens < self.plan.min_batch and self.gathers and n_tokens * n_expert_used < t.n_expert
+        if n_tokens >= self.plan.min_batch:
+            return False
+        if self.plan.way is SmallBatch.CPU:  # a host function in the stream (plain SwiGLU experts only)
+            return self.stored.plain_swiglu and host_swiglu.usable([v.qtype for v in t.views], dev)
+        return self.gathers and n_tokens * n_expert_used < t.n_expert
 
     def weights(self, p: ExpertPass, il: int, x: torch.Tensor, ids: torch.Tensor) -> StoredExperts:
         """Layer il's experts for x [T, D] routed to ids [T, K], brought where the math will read them."""
@@ -183,10 +188,13 @@ class LayerExperts:
             first = first_picks(ids.reshape(-1))  # each expert read once for all the rows that picked it
             self.counters.add_gathered(first, t.expert_bytes)
             return self._on_device(tl, il, t, t.host_bytes(), x, ids, first)
+        if self.plan.way is SmallBatch.CPU:
+            p.open_span("experts-cpu", label)
+            return t.stored(t.host_bytes(), ids, torch.float32, tl, il, self.pick, on_host=True)
         used = torch.unique(ids.cpu())  # sync: the host must know which experts to move or read
         local = torch.full((t.n_expert,), -1, dtype=torch.long)
         local[used] = torch.arange(used.numel())  # expert id -> its row among the chosen ones
-        views = self.streamer.upload_experts(il, used.tolist()) if self.plan.way is not SmallBatch.CPU else None
+        views = self.streamer.upload_experts(il, used.tolist())
         if views is not None:
             stored = self._on_device(tl, il, t, views, x, local.to(x.device)[ids])
             p.open_span("experts", label)

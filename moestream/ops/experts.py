@@ -5,8 +5,8 @@ where they lie and how many tokens there are:
 
 - a token or few on a GPU: quantized matvecs straight from the blocks (`kernels/moe_matvec.py`), fused where
   the types allow;
-- on the host (`--small-batch cpu`), or a token or few on the CPU device: the compiled CPU matvec, or float32
-  dequantization without it;
+- on the host (`--small-batch cpu`), or a token or few on the CPU device: the compiled CPU matvec (beside a
+  GPU as a host function in its stream, `kernels/host_swiglu.py`), or float32 dequantization without it;
 - split over several devices (`--devices`): each range of experts on its own;
 - otherwise the grouped SwiGLU over dequantized stacks, of just the picked rows when there are fewer picks
   than rows.
@@ -23,7 +23,7 @@ from typing import Protocol
 
 import torch
 
-from moestream.kernels import cpu_quant, matvec, moe_matvec
+from moestream.kernels import cpu_quant, host_swiglu, matvec, moe_matvec
 from moestream.ops.linear import cpu_reads
 from moestream.ops.moe_swiglu import ClampedGlu, moe_swiglu, moe_swiglu_picked, moe_swiglu_sharded
 
@@ -112,11 +112,13 @@ def _unfused(x: torch.Tensor, weights: torch.Tensor, w: StoredExperts, clamped: 
 
 def _on_host(x: torch.Tensor, weights: torch.Tensor, w: StoredExperts, clamped: ClampedGlu | None) -> torch.Tensor:
     """The chosen experts on the CPU straight from the stored blocks, moving a few rows of x, not weights."""
+    if clamped is None and host_swiglu.usable(w.qtypes, x.device):  # queued on the GPU's stream: no sync
+        return host_swiglu.swiglu(x, weights, w.ids, w.raws, w.qtypes)
     xh, wh, ids = x.float().cpu(), weights.float().cpu(), w.ids.cpu()
     clamped = None if clamped is None else clamped.to("cpu", torch.float32)
     if all(q in cpu_quant.TYPES for q in w.qtypes) and cpu_quant.available():
-        # beside a GPU, x rounded to int8 as llama.cpp's CPU experts do (~3x the rate); the CPU device's own
-        # engine keeps float products: it is the reference the other ways are checked against
+        # beside a GPU, x rounded to int8 as llama.cpp's CPU experts do (~3x the rate; host_swiglu too); the
+        # CPU device's own engine keeps float products: it is the reference the other ways are checked against
         dot = partial(cpu_quant.matvec, int8=x.device.type != "cpu")
         out = moe_swiglu_picked(xh, wh, ids, *matvecs(dot, w), clamped)
     else:
