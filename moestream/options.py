@@ -234,6 +234,8 @@ class DecodeOptions:
     expert_cache: int | str = "auto"  # experts of each streamed layer kept on the GPU for decode's gathers
     # (offload/expert_cache.py; with prefetch). auto: as many as --vram-budget leaves (none without a budget)
     cache_policy: str = "static"  # which experts that cache holds: static, lru or lfu (offload/cache_policy.py)
+    cpu_layers: int = 0  # of the streamed layers, this many (evenly spaced) compute a few tokens' experts on the
+    # CPU instead (the rest as small_batch says): the CPU's memory and the link work side by side
 
 
 PROMPT_CACHE_RAM_MIB = 8192  # host RAM for prompt prefixes by default: llama-server's --cache-ram
@@ -344,6 +346,8 @@ def _settled(
     settled["small_batch"] = SmallBatch.parse(decode.small_batch, len(settled.get("devices") or ()))
     if decode.prefetch is not None and decode.prefetch < 0:
         raise MoestreamError(f"--prefetch {decode.prefetch}: must be 0 (off) or more experts a layer")
+    if decode.cpu_layers < 0:
+        raise MoestreamError(f"--cpu-layers {decode.cpu_layers}: must be 0 (none) or more streamed layers")
     if decode.prefetch_ahead not in PREFETCH_AHEAD:
         raise MoestreamError(
             f"--prefetch-ahead {decode.prefetch_ahead}: give 1 (guess from the streamed layer before) or 2 (from the "

@@ -19,6 +19,7 @@ LISTS = (
     "slots",
     "prefetch",
     "prefetch_ahead",
+    "cpu_layers",
     "expert_cache",
     "cache_type_k",
     "cache_type_v",
@@ -104,6 +105,14 @@ def engine_flags(p: argparse.ArgumentParser, lists: tuple[str, ...] = ()) -> Non
         help="decode with --prefetch: guess each gathered layer's experts at the start of the streamed layer N "
         "before it (1, default, or 2: the link has two layers' compute to hide behind, the guess names somewhat "
         "fewer picks)" + more,
+    )
+    p.add_argument(
+        "--cpu-layers",
+        **typed("cpu_layers", int, int_list, 0),
+        metavar="N",
+        help="decode: N of the streamed layers (evenly spaced) compute a few tokens' experts on the CPU from the "
+        "mapped file, inside the step's CUDA graph, while the others gather theirs over the link (default 0: "
+        "none)" + more,
     )
     p.add_argument(
         "--expert-cache",
@@ -230,6 +239,7 @@ def engine_flat(a: argparse.Namespace, ctx: int | None = None) -> dict:
         small_batch=a.small_batch,
         prefetch=first(a.prefetch) if a.prefetch is not None else None,
         prefetch_ahead=first(a.prefetch_ahead),
+        cpu_layers=first(a.cpu_layers),
         expert_cache=first(a.expert_cache) if a.expert_cache is not None else "auto",
         cache_policy=a.cache_policy,
         cache_type_k=first(a.cache_type_k),

@@ -26,6 +26,7 @@ def sweep_of(a: argparse.Namespace) -> Sweep:
         picks=a.streamed_layers,
         prefetches=a.prefetch or [None],
         aheads=a.prefetch_ahead,
+        cpu_layers=a.cpu_layers,
         caches=a.expert_cache or ["auto"],
         depths=a.n_depth,
         types_k=a.cache_type_k,
@@ -132,9 +133,10 @@ def cmd_bench(a: argparse.Namespace) -> None:
 
 
 def _prefetch_cache(r: BenchRow) -> str:
-    """The row's --prefetch, --prefetch-ahead and --expert-cache, so the lines under the table tell apart the rows
-    they sweep."""
-    return f"pf {r.prefetch} ahead {r.prefetch_ahead} cache {r.expert_cache}"
+    """The row's --prefetch, --prefetch-ahead, --expert-cache and --cpu-layers, so the lines under the table tell
+    apart the rows they sweep."""
+    cpu = f" cpu layers {r.cpu_layers}" if r.cpu_layers else ""
+    return f"pf {r.prefetch} ahead {r.prefetch_ahead} cache {r.expert_cache}{cpu}"
 
 
 def _positions(a: argparse.Namespace) -> int:

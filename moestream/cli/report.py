@@ -90,6 +90,7 @@ def record(row, info: dict, link_bps: float) -> dict:
         "expert_cache": row.expert_cache,
         "cache_hit": row.cache_hit,
         "cache_policy": row.cache_policy,
+        "cpu_layers": row.cpu_layers,
         "bytes_uploaded": row.bytes_uploaded,
         "bytes_per_token": row.bytes_uploaded / n,
         "tokens": row.tokens,

@@ -292,11 +292,13 @@ def _serve(
     """The decode side the plan asks for: where static steps guess ahead, the ring of guesses (for passes of up
     to rows rows) and an expert cache as large as asked or as the budget leaves. Returns it and the footprint
     with the cache counted."""
-    if not decode.guesses:
+    on_cpu = decode.on_cpu(placement.streamed)
+    gathered = [il for il in placement.streamed if il not in on_cpu]  # the others compute on the CPU
+    if not decode.guesses or not gathered:
         return LayerExperts(stored, decode), fp
-    sizes = [stored.tensors[il].expert_bytes for il in placement.streamed]
+    sizes = [stored.tensors[il].expert_bytes for il in gathered]
     n_cached = cached_experts(decode.expert_cache, placement, fp, budget, sizes, spec.n_expert)
-    device, streamed = stored.dev.device, placement.streamed
+    device, streamed = stored.dev.device, gathered
     cache = None
     if n_cached:
         cache = ExpertCache(stored.tensors, streamed, n_cached, device, stored.pick, decode.cache_policy)

@@ -61,6 +61,7 @@ class LayerExperts:
         self.tensors, self.resident, self.streamer = stored.tensors, stored.resident, stored.streamer
         self.dev, self.dtype, self.pick = stored.dev, stored.dtype, stored.pick
         self.plan = plan
+        self.on_cpu = plan.on_cpu([il for il in sorted(self.tensors) if il not in self.resident])
         self.prefetcher = prefetcher  # gathered layers' experts guessed ahead (--prefetch, --prefetch-ahead)
         self.counters = Counters.of(self.streamer, prefetcher is not None, self.dev.device)
 
@@ -133,9 +134,9 @@ class LayerExperts:
             return True
         if n_tokens >= self.plan.min_batch:
             return False
-        if self.plan.way is SmallBatch.CPU:  # a host function in the stream (plain SwiGLU experts only)
-            return self.stored.plain_swiglu and host_swiglu.usable([v.qtype for v in t.views], dev)
-        return self.gathers and n_tokens * n_expert_used < t.n_expert
+        if self.on_cpu and not (self.stored.plain_swiglu and host_swiglu.usable([v.qtype for v in t.views], dev)):
+            return False  # the CPU's layers run as a host function in the stream (plain SwiGLU experts only)
+        return self.plan.way is SmallBatch.CPU or (self.gathers and n_tokens * n_expert_used < t.n_expert)
 
     def weights(self, p: ExpertPass, il: int, x: torch.Tensor, ids: torch.Tensor) -> StoredExperts:
         """Layer il's experts for x [T, D] routed to ids [T, K], brought where the math will read them."""
@@ -180,6 +181,9 @@ class LayerExperts:
         if whole is not None:
             p.open_span("experts", label)
             return self._on_device(tl, il, t, whole, x, ids)
+        if il in self.on_cpu:
+            p.open_span("experts-cpu", label)
+            return t.stored(t.host_bytes(), ids, torch.float32, tl, il, self.pick, on_host=True)
         if self.gathers and ids.numel() < t.n_expert:
             p.open_span("experts-gather", label)  # no sync: ids stay on the device
             if self.prefetcher is not None and il in self.prefetcher.pending:  # misses counted on the device
@@ -188,9 +192,6 @@ class LayerExperts:
             first = first_picks(ids.reshape(-1))  # each expert read once for all the rows that picked it
             self.counters.add_gathered(first, t.expert_bytes)
             return self._on_device(tl, il, t, t.host_bytes(), x, ids, first)
-        if self.plan.way is SmallBatch.CPU:
-            p.open_span("experts-cpu", label)
-            return t.stored(t.host_bytes(), ids, torch.float32, tl, il, self.pick, on_host=True)
         used = torch.unique(ids.cpu())  # sync: the host must know which experts to move or read
         local = torch.full((t.n_expert,), -1, dtype=torch.long)
         local[used] = torch.arange(used.numel())  # expert id -> its row among the chosen ones

@@ -170,11 +170,11 @@ def cached_experts(
 ) -> int:
     """Experts of each streamed layer the expert cache holds: `asked`, or (auto) as many as the budget leaves
     after everything else, CACHE_SLACK spared (none without a budget); at most the n_expert a layer has.
-    sizes: one expert's bytes in each streamed layer. An asked count spares no slack: the user chose it (at most
-    n_expert: builder.check_expert_counts)."""
-    if not p.streamed:
+    sizes: one expert's bytes in each streamed layer the cache serves (the gathered ones). An asked count spares
+    no slack: the user chose it (at most n_expert: builder.check_expert_counts)."""
+    if not sizes:
         return 0
-    per = len(p.streamed) * max(sizes)
+    per = len(sizes) * max(sizes)
     if asked == "auto":
         return 0 if budget is None else min(n_expert, max(0, (budget - p.gpu_bytes(fp) - CACHE_SLACK) // per))
     if budget is not None and p.gpu_bytes(fp) + asked * per > budget:

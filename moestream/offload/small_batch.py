@@ -90,6 +90,15 @@ class DecodePlan:
     measured: Measured | None = None  # what auto timed to choose `way`
     cache_policy: str = "static"  # --cache-policy: which experts that cache holds
     ahead: int = 1  # --prefetch-ahead: streamed layers between a guess and the layer it guesses
+    cpu_layers: int = 0  # --cpu-layers: streamed layers whose small batches compute on the CPU whatever `way` is
+
+    def on_cpu(self, streamed: list[int]) -> frozenset[int]:
+        """Which of the streamed layers (in order) compute their small batches on the CPU: all under the cpu
+        way, else cpu_layers of them evenly spaced (so the gathered ones between have time to prefetch)."""
+        if self.way is SmallBatch.CPU:
+            return frozenset(streamed)
+        n, m = min(self.cpu_layers, len(streamed)), len(streamed)
+        return frozenset(streamed[int((i + 0.5) * m / n)] for i in range(n))
 
     @property
     def gathers(self) -> bool:
@@ -156,6 +165,7 @@ def decode_plan(opts: Options, n_expert_used: int, access: Access, measured: Mea
         measured,
         d.cache_policy,
         d.prefetch_ahead,
+        d.cpu_layers,
     )
 
 

@@ -56,6 +56,7 @@ class BenchRow:
     type_v: str = ""
     tokens: str = "random"  # what the tests ran: random ids, or a --text file's name
     cache_policy: str = "static"  # which experts the cache held (--cache-policy)
+    cpu_layers: int = 0  # streamed layers whose small batches computed on the CPU (all of them under the cpu way)
 
     @property
     def kind(self) -> str:
@@ -252,6 +253,7 @@ def run_bench(engine, sweep: Sweep, progress=None, say=None) -> tuple[list[Bench
                 n_depth=depth,
                 tokens=Path(w.text).name if w.text else "random",
                 cache_policy=engine.options.decode.cache_policy,
+                cpu_layers=len(experts.on_cpu),
             )
             row.type_k, row.type_v = engine.options.model.kv_types
             del experts

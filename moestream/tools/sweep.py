@@ -20,6 +20,7 @@ class Sweep:
     picks: list[str]  # --streamed-layers first | spread
     prefetches: list[int | None] = field(default_factory=lambda: [None])  # --prefetch (None: the router's count)
     aheads: list[int] = field(default_factory=lambda: [1])  # --prefetch-ahead
+    cpu_layers: list[int] = field(default_factory=lambda: [0])  # --cpu-layers
     caches: list[int | str] = field(default_factory=lambda: ["auto"])  # --expert-cache
     depths: list[int] = field(default_factory=lambda: [0])  # -d: tokens of context before each test (untimed)
     types_k: list[str] = field(default_factory=lambda: ["auto"])  # -ctk
@@ -38,6 +39,7 @@ class Sweep:
             "slots": self.slots,
             "prefetch": self.prefetches,
             "prefetch_ahead": self.aheads,
+            "cpu_layers": self.cpu_layers,
             "expert_cache": self.caches,
             "cache_type_k": self.types_k,
             "cache_type_v": self.types_v,

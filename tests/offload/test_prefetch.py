@@ -393,7 +393,7 @@ def test_the_expert_cache_is_sized_by_the_budget_and_refused_past_it(model_file)
         assert cached_experts(8, p, fp, p.gpu_bytes(fp) + 8 * per, sizes, 8) == 8  # all fit: no error
         with pytest.raises(MoestreamError, match="--expert-cache 7 needs .* room for 5 experts a streamed layer"):
             cached_experts(7, p, fp, p.gpu_bytes(fp) + 5 * per, sizes, 8)
-        assert cached_experts("auto", Placement(0, [8000], n_slots=1), fp, budget, sizes, 8) == 0
+        assert cached_experts("auto", Placement(0, [8000], n_slots=1), fp, budget, [], 8) == 0  # none gathered
     finally:
         e.close()
     with pytest.raises(MoestreamError, match="--expert-cache 99: the model has 8 experts a layer"):

@@ -280,3 +280,18 @@ def test_the_budgeted_sequence_is_the_cache_the_engine_allocates(model_file, pre
         assert e.offload.footprint.kv_cache == 2 * sum(t.nbytes for t in kv + states)
     finally:
         e.close()
+
+
+def test_cpu_layers_compute_beside_the_gathered_ones(model_file):
+    """--cpu-layers 1 of the 2 streamed layers: that layer's small batches compute on the CPU, the other
+    gathers and alone is guessed ahead and cached; greedy tokens as all-resident, logits within float32."""
+    path = model_file("tiny", "Q4_K_M")
+    ref = moestream.load(path, device="cpu", progress=False)
+    mixed = moestream.load(
+        path, device="cpu", n_cpu_moe="all", small_batch="gather", cpu_layers=1, prefetch=2, progress=False
+    )
+    assert mixed.experts.on_cpu == {1} and sorted(mixed.experts.prefetcher.ring) == [0]
+    params = SamplingParams(max_tokens=8, stop_at_eos=False)
+    assert ref.generate(TOKENS[:6], params).tokens == mixed.generate(TOKENS[:6], params).tokens
+    a, b = ref.logits(TOKENS[:3]), mixed.logits(TOKENS[:3])
+    assert float((a - b).abs().max() / a.abs().max()) < 1e-5

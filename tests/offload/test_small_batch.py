@@ -48,3 +48,15 @@ def test_timings_skip_warm_up_and_take_the_median_of_a_window():
     assert t.cost("b") == float("inf") and t.fastest(["b", "a"]) == "a"
     t.failed("a")
     assert t.cost("a") == float("inf") and t.fastest(["a", "b"]) == "a"  # the first of equals
+
+
+def test_cpu_layers_are_spread_over_the_streamed_ones():
+    opts = Options.make(device="cpu", small_batch="gather", cpu_layers=3)
+    access = Access(on_gpu=True, readable=True, kernel_ok=True, sharded=False)
+    plan = small_batch.decode_plan(opts, 8, access)
+    assert plan.on_cpu(list(range(0, 24, 2))) == {4, 12, 20}  # 12 streamed layers, every fourth
+    assert plan.on_cpu([5]) == {5}  # no more than there are
+    assert plan.trying(SmallBatch.CPU).on_cpu([1, 4, 9]) == {1, 4, 9}  # the cpu way: all of them
+    assert small_batch.decode_plan(Options.make(device="cpu"), 8, access).on_cpu([1, 4]) == frozenset()
+    with pytest.raises(MoestreamError, match="^--cpu-layers -1: must be 0"):
+        Options.make(device="cpu", cpu_layers=-1)
