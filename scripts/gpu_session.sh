@@ -25,7 +25,8 @@
 #            pp2048 + tg128 resident and streamed, each deleted after
 #   context  issue 36: pp16384 and pp32768 at -ncmoe auto --vram-budget 12GiB, tg128 at -d 8192,32768 (-ncmoe 0,26)
 #   ctxpp    context's first row alone: pp16384 at -ncmoe auto --vram-budget 12GiB
-#   cpuway   issue 34: tg128 at -ncmoe 26 spread 12 GiB with --small-batch cpu (the host function in the graph), then
+#   cpuway   issue 34: tg128 at -ncmoe 26 spread 12 GiB: gather with --cpu-layers $CPU_LAYERS (0,6,13), --small-batch
+#            cpu (the host function in the graph), then
 #            auto (its measured gather / upload / cpu ms a step), then scripts/cpu_experts.py at 16 threads
 #   attn     issue 36: decode attention at depths 8192 and 32768 under each of $ATTN_SETTINGS (';'-separated tuning
 #            fields, '-' the defaults) beside the device's copy rate (scripts/decode_attention_rates.py)
@@ -207,6 +208,8 @@ for step in "$@"; do
            $MS bench -m $MODEL -p 16384 -ub 2048 -ncmoe auto --vram-budget 12GiB -r 2 --no-floors 2>&1 | quiet \
              | tee -a "$OUT/bench.txt" ;;
     cpuway) make_model $MODEL qwen3-30b-a3b | tee -a "$OUT/model.txt"
+            $MS bench -m $MODEL -p 0 -n 128 -ncmoe 26 --streamed-layers spread --vram-budget 12GiB --small-batch gather \
+              --cpu-layers ${CPU_LAYERS:-0,6,13} -r 2 --no-floors 2>&1 | quiet | tee -a "$OUT/bench.txt"
             for way in cpu auto; do
               $MS bench -m $MODEL -p 0 -n 128 -ncmoe 26 --streamed-layers spread --vram-budget 12GiB --small-batch $way \
                 -r 2 --no-floors 2>&1 | quiet | tee -a "$OUT/bench.txt"
