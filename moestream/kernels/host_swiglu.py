@@ -68,7 +68,7 @@ class Buffers:
 
     def args_for(self, raws, qtypes, T: int, K: int, D: int, F: int) -> _Args:
         """The argument block for one layer's stacks (kept: a captured graph holds its address)."""
-        key = tuple(r.data_ptr() for r in raws)
+        key = tuple((r.data_ptr(), int(q), r.shape[-1]) for r, q in zip(raws, qtypes, strict=True))  # all it holds
         if key not in self.args:
             a = _Args()
             for i, (raw, q) in enumerate(zip(raws, qtypes, strict=True)):
