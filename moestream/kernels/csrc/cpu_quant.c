@@ -666,34 +666,40 @@ static float dot_row(int qtype, const uint8_t *row, int64_t n_in, const float *x
 void host_swiglu(void *arg) {
     const host_swiglu_args *a = (const host_swiglu_args *)arg;
     const int64_t D = a->n_embd, F = a->n_ff, T = a->n_tokens, K = a->n_used, P = T * K;
-    const int nt = (int)a->n_threads;
-    for (int64_t t = 0; t < T; t++) quantize_x(a->x + t * D, D, a->xq + t * D, a->dx + t * D / 32, a->xqs + t * D / 16, a->xs + t * D / 16);
-#pragma omp parallel for collapse(2) schedule(static) num_threads(nt)
-    for (int64_t p = 0; p < P; p++) {
-        for (int64_t r = 0; r < 2 * F; r++) { /* gate rows, then up rows */
-            const int s = r >= F, t = (int)(p / K);
-            const uint8_t *row = a->w[s] + (a->ids[p] * F + r - s * F) * a->row_bytes[s];
-            a->gu[p * 2 * F + r] = dot_row((int)a->qtype[s], row, D, a->x + t * D, a->xq + t * D, a->dx + t * D / 32,
-                                           a->xqs + t * D / 16, a->xs + t * D / 16);
+#pragma omp parallel num_threads((int)a->n_threads)
+    { /* one team for the whole layer: each step below ends at the loop's barrier */
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++)
+            quantize_x(a->x + t * D, D, a->xq + t * D, a->dx + t * D / 32, a->xqs + t * D / 16, a->xs + t * D / 16);
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t p = 0; p < P; p++) {
+            for (int64_t r = 0; r < 2 * F; r++) { /* gate rows, then up rows */
+                const int s = r >= F, t = (int)(p / K);
+                const uint8_t *row = a->w[s] + (a->ids[p] * F + r - s * F) * a->row_bytes[s];
+                a->gu[p * 2 * F + r] = dot_row((int)a->qtype[s], row, D, a->x + t * D, a->xq + t * D,
+                                               a->dx + t * D / 32, a->xqs + t * D / 16, a->xs + t * D / 16);
+            }
         }
-    }
-    for (int64_t p = 0; p < P; p++) {
-        float *g = a->gu + p * 2 * F;
-        for (int64_t i = 0; i < F; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * g[F + i];
-        quantize_x(g, F, a->xq + p * F, a->dx + p * F / 32, a->xqs + p * F / 16, a->xs + p * F / 16);
-    }
-#pragma omp parallel for collapse(2) schedule(static) num_threads(nt)
-    for (int64_t p = 0; p < P; p++) {
-        for (int64_t r = 0; r < D; r++) {
-            const uint8_t *row = a->w[2] + (a->ids[p] * D + r) * a->row_bytes[2];
-            a->down[p * D + r] = dot_row((int)a->qtype[2], row, F, a->gu + p * 2 * F, a->xq + p * F, a->dx + p * F / 32,
-                                         a->xqs + p * F / 16, a->xs + p * F / 16);
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < P; p++) { /* h = silu(gate) * up, then rounded for down's integer dots */
+            float *g = a->gu + p * 2 * F;
+            for (int64_t i = 0; i < F; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * g[F + i];
+            quantize_x(g, F, a->xq + p * F, a->dx + p * F / 32, a->xqs + p * F / 16, a->xs + p * F / 16);
         }
-    }
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t d = 0; d < D; d++) {
-            float sum = 0.0f;
-            for (int64_t k = 0; k < K; k++) sum += a->weights[t * K + k] * a->down[(t * K + k) * D + d];
-            a->out[t * D + d] = sum;
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t p = 0; p < P; p++) {
+            for (int64_t r = 0; r < D; r++) {
+                const uint8_t *row = a->w[2] + (a->ids[p] * D + r) * a->row_bytes[2];
+                a->down[p * D + r] = dot_row((int)a->qtype[2], row, F, a->gu + p * 2 * F, a->xq + p * F,
+                                             a->dx + p * F / 32, a->xqs + p * F / 16, a->xs + p * F / 16);
+            }
         }
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t d = 0; d < D; d++) {
+                float sum = 0.0f;
+                for (int64_t k = 0; k < K; k++) sum += a->weights[t * K + k] * a->down[(t * K + k) * D + d];
+                a->out[t * D + d] = sum;
+            }
+    }
 }
