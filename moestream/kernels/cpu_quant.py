@@ -35,7 +35,9 @@ PARALLEL_WEIGHTS = 1 << 20  # below this many products, threads cost more than t
 # threads wait for each other at the end of each call); every output is one thread's either way: the same bits
 SOURCE = Path(__file__).with_name("csrc") / "cpu_quant.c"
 TYPES = frozenset(t.qtype for t in quants.TYPES.values() if t.cpu_dot)
-INT8_TYPES = frozenset({Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q4_0, Q.Q8_0})  # cpu_quant.c's int8_offset
+INT8_TYPES = frozenset(  # cpu_quant.c's int8_offset
+    {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q4_0, Q.Q8_0, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4}
+)
 
 
 def _cpu_flags() -> bytes:

@@ -3,8 +3,9 @@
 The GPU copies x, the picks and their weights to page-locked buffers, a CUDA host function (cpu_quant.c's
 host_swiglu, queued with the driver's cuLaunchHostFunc) runs the experts from the mapped file with integer
 dots, and the GPU copies the result back: no host sync, so a decode step with experts on the CPU is captured
-and replayed as one CUDA graph like the others. Plain SwiGLU experts only (gpt-oss's clamped ones take the
-eager way). Buffers are kept per shape; each layer's weights get their own argument block.
+and replayed as one CUDA graph like the others. SwiGLU experts, or gpt-oss's clamped GLU with its biases
+(the pairs' biases are copied over with x). Buffers are kept per shape; each layer's weights get their own
+argument block.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ class _Args(ctypes.Structure):  # cpu_quant.c's host_swiglu_args, field for fiel
         ("row_bytes", ctypes.c_int64 * 3),
         *((name, ctypes.c_int64) for name in ("n_embd", "n_ff", "n_tokens", "n_used", "n_threads")),
         *((name, _P) for name in ("x", "ids", "weights", "out", "gu", "down", "xq", "dx", "xs", "xqs")),
+        *((name, _P) for name in ("gate_b", "up_b", "down_b")),
+        ("alpha", ctypes.c_float),
+        ("limit", ctypes.c_float),
     ]
 
 
@@ -64,17 +68,24 @@ class Buffers:
         self.gu, self.down = torch.empty(T * K, 2 * F), torch.empty(T * K, D)
         self.xq, self.dx = torch.empty(n, dtype=torch.int8), torch.empty(n // 32)
         self.xs, self.xqs = torch.empty(n // 16), torch.empty(n // 16, dtype=torch.int32)
+        self.gate_b, self.up_b = host((T * K, F), torch.float32), host((T * K, F), torch.float32)
+        self.down_b = host((T * K, D), torch.float32)
         self.args: dict[tuple, _Args] = {}
 
-    def args_for(self, raws, qtypes, T: int, K: int, D: int, F: int) -> _Args:
+    def args_for(self, raws, qtypes, T: int, K: int, D: int, F: int, clamped: tuple | None) -> _Args:
         """The argument block for one layer's stacks (kept: a captured graph holds its address)."""
-        key = tuple((r.data_ptr(), int(q), r.shape[-1]) for r, q in zip(raws, qtypes, strict=True))  # all it holds
+        glu = None if clamped is None else tuple(clamped[3:])  # alpha, limit
+        key = (*((r.data_ptr(), int(q), r.shape[-1]) for r, q in zip(raws, qtypes, strict=True)), glu)  # all it holds
         if key not in self.args:
             a = _Args()
             for i, (raw, q) in enumerate(zip(raws, qtypes, strict=True)):
                 a.w[i], a.qtype[i], a.row_bytes[i] = raw.data_ptr(), int(q), raw.shape[-1]
             a.n_embd, a.n_ff, a.n_tokens, a.n_used, a.n_threads = D, F, T, K, torch.get_num_threads()
-            for name in ("x", "ids", "weights", "out", "gu", "down", "xq", "dx", "xs", "xqs"):
+            names = ["x", "ids", "weights", "out", "gu", "down", "xq", "dx", "xs", "xqs"]
+            if glu is not None:
+                names += ["gate_b", "up_b", "down_b"]
+                a.alpha, a.limit = glu
+            for name in names:
                 setattr(a, name, getattr(self, name).data_ptr())
             self.args[key] = a
         return self.args[key]
@@ -90,15 +101,21 @@ def _buffers_for(T: int, K: int, D: int, F: int, pin: bool) -> Buffers:
     return _buffers[key]
 
 
-def swiglu(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, raws, qtypes) -> torch.Tensor:
-    """Sum over each token's picked experts of weight * down(silu(gate(x)) * up(x)), from the stored stacks
-    raws (gate, up [E, F, bytes], down [E, D, bytes], host memory). x [T, D] on a GPU: queued on its current
-    stream, the result on that device in x's dtype; on the CPU: run now."""
+def swiglu(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, raws, qtypes, clamped: tuple | None = None
+) -> torch.Tensor:
+    """Sum over each token's picked experts of weight * down(silu(gate(x)) * up(x)) (with clamped, the fields
+    of ops/moe_swiglu.ClampedGlu: gpt-oss's GLU and the pairs' biases), from the stored stacks raws (gate, up
+    [E, F, bytes], down [E, D, bytes], host memory). x [T, D] on a GPU: queued on its current stream, the
+    result on that device in x's dtype; on the CPU: run now."""
     (T, D), K, F = x.shape, ids.shape[1], raws[0].shape[1]
     b = _buffers_for(T, K, D, F, x.is_cuda)
-    args = b.args_for(raws, qtypes, T, K, D, F)
+    args = b.args_for(raws, qtypes, T, K, D, F, clamped)
     lib = cpu_quant._library()
-    for dst, src in ((b.x, x), (b.ids, ids), (b.weights, weights)):
+    copies = [(b.x, x), (b.ids, ids), (b.weights, weights)]
+    if clamped is not None:
+        copies += list(zip((b.gate_b, b.up_b, b.down_b), clamped[:3], strict=True))
+    for dst, src in copies:
         dst.copy_(src.to(dst.dtype), non_blocking=True)  # converted where src lies: the copy is then async
     if not x.is_cuda:
         lib.host_swiglu(ctypes.addressof(args))

@@ -210,8 +210,7 @@ def build_offload(
         readable = device.type == "cpu" or (pinned is not None and pinned.nbytes > 0)  # page-locked: kernels read it
         decode = decode_plan(opts, spec.n_expert_used, _access(opts, pick, readable, streamer is not None), measured)
         decode.warn()
-        plain = layout(spec.arch).PLAIN_SWIGLU
-        stored = ExpertBytes(tensors, resident, streamer, first, opts.model.torch_dtype, pick, plain)
+        stored = ExpertBytes(tensors, resident, streamer, first, opts.model.torch_dtype, pick)
         experts, fp = _serve(stored, decode, placement, fp, budget, spec, rows)
     except BaseException:
         if pinned is not None:

@@ -48,7 +48,6 @@ class ExpertBytes:
     dev: Device
     dtype: torch.dtype
     pick: RowGather
-    plain_swiglu: bool = True  # the architecture's experts are plain SwiGLU (kernels/host_swiglu.py serves them)
 
 
 class LayerExperts:
@@ -134,8 +133,8 @@ class LayerExperts:
             return True
         if n_tokens >= self.plan.min_batch:
             return False
-        if self.on_cpu and not (self.stored.plain_swiglu and host_swiglu.usable([v.qtype for v in t.views], dev)):
-            return False  # the CPU's layers run as a host function in the stream (plain SwiGLU experts only)
+        if self.on_cpu and not host_swiglu.usable([v.qtype for v in t.views], dev):
+            return False  # the CPU's layers run as a host function in the stream
         return self.plan.way is SmallBatch.CPU or (self.gathers and n_tokens * n_expert_used < t.n_expert)
 
     def weights(self, p: ExpertPass, il: int, x: torch.Tensor, ids: torch.Tensor) -> StoredExperts:

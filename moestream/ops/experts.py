@@ -112,8 +112,8 @@ def _unfused(x: torch.Tensor, weights: torch.Tensor, w: StoredExperts, clamped: 
 
 def _on_host(x: torch.Tensor, weights: torch.Tensor, w: StoredExperts, clamped: ClampedGlu | None) -> torch.Tensor:
     """The chosen experts on the CPU straight from the stored blocks, moving a few rows of x, not weights."""
-    if clamped is None and host_swiglu.usable(w.qtypes, x.device):  # queued on the GPU's stream: no sync
-        return host_swiglu.swiglu(x, weights, w.ids, w.raws, w.qtypes)
+    if host_swiglu.usable(w.qtypes, x.device):  # queued on the GPU's stream: no sync
+        return host_swiglu.swiglu(x, weights, w.ids, w.raws, w.qtypes, clamped)
     xh, wh, ids = x.float().cpu(), weights.float().cpu(), w.ids.cpu()
     clamped = None if clamped is None else clamped.to("cpu", torch.float32)
     if all(q in cpu_quant.TYPES for q in w.qtypes) and cpu_quant.available():

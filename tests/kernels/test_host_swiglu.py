@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as Q
 
 from moestream.formats.quantize import quantize
 from moestream.kernels import cpu_quant, host_swiglu
-from moestream.ops.moe_swiglu import moe_swiglu_picked
+from moestream.ops.moe_swiglu import ClampedGlu, moe_swiglu_picked
 
 pytestmark = pytest.mark.skipif(not cpu_quant.available(), reason="no C compiler")
 
@@ -34,7 +34,15 @@ def composed(x, weights, ids, raws, types, int8):
     return moe_swiglu_picked(x, weights, ids, *mvs)
 
 
-@pytest.mark.parametrize(("types", "int8"), [((Q.Q4_K, Q.Q4_K, Q.Q6_K), True), ((Q.IQ4_XS, Q.IQ4_XS, Q.IQ4_NL), False)])
+@pytest.mark.parametrize(
+    ("types", "int8"),
+    [
+        ((Q.Q4_K, Q.Q4_K, Q.Q6_K), True),
+        ((Q.MXFP4, Q.MXFP4, Q.IQ4_XS), True),
+        ((Q.IQ3_S, Q.IQ3_S, Q.Q5_0), False),
+    ],
+    ids=["Q4_K_M", "MXFP4+IQ4_XS", "float-only types"],
+)
 def test_host_function_equals_the_composed_matvecs(types, int8):
     """Types with integer dots use them (x and the hidden rows rounded to int8), the others float products."""
     raws = stacks(types)
@@ -70,3 +78,22 @@ def test_in_a_replayed_graph_as_queued_eagerly():
     torch.cuda.synchronize()
     want = host_swiglu.swiglu(x.cpu().float(), weights.cpu(), ids.cpu(), raws, types)
     assert torch.equal(out, (want.bfloat16() * 2).cuda())
+
+
+def test_gpt_oss_clamped_glu_with_the_pairs_biases():
+    types = (Q.MXFP4, Q.MXFP4, Q.MXFP4)  # gpt-oss's experts
+    raws = stacks(types)
+    g = torch.Generator().manual_seed(3)
+    x, ids, weights = (
+        torch.randn(2, D, generator=g),
+        torch.tensor([[0, 5, 2], [3, 5, 1]]),
+        torch.rand(2, 3, generator=g),
+    )
+    biases = [torch.randn(6, n, generator=g) for n in (F, F, D)]  # pair t*K+k
+    clamped = ClampedGlu(*biases, alpha=1.702, limit=0.05)  # a limit the products reach: both clamps matter
+    dot = partial(cpu_quant.matvec, int8=True)
+    mvs = [lambda p, rows, r=r, q=q: dot(r, q, r.shape[1], rows, p) for r, q in zip(raws, types, strict=True)]
+    ref = moe_swiglu_picked(x, weights, ids, *mvs, clamped)
+    got = host_swiglu.swiglu(x, weights, ids, raws, types, clamped)
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-6
+    assert float((got - composed(x, weights, ids, raws, types, True)).abs().max()) > 0.1  # the GLU did change it

@@ -439,7 +439,8 @@ int int8_offset(int qtype) {
     case Q6_K: return 32;
     case Q3_K: return 4;
     case Q4_0: return 8;
-    case Q8_0: return 128;
+    case MXFP4: return 12;
+    case Q8_0: case IQ4_NL: case IQ4_XS: return 128;
     }
     return -1;
 }
@@ -532,6 +533,24 @@ static void unpack_q4_0(const uint8_t *restrict b, uint8_t *restrict u, float *r
     memcpy(u + 16, &hi, 16);
 }
 
+/* 16 bytes of nibbles (low: values 0..15, high: 16..31) through a table of 16 codes, plus offset. */
+static void codes_of(const uint8_t *restrict q, const int8_t *restrict table, int offset, uint8_t *restrict u) {
+    for (int l = 0; l < 16; l++) {
+        u[l] = (uint8_t)(table[q[l] & 15] + offset);
+        u[l + 16] = (uint8_t)(table[q[l] >> 4] + offset);
+    }
+}
+
+static void unpack_iq4_xs(const uint8_t *restrict b, uint8_t *restrict u, float *restrict scale, float *restrict minv) {
+    const float d = f16(b);
+    const int high = b[2] | b[3] << 8;
+    for (int i = 0; i < 8; i++) {
+        scale[2 * i] = scale[2 * i + 1] = d * ((((b[4 + i / 2] >> (4 * (i % 2))) & 15) | (((high >> (2 * i)) & 3) << 4)) - 32);
+        minv[2 * i] = minv[2 * i + 1] = 0.0f;
+        codes_of(b + 8 + 16 * i, IQ4_VALUES, 128, u + 32 * i);
+    }
+}
+
 /* Blocks of 32 values go eight at a time, so that every unpack fills 256 values. */
 static void unpack(int qtype, const uint8_t *b, int size, uint8_t *u, float *scale, float *minv) {
     switch (qtype) {
@@ -540,10 +559,23 @@ static void unpack(int qtype, const uint8_t *b, int size, uint8_t *u, float *sca
     case Q6_K: unpack_q6_k(b, u, scale, minv); return;
     case Q2_K: unpack_q2_k(b, u, scale, minv); return;
     case Q3_K: unpack_q3_k(b, u, scale, minv); return;
+    case IQ4_XS: unpack_iq4_xs(b, u, scale, minv); return;
     }
     for (int i = 0; i < 8; i++) {
-        if (qtype == Q8_0) unpack_q8_0(b + i * size, u + 32 * i, scale + 2 * i, minv + 2 * i);
-        else unpack_q4_0(b + i * size, u + 32 * i, scale + 2 * i, minv + 2 * i);
+        const uint8_t *bi = b + i * size;
+        minv[2 * i] = minv[2 * i + 1] = 0.0f;
+        switch (qtype) {
+        case Q8_0: unpack_q8_0(bi, u + 32 * i, scale + 2 * i, minv + 2 * i); break;
+        case Q4_0: unpack_q4_0(bi, u + 32 * i, scale + 2 * i, minv + 2 * i); break;
+        case IQ4_NL:
+            scale[2 * i] = scale[2 * i + 1] = f16(bi);
+            codes_of(bi + 2, IQ4_VALUES, 128, u + 32 * i);
+            break;
+        case MXFP4: /* the codes doubled, the scale halved: all integers */
+            scale[2 * i] = scale[2 * i + 1] = e8m0_half(bi[0]);
+            codes_of(bi + 1, E2M1_DOUBLED, 12, u + 32 * i);
+            break;
+        }
     }
 }
 
@@ -575,7 +607,9 @@ static float row_dot_int8(int qtype, int offset, const uint8_t *row, int size, i
                           const float *dx, const int32_t *xqs, const float *xs) {
     uint8_t u[256] __attribute__((aligned(64)));
     float scale[16], minv[16], acc = 0.0f;
-    const int per_super = qtype == Q8_0 || qtype == Q4_0 ? 8 : 1;
+    int elems;
+    block_bytes(qtype, &elems);
+    const int per_super = 256 / elems; /* blocks a 256 values */
 #if VNNI
     __m512 vacc = _mm512_setzero_ps(), vcorr = _mm512_setzero_ps();
     const __m512i voffset = _mm512_set1_epi32(offset);
@@ -637,8 +671,9 @@ int matvec_picked_int8(const uint8_t *w, int qtype, int64_t n_out, int64_t n_in,
 
 /* ---- A streamed layer's routed experts for a few tokens, whole, as a CUDA host function: the GPU queues the
  * copies of x, the picks and their weights to page-locked buffers, then this, then the copy of out back, so a
- * decode step with experts on the CPU still replays as one graph. Plain SwiGLU (silu(gate) * up, down,
- * weighted sum over the picks); products as matvec_picked_int8 where the type allows, else float. */
+ * decode step with experts on the CPU still replays as one graph. SwiGLU (silu(gate) * up, down, weighted sum
+ * over the picks), or with biases gpt-oss's clamped GLU (ops/moe_swiglu.py ClampedGlu); products as
+ * matvec_picked_int8 where the type allows, else float. */
 typedef struct {
     const uint8_t *w[3]; /* gate, up, down stacks [E, rows, row bytes] */
     int64_t qtype[3], row_bytes[3];
@@ -652,6 +687,8 @@ typedef struct {
     int8_t *xq;           /* [max(T, T * K) * max(D, F)] and the matching dx, xqs, xs */
     float *dx, *xs;
     int32_t *xqs;
+    const float *gate_b, *up_b, *down_b; /* [T * K, F], [T * K, F], [T * K, D] (the pairs'), or all NULL */
+    float alpha, limit;
 } host_swiglu_args;
 
 static float dot_row(int qtype, const uint8_t *row, int64_t n_in, const float *x, const int8_t *xq, const float *dx,
@@ -683,7 +720,15 @@ void host_swiglu(void *arg) {
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < P; p++) { /* h = silu(gate) * up, then rounded for down's integer dots */
             float *g = a->gu + p * 2 * F;
-            for (int64_t i = 0; i < F; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * g[F + i];
+            if (a->gate_b) {
+                const float *gb = a->gate_b + p * F, *ub = a->up_b + p * F;
+                for (int64_t i = 0; i < F; i++) {
+                    const float gi = fminf(g[i] + gb[i], a->limit), ui = fmaxf(fminf(g[F + i] + ub[i], a->limit), -a->limit);
+                    g[i] = gi / (1.0f + expf(-a->alpha * gi)) * (ui + 1.0f);
+                }
+            } else {
+                for (int64_t i = 0; i < F; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * g[F + i];
+            }
             quantize_x(g, F, a->xq + p * F, a->dx + p * F / 32, a->xqs + p * F / 16, a->xs + p * F / 16);
         }
 #pragma omp for collapse(2) schedule(static)
@@ -698,7 +743,10 @@ void host_swiglu(void *arg) {
         for (int64_t t = 0; t < T; t++)
             for (int64_t d = 0; d < D; d++) {
                 float sum = 0.0f;
-                for (int64_t k = 0; k < K; k++) sum += a->weights[t * K + k] * a->down[(t * K + k) * D + d];
+                for (int64_t k = 0; k < K; k++) {
+                    const int64_t at = (t * K + k) * D + d;
+                    sum += a->weights[t * K + k] * (a->down_b ? a->down[at] + a->down_b[at] : a->down[at]);
+                }
                 a->out[t * D + d] = sum;
             }
     }

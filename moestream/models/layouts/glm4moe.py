@@ -14,7 +14,6 @@ if TYPE_CHECKING:
     from moestream.models.spec import Preset
 
 ARCH = "glm4moe"
-PLAIN_SWIGLU = True  # silu(gate) * up: the CPU host function (kernels/host_swiglu.py) computes them
 expert_tensor_names = qwen3moe.expert_tensor_names  # the same routed expert stacks, under the same names
 GATING = {0: "sigmoid", 1: "softmax", 2: "sigmoid"}  # expert_gating_func: llama.cpp reads none as sigmoid here
 OPTIONAL = (  # a layer's tensors a file may lack: GLM-4.5 has q/k norms, GLM-4.5-Air none

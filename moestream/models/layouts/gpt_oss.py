@@ -15,7 +15,6 @@ if TYPE_CHECKING:
     from moestream.models.spec import Preset
 
 ARCH = "gpt-oss"
-PLAIN_SWIGLU = False  # clamped, biased GLU: not the CPU host function's plain SwiGLU
 EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 SWA_PATTERN = 2  # llama.cpp's default for gpt-oss: of each 2 layers, the first slides
 

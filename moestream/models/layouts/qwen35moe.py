@@ -14,7 +14,6 @@ if TYPE_CHECKING:
     from moestream.models.spec import Preset
 
 ARCH = "qwen35moe"
-PLAIN_SWIGLU = True  # silu(gate) * up: the CPU host function (kernels/host_swiglu.py) computes them
 expert_tensor_names = qwen3moe.expert_tensor_names  # the same routed expert stacks, under the same names
 
 

@@ -12,7 +12,6 @@ if TYPE_CHECKING:
     from moestream.models.spec import Preset
 
 ARCH = "qwen3moe"
-PLAIN_SWIGLU = True  # silu(gate) * up: the CPU host function (kernels/host_swiglu.py) computes them
 EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
 
