@@ -28,7 +28,7 @@ class Tuning:
     # decode attention (kernels/decode_attention.py)
     attention_min_chunk: int = 256  # keys a chunk holds at least: fewer and the combine's traffic dominates
     attention_target_programs: int = 256  # chunk programs to aim for on long buckets: about two an SM
-    attention_bucket_steps: int = 1  # a bucket: S rounded up to a multiple of next_pow2(S) / this (1: the power of two)
+    attention_bucket_steps: int = 8  # keys bucketed to a multiple of next_pow2(S) / 8: no half-empty chunk grid
     attention_combine_block: int = 16  # chunks the combine reads at a time
     attention_chunk_warps: int = 4  # 8 spill no registers but were not timed against 4
     dequant_blocks_per_program: int = 8  # kernels/dequant.py: blocks a program expands
