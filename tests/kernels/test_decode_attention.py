@@ -33,7 +33,8 @@ CASES = [  # T, H, Hkv, Dh, S, positions
     (1, 32, 4, 128, 256, [100]),  # qwen3-30b's first bucket: one chunk, which normalises itself (no combine)
     (3, 12, 4, 256, 300, [0, 1, 299]),  # one chunk: G = 3 padded to 16, Dh 256, a bucket of partial blocks
     (4, 16, 2, 128, 100, [0, 2, 50, 99]),  # one chunk, tokens seeing one to a hundred keys
-    (1, 32, 4, 128, 5000, [4999]),  # chunks sized for 8192 keys: those past the 5000 hold none
+    (1, 32, 4, 128, 5000, [4999]),  # chunks sized for 5120 keys (an eighth of 8192 a step): the last part-full
+    (1, 32, 4, 128, 32896, [32768]),  # bench -d 32768 -n 128's last bucket: 36864 keys, not 65536
 ]
 
 
