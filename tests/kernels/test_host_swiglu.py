@@ -28,6 +28,12 @@ def stacks(types):
     ]
 
 
+def rows(seed: int):
+    """Two tokens' x, their picks of 3 of the 6 experts (one expert picked by both) and weights; the generator."""
+    g = torch.Generator().manual_seed(seed)
+    return g, (torch.randn(2, D, generator=g), torch.tensor([[0, 5, 2], [3, 5, 1]]), torch.rand(2, 3, generator=g))
+
+
 def composed(x, weights, ids, raws, types, int8):
     dot = partial(cpu_quant.matvec, int8=int8)
     mvs = [lambda p, rows, r=r, q=q: dot(r, q, r.shape[1], rows, p) for r, q in zip(raws, types, strict=True)]
@@ -46,12 +52,7 @@ def composed(x, weights, ids, raws, types, int8):
 def test_host_function_equals_the_composed_matvecs(types, int8):
     """Types with integer dots use them (x and the hidden rows rounded to int8), the others float products."""
     raws = stacks(types)
-    g = torch.Generator().manual_seed(1)
-    x, ids, weights = (
-        torch.randn(2, D, generator=g),
-        torch.tensor([[0, 5, 2], [3, 5, 1]]),
-        torch.rand(2, 3, generator=g),
-    )
+    _, (x, ids, weights) = rows(1)
     ref = composed(x, weights, ids, raws, types, int8)
     got = host_swiglu.swiglu(x, weights, ids, raws, types)
     assert float((got - ref).abs().max() / ref.abs().max()) < 1e-6
@@ -83,12 +84,7 @@ def test_in_a_replayed_graph_as_queued_eagerly():
 def test_gpt_oss_clamped_glu_with_the_pairs_biases():
     types = (Q.MXFP4, Q.MXFP4, Q.MXFP4)  # gpt-oss's experts
     raws = stacks(types)
-    g = torch.Generator().manual_seed(3)
-    x, ids, weights = (
-        torch.randn(2, D, generator=g),
-        torch.tensor([[0, 5, 2], [3, 5, 1]]),
-        torch.rand(2, 3, generator=g),
-    )
+    g, (x, ids, weights) = rows(3)
     biases = [torch.randn(6, n, generator=g) for n in (F, F, D)]  # pair t*K+k
     clamped = ClampedGlu(*biases, alpha=1.702, limit=0.05)  # a limit the products reach: both clamps matter
     dot = partial(cpu_quant.matvec, int8=True)

@@ -445,15 +445,20 @@ int int8_offset(int qtype) {
     return -1;
 }
 
-static void unpack_q4_k(const uint8_t *restrict b, uint8_t *restrict u, float *restrict scale, float *restrict minv) {
+/* Q4_K's and Q5_K's 8 scales and mins (of 32 values), as the 16 sub-blocks of 16 the integer dots take. */
+static void k_scales(const uint8_t *restrict b, float *restrict scale, float *restrict minv) {
     const float d = f16(b), dmin = f16(b + 2);
-    const uint8_t *qs = b + 16;
     for (int k = 0; k < 8; k++) {
         int a, m;
         k_scale_min(b + 4, k, &a, &m);
         scale[2 * k] = scale[2 * k + 1] = d * a;
         minv[2 * k] = minv[2 * k + 1] = dmin * m;
     }
+}
+
+static void unpack_q4_k(const uint8_t *restrict b, uint8_t *restrict u, float *restrict scale, float *restrict minv) {
+    const uint8_t *qs = b + 16;
+    k_scales(b, scale, minv);
     for (int j = 0; j < 4; j++)
         for (int l = 0; l < 32; l++) {
             u[64 * j + l] = qs[32 * j + l] & 15;
@@ -462,16 +467,11 @@ static void unpack_q4_k(const uint8_t *restrict b, uint8_t *restrict u, float *r
 }
 
 static void unpack_q5_k(const uint8_t *restrict b, uint8_t *restrict u, float *restrict scale, float *restrict minv) {
-    const float d = f16(b), dmin = f16(b + 2);
     const uint8_t *qh = b + 16, *qs = b + 48;
-    for (int k = 0; k < 8; k++) {
-        int a, m;
-        k_scale_min(b + 4, k, &a, &m);
-        scale[2 * k] = scale[2 * k + 1] = d * a;
-        minv[2 * k] = minv[2 * k + 1] = dmin * m;
+    k_scales(b, scale, minv);
+    for (int k = 0; k < 8; k++)
         for (int l = 0; l < 32; l++)
             u[32 * k + l] = ((qs[32 * (k / 2) + l] >> (4 * (k % 2))) & 15) | (((qh[l] >> k) & 1) << 4);
-    }
 }
 
 static void unpack_q6_k(const uint8_t *restrict b, uint8_t *restrict u, float *restrict scale, float *restrict minv) {
