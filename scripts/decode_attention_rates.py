@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-from with_settings import changes  # scripts/ is on the path when run as a script
+from matvec_shapes import time_us  # scripts/ is on the path when run as a script
+from with_settings import changes
 
 from moestream.kernels import decode_attention, tuning
 from moestream.runtime.step import key_bucket
@@ -48,20 +49,7 @@ def per_token_ms(layers: int, depth: int, heads: int, kv_heads: int, head_dim: i
         for k, v in caches:
             decode_attention.attention(q, k, v, pos)
 
-    step()  # compiles
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
+    return time_us(step, calls=1, reps=reps) / 1e3
 
 
 def main() -> None:
