@@ -47,7 +47,9 @@
 #   autopair auto against gather + prefetch 8 + cache auto (what auto picks), alternating processes ($AUTO_MODEL)
 #   speed    issue 31's before/after: the tree $BEFORE (a worktree inside this one, carried) and this one, alternating
 #            processes, $ROUNDS rounds (2): tg128 -ncmoe 0, then pp2048 + tg128 at -ncmoe 26 spread 12 GiB (auto), on
-#            $SPEED_MODEL ($MODEL, generated first; $Q35 with SPEED_PRESET=qwen3.6-35b-a3b)
+#            $SPEED_MODEL ($MODEL, generated first; $Q35 with SPEED_PRESET=qwen3.6-35b-a3b); $SPEED_ARGS: other bench
+#            flags (';'-separated sets). A tree of an old commit: mkdir wt-before && git archive REV moestream
+#            pyproject.toml | tar -x -C wt-before (wt-before is git-excluded; carry it)
 #   kvtypes  issue 36: the KV-type GPU tests, then tg128 at depths 0..32768 for bf16, f16, q8_0 and q4_0 caches on
 #            the benchmark model (scripts/depth_sweep.py), resident and at -ncmoe 26 spread 12 GiB
 # At most 8 files come back from $OUT: keep appending to the ones below.
@@ -286,8 +288,8 @@ for step in "$@"; do
            for round in $(seq ${ROUNDS:-2}); do
              for i in 0 1; do
                tree=${trees[$(( (i + round - 1) % 2 ))]}
-               for args in "-ncmoe 0 -p 0 -n 128" \
-                           "-ncmoe 26 --streamed-layers spread --vram-budget 12GiB -p 2048 -ub 2048 -n 128"; do
+               IFS=';' read -ra speed_args <<< "${SPEED_ARGS:--ncmoe 0 -p 0 -n 128;-ncmoe 26 --streamed-layers spread --vram-budget 12GiB -p 2048 -ub 2048 -n 128}"
+               for args in "${speed_args[@]}"; do
                  t0=$SECONDS
                  (cd "$tree" && PYTHONPATH=/tmp/site:$PWD $MS bench -m $m $args -r 3 --no-floors > /tmp/speed.log 2>&1)
                  { grep -e "| *pp2048" -e "| *tg128" /tmp/speed.log || tail -3 /tmp/speed.log; } \
