@@ -552,7 +552,8 @@ static void unpack_iq4_xs(const uint8_t *restrict b, uint8_t *restrict u, float 
 }
 
 /* Blocks of 32 values go eight at a time, so that every unpack fills 256 values. */
-static void unpack(int qtype, const uint8_t *b, int size, uint8_t *u, float *scale, float *minv) {
+static inline __attribute__((always_inline)) void unpack(int qtype, const uint8_t *b, int size, uint8_t *u, float *scale,
+                                                         float *minv) {
     switch (qtype) {
     case Q4_K: unpack_q4_k(b, u, scale, minv); return;
     case Q5_K: unpack_q5_k(b, u, scale, minv); return;
@@ -603,8 +604,10 @@ void quantize_x(const float *x, int64_t n, int8_t *xq, float *dx, int32_t *xqs, 
 }
 
 /* One row of n_super 256-value blocks against quantized x. */
-static float row_dot_int8(int qtype, int offset, const uint8_t *row, int size, int64_t n_super, const int8_t *xq,
-                          const float *dx, const int32_t *xqs, const float *xs) {
+/* Inlined into row_dot_int8's switch below with qtype a constant: one loop a type, its unpack inlined. */
+static inline __attribute__((always_inline)) float row_dot_typed(int qtype, int offset, const uint8_t *row, int size,
+                                                                 int64_t n_super, const int8_t *xq, const float *dx,
+                                                                 const int32_t *xqs, const float *xs) {
     uint8_t u[256] __attribute__((aligned(64)));
     float scale[16], minv[16], acc = 0.0f;
     int elems;
@@ -648,6 +651,18 @@ static float row_dot_int8(int qtype, int offset, const uint8_t *row, int size, i
     acc += _mm512_reduce_add_ps(_mm512_sub_ps(vacc, vcorr));
 #endif
     return acc;
+}
+
+static float row_dot_int8(int qtype, int offset, const uint8_t *row, int size, int64_t n_super, const int8_t *xq,
+                          const float *dx, const int32_t *xqs, const float *xs) {
+#define TYPED(T) \
+    case T: return row_dot_typed(T, offset, row, size, n_super, xq, dx, xqs, xs);
+    switch (qtype) {
+        TYPED(Q4_K) TYPED(Q5_K) TYPED(Q6_K) TYPED(Q2_K) TYPED(Q3_K) TYPED(Q4_0) TYPED(Q8_0) TYPED(IQ4_NL)
+        TYPED(IQ4_XS) TYPED(MXFP4)
+    }
+#undef TYPED
+    return 0.0f;
 }
 
 /* matvec_picked with x quantized by quantize_x (a row of n_in a pick; n_in a multiple of 256); 0, or -1 for a
