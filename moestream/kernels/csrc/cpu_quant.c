@@ -533,12 +533,24 @@ static void unpack_q4_0(const uint8_t *restrict b, uint8_t *restrict u, float *r
     memcpy(u + 16, &hi, 16);
 }
 
-/* 16 bytes of nibbles (low: values 0..15, high: 16..31) through a table of 16 codes, plus offset. */
+#if defined(__SSSE3__)
+#include <immintrin.h>
+#endif
+
+/* 16 bytes of nibbles (low: values 0..15, high: 16..31) through a table of 16 codes, plus offset: one byte
+ * shuffle a half where SSSE3 has it (a lookup a value otherwise, 6x slower). */
 static void codes_of(const uint8_t *restrict q, const int8_t *restrict table, int offset, uint8_t *restrict u) {
+#if defined(__SSSE3__)
+    const __m128i t = _mm_add_epi8(_mm_loadu_si128((const __m128i *)table), _mm_set1_epi8((char)offset));
+    const __m128i v = _mm_loadu_si128((const __m128i *)q), low = _mm_set1_epi8(15);
+    _mm_storeu_si128((__m128i *)u, _mm_shuffle_epi8(t, _mm_and_si128(v, low)));
+    _mm_storeu_si128((__m128i *)(u + 16), _mm_shuffle_epi8(t, _mm_and_si128(_mm_srli_epi16(v, 4), low)));
+#else
     for (int l = 0; l < 16; l++) {
         u[l] = (uint8_t)(table[q[l] & 15] + offset);
         u[l + 16] = (uint8_t)(table[q[l] >> 4] + offset);
     }
+#endif
 }
 
 static void unpack_iq4_xs(const uint8_t *restrict b, uint8_t *restrict u, float *restrict scale, float *restrict minv) {
