@@ -15,7 +15,7 @@ from functools import partial
 import torch
 
 from moestream.formats.gguf import GGUFFile
-from moestream.kernels import cpu_quant
+from moestream.kernels import cpu_quant, host_swiglu
 from moestream.kernels.gather import RowGather
 from moestream.models.describe import describe
 from moestream.offload.expert_tensors import ExpertTensors
@@ -57,6 +57,9 @@ def main() -> None:
         def compiled():
             return moe_swiglu_picked(x, weights, ids, *matvecs(cpu_quant.matvec, stored))
 
+        def host_function():  # what --small-batch cpu queues beside a GPU, run here on the CPU
+            return host_swiglu.swiglu(x, weights, ids, stored.raws, stored.qtypes)
+
         def compiled_int8():
             return moe_swiglu_picked(x, weights, ids, *matvecs(partial(cpu_quant.matvec, int8=True), stored))
 
@@ -71,6 +74,7 @@ def main() -> None:
         nbytes = K * (t.nbytes // t.n_expert)
         print(f"{a.model}: layer {a.layer}, {K} experts = {nbytes / 2**20:.1f} MiB, {torch.get_num_threads()} threads")
         ways = (
+            ("host function, int8 x", host_function),
             ("compiled, int8 x", compiled_int8),
             ("compiled matvec", compiled),
             ("torch float32 dequant", torch_dequant),
