@@ -166,6 +166,33 @@ static void q5_1_block(const uint8_t *b, float *out) {
     }
 }
 
+#if defined(__SSSE3__)
+#include <immintrin.h>
+#endif
+
+/* 16 bytes of nibbles (low: values 0..15, high: 16..31) through a table of 16 codes, plus offset: one byte
+ * shuffle a half where SSSE3 has it (a lookup a value otherwise, 6x slower). */
+static void codes_of(const uint8_t *restrict q, const int8_t *restrict table, int offset, uint8_t *restrict u) {
+#if defined(__SSSE3__)
+    const __m128i t = _mm_add_epi8(_mm_loadu_si128((const __m128i *)table), _mm_set1_epi8((char)offset));
+    const __m128i v = _mm_loadu_si128((const __m128i *)q), low = _mm_set1_epi8(15);
+    _mm_storeu_si128((__m128i *)u, _mm_shuffle_epi8(t, _mm_and_si128(v, low)));
+    _mm_storeu_si128((__m128i *)(u + 16), _mm_shuffle_epi8(t, _mm_and_si128(_mm_srli_epi16(v, 4), low)));
+#else
+    for (int l = 0; l < 16; l++) {
+        u[l] = (uint8_t)(table[q[l] & 15] + offset);
+        u[l + 16] = (uint8_t)(table[q[l] >> 4] + offset);
+    }
+#endif
+}
+
+/* 32 codes (16 bytes of nibbles) as table values times d: the lookups as codes_of's shuffles. */
+static void scaled_codes(const uint8_t *q, const int8_t *table, float d, float *out) {
+    uint8_t u[32];
+    codes_of(q, table, 0, u);
+    for (int l = 0; l < 32; l++) out[l] = d * (int8_t)u[l];
+}
+
 static const int8_t E2M1_DOUBLED[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 static float e8m0_half(uint8_t e) { /* half the scale 2^(e - 127): 2^(e - 128), a subnormal for e 0 and 1 */
@@ -175,13 +202,7 @@ static float e8m0_half(uint8_t e) { /* half the scale 2^(e - 127): 2^(e - 128), 
     return f;
 }
 
-static void mxfp4_block(const uint8_t *b, float *out) {
-    const float d = e8m0_half(b[0]);
-    for (int l = 0; l < 16; l++) {
-        out[l] = d * E2M1_DOUBLED[b[1 + l] & 15];
-        out[l + 16] = d * E2M1_DOUBLED[b[1 + l] >> 4];
-    }
-}
+static void mxfp4_block(const uint8_t *b, float *out) { scaled_codes(b + 1, E2M1_DOUBLED, e8m0_half(b[0]), out); }
 
 static uint32_t u16le(const uint8_t *p) { return p[0] | (uint32_t)p[1] << 8; }
 
@@ -286,13 +307,7 @@ static void iq1_m_block(const uint8_t *b, float *out) {
 static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 /* IQ4_NL: d fp16, then 16 bytes of codes laid out as Q4_0's. */
-static void iq4_nl_block(const uint8_t *b, float *out) {
-    const float d = f16(b);
-    for (int l = 0; l < 16; l++) {
-        out[l] = d * IQ4_VALUES[b[2 + l] & 15];
-        out[l + 16] = d * IQ4_VALUES[b[2 + l] >> 4];
-    }
-}
+static void iq4_nl_block(const uint8_t *b, float *out) { scaled_codes(b + 2, IQ4_VALUES, f16(b), out); }
 
 /* IQ4_XS: d fp16, scales_h (2 bits a sub-block), scales_l[4] (4 bits a sub-block), then 8 sub-blocks of 32
  * codes as IQ4_NL's, each scaled by d (6-bit scale - 32). */
@@ -301,11 +316,7 @@ static void iq4_xs_block(const uint8_t *b, float *out) {
     const int high = b[2] | b[3] << 8;
     for (int i = 0; i < 8; i++) {
         const float dl = d * ((((b[4 + i / 2] >> (4 * (i % 2))) & 15) | (((high >> (2 * i)) & 3) << 4)) - 32);
-        const uint8_t *qs = b + 8 + 16 * i;
-        for (int l = 0; l < 16; l++) {
-            out[32 * i + l] = dl * IQ4_VALUES[qs[l] & 15];
-            out[32 * i + 16 + l] = dl * IQ4_VALUES[qs[l] >> 4];
-        }
+        scaled_codes(b + 8 + 16 * i, IQ4_VALUES, dl, out + 32 * i);
     }
 }
 
@@ -531,26 +542,6 @@ static void unpack_q4_0(const uint8_t *restrict b, uint8_t *restrict u, float *r
     const v16 lo = q & 15, hi = q >> 4;
     memcpy(u, &lo, 16);
     memcpy(u + 16, &hi, 16);
-}
-
-#if defined(__SSSE3__)
-#include <immintrin.h>
-#endif
-
-/* 16 bytes of nibbles (low: values 0..15, high: 16..31) through a table of 16 codes, plus offset: one byte
- * shuffle a half where SSSE3 has it (a lookup a value otherwise, 6x slower). */
-static void codes_of(const uint8_t *restrict q, const int8_t *restrict table, int offset, uint8_t *restrict u) {
-#if defined(__SSSE3__)
-    const __m128i t = _mm_add_epi8(_mm_loadu_si128((const __m128i *)table), _mm_set1_epi8((char)offset));
-    const __m128i v = _mm_loadu_si128((const __m128i *)q), low = _mm_set1_epi8(15);
-    _mm_storeu_si128((__m128i *)u, _mm_shuffle_epi8(t, _mm_and_si128(v, low)));
-    _mm_storeu_si128((__m128i *)(u + 16), _mm_shuffle_epi8(t, _mm_and_si128(_mm_srli_epi16(v, 4), low)));
-#else
-    for (int l = 0; l < 16; l++) {
-        u[l] = (uint8_t)(table[q[l] & 15] + offset);
-        u[l + 16] = (uint8_t)(table[q[l] >> 4] + offset);
-    }
-#endif
 }
 
 static void unpack_iq4_xs(const uint8_t *restrict b, uint8_t *restrict u, float *restrict scale, float *restrict minv) {
