@@ -30,6 +30,8 @@
 #            auto (its measured gather / upload / cpu ms a step), then scripts/cpu_experts.py at 16 threads
 #   attn     issue 36: decode attention at depths 8192 and 32768 under each of $ATTN_SETTINGS (';'-separated tuning
 #            fields, '-' the defaults) beside the device's copy rate (scripts/decode_attention_rates.py)
+#   attnrows issue 36: the decode attention GPU tests, then tg128 @ d8192,32768 at -ncmoe 0 with the key buckets of
+#            before (attention_bucket_steps=1) and now (8), each its own process
 #   peak     issue 36: placement's budget beside the measured peak of a 16k and a 32k prompt (scripts/placement_peak.py)
 #   oom      issue 36: `-ncmoe auto --vram-budget 12GiB` pp16384, where the memory was at an out-of-memory
 #            (scripts/oom_where.py), with and without the expert cache, and placement_peak at auto
@@ -218,6 +220,13 @@ for step in "$@"; do
             done
             python3 scripts/cpu_experts.py $MODEL --layer 1 --threads 16 2>&1 | tee -a "$OUT/diag.txt" ;;
     attn) python3 scripts/decode_attention_rates.py --settings "${ATTN_SETTINGS:--}" 2>&1 | tee -a "$OUT/bench.txt" ;;
+    attnrows) make_model $MODEL qwen3-30b-a3b | tee -a "$OUT/model.txt"
+              python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_decode_attention.py 2>&1 | tail -3 \
+                | tee -a "$OUT/gpu_tests.txt"
+              for s in attention_bucket_steps=1 attention_bucket_steps=8; do
+                python3 scripts/with_settings.py $s -- bench -m $MODEL -p 0 -n 128 -d 8192,32768 -ncmoe 0 -r 2 \
+                  --no-floors 2>&1 | quiet | grep -e "| *tg128" | sed "s|^|[$s] |" | tee -a "$OUT/bench.txt"
+              done ;;
     peak) make_model $MODEL qwen3-30b-a3b | tee -a "$OUT/model.txt"
           python3 scripts/placement_peak.py -m $MODEL --contexts 16384,32768 -ub 2048 -ncmoe 30 --streamed-layers spread \
             --expert-cache 0 2>&1 | quiet | tee -a "$OUT/bench.txt" ;;
