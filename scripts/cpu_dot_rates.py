@@ -7,25 +7,15 @@ of a stack of 32) with x in float32 and rounded to int8, in ms and GB/s of store
 from __future__ import annotations
 
 import argparse
-import time
 from functools import partial
 
 import numpy as np
 import torch
+from cpu_experts import best  # scripts/ is on the path when run as a script
 from gguf import GGMLQuantizationType as Q
 
 from moestream.formats.quantize import quantize
 from moestream.kernels import cpu_quant
-
-
-def best_ms(fn, repeats: int = 20) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times) * 1e3
 
 
 def main() -> None:
@@ -45,7 +35,8 @@ def main() -> None:
         qtype = Q[name]
         raw = torch.from_numpy(quantize(w, qtype))
         nbytes = 8 * raw[0].numel()
-        f, i = (best_ms(partial(cpu_quant.matvec, raw, qtype, rows, x, mats, int8=int8)) for int8 in (False, True))
+        dots = (partial(cpu_quant.matvec, raw, qtype, rows, x, mats, int8=int8) for int8 in (False, True))
+        f, i = (1e3 * best(dot, 20) for dot in dots)
         print(f"| {name} | {f:.3f} | {i:.3f} | {nbytes / i / 1e6:.2f} |", flush=True)
 
 

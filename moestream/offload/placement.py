@@ -17,6 +17,7 @@ import torch
 from moestream.errors import MoestreamError
 from moestream.formats.quants.reference import scratch_bytes
 from moestream.kernels import kv_quant
+from moestream.offload.small_batch import evenly_spaced
 from moestream.ops.linear import HEAD_ROWS
 from moestream.ops.prefix_attention import KEY_CHUNK, attention_keys
 from moestream.options import Schedule
@@ -63,8 +64,7 @@ class Placement:
         moe = self.expert_layers
         if not self.spread:
             return [il for il in moe if il < self.n_cpu_moe]
-        n = min(self.n_cpu_moe, len(moe))
-        return [moe[int((i + 0.5) * len(moe) / n)] for i in range(n)]
+        return evenly_spaced(moe, self.n_cpu_moe)
 
     @property
     def resident(self) -> list[int]:

@@ -32,6 +32,13 @@ WARM_UP = 2  # untimed steps a way: the first compiles kernels and captures the 
 STEPS = 4  # timed steps a way (their median counts)
 
 
+def evenly_spaced(items: list[int], n: int) -> list[int]:
+    """n of items (at most all), evenly spaced: each the middle of its share. --streamed-layers spread picks
+    the streamed layers so, and --cpu-layers the CPU's among them."""
+    n, m = min(n, len(items)), len(items)
+    return [items[int((i + 0.5) * m / n)] for i in range(n)]
+
+
 @dataclass(frozen=True)
 class Access:
     """What the machine and a placement let small batches do."""
@@ -95,10 +102,7 @@ class DecodePlan:
     def on_cpu(self, streamed: list[int]) -> frozenset[int]:
         """Which of the streamed layers (in order) compute their small batches on the CPU: all under the cpu
         way, else cpu_layers of them evenly spaced (so the gathered ones between have time to prefetch)."""
-        if self.way is SmallBatch.CPU:
-            return frozenset(streamed)
-        n, m = min(self.cpu_layers, len(streamed)), len(streamed)
-        return frozenset(streamed[int((i + 0.5) * m / n)] for i in range(n))
+        return frozenset(streamed if self.way is SmallBatch.CPU else evenly_spaced(streamed, self.cpu_layers))
 
     @property
     def gathers(self) -> bool:

@@ -310,14 +310,14 @@ static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 
 static void iq4_nl_block(const uint8_t *b, float *out) { scaled_codes(b + 2, IQ4_VALUES, f16(b), out); }
 
 /* IQ4_XS: d fp16, scales_h (2 bits a sub-block), scales_l[4] (4 bits a sub-block), then 8 sub-blocks of 32
- * codes as IQ4_NL's, each scaled by d (6-bit scale - 32). */
-static void iq4_xs_block(const uint8_t *b, float *out) {
-    const float d = f16(b);
+ * codes as IQ4_NL's, each scaled by d (6-bit scale - 32): sub-block i's scale. */
+static float iq4_xs_scale(const uint8_t *b, int i) {
     const int high = b[2] | b[3] << 8;
-    for (int i = 0; i < 8; i++) {
-        const float dl = d * ((((b[4 + i / 2] >> (4 * (i % 2))) & 15) | (((high >> (2 * i)) & 3) << 4)) - 32);
-        scaled_codes(b + 8 + 16 * i, IQ4_VALUES, dl, out + 32 * i);
-    }
+    return f16(b) * ((((b[4 + i / 2] >> (4 * (i % 2))) & 15) | (((high >> (2 * i)) & 3) << 4)) - 32);
+}
+
+static void iq4_xs_block(const uint8_t *b, float *out) {
+    for (int i = 0; i < 8; i++) scaled_codes(b + 8 + 16 * i, IQ4_VALUES, iq4_xs_scale(b, i), out + 32 * i);
 }
 
 /* TQ1_0: qs[48] of 5 trits, qh[4] of 4 trits, d fp16. Trit k of byte v is the top of (v 3^k mod 256) 3 / 256. */
@@ -545,10 +545,8 @@ static void unpack_q4_0(const uint8_t *restrict b, uint8_t *restrict u, float *r
 }
 
 static void unpack_iq4_xs(const uint8_t *restrict b, uint8_t *restrict u, float *restrict scale, float *restrict minv) {
-    const float d = f16(b);
-    const int high = b[2] | b[3] << 8;
     for (int i = 0; i < 8; i++) {
-        scale[2 * i] = scale[2 * i + 1] = d * ((((b[4 + i / 2] >> (4 * (i % 2))) & 15) | (((high >> (2 * i)) & 3) << 4)) - 32);
+        scale[2 * i] = scale[2 * i + 1] = iq4_xs_scale(b, i);
         minv[2 * i] = minv[2 * i + 1] = 0.0f;
         codes_of(b + 8 + 16 * i, IQ4_VALUES, 128, u + 32 * i);
     }
@@ -606,8 +604,8 @@ void quantize_x(const float *x, int64_t n, int8_t *xq, float *dx, int32_t *xqs, 
     }
 }
 
-/* One row of n_super 256-value blocks against quantized x. */
-/* Inlined into row_dot_int8's switch below with qtype a constant: one loop a type, its unpack inlined. */
+/* One row of n_super 256-value blocks against quantized x; inlined into row_dot_int8's switch below with qtype
+ * a constant: one loop a type, its unpack inlined. */
 static inline __attribute__((always_inline)) float row_dot_typed(int qtype, int offset, const uint8_t *row, int size,
                                                                  int64_t n_super, const int8_t *xq, const float *dx,
                                                                  const int32_t *xqs, const float *xs) {
@@ -712,9 +710,8 @@ typedef struct {
 static float dot_row(int qtype, const uint8_t *row, int64_t n_in, const float *x, const int8_t *xq, const float *dx,
                      const int32_t *xqs, const float *xs) {
     int elems;
-    const int size = block_bytes(qtype, &elems);
-    if (int8_offset(qtype) >= 0 && n_in % 256 == 0)
-        return row_dot_int8(qtype, int8_offset(qtype), row, size, n_in / 256, xq, dx, xqs, xs);
+    const int size = block_bytes(qtype, &elems), offset = int8_offset(qtype);
+    if (offset >= 0 && n_in % 256 == 0) return row_dot_int8(qtype, offset, row, size, n_in / 256, xq, dx, xqs, xs);
     return row_dot(qtype, row, n_in / elems, x);
 }
 
