@@ -61,3 +61,26 @@ def test_the_gpu_kernels_give_the_whole_softmax(dtype):
     got = prefix_attention(*(t.to("cuda", dtype) for t in (q, k, v)), key_chunk=1024).cpu()
     err = (got.double() - reference(q, k, v)).abs().max().item()
     assert err < (2e-2 if dtype == torch.bfloat16 else 1e-4), f"max error {err:.2e}"
+
+
+@pytest.mark.gpu
+def test_flash_reads_the_whole_prefix_in_place():
+    """bf16 on a GPU: the prefix in one flash call over the cache's own KV heads, so a micro-batch at depth 32k
+    allocates what it does at 4k, less than one chunk's keys repeated to every head, and gives the whole softmax."""
+    g = torch.Generator().manual_seed(6)
+    T, H, Hkv, Dh = 16, 32, 4, 128
+    q = torch.randn(T, H, Dh, generator=g)
+    peaks = []
+    for depth in (4096, 32768):
+        k, v = (torch.randn(depth + T, Hkv, Dh, generator=g) for _ in range(2))
+        qd, kd, vd = (t.to("cuda", torch.bfloat16) for t in (q, k, v))
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        got = prefix_attention(qd, kd, vd, key_chunk=1024)
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - before)
+        err = (got.cpu().double() - reference(q, k, v)).abs().max().item()
+        assert err < 2e-2, f"depth {depth}: max error {err:.2e}"
+    one_chunk_kv = 2 * 1024 * H * Dh * 2  # what the chunked path repeats for each chunk
+    assert peaks[1] == peaks[0] and peaks[0] < one_chunk_kv, (peaks, one_chunk_kv)
