@@ -52,6 +52,8 @@
 #            $SPEED_MODEL ($MODEL, generated first; $Q35 with SPEED_PRESET=qwen3.6-35b-a3b); $SPEED_ARGS: other bench
 #            flags (';'-separated sets). A tree of an old commit: mkdir wt-before && git archive REV moestream
 #            pyproject.toml | tar -x -C wt-before (wt-before is git-excluded; carry it)
+#   firstrun issue 36: `moestream run` twice on $MODEL at -ncmoe 26 spread 12 GiB, 16 tokens: wall time, what it
+#            says about compiling, its prompt line (first on a fresh machine, before any step that compiles kernels)
 #   kvtypes  issue 36: the KV-type GPU tests, then tg128 at depths 0..32768 for bf16, f16, q8_0 and q4_0 caches on
 #            the benchmark model (scripts/depth_sweep.py), resident and at -ncmoe 26 spread 12 GiB
 # At most 8 files come back from $OUT: keep appending to the ones below.
@@ -208,6 +210,12 @@ for step in "$@"; do
                  -r 2 --no-floors 2>&1 | quiet | tee -a "$OUT/bench.txt"
              done
              $MS bench -m $MODEL -p 0 -n 128 -d 8192,32768 -ncmoe 0 -r 2 --no-floors 2>&1 | quiet | tee -a "$OUT/bench.txt" ;;
+    firstrun) make_model $MODEL qwen3-30b-a3b | tee -a "$OUT/model.txt"
+              for i in 1 2; do
+                /usr/bin/time -f "run $i: %e s from start to exit" $MS run -m $MODEL -p "Write a haiku about the sea." \
+                  -n 16 -ncmoe 26 --streamed-layers spread --vram-budget 12GiB 2>&1 | quiet \
+                  | grep -i -e compil -e "prompt " -e "from start" | tee -a "$OUT/bench.txt"
+              done ;;
     ctxpp) make_model $MODEL qwen3-30b-a3b | tee -a "$OUT/model.txt"
            $MS bench -m $MODEL -p 16384 -ub 2048 -ncmoe auto --vram-budget 12GiB -r 2 --no-floors 2>&1 | quiet \
              | tee -a "$OUT/bench.txt" ;;
