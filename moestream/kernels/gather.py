@@ -14,7 +14,7 @@ import warnings
 
 import torch
 
-from moestream.kernels.launch import on_device
+from moestream.kernels.launch import INTERPRETED, on_device
 
 try:  # Triton ships with CUDA builds of torch
     import triton
@@ -90,6 +90,16 @@ if triton is not None:
         tl.store(offs + n_guess + g, tl.where(live, tl.where(hot, d1 + at * w1, e * w1), _UNREAD), mask=inside)
         tl.store(offs + 2 * n_guess + g, tl.where(live, tl.where(hot, d2 + at * w2, e * w2), _UNREAD), mask=inside)
         tl.atomic_add(counts + _GUESS_BYTES, tl.sum((live & (at < 0)).to(tl.int64), axis=0) * expert_bytes)
+
+    @triton.jit
+    def _copy_rows_kernel(src, src_rows, dst, dst_rows, row_words, WORDS: tl.constexpr):
+        """Row src_rows[j] of src into row dst_rows[j] of dst, nothing where that is negative (copy_rows)."""
+        j = tl.program_id(0)
+        to = tl.load(dst_rows + j).to(tl.int64)
+        w = tl.program_id(1) * WORDS + tl.arange(0, WORDS)
+        ok = (w < row_words) & (to >= 0)
+        at = tl.load(src_rows + j).to(tl.int64) * row_words
+        tl.store(dst + to * row_words + w, tl.load(src + at + w, mask=ok), mask=ok)
 
     @triton.jit
     def _misses_kernel(
@@ -277,6 +287,21 @@ class RowGather:
         """Whether the kernel picks rows of host tensor src onto rows' GPU (whole 32-bit words, in place)."""
         ok = self.kernel_ok and rows.is_cuda and not src.is_cuda and src.dtype == torch.uint8 and src.is_contiguous()
         return ok and (src[0].numel() % 4 == 0 and src.data_ptr() % 4 == 0)
+
+
+def copy_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
+    """dst[dst_rows[j]] = src[src_rows[j]] for each j with dst_rows[j] >= 0, both stacks [N, ...] of stored bytes on
+    one device: on a GPU (or Triton's interpreter) one launch that reads the rows it writes only (no host sync);
+    elsewhere through indexing."""
+    if (dst.is_cuda or INTERPRETED) and triton is not None:
+        words = dst[0].numel() // 4
+        with on_device(dst):
+            _copy_rows_kernel[(dst_rows.numel(), triton.cdiv(words, WORDS_PER_PROGRAM))](
+                _words(src), src_rows, _words(dst), dst_rows, words, WORDS=WORDS_PER_PROGRAM
+            )
+        return
+    wanted = (dst_rows >= 0).nonzero().view(-1)
+    dst[dst_rows[wanted]] = src[src_rows[wanted]]
 
 
 def fill_misses(

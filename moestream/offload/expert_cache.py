@@ -1,22 +1,25 @@
-"""A GPU cache of the streamed layers' most-picked experts, in the VRAM a budget leaves (decode with prefetch).
+"""A GPU cache of the streamed layers' experts, in the VRAM a budget leaves (decode with prefetch).
 
 A one-token step with streamed layers is link-bound once their experts are guessed ahead. An expert the cache
 holds is one the link does not carry when it is guessed or missed: the prefetch and misses kernels read it
 from the cache's rows instead.
 
-Which experts: the best scored by the --cache-policy (offload/cache_policy.py) over the picks the misses kernel
-counts on the device: the most picked so far (static), the most recently (lru) or lately (lfu). The cache is
-refreshed between passes (a host sync, never inside a captured step) after pass 1, 2, 4, ... then every
-policy.refresh_every passes; only experts that changed are copied. Captured graphs read its rows and its map in place,
-so they stay valid. The rows hold the file's bytes: cached or not, the same tokens.
+Which experts (--cache-policy, offload/cache_policy.py, scored over the picks the misses kernel counts on the
+device): static holds the most picked so far, refreshed between passes (a host sync, never inside a captured
+step) after pass 1, 2, 4, ... then every REFRESH passes, reading the experts that changed over the link; lru and
+lfu admit a picked expert the cache lacks in the step itself, copied on the device from the rows the step read it
+into (no link bytes, no sync) over the least recently or least often picked one. Captured graphs read its rows and
+its map in place, so they stay valid. The rows hold the file's bytes: cached or not, the same tokens.
 """
 
 from __future__ import annotations
 
 import torch
 
-from moestream.kernels.gather import Cached, RowGather
-from moestream.offload.cache_policy import CachePolicy
+from moestream.kernels import cache_admit
+from moestream.kernels.gather import Cached, RowGather, copy_rows
+from moestream.kernels.launch import INTERPRETED, triton
+from moestream.offload.cache_policy import REFRESH, CachePolicy
 from moestream.offload.expert_tensors import ExpertTensors
 
 
@@ -39,13 +42,16 @@ class ExpertCache:
             il: [torch.empty((n, *raw.shape[1:]), dtype=torch.uint8, device=device) for raw in tensors[il].host_bytes()]
             for il in self.layers
         }
-        self.slot_of = torch.full((len(self.layers), n_expert), -1, dtype=torch.long, device=device)
+        # each expert's row of the stacks (-1: not held), and a last column that writes for nobody land in
+        self._map = torch.full((len(self.layers), n_expert + 1), -1, dtype=torch.long, device=device)
+        self.slot_of = self._map[:, :n_expert]
+        self.expert_of = torch.full((len(self.layers), n), -1, dtype=torch.long, device=device)  # each row's
         self.freq = torch.zeros((len(self.layers), n_expert), dtype=torch.long, device=device)  # picks so far
         self.policy = CachePolicy(policy, self.freq)
-        self.held = [[-1] * n for _ in self.layers]  # the expert in each row (host copy of slot_of)
         self.row = {il: i for i, il in enumerate(self.layers)}
         self.passes = 0
         self.moved = 0  # bytes refreshes read over the link so far
+        self.admitted = torch.zeros((), dtype=torch.long, device=device)  # bytes admissions copied on the device
 
     @property
     def nbytes(self) -> int:
@@ -64,14 +70,55 @@ class ExpertCache:
         return self.freq[self.row[il]]
 
     def end_pass(self) -> int:
-        """A pass ended: the policy scores its picks (on the device); on schedule, hold each layer's best scored
-        experts (a host sync). Returns the bytes the refresh read over the link."""
+        """A pass ended: the policy scores its picks (on the device); static, on schedule, holds each layer's
+        most picked experts (a host sync). Returns the bytes the refresh read over the link."""
         self.passes += 1
         self.policy.end_pass()
-        p, every = self.passes, self.policy.refresh_every
-        if (p & (p - 1) == 0 and p <= every) or p % every == 0:
+        p = self.passes
+        if not self.policy.admits and ((p & (p - 1) == 0 and p <= REFRESH) or p % REFRESH == 0):
             return self.refresh()
         return 0
+
+    def admit(self, il: int, picks: torch.Tensor, first: torch.Tensor, rows: list[torch.Tensor], mats: torch.Tensor):
+        """lru / lfu, after layer il's picks [P] were read into rows (one tensor a stack; pick j's at mats[j];
+        first: first_picks(picks)): each picked expert the cache lacks takes the row of the least worth held
+        one, where it is worth more (never a row holding a pick of this pass), its bytes copied from rows. Device
+        ops only (one launch on a GPU: kernels/cache_admit.py): no host sync, nothing over the link."""
+        i = self.row[il]
+        if (picks.is_cuda or INTERPRETED) and triton is not None:
+            score, lru, nbytes = self.policy.score[i], self.policy.name == "lru", self.tensors[il].expert_bytes
+            args = self.slot_of[i], self.expert_of[i], score, lru, self.admitted, nbytes
+            sources, to = cache_admit.admit(picks, first, mats, *args)
+        else:
+            sources, to = self._choose(i, picks, first, mats)
+        for stack, src in zip(self.stacks[il], rows, strict=True):
+            copy_rows(src, sources, stack, to)
+
+    def _choose(self, i: int, picks: torch.Tensor, first: torch.Tensor, mats: torch.Tensor):
+        """admit's choice and map updates in torch ops (the CPU device's): the picks the cache lacks, best
+        worth first (ties: the lower expert), paired with the rows least worth keeping (ties: the lower row)."""
+        slot_of, expert_of = self.slot_of[i], self.expert_of[i]
+        n_expert, m = slot_of.numel(), min(picks.numel(), self.n)
+        inf = torch.full((), float("inf"), dtype=torch.float64, device=picks.device)
+        picked = torch.zeros(n_expert, dtype=torch.bool, device=picks.device).index_fill_(0, picks, True)
+        held = expert_of.clamp(min=0)
+        keep = torch.where(expert_of >= 0, self.policy.worth(i, held, picked=False), -inf)
+        keep = torch.where((expert_of >= 0) & picked[held], inf, keep)
+        keep, victim = keep.sort(stable=True)
+        keep, victim = keep[:m], victim[:m]
+        by_id = picks.argsort(stable=True)
+        new = (first == torch.arange(picks.numel(), device=picks.device)) & (slot_of[picks] < 0)
+        worth = torch.where(new, self.policy.worth(i, picks, picked=True), -inf)[by_id]
+        worth, best = worth.sort(descending=True, stable=True)
+        worth, chosen = worth[:m], by_id[best[:m]]
+        take = worth > keep
+        came, gone = picks[chosen], expert_of[victim]
+        row_map, nobody = self._map[i], n_expert
+        row_map.index_fill_(0, torch.where(take & (gone >= 0), gone, nobody), -1)
+        row_map.scatter_(0, torch.where(take, came, nobody), victim)
+        expert_of.index_copy_(0, victim, torch.where(take, came, gone))
+        self.admitted += take.sum() * self.tensors[self.layers[i]].expert_bytes
+        return mats[chosen], torch.where(take, victim, -1)
 
     def refresh(self) -> int:
         """Copy in the experts that became the best scored ones (a held one wins ties: no churn on equal
@@ -82,8 +129,9 @@ class ExpertCache:
             return 0
         score = self.policy.ranking(self.slot_of >= 0)
         want = score.topk(self.n, dim=1).indices.tolist()
+        holding = self.expert_of.tolist()
         moves = []  # (layer index, rows, new experts)
-        for i, held in enumerate(self.held):
+        for i, held in enumerate(holding):
             keep, have = set(want[i]), set(held)
             new = [e for e in want[i] if e not in have]
             if new:
@@ -91,8 +139,7 @@ class ExpertCache:
         if not moves:
             return 0
         for i, rows, _ in moves:
-            for r in rows:
-                self.held[i][r] = -1
+            self.expert_of[i, rows] = -1
         self._write_map()
         moved = 0
         for i, rows, new in moves:
@@ -101,21 +148,17 @@ class ExpertCache:
             at = torch.tensor(rows, device=self.slot_of.device)
             for raw, stack in zip(self.tensors[il].host_bytes(), self.stacks[il], strict=True):
                 stack[at] = self.pick(raw, ids)
-            for r, e in zip(rows, new, strict=True):
-                self.held[i][r] = e
+            self.expert_of[i, at] = ids
             moved += len(new) * self.tensors[il].expert_bytes
         self._write_map()
         self.moved += moved
         return moved
 
     def _write_map(self) -> None:
-        """slot_of from held (stream-ordered after the copies queued before it)."""
-        slot_of = torch.full(self.slot_of.shape, -1, dtype=torch.long)
-        for i, held in enumerate(self.held):
-            for r, e in enumerate(held):
-                if e >= 0:
-                    slot_of[i, e] = r
-        self.slot_of.copy_(slot_of)
+        """slot_of from expert_of (stream-ordered after the copies queued before it)."""
+        nobody = self.slot_of.shape[1]
+        rows = torch.arange(self.n, device=self._map.device).expand_as(self.expert_of)
+        self._map.fill_(-1).scatter_(1, torch.where(self.expert_of >= 0, self.expert_of, nobody), rows)
 
     def uncached(self, il: int, ids: torch.Tensor) -> torch.Tensor:
         """How many of experts ids layer il's cache does not hold (on the device: no sync)."""

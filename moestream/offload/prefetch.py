@@ -172,6 +172,7 @@ class Prefetcher:
                 for s, (raw, r) in enumerate(zip(raws, part.rows, strict=True)):
                     args = part.guess, part.n_live, r, part.mats, counters.on_device, s == 0, held[s], freq
                     fill_misses(raw, picks, first, *args)
+                self._admit(il, picks, first, part.rows, part.mats)
                 return part.rows, part.mats.view_as(ids)
             except Exception as e:  # as RowGather: say it once, then pick through the host
                 self.pick.failed(e)
@@ -189,7 +190,13 @@ class Prefetcher:
             n_cached = n - int(cache.uncached(il, picks))
         n_link = missed.numel() if cache is None else int(cache.uncached(il, picks[missed]))
         counters.add_picks(n, int((~found).sum()), n_link * self.tensors[il].expert_bytes, n_cached)
+        self._admit(il, picks, first, part.rows, mats)
         return part.rows, mats.view_as(ids)
+
+    def _admit(self, il: int, picks: torch.Tensor, first: torch.Tensor, rows: list[torch.Tensor], mats) -> None:
+        """A cache that follows the picks (lru, lfu) takes the ones it lacks from the rows just read."""
+        if self.cache is not None and self.cache.policy.admits:
+            self.cache.admit(il, picks, first, rows, mats)
 
     def drop(self) -> None:
         """Forget guesses nobody took (a pass that stopped half-way), after compute has waited for their

@@ -1,6 +1,7 @@
 """The decode expert cache's hit rate against its size, replayed on a text's routing: each token is one decode
 pass over every expert layer, through the engine's own ExpertCache (a cache of n experts per streamed layer,
-scored by --cache-policy, refreshed on its schedule) holding one byte per expert, on the CPU. A hit rate is a
+scored by --cache-policy: static's refreshes on their schedule, lru's and lfu's admissions after each layer's
+picks) holding one word per expert, on the CPU. A hit rate is a
 property of the picks and the policy, so this measures what a GPU run's cache would, without one.
 
 What it leaves out: the engine counts picks from the first decode step, so the prompt's picks (here: none, every
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from moestream.kernels.gather import first_picks
 from moestream.offload.expert_cache import ExpertCache
 
 GIB = 1 << 30
@@ -18,24 +20,25 @@ SIZES_GIB = (1, 2, 4, 8)  # the published LRU curve's cache sizes
 FULL_GIB = 17.0  # qwen3-30b-a3b Q4_K_M's routed experts: a scaled file's sizes are these fractions of it
 
 
-class _OneByte:
-    """A layer's experts as one byte each: ExpertCache's rows without the weights (hits need only the map)."""
+class _OneWord:
+    """A layer's experts as one word each: ExpertCache's rows without the weights (hits need only the map)."""
 
     def __init__(self, n_expert: int):
-        self.n_expert, self.expert_bytes = n_expert, 1
-        self.raw = torch.zeros((n_expert, 1), dtype=torch.uint8)
+        self.n_expert, self.expert_bytes = n_expert, 4
+        self.raw = torch.zeros((n_expert, 4), dtype=torch.uint8)
 
     def host_bytes(self) -> list[torch.Tensor]:
         return [self.raw]
 
 
-def hit_rate(picks: dict[int, torch.Tensor], n_expert: int, n: int, policy: str) -> float:
-    """Fraction of picks [T, K] per layer a cache of n experts per layer held, token after token."""
+def replay(picks: dict[int, torch.Tensor], n_expert: int, n: int, policy: str) -> tuple[float, float]:
+    """A cache of n experts per layer, token after token over picks [T, K] per layer: the fraction of picks it
+    held, and the experts its refreshes copied in per pick (link traffic besides the misses)."""
     if n <= 0:
-        return 0.0
+        return 0.0, 0.0
     layers = sorted(picks)
     cache = ExpertCache(
-        {il: _OneByte(n_expert) for il in layers},
+        {il: _OneWord(n_expert) for il in layers},
         layers,
         min(n, n_expert),
         torch.device("cpu"),
@@ -49,8 +52,10 @@ def hit_rate(picks: dict[int, torch.Tensor], n_expert: int, n: int, policy: str)
             hits += ids.numel() - int(cache.uncached(il, ids))
             total += ids.numel()
             cache.counts(il).index_add_(0, ids, torch.ones_like(ids))
+            if cache.policy.admits:
+                cache.admit(il, ids, first_picks(ids), [cache.tensors[il].raw[ids]], torch.arange(ids.numel()))
         cache.end_pass()
-    return hits / total
+    return hits / total, cache.moved / 4 / total
 
 
 def cache_sizes(total: int, n_expert: int) -> tuple[list[tuple[str, int]], str]:
@@ -65,11 +70,18 @@ def cache_sizes(total: int, n_expert: int) -> tuple[list[tuple[str, int]], str]:
 
 
 def cache_lines(picks: dict[int, torch.Tensor], n_expert: int, total: int, policies: tuple[str, ...]) -> list[str]:
-    """info --routing's cache table: hit rate per size and policy, total: the file's routed expert bytes."""
+    """info --routing's cache table: per size and policy, the hit rate and the experts read over the link per
+    pick (the misses and the refreshes' copies), total: the file's routed expert bytes."""
     rows, what = cache_sizes(total, n_expert)
-    lines = [f"expert cache hit rate (a replay of the decode picks; sizes as {what})"]
-    lines.append(f"  {'size':18s} {'experts/layer':>13s} " + " ".join(f"{p:>7s}" for p in policies))
+    lines = [
+        f"expert cache: hit rate / experts over the link a pick (misses + refresh copies); a replay of the decode "
+        f"picks; sizes as {what}"
+    ]
+    lines.append(f"  {'size':18s} {'experts/layer':>13s} " + " ".join(f"{p:>15s}" for p in policies))
     for label, n in rows:
-        rates = " ".join(f"{100 * hit_rate(picks, n_expert, n, p):6.1f}%" for p in policies)
-        lines.append(f"  {label:18s} {n:13d} {rates}")
+        cells = []
+        for p in policies:
+            hit, copied = replay(picks, n_expert, n, p)
+            cells.append(f"{100 * hit:6.1f}% / {100 * (1 - hit + copied):5.1f}%")
+        lines.append(f"  {label:18s} {n:13d} " + " ".join(cells))
     return lines

@@ -62,7 +62,7 @@ def test_info_and_bench_on_a_glm4moe_file(model_file, capsys):
 
 def test_info_routing_on_a_text(model_file, tmp_path, capsys):
     """info --routing --text: a row per layer (layer 0 has no layer before it to guess from), then the means, then
-    the expert cache's hit rate per size and policy (a tiny file's sizes are fractions)."""
+    the expert cache's hit rate and link traffic per size and policy (a tiny file's sizes are fractions)."""
     text = tmp_path / "t.txt"
     text.write_text("The cat sat on the mat. " * 20)
     path = model_file("tiny", "F32")
@@ -71,9 +71,11 @@ def test_info_routing_on_a_text(model_file, tmp_path, capsys):
     start = next(i for i, line in enumerate(out) if line.startswith("routing on 50 tokens of t.txt"))
     rows = [line.split() for line in out[start + 2 : start + 5]]
     assert [r[:2] for r in rows[:2]] == [["layer", "0"], ["layer", "1"]] and [r[0] for r in rows[2:]] == ["mean"]
-    assert out[start + 5].startswith("expert cache hit rate") and "fractions" in out[start + 5]
+    assert out[start + 5].startswith("expert cache: hit rate / experts over the link") and "fractions" in out[start + 5]
     cache = [line.split() for line in out[start + 7 :]]
-    assert [r[0] for r in cache] == ["1", "2", "4", "8"] and all(c.endswith("%") for r in cache for c in r[-3:])
+    assert [r[0] for r in cache] == ["1", "2", "4", "8"]
+    cells = [r[-9:] for r in cache]  # hit / link for each of the three policies
+    assert all(c[i].endswith("%") and c[i + 1] == "/" and c[i + 2].endswith("%") for c in cells for i in (0, 3, 6))
     assert rows[0][2:4] == ["-", "-"] and all(c.endswith("%") for c in rows[1][2:6])
     assert float(rows[1][-1]) <= 3.0  # entropy of 8 experts' picks, at most log2 8
 

@@ -32,6 +32,16 @@ def test_the_kernel_reads_only_each_experts_first_pick():
     assert torch.equal(out[first], src[picks])  # what the math reads through first
 
 
+def test_copy_rows_writes_only_the_rows_it_names():
+    """The expert cache's admissions: rows copied where the destination is named, nothing else touched (the
+    kernel on a GPU or under the interpreter, indexing elsewhere)."""
+    src = torch.randint(0, 255, (6, 4 * gather.WORDS_PER_PROGRAM + 8), dtype=torch.uint8, device=DEVICE)
+    dst = torch.full((4, src.shape[1]), 7, dtype=torch.uint8, device=DEVICE)
+    gather.copy_rows(src, torch.tensor([5, 0, 2], device=DEVICE), dst, torch.tensor([2, -1, 0], device=DEVICE))
+    assert torch.equal(dst[2], src[5]) and torch.equal(dst[0], src[2])
+    assert (dst[[1, 3]] == 7).all()
+
+
 def test_a_union_names_each_guessed_expert_once_then_repeats_them():
     guesses = torch.tensor([[3, 9, 5], [9, 3, 12], [5, 3, 9]])  # three rows' guesses
     ids, n_live = gather.union(guesses.reshape(-1), 8)

@@ -69,12 +69,23 @@ def test_steps_launched_dependently_give_the_bits_of_steps_launched_in_turn(mode
 
 
 @pytest.mark.parametrize(
-    "prefetch,held,ahead", [(0, 0, 1), (None, 0, 1), (1, 0, 1), (None, 3, 1), (1, 3, 1), (None, 0, 2), (1, 3, 2)]
+    "prefetch,held,ahead,policy",
+    [
+        (0, 0, 1, "static"),
+        (None, 0, 1, "static"),
+        (1, 0, 1, "static"),
+        (None, 3, 1, "static"),
+        (1, 3, 1, "static"),
+        (None, 0, 2, "static"),
+        (1, 3, 2, "static"),
+        (None, 3, 1, "lru"),
+        (1, 3, 2, "lfu"),
+    ],
 )
-def test_streamed_decode_reads_the_chosen_experts_and_gives_resident_tokens(model_file, prefetch, held, ahead):
+def test_streamed_decode_reads_the_chosen_experts_and_gives_resident_tokens(model_file, prefetch, held, ahead, policy):
     """Gathered in replayed graphs, without a guess, with the router's count guessed a layer (or two) ahead on a
     side stream, and with a one-expert guess (mostly misses, gathered after routing), with and without 3 experts
-    a layer held in the expert cache: resident tokens each time."""
+    a layer held in the expert cache (refreshed, or admitting picks in the graph): resident tokens each time."""
     path = model_file("tiny", "Q4_K_M")
     params = SamplingParams(max_tokens=24, stop_at_eos=False)
     ref = moestream.load(path, device="cuda", progress=False)
@@ -87,6 +98,7 @@ def test_streamed_decode_reads_the_chosen_experts_and_gives_resident_tokens(mode
         prefetch=prefetch,
         prefetch_ahead=ahead,
         expert_cache=held,
+        cache_policy=policy,
     )
     try:
         assert ref.generate(TOKENS[:16], params).tokens == got.generate(TOKENS[:16], params).tokens
@@ -115,6 +127,7 @@ def test_streamed_decode_reads_the_chosen_experts_and_gives_resident_tokens(mode
         sizes = [t.nbytes // t.n_expert for t in experts.tensors.values()]  # Q4_K_M: some layers' down is Q6_K
         if held:  # held experts cross no link, guessed or missed
             assert experts.cached_width == held and 0 < cached < picks
+            assert (int(held_cache.admitted) > 0) == (policy != "static") and (refreshed == 0 or policy == "static")
             assert guess_bytes < 20 * per_expert * width and miss_bytes <= misses * max(sizes)
         else:
             assert cached == 0 and guess_bytes == 20 * per_expert * width
@@ -223,9 +236,9 @@ def test_a_batched_step_gives_each_row_the_bits_of_its_step_alone(model_file, pr
 
 
 @pytest.mark.parametrize("ahead", [1, 2])
-@pytest.mark.parametrize("held", [0, 3])
+@pytest.mark.parametrize(("held", "policy"), [(0, "static"), (3, "static"), (3, "lru")])
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qwen35moe", "tiny-glm4moe-odd"])
-def test_a_batched_step_guesses_ahead_in_its_graph_and_replays_the_eager_bits(model_file, preset, held, ahead):
+def test_a_batched_step_guesses_ahead_in_its_graph_and_replays_the_eager_bits(model_file, preset, held, policy, ahead):
     """Every layer's experts streamed and gathered, three sequences a pass (--max-seqs 3): the union of the rows'
     guesses gathered ahead on the side stream, picks taken from it and from the expert cache, misses read once,
     all inside one captured step. Replays equal the eager passes, the passes without a guess, and each row its
@@ -238,7 +251,7 @@ def test_a_batched_step_guesses_ahead_in_its_graph_and_replays_the_eager_bits(mo
         unguessed, _, _ = _step_together(off, prompts, 10)
     finally:
         off.close()
-    e = moestream.load(path, expert_cache=held, prefetch_ahead=ahead, **opts)
+    e = moestream.load(path, expert_cache=held, cache_policy=policy, prefetch_ahead=ahead, **opts)
     try:
         experts, spec = e.experts, e.spec
         assert e.step.replays(3) and experts.guess_plan(3, static=True) == experts.prefetcher.schedule()
