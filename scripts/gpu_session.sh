@@ -54,6 +54,8 @@
 #            pyproject.toml | tar -x -C wt-before (wt-before is git-excluded; carry it)
 #   firstrun issue 36: `moestream run` twice on $MODEL at -ncmoe 26 spread 12 GiB, 16 tokens: wall time, what it
 #            says about compiling, its prompt line (first on a fresh machine, before any step that compiles kernels)
+#   ctx35    issue 36: qwen3.6-35b-a3b (generated first) with a 131072-token context and q8_0 K and V under
+#            --vram-budget 12GiB: tg128 at depth 32768, -ncmoe auto
 #   kvtypes  issue 36: the KV-type GPU tests, then tg128 at depths 0..32768 for bf16, f16, q8_0 and q4_0 caches on
 #            the benchmark model (scripts/depth_sweep.py), resident and at -ncmoe 26 spread 12 GiB
 # At most 8 files come back from $OUT: keep appending to the ones below.
@@ -216,6 +218,9 @@ for step in "$@"; do
                   -n 16 -ncmoe 26 --streamed-layers spread --vram-budget 12GiB 2>&1 | quiet \
                   | grep -i -e compil -e "prompt " -e "from start" | tee -a "$OUT/bench.txt"
               done ;;
+    ctx35) make_model $Q35 qwen3.6-35b-a3b | tee -a "$OUT/model35.txt"
+           $MS bench -m $Q35 -p 0 -n 128 -d 32768 -c 131072 -ctk q8_0 -ctv q8_0 -ncmoe auto --vram-budget 12GiB -r 2 \
+             --no-floors 2>&1 | quiet | tail -6 | tee -a "$OUT/bench.txt" ;;
     ctxpp) make_model $MODEL qwen3-30b-a3b | tee -a "$OUT/model.txt"
            $MS bench -m $MODEL -p 16384 -ub 2048 -ncmoe auto --vram-budget 12GiB -r 2 --no-floors 2>&1 | quiet \
              | tee -a "$OUT/bench.txt" ;;
