@@ -2,7 +2,7 @@
 compiled matvec on the stored blocks (x rounded to int8, as beside a GPU; x in float32, as on the CPU device)
 vs dequantized to float32 in torch (the path before it). Prints ms per layer and the stored bytes read per
 second; timed after a warm-up, the best of several repeats of the same 8 experts (which a large L3 holds), and
-the host function once more over every expert in turn, 8 new ones a call (read from DRAM, as in decode).
+the host function once more over every expert in turn, new ones each call (read from DRAM, as in decode).
 
     python scripts/cpu_experts.py MODEL [--layer 0] [--threads N]
 """
@@ -90,7 +90,7 @@ def main() -> None:
                 host_swiglu.swiglu(x, weights, picks, stored.raws, stored.qtypes)
 
         s = best(host_function_all, 3) / len(turns)
-        print(f"  {'host function, DRAM':<22} {s * 1e3:8.2f} ms  {nbytes / s / 1e9:6.2f} GB/s (8 new experts a call)")
+        print(f"  {'host function, DRAM':<22} {s * 1e3:8.2f} ms  {nbytes / s / 1e9:6.2f} GB/s ({K} new experts a call)")
         err8 = float((compiled_int8() - torch_dequant()).abs().max() / torch_dequant().abs().max())
         print(f"  max relative difference {err:.1e} (int8 x: {err8:.1e}); compiled available: {cpu_quant.available()}")
 

@@ -80,10 +80,13 @@ class ExpertCache:
         return 0
 
     def admit(self, il: int, picks: torch.Tensor, first: torch.Tensor, rows: list[torch.Tensor], mats: torch.Tensor):
-        """lru / lfu, after layer il's picks [P] were read into rows (one tensor a stack; pick j's at mats[j];
-        first: first_picks(picks)): each picked expert the cache lacks takes the row of the least worth held
-        one, where it is worth more (never a row holding a pick of this pass), its bytes copied from rows. Device
-        ops only (one launch on a GPU: kernels/cache_admit.py): no host sync, nothing over the link."""
+        """After layer il's picks [P] were read into rows (one tensor a stack; pick j's at mats[j]; first:
+        first_picks(picks)): under lru / lfu each picked expert the cache lacks takes the row of the least worth
+        held one, where it is worth more (never a row holding a pick of this pass), its bytes copied from rows.
+        Device ops only (one launch on a GPU: kernels/cache_admit.py): no host sync, nothing over the link.
+        Nothing under static, which follows the picks by its refreshes."""
+        if not self.policy.admits:
+            return
         i = self.row[il]
         if (picks.is_cuda or INTERPRETED) and triton is not None:
             score, lru, nbytes = self.policy.score[i], self.policy.name == "lru", self.tensors[il].expert_bytes

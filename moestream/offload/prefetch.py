@@ -194,8 +194,8 @@ class Prefetcher:
         return part.rows, mats.view_as(ids)
 
     def _admit(self, il: int, picks: torch.Tensor, first: torch.Tensor, rows: list[torch.Tensor], mats) -> None:
-        """A cache that follows the picks (lru, lfu) takes the ones it lacks from the rows just read."""
-        if self.cache is not None and self.cache.policy.admits:
+        """The cache (if any) takes what its policy admits of the picks from the rows just read."""
+        if self.cache is not None:
             self.cache.admit(il, picks, first, rows, mats)
 
     def drop(self) -> None:

@@ -23,9 +23,11 @@ FULL_GIB = 17.0  # qwen3-30b-a3b Q4_K_M's routed experts: a scaled file's sizes 
 class _OneWord:
     """A layer's experts as one word each: ExpertCache's rows without the weights (hits need only the map)."""
 
+    expert_bytes = 4
+
     def __init__(self, n_expert: int):
-        self.n_expert, self.expert_bytes = n_expert, 4
-        self.raw = torch.zeros((n_expert, 4), dtype=torch.uint8)
+        self.n_expert = n_expert
+        self.raw = torch.zeros((n_expert, self.expert_bytes), dtype=torch.uint8)
 
     def host_bytes(self) -> list[torch.Tensor]:
         return [self.raw]
@@ -52,10 +54,9 @@ def replay(picks: dict[int, torch.Tensor], n_expert: int, n: int, policy: str) -
             hits += ids.numel() - int(cache.uncached(il, ids))
             total += ids.numel()
             cache.counts(il).index_add_(0, ids, torch.ones_like(ids))
-            if cache.policy.admits:
-                cache.admit(il, ids, first_picks(ids), [cache.tensors[il].raw[ids]], torch.arange(ids.numel()))
+            cache.admit(il, ids, first_picks(ids), [cache.tensors[il].raw[ids]], torch.arange(ids.numel()))
         cache.end_pass()
-    return hits / total, cache.moved / 4 / total
+    return hits / total, cache.moved / _OneWord.expert_bytes / total
 
 
 def cache_sizes(total: int, n_expert: int) -> tuple[list[tuple[str, int]], str]:
