@@ -43,6 +43,8 @@
 #   routing  issue 34: qwen3-30b-a3b made with --routing trained; info --routing on the shipped English text
 #   policies tg128 teacher-forced over that text at -ncmoe 26 spread 12 GiB: auto, and gather (prefetch x cache) as
 #            json for each --cache-policy
+#   admit    issue 34: tg128 over that text at -ncmoe 26 spread 12 GiB: auto, then gather + prefetch 8 + cache auto
+#            under each --cache-policy (static refreshed over the link; lru / lfu admitted on the device)
 #   kvtests  the KV-type GPU tests and the Triton quantizer's diagnosis (kvtypes without the depth sweep)
 #   qwen35 routing35   the issue-5 headline table (generates the qwen3.6-35b-a3b model first), its routing
 #   decode35 tg128 of that model: resident, and -ncmoe 26 spread 12 GiB: auto, gather (prefetch x cache), upload, cpu
@@ -283,6 +285,12 @@ for step in "$@"; do
              PYTORCH_CUDA_ALLOC_CONF=$conf $B -p 2048 -ub 2048 --stream overlap --streamed-layers spread \
                --vram-budget 12GiB --no-floors 2>&1 | quiet | tee -a "$OUT/bench.txt"
            done ;;
+    admit) { make_model $TRAINED qwen3-30b-a3b  # issue 34: the admitting lru / lfu beside static, one row each
+             R="$MS bench -m $TRAINED -ncmoe 26 -r 3 -p 0 -n 128 --streamed-layers spread --vram-budget 12GiB --no-floors"
+             $R --text $TEXT 2>&1 | quiet
+             for cp in static lru lfu; do
+               $R --text $TEXT --small-batch gather --prefetch 8 --expert-cache auto --cache-policy $cp 2>&1 | quiet
+             done; } | tee -a "$OUT/model.txt" | tail -30 ;;
     qwen35) make_model $Q35 qwen3.6-35b-a3b | tee -a "$OUT/model35.txt"
             $MS bench -m $Q35 -ncmoe 26 -r 2 -p 2048 -ub 2048 --stream serial,pinned,overlap,layer-major \
               --streamed-layers first,spread --vram-budget 12GiB 2>&1 | quiet | tee -a "$OUT/bench35.txt" ;;
