@@ -304,7 +304,7 @@ class Options:
             warnings.warn(
                 "--vram-budget with --device cpu only decides which layers stream (as if the CPU were the "
                 "GPU); no memory is capped",
-                stacklevel=3,
+                stacklevel=2,
             )
 
 

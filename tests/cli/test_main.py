@@ -137,3 +137,11 @@ def test_a_temperature_too_small_to_divide_by_runs_greedy(model_file, capsys):
     greedy = capsys.readouterr().out
     assert main([*argv, "--temp", "1e-300", "--seed", "3"]) == 0
     assert capsys.readouterr().out == greedy
+
+
+def test_a_warning_is_said_once(model_file):
+    """--vram-budget on the CPU warns; the options are settled twice on the way to the engine, and it said it twice."""
+    argv = ["run", "-m", model_file("tiny", "F32"), "-p", "hi", "-n", "1", "--device", "cpu", "--vram-budget", "1GiB"]
+    r = subprocess.run([sys.executable, "-m", "moestream.cli", *argv], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("only decides which layers stream") == 1, r.stderr
