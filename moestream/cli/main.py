@@ -539,8 +539,10 @@ def _listening_socket(host: str, port: int) -> socket.socket:
 
 def check_make_model(a: argparse.Namespace) -> None:
     from moestream.tools.presets import get_preset
+    from moestream.tools.recipes import recipe
     from moestream.tools.trained_routing import routing_settings
 
+    recipe(a.quant)
     routing_settings(get_preset(a.preset, a.layers), a.routing)
     writable(a.out, "make-model")
 
@@ -549,10 +551,9 @@ def cmd_make_model(a: argparse.Namespace) -> None:
     from moestream.tools.presets import get_preset
     from moestream.tools.recipes import recipe
     from moestream.tools.synthetic import make_model
-
-    preset = get_preset(a.preset, a.layers)
     from moestream.tools.trained_routing import routing_settings
 
+    preset = get_preset(a.preset, a.layers)
     make_model(a.out, preset, quant=a.quant, seed=a.seed, routing=a.routing)
     routing = "trained" if routing_settings(preset, a.routing) else "uniform"
     layers = count_of(preset.spec.n_layer, "layer")

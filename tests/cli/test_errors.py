@@ -179,6 +179,16 @@ def test_make_model_leaves_an_existing_file_whole_when_it_fails(model_file, tmp_
     assert p.read_bytes() == before and [f.name for f in tmp_path.iterdir()] == ["keep.gguf"]
 
 
+def test_an_unknown_recipe_is_said_before_the_run(tmp_path, capsys):
+    """--quant Q9_K said "writing o.gguf (preset tiny, Q9_K)" first, as if the file were on its way."""
+    from moestream.cli.main import main
+
+    assert main(["make-model", str(tmp_path / "o.gguf"), "--preset", "tiny", "--quant", "Q9_K"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("moestream: error: --quant Q9_K: choose from"), err
+    assert not list(tmp_path.iterdir())
+
+
 def test_an_output_the_system_refuses_is_said_before_the_run(model_file, capsys):
     code, line = run_cli(
         capsys, "profile", "-m", model_file("tiny", "F32"), "--device", "cpu", "-p", "8", "--trace", "/proc/version"
