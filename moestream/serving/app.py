@@ -11,6 +11,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from moestream.runtime.prompt_cache import metrics as prompt_cache_metrics
 from moestream.serving.choices import answer_for, chat_variables, choice_jobs
@@ -59,6 +60,11 @@ def create_app(
     @app.exception_handler(BadRequest)
     async def bad_request(request: Request, e: BadRequest):
         return _error(400, str(e))
+
+    @app.exception_handler(HTTPException)
+    async def no_route(request: Request, e: HTTPException):  # an unknown path or method, in OpenAI's error shape
+        served = "GET /health, /metrics, /v1/models; POST /v1/completions, /v1/chat/completions"
+        return _error(e.status_code, f"{request.method} {request.url.path}: {e.detail}; this server answers {served}")
 
     @app.get("/health")
     async def health():

@@ -158,6 +158,15 @@ def test_health_and_metrics(server):
     assert metric(server, "moestream_idle_ratio") > idle
 
 
+def test_an_unknown_route_or_method_answers_in_openai_error_shape(server):
+    """They said FastAPI's {"detail": "Not Found"}, which OpenAI clients show as a bare status."""
+    with pytest.raises(openai.NotFoundError, match="this server answers") as e:
+        client(server).embeddings.create(model="tiny", input="hi")
+    assert e.value.body["message"].startswith("POST /v1/embeddings: Not Found")
+    r = httpx.get(server.url + "/completions", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 405 and r.json()["error"]["message"].startswith("GET /v1/completions: Method Not Allowed")
+
+
 def test_bad_fields_get_400_and_the_server_goes_on(server, reference):
     c = client(server)
     with pytest.raises(openai.BadRequestError, match="seed"):
