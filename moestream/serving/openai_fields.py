@@ -38,7 +38,7 @@ TAKEN, NEUTRAL, REFUSED = "taken", "neutral", "refused"
 # name -> (endpoint, how, what it does or why it is refused)
 FIELDS: dict[str, tuple[str, str, str]] = {
     "model": (BOTH, NEUTRAL, "one model is served; any name is answered by it"),
-    "prompt": (COMPLETIONS, TAKEN, "one string"),
+    "prompt": (COMPLETIONS, TAKEN, "one string, or one list of token ids"),
     "messages": (CHAT, TAKEN, "rendered with the model's chat template"),
     "max_tokens": (BOTH, TAKEN, "up to serve's --max-tokens"),
     "max_completion_tokens": (CHAT, TAKEN, "as max_tokens"),

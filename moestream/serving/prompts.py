@@ -29,10 +29,15 @@ class Prompts:
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="moestream-prompts")
 
     async def encode(self, prompt: Any) -> list[int]:
-        """A /v1/completions prompt (a string) as token ids."""
-        if not isinstance(prompt, str):
-            raise ApiError(400, "prompt must be a string")
-        return await self._off_loop(self.tokenizer.encode, prompt)
+        """A /v1/completions prompt as token ids: a string, or the ids themselves (as clients that tokenize send)."""
+        if isinstance(prompt, str):
+            return await self._off_loop(self.tokenizer.encode, prompt)
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            n_vocab = self.tokenizer.vocab_size
+            if not all(0 <= t < n_vocab for t in prompt):
+                raise ApiError(400, f"prompt: token ids must be in [0, {n_vocab}), the model's vocabulary")
+            return list(prompt)
+        raise ApiError(400, "prompt must be one string or one list of token ids")
 
     async def encode_chat(self, messages: list[dict[str, Any]], **variables: Any) -> list[int]:
         """Chat messages through the model's template (variables: more of its inputs, such as tools), as ids."""

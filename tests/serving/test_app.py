@@ -158,6 +158,21 @@ def test_health_and_metrics(server):
     assert metric(server, "moestream_idle_ratio") > idle
 
 
+def test_a_prompt_of_token_ids_answers_as_its_text(server):
+    """Clients that tokenize themselves send ids; they got "prompt must be a string"."""
+    c, tokenizer = client(server), server.scheduler.engine.tokenizer
+    ids = tokenizer.encode(QUESTIONS[1])
+    by_text = c.completions.create(model="tiny", prompt=QUESTIONS[1], max_tokens=8, temperature=0)
+    for prompt in (ids, [ids]):
+        by_ids = c.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+        assert by_ids.choices[0].text == by_text.choices[0].text
+        assert by_ids.usage.prompt_tokens == len(ids)
+    with pytest.raises(openai.BadRequestError, match="token ids must be in"):
+        c.completions.create(model="tiny", prompt=[1, tokenizer.vocab_size], max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="one list of token ids"):
+        c.completions.create(model="tiny", prompt=[1, "two"], max_tokens=2)
+
+
 def test_an_unknown_route_or_method_answers_in_openai_error_shape(server):
     """They said FastAPI's {"detail": "Not Found"}, which OpenAI clients show as a bare status."""
     with pytest.raises(openai.NotFoundError, match="this server answers") as e:
