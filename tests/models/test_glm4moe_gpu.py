@@ -11,7 +11,7 @@ import torch
 import moestream
 from moestream.runtime.sampling import SamplingParams
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = pytest.mark.gpu
 TOKENS = torch.randint(0, 1280, (50,), generator=torch.Generator().manual_seed(2)).tolist()
 GREEDY = SamplingParams(max_tokens=32, stop_at_eos=False)
 

@@ -11,7 +11,7 @@ import torch
 import moestream
 from moestream.runtime.sampling import SamplingParams
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = pytest.mark.gpu
 PRESET = "tiny-gpt-oss"  # a window of 8: every prompt below and its decode steps run past it
 TOKENS = torch.randint(0, 1291, (50,), generator=torch.Generator().manual_seed(2)).tolist()
 GREEDY = SamplingParams(max_tokens=32, stop_at_eos=False)

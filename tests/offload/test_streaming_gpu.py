@@ -11,7 +11,7 @@ from moestream.offload.device import CudaDevice
 from moestream.offload.host import PinnedRanges
 from moestream.options import SmallBatch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = pytest.mark.gpu
 TOKENS = torch.randint(0, 1280, (96,), generator=torch.Generator().manual_seed(7)).tolist()
 
 

@@ -29,7 +29,7 @@ from moestream.ops.deltanet import l2_normalize
 from moestream.options import DELTANET_ENV
 from moestream.tools.presets import get_preset
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = pytest.mark.gpu
 
 H, DK, DV = 32, 128, 128  # qwen3.6-35b-a3b's delta-net: 32 value heads (16 key heads tiled), head dims 128
 FLA_RMS_RATIO = 5e-3  # fla's own bound for chunk_gated_delta_rule's o and final state (see the module docstring)

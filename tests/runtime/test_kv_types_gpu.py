@@ -7,10 +7,9 @@ docs/benchmarks.md), which is not the cache's."""
 from __future__ import annotations
 
 import pytest
-import torch
 from test_kv_types import PRESETS, relative_errors, run
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("kv", ["q8_0", "q4_0", "f16"])

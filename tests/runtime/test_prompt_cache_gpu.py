@@ -4,12 +4,11 @@ decode steps captured against the caches still replaying, give a cold prefill's 
 from __future__ import annotations
 
 import pytest
-import torch
 from test_prompt_cache import GREEDY, PRESETS, UB, ask, check_warm_logits, serving
 
 import moestream
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = pytest.mark.gpu
 
 
 def load(model_file, preset: str, **kw):

@@ -13,7 +13,7 @@ from moestream.profiling.timeline import NULL, Timeline
 from moestream.runtime.sampling import SamplingParams
 from moestream.runtime.step import DecodeStep
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = pytest.mark.gpu
 TOKENS = torch.randint(0, 1280, (300,), generator=torch.Generator().manual_seed(5)).tolist()
 
 

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from test_scheduler import collect, drain
 
 import moestream
 from moestream.serving.scheduler import Scheduler
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = pytest.mark.gpu
 
 
 def test_decode_reports_guessed_and_held_picks(model_file):
