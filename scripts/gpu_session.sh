@@ -25,6 +25,12 @@
 #            pp2048 + tg128 resident and streamed, each deleted after
 #   context  issue 36: pp16384 and pp32768 at -ncmoe auto --vram-budget 12GiB, tg128 at -d 8192,32768 (-ncmoe 0,26)
 #   ctxpp    context's first row alone: pp16384 at -ncmoe auto --vram-budget 12GiB
+#   pp32k    issue 36: pp32768 at -ncmoe auto --vram-budget 12GiB for -ub ${UB:-2048,4096}, its layer-major profile
+#            at -ub 2048 (where the time goes: attention, dequant, experts), and llama-bench's pp32768 at -ncmoe 26
+#            -lm none -ub 2048 beside it where lbuild ran
+#   bgtests  the GPU tests of session 26's work (flash prefix in place, the admitting cache in captured steps,
+#            gather) in the background with their own Triton cache, so a firstrun after it still compiles cold;
+#            the script waits for them at its end
 #   cpuway   issue 34: tg128 at -ncmoe 26 spread 12 GiB: gather with --cpu-layers $CPU_LAYERS (0,6,13), --small-batch
 #            cpu (the host function in the graph), then
 #            auto (its measured gather / upload / cpu ms a step), then scripts/cpu_experts.py at 16 threads
@@ -223,6 +229,17 @@ for step in "$@"; do
     ctx35) make_model $Q35 qwen3.6-35b-a3b | tee -a "$OUT/model35.txt"
            $MS bench -m $Q35 -p 0 -n 128 -d 32768 -c 131072 -ctk q8_0 -ctv q8_0 -ncmoe auto --vram-budget 12GiB -r 2 \
              --no-floors 2>&1 | quiet | tail -6 | tee -a "$OUT/bench.txt" ;;
+    pp32k) make_model $MODEL qwen3-30b-a3b | tee -a "$OUT/model.txt"
+           $MS bench -m $MODEL -p 32768 -n 0 -ub ${UB:-2048,4096} -ncmoe auto --vram-budget 12GiB -r 2 --no-floors 2>&1 \
+             | quiet | tee -a "$OUT/bench.txt"
+           $MS profile -m $MODEL -p 32768 -ub 2048 -ncmoe auto --vram-budget 12GiB --stream layer-major -r 1 2>&1 \
+             | quiet | tee -a "$OUT/profile.txt" | tail -30
+           wait_build && /tmp/lcpp/build/bin/llama-bench -m $MODEL -ngl 99 -fa 1 -p 32768 -n 0 -ub 2048 -r 2 -ncmoe 26 \
+             -lm none 2>&1 | grep -v '^ggml\|^load' | tee -a "$OUT/bench.txt" ;;
+    bgtests) (TRITON_CACHE_DIR=/tmp/tc-tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/ops/test_prefix_attention.py \
+               tests/kernels/test_cache_admit.py tests/runtime/test_step_gpu.py tests/kernels/test_gather.py 2>&1 \
+               | tail -25 >> "$OUT/gpu_tests.txt") &
+             tests_pid=$! ;;
     ctxpp) make_model $MODEL qwen3-30b-a3b | tee -a "$OUT/model.txt"
            $MS bench -m $MODEL -p 16384 -ub 2048 -ncmoe auto --vram-budget 12GiB -r 2 --no-floors 2>&1 | quiet \
              | tee -a "$OUT/bench.txt" ;;
@@ -342,4 +359,5 @@ for step in "$@"; do
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done
+[[ -n ${tests_pid:-} ]] && wait "$tests_pid"  # bgtests (not lbuild's build, which outlives the call)
 echo "== done $(date -u +%T)" | tee -a "$OUT/gpu.txt"
