@@ -217,6 +217,13 @@ class StreamingOptions:
     # or overlap)
     slots: int = 3  # staging slots in the ring
     stream_min_batch: int = 32  # smaller micro-batches do not upload whole layers: the decode options say how
+    keep_dequantized: bool = False  # layer-major prefill keeps a layer's dequantized expert stacks for all its
+    # micro-batches: one dequantization a layer a prompt, for a workspace of three stacks, not one
+
+    def keeps_dequantized(self, n_tokens: int, ubatch: int) -> bool:
+        """Whether a pass of n_tokens (settled options) keeps each layer's dequantized stacks across its
+        micro-batches: asked for, layer-major, and more than one micro-batch."""
+        return self.keep_dequantized and self.stream is Schedule.LAYER_MAJOR and n_tokens > ubatch
 
 
 CACHE_POLICIES = ("static", "lru", "lfu")  # --cache-policy (offload/cache_policy.py)

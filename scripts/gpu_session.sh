@@ -25,7 +25,8 @@
 #            pp2048 + tg128 resident and streamed, each deleted after
 #   context  issue 36: pp16384 and pp32768 at -ncmoe auto --vram-budget 12GiB, tg128 at -d 8192,32768 (-ncmoe 0,26)
 #   ctxpp    context's first row alone: pp16384 at -ncmoe auto --vram-budget 12GiB
-#   pp32k    issue 36: pp32768 at -ncmoe auto --vram-budget 12GiB for -ub ${UB:-2048,4096}, its layer-major profile
+#   pp32k    issue 36: pp32768 at -ncmoe auto --vram-budget 12GiB for -ub ${UB:-2048,4096}, without and with
+#            --keep-dequantized, its layer-major profile
 #            at -ub 2048 (where the time goes: attention, dequant, experts), and llama-bench's pp32768 at -ncmoe 26
 #            -lm none -ub 2048 beside it where lbuild ran
 #   bgtests  the GPU tests of session 26's work (flash prefix in place, the admitting cache in captured steps,
@@ -230,8 +231,10 @@ for step in "$@"; do
            $MS bench -m $Q35 -p 0 -n 128 -d 32768 -c 131072 -ctk q8_0 -ctv q8_0 -ncmoe auto --vram-budget 12GiB -r 2 \
              --no-floors 2>&1 | quiet | tail -6 | tee -a "$OUT/bench.txt" ;;
     pp32k) make_model $MODEL qwen3-30b-a3b | tee -a "$OUT/model.txt"
-           $MS bench -m $MODEL -p 32768 -n 0 -ub ${UB:-2048,4096} -ncmoe auto --vram-budget 12GiB -r 2 --no-floors 2>&1 \
-             | quiet | tee -a "$OUT/bench.txt"
+           for keep in "" --keep-dequantized; do  # each layer's stacks dequantized once a micro-batch / once a prompt
+             $MS bench -m $MODEL -p 32768 -n 0 -ub ${UB:-2048,4096} -ncmoe auto --vram-budget 12GiB -r 2 --no-floors \
+               $keep 2>&1 | quiet | sed "s|^|${keep:-each} |" | tee -a "$OUT/bench.txt"
+           done
            $MS profile -m $MODEL -p 32768 -ub 2048 -ncmoe auto --vram-budget 12GiB --stream layer-major -r 1 2>&1 \
              | quiet | tee -a "$OUT/profile.txt" | tail -30
            wait_build && /tmp/lcpp/build/bin/llama-bench -m $MODEL -ngl 99 -fa 1 -p 32768 -n 0 -ub 2048 -r 2 -ncmoe 26 \

@@ -91,6 +91,12 @@ def engine_flags(p: argparse.ArgumentParser, lists: tuple[str, ...] = ()) -> Non
         help="micro-batches smaller than this do not upload whole layers (see --small-batch)",
     )
     p.add_argument(
+        "--keep-dequantized",
+        action="store_true",
+        help="layer-major prefill: dequantize a layer's experts once a prompt, not once a micro-batch (the "
+        "workspace then holds the layer's three stacks: fewer layers fit a --vram-budget)",
+    )
+    p.add_argument(
         "--prefetch",
         **typed("prefetch", int, int_list, None),
         metavar="N",
@@ -235,6 +241,7 @@ def engine_flat(a: argparse.Namespace, ctx: int | None = None) -> dict:
         stream=stream,
         slots=first(a.slots),
         stream_min_batch=a.stream_min_batch,
+        keep_dequantized=a.keep_dequantized,
         streamed_layers=first(a.streamed_layers),
         small_batch=a.small_batch,
         prefetch=first(a.prefetch) if a.prefetch is not None else None,

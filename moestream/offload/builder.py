@@ -277,10 +277,11 @@ def _footprint(
     n_guess, n_used = decode.n_guess, spec.n_expert_used
     ring = ring_bytes(tensors, tensors, n_guess, n_used, rows, decode.ahead) if decode.guesses else 0
     kv_types = dict(zip(("type_k", "type_v"), opts.model.kv_types, strict=True))
+    stacks = 3 if opts.streaming.keeps_dequantized(n_ctx, ubatch) else 1
     return Footprint(
         dense=dense_bytes,
         kv_cache=opts.serving.n_seqs * (kv_cache_bytes(spec, n_ctx, dtype, **kv_types) + state_bytes),
-        workspace=workspace_bytes(spec, ubatch, n_ctx, dtype, opts.model.torch_device.type),
+        workspace=workspace_bytes(spec, ubatch, n_ctx, dtype, opts.model.torch_device.type, stacks),
         prefetch=ring,
     )
 

@@ -42,30 +42,45 @@ class ExpertTensors:
         timeline: Timeline = NULL,
         layer: int | None = None,
         pick: RowGather | None = None,
+        kept: dict[int, torch.Tensor] | None = None,
     ) -> Dequantize:
         """How the model's MoE makes stack s of stored bytes `raws` (on any device) dense, all of it or the rows
-        it names (picked by `pick`, the owner's picker: needed with rows), as a "dequant" span."""
+        it names (picked by `pick`, the owner's picker: needed with rows), as a "dequant" span. Whole stacks
+        are taken from and left in kept, where given."""
 
         def dequantized(s: int, rows: torch.Tensor | None) -> torch.Tensor:
+            if kept is not None and rows is None and s in kept:
+                return kept[s]
             start = timeline.stamp()
             raw, v = raws[s], self.views[s]
             picked = raw if rows is None else pick(raw, rows)  # raw may hold just some experts
             out = dequantize(picked, v.qtype, (picked.shape[0], *v.shape[1:]), dtype)
             timeline.add("compute", "dequant", start, timeline.stamp(), layer=layer)
+            if kept is not None and rows is None:
+                kept[s] = out
             return out
 
         return dequantized
 
     def stored(
-        self, raws, ids: torch.Tensor, dtype: torch.dtype, timeline: Timeline, layer: int, pick: RowGather, **how
+        self,
+        raws,
+        ids: torch.Tensor,
+        dtype: torch.dtype,
+        timeline: Timeline,
+        layer: int,
+        pick: RowGather,
+        kept: dict[int, torch.Tensor] | None = None,
+        **how,
     ) -> StoredExperts:
-        """What the model's MoE gets: raws (gate, up, down bytes) with ids [T, K] indexing their rows."""
+        """What the model's MoE gets: raws (gate, up, down bytes) with ids [T, K] indexing their rows; kept: see
+        dequantizer."""
         raws = list(raws)
         return StoredExperts(
             tuple(raws),
             tuple(v.qtype for v in self.views),
             tuple(v.shape for v in self.views),
             ids,
-            self.dequantizer(raws, dtype, timeline, layer, pick),
+            self.dequantizer(raws, dtype, timeline, layer, pick, kept),
             **how,
         )

@@ -65,12 +65,18 @@ class LayerExperts:
         self.counters = Counters.of(self.streamer, prefetcher is not None, self.dev.device)
 
     def begin(
-        self, visits: list[int], static: bool = False, timeline: Timeline = NULL, on_route: OnRoute | None = None
+        self,
+        visits: list[int],
+        static: bool = False,
+        timeline: Timeline = NULL,
+        on_route: OnRoute | None = None,
+        keep_dequantized: bool = False,
     ) -> ExpertPass:
-        """A pass over the layers starts: the streamed layers it will visit, in order (uploads start now)."""
+        """A pass over the layers starts: the streamed layers it will visit, in order (uploads start now).
+        keep_dequantized: a layer's whole stacks, once dequantized, serve all its micro-batches (layer-major)."""
         if self.streamer is not None:
             self.streamer.begin(visits)
-        return ExpertPass(self, static, timeline, on_route)
+        return ExpertPass(self, static, timeline, on_route, keep_dequantized)
 
     def record(self, timeline: Timeline) -> None:
         """Send the streamer's copy spans to timeline (compute spans go to each pass's)."""
@@ -153,11 +159,12 @@ class LayerExperts:
                 self.counters.usage.append((expert_counts(ids.reshape(-1), t.n_expert) > 0).float().mean())
             raws = self.streamer.acquire(il)  # the compute stream now waits for the upload
         p.open_span("experts", label)
-        return self._on_device(tl, il, t, raws, x, ids)
+        return self._on_device(tl, il, t, raws, x, ids, kept=p.kept)
 
-    def _on_device(self, tl: Timeline, il: int, t: ExpertTensors, raws, x, ids, first=None) -> StoredExperts:
+    def _on_device(self, tl: Timeline, il: int, t: ExpertTensors, raws, x, ids, first=None, kept=None) -> StoredExperts:
         """raws on x's device (or, gathered, page-locked host memory the GPU reads), ids indexing their rows;
-        first: the picks' first_picks, where they are gathered."""
+        first: the picks' first_picks, where they are gathered; kept: the pass's whole dequantized stacks of
+        layer il, to reuse and fill (None: each made anew)."""
         self.dev.compute()  # injected slowness on the CPU device; nothing on a GPU
         if isinstance(raws, ShardedLayer):  # --devices: each range of experts on its own device
             parts = tuple((lo, hi, t.stored(r, ids, self.dtype, tl, il, self.pick)) for lo, hi, r in raws.parts)
@@ -169,7 +176,7 @@ class LayerExperts:
             first = first_picks(picks) if first is None else first
             raws = [self.pick(raw, picks, first=first) for raw in raws]
             ids = first.view_as(ids)  # a pick's row: its expert's first pick's
-        return t.stored(raws, ids, self.dtype, tl, il, self.pick)
+        return t.stored(raws, ids, self.dtype, tl, il, self.pick, kept=kept)
 
     def _small_batch(self, p: ExpertPass, il: int, t: ExpertTensors, x, ids, label: dict) -> StoredExperts:
         """A streamed layer for a few tokens, as the plan says: gather the experts they chose with a kernel
@@ -228,15 +235,26 @@ class ExpertPass:
     static: a pass whose device work must be the same every time (a decode step that may be captured in a
     CUDA graph): every streamed layer reads its experts the same way whatever the staging slots hold."""
 
-    def __init__(self, source: LayerExperts, static: bool, timeline: Timeline, on_route: OnRoute | None = None):
+    def __init__(
+        self,
+        source: LayerExperts,
+        static: bool,
+        timeline: Timeline,
+        on_route: OnRoute | None = None,
+        keep_dequantized: bool = False,
+    ):
         self.source, self.static, self.timeline = source, static, timeline
         self.on_route = on_route  # sees each layer's input and routing (a counter, a test's probe)
+        # the current layer's whole stacks dequantized, by stack index, while its micro-batches run
+        self.kept: dict[int, torch.Tensor] | None = {} if keep_dequantized else None
         self.layer: tuple[int, int, object] = (-1, -1, None)  # (layer, micro-batch, stamp) the engine started
         self._span: tuple[str, object, dict] | None = None  # the experts span open until the next layer starts
 
     def start_layer(self, il: int, ubatch: int) -> None:
         """The engine begins layer il of a micro-batch: attention and router run from here to weights()."""
         self.layers_done()
+        if self.kept and il != self.layer[0]:
+            self.kept.clear()  # the layer before's stacks: no micro-batch needs them again
         if self.source.streamer is not None:
             self.source.streamer.release(il)
         self.layer = (il, ubatch, self.timeline.stamp())
@@ -267,4 +285,6 @@ class ExpertPass:
     def end(self) -> None:
         """Compute has queued its last use of the current staging slot."""
         self.layers_done()
+        if self.kept:
+            self.kept.clear()
         self.source.end_pass()

@@ -202,12 +202,16 @@ def kv_cache_bytes(
 ALLOCATOR_SLACK = 256 * 2**20  # rounding in the caching allocator, cuBLAS workspaces, small temporaries
 
 
-def workspace_bytes(spec, ubatch: int, n_ctx: int, dtype: torch.dtype, device_type: str = "cuda") -> int:
+def workspace_bytes(
+    spec, ubatch: int, n_ctx: int, dtype: torch.dtype, device_type: str = "cuda", stacks: int = 1
+) -> int:
     """Peak temporaries of a micro-batch, and allocator slack."""
-    return temporaries_bytes(spec, ubatch, n_ctx, dtype, device_type) + ALLOCATOR_SLACK
+    return temporaries_bytes(spec, ubatch, n_ctx, dtype, device_type, stacks) + ALLOCATOR_SLACK
 
 
-def temporaries_bytes(spec, ubatch: int, n_ctx: int, dtype: torch.dtype, device_type: str = "cuda") -> int:
+def temporaries_bytes(
+    spec, ubatch: int, n_ctx: int, dtype: torch.dtype, device_type: str = "cuda", stacks: int = 1
+) -> int:
     """The most a micro-batch of `ubatch` tokens allocates at once, at any depth up to n_ctx: the largest weight
     dequantized at once (an expert stack, made one at a time, or a slice of the output head), its grouped
     activations, and attention's keys and values repeated to every query head (at most a chunk of the prefix
@@ -215,10 +219,12 @@ def temporaries_bytes(spec, ubatch: int, n_ctx: int, dtype: torch.dtype, device_
     the CPU the blocks expand through the torch reference, whose steps have scratch of their own (a GPU's
     dequant kernels write the output directly; a type without one there falls in the allocator slack). Besides
     the micro-batch, the residual stream of a whole prompt of up to n_ctx tokens: every micro-batch is embedded
-    up front, and layer-major order keeps them all between layers (runtime/engine.py)."""
+    up front, and layer-major order keeps them all between layers (runtime/engine.py). stacks: expert stacks
+    alive at once (3 where prefill keeps a layer's dequantized stacks across its micro-batches)."""
     size = torch.empty((), dtype=dtype).element_size()
-    largest = max(spec.n_expert * spec.n_ff_exp * spec.n_embd, min(spec.n_vocab, HEAD_ROWS) * spec.n_embd)
-    weights = largest * size + (scratch_bytes(largest, device_type) if device_type == "cpu" else 0)
+    stack = spec.n_expert * spec.n_ff_exp * spec.n_embd
+    largest = max(stack, min(spec.n_vocab, HEAD_ROWS) * spec.n_embd)
+    weights = max(stacks * stack, largest) * size + (scratch_bytes(largest, device_type) if device_type == "cpu" else 0)
     acts = ubatch * spec.n_expert_used * (3 * spec.n_ff_exp + 2 * spec.n_embd) * size
     rows = spec.n_head * spec.head_dim
     attention = (2 * attention_keys(n_ctx, ubatch) + 4 * ubatch) * rows * size

@@ -137,7 +137,8 @@ class Engine:
         batches = [make(cache.n_past + i * ub, len(c), self.device, self.dtype) for i, c in enumerate(chunks)]
         xs = [self.model.embed(torch.tensor(c)) for c in chunks]  # token ids stay on the host: rows are read there
         timeline = self.setup.timeline
-        p = experts.begin(visits, timeline=timeline, on_route=on_route)
+        keep = self.options.streaming.keeps_dequantized(len(tokens), ub)
+        p = experts.begin(visits, timeline=timeline, on_route=on_route, keep_dequantized=keep)
         started = False
         try:
             for il, j in tqdm(order, desc="prefill", unit="layer", disable=not show, leave=False):

@@ -10,8 +10,9 @@ import torch
 import moestream
 from moestream.errors import MoestreamError
 from moestream.offload.device import CpuDevice
-from moestream.offload.placement import Placement
+from moestream.offload.placement import Placement, workspace_bytes
 from moestream.options import Options, Schedule
+from moestream.profiling.timeline import Timeline
 from moestream.runtime.sampling import SamplingParams
 
 TOKENS = torch.randint(0, 1280, (40,), generator=torch.Generator().manual_seed(5)).tolist()
@@ -69,6 +70,47 @@ def test_layer_major_uploads_each_layer_once(model_file):
     assert s_lm.bytes_uploaded == one_pass and s_lm.uploads == 3
     assert s_tm.bytes_uploaded >= 2 * one_pass
     assert torch.equal(tm_logits, lm_logits)
+
+
+@pytest.mark.parametrize("n_cpu_moe", [0, 1, "all"])
+def test_kept_dequantized_stacks_give_the_same_bits_from_one_dequantization_a_layer(model_file, n_cpu_moe):
+    """--keep-dequantized: 40 tokens in micro-batches of 16, 16 and 8 dequantize each layer's three stacks once,
+    not once a micro-batch, resident or streamed; the logits do not move by a bit."""
+    path = model_file("tiny", "Q4_K_M")
+
+    def dequants(keep: bool) -> tuple[torch.Tensor, int, int, int]:
+        engine = moestream.load(
+            path, device="cpu", ubatch=16, stream_min_batch=8, progress=False, n_cpu_moe=n_cpu_moe,
+            stream="layer-major", keep_dequantized=keep,
+        )  # fmt: skip
+        try:
+            timeline = Timeline(engine.device)
+            engine.record(timeline)
+            logits = engine.logits(TOKENS)
+            n = sum(s.name == "dequant" for s in timeline.resolve())
+            return logits, n, engine.spec.n_layer, engine.offload.footprint.workspace
+        finally:
+            engine.close()
+
+    (each, n_each, n_layer, ws_each), (kept, n_kept, _, ws_kept) = dequants(False), dequants(True)
+    assert torch.equal(kept, each)
+    assert n_kept == 3 * n_layer and n_each == 3 * n_kept
+    assert ws_kept > ws_each  # the two more stacks are budgeted
+
+
+def test_kept_dequantized_stacks_are_budgeted_only_where_they_are_kept():
+    """Three stacks in the workspace for layer-major prompts longer than a micro-batch, one otherwise."""
+    from moestream.tools.presets import get_preset
+
+    spec = get_preset("qwen3-30b-a3b").spec
+    stack = spec.n_expert * spec.n_ff_exp * spec.n_embd * 2
+    one = Options.make(device="cpu", stream="layer-major")
+    kept = Options.make(device="cpu", stream="layer-major", keep_dequantized=True)
+    tm = Options.make(device="cpu", stream="overlap", keep_dequantized=True)
+    assert kept.streaming.keeps_dequantized(4096, 2048) and not kept.streaming.keeps_dequantized(2048, 2048)
+    assert not one.streaming.keeps_dequantized(4096, 2048) and not tm.streaming.keeps_dequantized(4096, 2048)
+    ws = [workspace_bytes(spec, 2048, 4096, torch.bfloat16, "cuda", stacks) for stacks in (1, 3)]
+    assert ws[1] - ws[0] == 2 * stack
 
 
 @pytest.mark.parametrize("small_batch", ["cpu", "upload", "gather", "auto"])
