@@ -33,11 +33,13 @@ def load(path: str, **opts):
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qwen35moe", "tiny-gpt-oss"])
 @pytest.mark.parametrize("ubatch", [16, 200])
-def test_footprint_bounds_what_the_cpu_device_allocates(model_file, preset, ubatch):
+@pytest.mark.parametrize("keep", [False, True])
+def test_footprint_bounds_what_the_cpu_device_allocates(model_file, preset, ubatch, keep):
     """The KV cache (and recurrent state) and the staging ring are what the footprint says (to the byte, and
     to the alignment of the slots' stacks); a
-    200-token prompt's pass allocates at most the temporaries it budgets, and not a small fraction of them."""
-    engine = load(model_file(preset, "Q4_K_M"), ubatch=ubatch, n_cpu_moe=2)
+    200-token prompt's pass allocates at most the temporaries it budgets, and not a small fraction of them,
+    also where each layer's dequantized stacks are kept across micro-batches."""
+    engine = load(model_file(preset, "Q4_K_M"), ubatch=ubatch, n_cpu_moe=2, keep_dequantized=keep)
     try:
         fp, placement = engine.offload.footprint, engine.offload.placement
         with CpuMemory() as kv:
