@@ -29,9 +29,9 @@
 #            --keep-dequantized, its layer-major profile
 #            at -ub 2048 (where the time goes: attention, dequant, experts), and llama-bench's pp32768 at -ncmoe 26
 #            -lm none -ub 2048 beside it where lbuild ran
-#   bgtests  the GPU tests of session 26's work (flash prefix in place, the admitting cache in captured steps,
-#            gather) in the background with their own Triton cache, so a firstrun after it still compiles cold;
-#            the script waits for them at its end
+#   bgtests  the GPU tests of sessions 26-27's work (flash prefix in place, the admitting cache in captured steps,
+#            gather, --keep-dequantized) in the background with their own Triton cache, so a firstrun after it
+#            still compiles cold; the script waits for them at its end
 #   cpuway   issue 34: tg128 at -ncmoe 26 spread 12 GiB: gather with --cpu-layers $CPU_LAYERS (0,6,13), --small-batch
 #            cpu (the host function in the graph), then
 #            auto (its measured gather / upload / cpu ms a step), then scripts/cpu_experts.py at 16 threads
@@ -240,7 +240,8 @@ for step in "$@"; do
            wait_build && /tmp/lcpp/build/bin/llama-bench -m $MODEL -ngl 99 -fa 1 -p 32768 -n 0 -ub 2048 -r 2 -ncmoe 26 \
              -lm none 2>&1 | grep -v '^ggml\|^load' | tee -a "$OUT/bench.txt" ;;
     bgtests) (TRITON_CACHE_DIR=/tmp/tc-tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/ops/test_prefix_attention.py \
-               tests/kernels/test_cache_admit.py tests/runtime/test_step_gpu.py tests/kernels/test_gather.py 2>&1 \
+               tests/kernels/test_cache_admit.py tests/runtime/test_step_gpu.py tests/kernels/test_gather.py \
+               tests/offload/test_streaming_gpu.py 2>&1 \
                | tail -25 >> "$OUT/gpu_tests.txt") &
              tests_pid=$! ;;
     ctxpp) make_model $MODEL qwen3-30b-a3b | tee -a "$OUT/model.txt"

@@ -40,6 +40,15 @@ def test_schedules_bit_identical_on_cuda(model_file, stream, slots):
     assert torch.equal(ref, got), f"{stream}/{slots}: max diff {(ref - got).abs().max():.3e}"
 
 
+@pytest.mark.parametrize("n_cpu_moe", [0, "all"])
+def test_kept_dequantized_stacks_bit_identical_on_cuda(model_file, n_cpu_moe):
+    """--keep-dequantized: 96 tokens in 3 micro-batches reuse each layer's Triton-dequantized stacks."""
+    path = model_file("tiny", "Q4_K_M")
+    ref = logits(path, n_cpu_moe=n_cpu_moe, stream="layer-major")
+    got = logits(path, n_cpu_moe=n_cpu_moe, stream="layer-major", keep_dequantized=True)
+    assert torch.equal(ref, got), f"max diff {(ref - got).abs().max():.3e}"
+
+
 @pytest.mark.parametrize("stream", ["overlap", "layer-major"])
 def test_slot_not_overwritten_under_slow_consumer(model_file, stream):
     path = model_file("tiny-odd", "Q8_0")  # 3 layers through 2 slots: every slot is reused
