@@ -49,14 +49,15 @@ class ExpertTensors:
         are taken from and left in kept, where given."""
 
         def dequantized(s: int, rows: torch.Tensor | None) -> torch.Tensor:
-            if kept is not None and rows is None and s in kept:
+            keep = kept is not None and rows is None
+            if keep and s in kept:
                 return kept[s]
             start = timeline.stamp()
             raw, v = raws[s], self.views[s]
             picked = raw if rows is None else pick(raw, rows)  # raw may hold just some experts
             out = dequantize(picked, v.qtype, (picked.shape[0], *v.shape[1:]), dtype)
             timeline.add("compute", "dequant", start, timeline.stamp(), layer=layer)
-            if kept is not None and rows is None:
+            if keep:
                 kept[s] = out
             return out
 
