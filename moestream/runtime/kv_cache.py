@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -95,6 +96,9 @@ class KVRows:
         return KVRows(self.n, self.types, k, v)
 
 
+_SERIALS = itertools.count()
+
+
 class SequenceCache:
     """Everything one sequence carries between forward passes: attention KV and per-layer recurrent state."""
 
@@ -103,6 +107,7 @@ class SequenceCache:
         self.recurrent = recurrent or {}  # il -> the architecture's state object (e.g. delta-net conv + S)
         self.n_past = 0  # tokens already in the cache
         self.broken = False  # set when a pass failed half-way
+        self.serial = next(_SERIALS)  # the order of creation: batched rows sorted by it come in the same order each run
 
     def reset(self) -> None:
         """Start a new sequence in the same memory (captured decode steps that point at it stay valid)."""

@@ -83,7 +83,9 @@ class DecodeStep:
         """Logits [B, V] of one token for each of distinct sequences: the projections and experts run once for
         all rows, attention and recurrent state per sequence. Replayed from a graph captured once per set of
         caches and key buckets (a server's caches come from a reused pool, so a few captures serve many)."""
-        order = sorted(range(len(caches)), key=lambda i: id(caches[i]))  # one graph whatever order rows come in
+        # one graph whatever order rows come in, and the same order each run (by address, a row's place in the
+        # batch, and so its bits on the CPU, changed from run to run)
+        order = sorted(range(len(caches)), key=lambda i: caches[i].serial)
         tokens, caches = [tokens[i] for i in order], [caches[i] for i in order]
         most = tuning.current().max_tokens if self.device.type == "cuda" else len(tokens)
         # on a GPU, passes of at most the tuning's max_tokens rows: more would dequantize every weight and multiply
