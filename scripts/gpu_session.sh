@@ -59,7 +59,8 @@
 #   speed    issue 31's before/after: the tree $BEFORE (a worktree inside this one, carried) and this one, alternating
 #            processes, $ROUNDS rounds (2): tg128 -ncmoe 0, then pp2048 + tg128 at -ncmoe 26 spread 12 GiB (auto), on
 #            $SPEED_MODEL ($MODEL, generated first; $Q35 with SPEED_PRESET=qwen3.6-35b-a3b); $SPEED_ARGS: other bench
-#            flags (';'-separated sets). A tree of an old commit: mkdir wt-before && git archive REV moestream
+#            flags (';'-separated sets); $SPEED_QUANT: the recipe (Q4_K_M; MXFP4_MOE with SPEED_PRESET=gpt-oss-20b).
+#            llamaspeed: llama-bench tg128 resident on the same file (after lbuild). A tree of an old commit: mkdir wt-before && git archive REV moestream
 #            pyproject.toml | tar -x -C wt-before (wt-before is git-excluded; carry it)
 #   firstrun issue 36: `moestream run` twice on $MODEL at -ncmoe 26 spread 12 GiB, 16 tokens: wall time, what it
 #            says about compiling, its prompt line (first on a fresh machine, before any step that compiles kernels)
@@ -334,7 +335,8 @@ for step in "$@"; do
               done ;;
     model35) make_model $Q35 qwen3.6-35b-a3b | tee -a "$OUT/model35.txt" ;;  # for TREE_MODEL=$Q35 settings
     routing35) $MS info $Q35 --routing --tokens 2048 2>&1 | quiet | tail -45 | tee -a "$OUT/model35.txt" | tail -3 ;;
-    speed) m=${SPEED_MODEL:-$MODEL}; make_model $m ${SPEED_PRESET:-qwen3-30b-a3b} | tee -a "$OUT/model.txt"
+    speed) m=${SPEED_MODEL:-$MODEL}
+           make_model $m ${SPEED_PRESET:-qwen3-30b-a3b} --quant ${SPEED_QUANT:-Q4_K_M} | tee -a "$OUT/model.txt"
            trees=(${BEFORE:-wt-before} .)
            for round in $(seq ${ROUNDS:-2}); do
              for i in 0 1; do
@@ -348,6 +350,8 @@ for step in "$@"; do
                done
              done
            done ;;
+    llamaspeed) wait_build && /tmp/lcpp/build/bin/llama-bench -m ${SPEED_MODEL:-$MODEL} -ngl 99 -fa 1 -p 0 -n 128 -r 3 \
+                  2>&1 | grep -v '^ggml\|^load' | tee -a "$OUT/bench.txt" ;;
     promptcache)
       [[ -f $MODEL ]] || { echo "no $MODEL here: run the model step first"; continue; }
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/serve/*.whl || exit 1

@@ -3,11 +3,11 @@ tile of stored blocks in registers and multiplies it by x's matching slices. for
 dot; the tables below look the names up, so a new type's dot is a function here and a name there.
 
 A dot takes base [R, B, 1] pointing at B consecutive blocks of each of R rows, xb [1, B, 1] at the blocks'
-slices of x, ok [R, 1, 1] masking rows, and returns [R, B, W] or [R, B, W, V] partial products (summed by the
-caller). The dots load the packed bytes as 32- or 16-bit words (blocks off a word boundary, such as MXFP4's 17
-bytes, through _word_at), a bfloat16 x 2 or 4 values a load, and each scale once per row; small integers become
-floats without I2F (1 + q / 2**bits under the exponent of 1.0, or 2**23 + q), and IQ4's table is looked up in
-registers (prmt).
+slices of x, ok [R, 1, 1] masking rows (or [R, B, 1]: a row's last turn, partly past its end), and returns [R,
+B, W] or [R, B, W, V] partial products (summed by the caller). The dots load the packed bytes as 32- or 16-bit
+words (blocks off a word boundary, such as MXFP4's 17 bytes, through _word_at), a bfloat16 x 2 or 4 values a
+load, and each scale once per row; small integers become floats without I2F (1 + q / 2**bits under the
+exponent of 1.0, or 2**23 + q), and IQ4's table is looked up in registers (prmt).
 """
 
 from __future__ import annotations

@@ -33,9 +33,11 @@ if triton is not None:
         TABLE: tl.constexpr, ELEMS, SIZE, B: tl.constexpr, UNROLLED: tl.constexpr, PAIR: tl.constexpr,
     ):  # fmt: skip
         """[R] dot products of rows `out` of matrix `mat` of the stack w with the vector at xp, B blocks a row
-        at a time (B divides N_BLOCKS), and with PAIR the same rows of the stack w2 (stored alike) beside them.
+        at a time (B <= N_BLOCKS), and with PAIR the same rows of the stack w2 (stored alike) beside them.
         A row of up to UNROLLED blocks is unrolled, so the loads of every turn can go out before the first
-        one's products, at the price of registers. The sums keep their order either way. table: the type's
+        one's products, at the price of registers. The sums keep their order either way. The last turn of a
+        row whose blocks B does not divide (gpt-oss's 2880 values: 90 blocks of 32) reads its blocks masked:
+        all-zero bytes decode to zeros in every type, times x of the row's last block. table: the type's
         lookup table, if it has one (TABLE)."""
         at = (mat * n_out + out[:, None, None].to(tl.int64)) * row_bytes
         blk = tl.arange(0, B)[None, :, None]
@@ -48,6 +50,13 @@ if triton is not None:
             a += block_dot(DOT, w + at + (j * B + blk) * SIZE, xp + (j * B + blk) * ELEMS, ok, table, TABLE)
             if PAIR:
                 b += block_dot(DOT, w2 + at + (j * B + blk) * SIZE, xp + (j * B + blk) * ELEMS, ok, table, TABLE)
+        if N_BLOCKS % B:
+            idx = (N_BLOCKS // B) * B + blk
+            tail = ok & (idx < N_BLOCKS)
+            idx = tl.minimum(idx, N_BLOCKS - 1)
+            a += block_dot(DOT, w + at + idx * SIZE, xp + idx * ELEMS, tail, table, TABLE)
+            if PAIR:
+                b += block_dot(DOT, w2 + at + idx * SIZE, xp + idx * ELEMS, tail, table, TABLE)
         return _total(a), _total(b)
 
     @triton.jit
@@ -344,9 +353,10 @@ def layout(
 
 
 def blocks_at_once(n_blocks: int, at_most: int) -> int:
-    """Blocks of a row loaded together: the largest power of two up to at_most that divides n_blocks."""
+    """Blocks of a row loaded together: the largest power of two up to at_most and n_blocks (row_dot masks
+    the last turn's blocks past the row's end)."""
     at_once = 1
-    while at_once < at_most and n_blocks % (2 * at_once) == 0:
+    while 2 * at_once <= min(at_most, n_blocks):
         at_once *= 2
     return at_once
 

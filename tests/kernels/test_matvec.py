@@ -6,13 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from kernel_devices import DEVICE, gpu, gpu_or_interpreter
 
 from moestream.formats import quants
 from moestream.formats.quantize import quantize
 from moestream.kernels import matvec as mv
-from moestream.kernels import tuning
+from moestream.kernels import moe_matvec, tuning
 from moestream.kernels.dots import DOTS, FLOAT_QTYPES
 from moestream.kernels.matvec import matvec
 from moestream.offload.host import PinnedRanges
@@ -32,9 +33,11 @@ def test_tiles_shrink_until_the_grid_spreads():
     assert rows == 1 or -(-n_out // rows) * n_vec >= H200
 
 
-def test_blocks_loaded_together_divide_the_row():
-    assert [mv.blocks_at_once(n, 4) for n in (3, 4, 8, 16)] == [1, 4, 4, 4]  # rows of 768 ... 4096 (K-quants)
-    assert mv.blocks_at_once(6, 4) == 2 and mv.blocks_at_once(8, 1) == 1 and mv.blocks_at_once(24, 8) == 8
+def test_blocks_loaded_together_are_a_power_of_two_within_the_row():
+    assert [mv.blocks_at_once(n, 4) for n in (1, 3, 4, 8, 16)] == [1, 2, 4, 4, 4]  # rows of 256 ... 4096 (K-quants)
+    assert mv.blocks_at_once(6, 4) == 4 and mv.blocks_at_once(8, 1) == 1 and mv.blocks_at_once(24, 8) == 8
+    # gpt-oss's rows of 2880 values: 90 blocks of 32, read 8 at a time and the last 2 masked, not 2 at a time
+    assert mv.layout(Q.MXFP4, 2880, torch.zeros(17 * 90, dtype=torch.uint8), 1, 16)[1]["B"] == 8
 
 
 def test_blocks_off_word_alignment_are_refused():
@@ -51,8 +54,10 @@ def test_blocks_off_word_alignment_are_refused():
 @gpu
 @pytest.mark.parametrize("qtype", sorted(DOTS), ids=lambda t: t.name)
 @pytest.mark.parametrize("where", ["device", "host"])
-@pytest.mark.parametrize("n_in", [768, 2048])  # K-quants: 3 blocks a row, one at a time; 8, loaded together
+@pytest.mark.parametrize("n_in", [768, 2048, 2880])  # K-quants: 3 blocks a row, one at a time; 8, loaded together
 def test_matvec_matches_dequantized_product(qtype, where, n_in, own_pages):
+    if n_in % GGML_QUANT_SIZES[qtype][0]:
+        pytest.skip(f"{qtype.name} rows are whole blocks of {GGML_QUANT_SIZES[qtype][0]}")  # 2880: 90 blocks of 32
     w = (np.random.default_rng(0).standard_normal((6, 72, n_in)) * 0.05).astype(np.float32)  # 72: a partial tile
     stored = own_pages(quantize(w, qtype))
     pinned = PinnedRanges()
@@ -75,6 +80,27 @@ def test_matvec_matches_dequantized_product(qtype, where, n_in, own_pages):
         assert float((got16.float() - ref).abs().max() / ref.abs().max()) < 2e-2
     finally:
         pinned.unregister()
+
+
+@pytest.mark.gpu
+@gpu_or_interpreter
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.IQ4_XS, Q.IQ1_M], ids=lambda t: t.name)
+def test_a_rows_last_turn_past_its_end_reads_only_its_blocks(qtype):
+    """5 blocks of 256 read 4 at a time: the second turn's last 3 are masked (and the pair's, for gate and up)."""
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((2, 2, 40, 1280)).astype(np.float32)
+    stored = [torch.from_numpy(quantize(m, qtype)).to(DEVICE) for m in w]
+    W = [quants.dequantize(s.cpu(), qtype, (2, 40, 1280)) for s in stored]
+    x, ids = torch.randn(1, 1280), torch.tensor([[1, 0]])
+    with tuning.use(blocks_at_once=4, gate_up_blocks_at_once=4):
+        assert mv.layout(qtype, 1280, stored[0], 4, 16)[1]["B"] == 4
+        y = matvec(stored[0], qtype, 40, x.repeat(2, 1).to(DEVICE), ids[0].to(DEVICE))  # a row of x a pair
+        h = moe_matvec._gate_up(x.to(DEVICE), stored, (qtype, qtype), 40, ids.reshape(-1).to(DEVICE), 2)
+    ref = torch.stack([W[0][e] @ x[0] for e in (1, 0)])
+    assert float((y.cpu() - ref).abs().max() / ref.abs().max()) < 1e-5
+    g, u = (torch.stack([W[i][e] @ x[0] for e in (1, 0)]) for i in (0, 1))
+    ref_h = g * torch.sigmoid(g) * u
+    assert float((h.cpu() - ref_h).abs().max() / ref_h.abs().max()) < 1e-5
 
 
 def test_x_off_a_16_byte_boundary_is_copied_to_one():
