@@ -66,7 +66,8 @@ def test_the_gpu_kernels_give_the_whole_softmax(dtype):
 @pytest.mark.gpu
 def test_flash_reads_the_whole_prefix_in_place():
     """bf16 on a GPU: the prefix in one flash call over the cache's own KV heads, so a micro-batch at depth 32k
-    allocates what it does at 4k, less than one chunk's keys repeated to every head, and gives the whole softmax."""
+    allocates about what it does at 4k (flash's split-K partial sums grow a little: 240 KiB more on an H100),
+    less than one chunk's keys repeated to every head, and gives the whole softmax."""
     g = torch.Generator().manual_seed(6)
     T, H, Hkv, Dh = 16, 32, 4, 128
     q = torch.randn(T, H, Dh, generator=g)
@@ -83,4 +84,5 @@ def test_flash_reads_the_whole_prefix_in_place():
         err = (got.cpu().double() - reference(q, k, v)).abs().max().item()
         assert err < 2e-2, f"depth {depth}: max error {err:.2e}"
     one_chunk_kv = 2 * 1024 * H * Dh * 2  # what the chunked path repeats for each chunk
-    assert peaks[1] == peaks[0] and peaks[0] < one_chunk_kv, (peaks, one_chunk_kv)
+    extra_kv = 2 * (32768 - 4096) * Hkv * Dh * 2  # the deeper prefix's own keys and values
+    assert max(peaks) < one_chunk_kv and peaks[1] - peaks[0] < extra_kv / 100, (peaks, one_chunk_kv, extra_kv)
