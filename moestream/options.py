@@ -240,7 +240,7 @@ class DecodeOptions:
     prefetch_ahead: int = 1  # the guess made at the start of the streamed layer 1 or 2 before (offload/prefetch.py)
     expert_cache: int | str = "auto"  # experts of each streamed layer kept on the GPU for decode's gathers
     # (offload/expert_cache.py; with prefetch). auto: as many as --vram-budget leaves (none without a budget)
-    cache_policy: str = "static"  # which experts that cache holds: static, lru or lfu (offload/cache_policy.py)
+    cache_policy: str = "lru"  # which experts that cache holds: static, lru or lfu (offload/cache_policy.py)
     cpu_layers: int = 0  # of the streamed layers, this many (evenly spaced) compute a few tokens' experts on the
     # CPU instead (the rest as small_batch says): the CPU's memory and the link work side by side
 

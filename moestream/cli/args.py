@@ -131,7 +131,7 @@ def engine_flags(p: argparse.ArgumentParser, lists: tuple[str, ...] = ()) -> Non
     p.add_argument(
         "--cache-policy",
         choices=CACHE_POLICIES,
-        default="static",
+        default="lru",
         help="which experts --expert-cache holds: static (most picked since load), lru (most recently picked) or "
         "lfu (most picked lately, decaying)",
     )

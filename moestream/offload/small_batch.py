@@ -95,7 +95,7 @@ class DecodePlan:
     n_guess: int  # experts of a gathered layer guessed a layer ahead (--prefetch; 0: off)
     expert_cache: int | str  # --expert-cache as asked (the count comes from the budget the placement leaves)
     measured: Measured | None = None  # what auto timed to choose `way`
-    cache_policy: str = "static"  # --cache-policy: which experts that cache holds
+    cache_policy: str = "lru"  # --cache-policy: which experts that cache holds
     ahead: int = 1  # --prefetch-ahead: streamed layers between a guess and the layer it guesses
     cpu_layers: int = 0  # --cpu-layers: streamed layers whose small batches compute on the CPU whatever `way` is
 

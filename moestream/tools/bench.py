@@ -55,7 +55,7 @@ class BenchRow:
     type_k: str = ""  # the KV cache's types (-ctk/-ctv, auto resolved)
     type_v: str = ""
     tokens: str = "random"  # what the tests ran: random ids, or a --text file's name
-    cache_policy: str = "static"  # which experts the cache held (--cache-policy)
+    cache_policy: str = "lru"  # which experts the cache held (--cache-policy)
     cpu_layers: int = 0  # streamed layers whose small batches computed on the CPU (all of them under the cpu way)
 
     @property

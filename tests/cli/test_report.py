@@ -78,7 +78,7 @@ def test_depth_and_text_together_keep_every_column(model_file, tmp_path, capsys)
         ("pp8 @ d24", 24, "t.txt"),
         ("tg2 @ d24", 24, "t.txt"),
     ]
-    assert {(r["type_k"], r["type_v"], r["cache_policy"]) for r in records} == {("q8_0", "f16", "static")}
+    assert {(r["type_k"], r["type_v"], r["cache_policy"]) for r in records} == {("q8_0", "f16", "lru")}
     assert main([*argv, "-o", "csv"]) == 0
     header = capsys.readouterr().out.splitlines()[0].split(",")
     assert {'"n_depth"', '"type_k"', '"type_v"', '"tokens"', '"cache_policy"'} <= set(header)

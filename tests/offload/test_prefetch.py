@@ -339,7 +339,7 @@ def test_the_expert_cache_is_read_and_changes_no_bit(model_file, width):
     off = moestream.load(path, prefetch=0, **GATHERED)
     want = decode(off, 12)
     off.close()
-    e = moestream.load(path, prefetch=width, expert_cache=3, **GATHERED)
+    e = moestream.load(path, prefetch=width, expert_cache=3, cache_policy="static", **GATHERED)
     try:
         experts = e.experts
         cache = experts.prefetcher.cache
@@ -408,7 +408,7 @@ def test_a_cache_asked_without_guesses_is_said_to_hold_nothing(model_file):
 def test_a_refresh_stopped_half_way_names_no_row_for_an_expert_it_lost(model_file, monkeypatch):
     """The map drops the rows about to be rewritten before any is copied: an error between the copies leaves
     rows either unnamed or holding what the map says. A refresh before any pick copies nothing."""
-    e = moestream.load(model_file("tiny", "Q4_K_M"), expert_cache=3, **GATHERED)
+    e = moestream.load(model_file("tiny", "Q4_K_M"), expert_cache=3, cache_policy="static", **GATHERED)
     try:
         cache = e.experts.prefetcher.cache
         assert cache.refresh() == 0 and cache.expert_of.tolist() == [[-1] * 3] * len(cache.layers)  # no picks yet
