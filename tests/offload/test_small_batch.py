@@ -50,6 +50,29 @@ def test_timings_skip_warm_up_and_take_the_median_of_a_window():
     assert t.cost("a") == float("inf") and t.fastest(["a", "b"]) == "a"  # the first of equals
 
 
+def test_a_way_far_behind_after_its_first_timed_step_is_not_timed_further():
+    import contextlib
+    import time
+
+    steps = {}
+
+    def trial(way):
+        @contextlib.contextmanager
+        def opened():
+            def step():
+                steps[way] = steps.get(way, 0) + 1
+                time.sleep({"fast": 0.002, "close": 0.003, "slow": 0.1}[way])
+
+            yield step
+
+        return opened()
+
+    m = small_batch.measure(["fast", "close", "slow"], trial)
+    full, cut = small_batch.WARM_UP + small_batch.STEPS, small_batch.WARM_UP + 1
+    assert steps == {"fast": full, "close": full, "slow": cut} and m.chosen == "fast"
+    assert m.seconds["slow"] > small_batch.OUT_OF_RACE * m.seconds["fast"]
+
+
 def test_cpu_layers_are_spread_over_the_streamed_ones():
     opts = Options.make(device="cpu", small_batch="gather", cpu_layers=3)
     access = Access(on_gpu=True, readable=True, kernel_ok=True, sharded=False)
