@@ -11,6 +11,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -323,7 +324,9 @@ def cmd_run(a: argparse.Namespace) -> None:
                 "for); raise --ctx or shorten the prompt"
             )
 
+    start = time.perf_counter()
     engine = load(a.model, engine_options(a), before_weights=prompt_fits)
+    load_s = time.perf_counter() - start  # llama.cpp says its load time too: a first run's compiles show here
     if str(engine.source.metadata.get("general.name", "")).startswith("moestream-generated"):
         print(
             "moestream: note: this model has random weights (moestream make-model): expect gibberish", file=sys.stderr
@@ -334,18 +337,19 @@ def cmd_run(a: argparse.Namespace) -> None:
         gen = getattr(e, "generation", None)
         if gen is not None:
             print()
-            _print_stats(gen)
+            _print_stats(gen, load_s)
         raise
     finally:
         engine.close()
     print()
-    _print_stats(gen)
+    _print_stats(gen, load_s)
     compiles.summary()
 
 
-def _print_stats(gen) -> None:
+def _print_stats(gen, load_s: float) -> None:
     print(
-        f"prompt {count_of(len(gen.prompt_tokens), 'token')} in {gen.prefill_s:.2f} s (first-use setup included) | "
+        f"load {load_s:.2f} s | prompt {count_of(len(gen.prompt_tokens), 'token')} in {gen.prefill_s:.2f} s "
+        "(first-use setup included) | "
         f"generated {count_of(len(gen.tokens), 'token')}"
         + (f", {gen.decode_tps:.1f} tok/s over {count_of(gen.decode_steps, 'step')}" if gen.decode_steps else "")
         + f" | stop: {gen.stop_reason}",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import select
 import signal
 import socket
@@ -112,6 +113,7 @@ def test_the_stats_line_gives_no_rate_for_no_decode_step(model_file, capsys):
     assert main(["run", "-m", path, "-p", "hi", "-n", "1", "--device", "cpu"]) == 0
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert "generated 1 token |" in line and "tok/s" not in line and "prompt 1 token in" in line
+    assert re.match(r"load \d+\.\d\d s \| prompt", line)  # the load's seconds first, as llama.cpp says them
     assert main(["run", "-m", path, "-p", "hi", "-n", "3", "--device", "cpu", "--ignore-eos"]) == 0
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert "generated 3 tokens, " in line and "tok/s over 2 steps" in line
