@@ -63,7 +63,8 @@
 #            llamaspeed: llama-bench tg128 resident on the same file (after lbuild). A tree of an old commit: mkdir wt-before && git archive REV moestream
 #            pyproject.toml | tar -x -C wt-before (wt-before is git-excluded; carry it)
 #   firstrun issue 36: `moestream run` twice on $MODEL at -ncmoe 26 spread 12 GiB, 16 tokens: wall time, what it
-#            says about compiling, its prompt line (first on a fresh machine, before any step that compiles kernels)
+#            says about compiling, its load and prompt line (first on a fresh machine, before any step that compiles
+#            kernels, and before lbuild and bgtests: beside them, session 28's first run took 61.7 s, its compiles 41.6)
 #   ctx35    issue 36: qwen3.6-35b-a3b (generated first) with a 131072-token context and q8_0 K and V under
 #            --vram-budget 12GiB: tg128 at depth 32768, -ncmoe auto
 #   kvtypes  issue 36: the KV-type GPU tests, then tg128 at depths 0..32768 for bf16, f16, q8_0 and q4_0 caches on
@@ -226,7 +227,7 @@ for step in "$@"; do
               for i in 1 2; do
                 /usr/bin/time -f "run $i: %e s from start to exit" $MS run -m $MODEL -p "Write a haiku about the sea." \
                   -n 16 -ncmoe 26 --streamed-layers spread --vram-budget 12GiB 2>&1 | quiet \
-                  | grep -i -e compil -e "prompt " -e "from start" | tee -a "$OUT/bench.txt"
+                  | grep -i -e compil -e "prompt " -e "from start" -e "small batches" | tee -a "$OUT/bench.txt"
               done ;;
     ctx35) make_model $Q35 qwen3.6-35b-a3b | tee -a "$OUT/model35.txt"
            $MS bench -m $Q35 -p 0 -n 128 -d 32768 -c 131072 -ctk q8_0 -ctv q8_0 -ncmoe auto --vram-budget 12GiB -r 2 \
