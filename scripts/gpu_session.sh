@@ -44,7 +44,7 @@
 #            (scripts/oom_where.py), with and without the expert cache, and placement_peak at auto
 #   ctxllama llama-bench's same rows on the same file (-lm none for the prompts; needs lbuild; $CTX_P, $CTX_D: other
 #            prompt lengths and depths)
-#   lbuild llamacpp   build llama.cpp's llama-bench (background) / wait and run tg128 at -ncmoe 0,26 on each
+#   lbuild llamacpp   build llama.cpp's llama-bench and llama-server (background) / wait and run tg128 at -ncmoe 0,26 on each
 #            benchmark model generated so far (qwen3-30b, and qwen3.6-35b after decode35 or qwen35)
 #   model35  generate the qwen3.6-35b-a3b model alone
 #   routing  issue 34: qwen3-30b-a3b made with --routing trained; info --routing on the shipped English text
@@ -204,8 +204,9 @@ for step in "$@"; do
             # steps; `llamacpp` and `compare` wait for its "build rc" line
             mkdir -p /tmp/lcpp && tar xzf .lcpp/llama.tgz -C /tmp/lcpp --strip-components=1 && setsid bash -c 'cd /tmp/lcpp \
               && cmake -S . -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF \
-                   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DCMAKE_BUILD_TYPE=Release >/tmp/lcpp.log 2>&1 \
-              && nice cmake --build build --target llama-bench -j 16 >>/tmp/lcpp.log 2>&1; echo "build rc $?" >>/tmp/lcpp.log' \
+                   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_SERVER=ON \
+                   -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF >/tmp/lcpp.log 2>&1 \
+              && nice cmake --build build --target llama-bench llama-server -j 16 >>/tmp/lcpp.log 2>&1; echo "build rc $?" >>/tmp/lcpp.log' \
               </dev/null >/dev/null 2>&1 & ;;
     llamacpp) wait_build; tail -3 /tmp/lcpp.log | tee -a "$OUT/gpu.txt"
               for m in $MODEL $Q35; do  # each benchmark model this machine has generated (decode35 makes Q35)
@@ -355,12 +356,15 @@ for step in "$@"; do
                   2>&1 | grep -v '^ggml\|^load' | tee -a "$OUT/bench.txt" ;;
     promptcache)
       [[ -f $MODEL ]] || { echo "no $MODEL here: run the model step first"; continue; }
-      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/serve/*.whl || exit 1
-      $MS serve -m $MODEL --device cuda -ncmoe 26 --streamed-layers spread --vram-budget 12GiB --max-seqs 4 -c 16384 \
+      python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/serve/*.whl || exit 1
+      $MS serve -m $MODEL --device cuda -ncmoe auto --streamed-layers spread --vram-budget 12GiB --max-seqs 4 -c 9216 \
         --port 8093 > /tmp/serve.log 2>&1 &
       serve=$!
       get() { python3 -c "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1]).read().decode())" "$1"; }
-      for _ in $(seq 300); do get http://127.0.0.1:8093/health > /dev/null 2>&1 && break; sleep 2; done
+      for _ in $(seq 300); do  # until it answers, or its process has ended (then say why)
+        get http://127.0.0.1:8093/health > /dev/null 2>&1 && break
+        kill -0 $serve 2> /dev/null || { tail -5 /tmp/serve.log; break; }; sleep 2
+      done
       python3 scripts/prompt_cache_ttft.py --url http://127.0.0.1:8093 --tokens 8192 --rounds "${ROUNDS:-3}" 2>&1 \
         | tee -a "$OUT/bench.txt"
       get http://127.0.0.1:8093/metrics | grep prompt_cache | tee -a "$OUT/bench.txt"

@@ -14,21 +14,12 @@ import time
 
 import openai
 from local_server import LocalServer
+from serve_bench import PROMPTS
 
 import moestream
 from moestream.cli.args import engine_flags, engine_options
 
 MODES = {None: "one pass or each alone, as measured", True: "one pass", False: "each sequence alone"}
-PROMPTS = [
-    "The capital of France is",
-    "Count with me: one, two, three,",
-    "The lighthouse keeper climbed",
-    "Bread needs flour, water and",
-    "def keeper_log(hour, minute, note):",
-    "Questions the inspector asked:",
-    "In the winter of 1962 a storm",
-    "Her colleagues asked her why.",
-]
 
 
 def ask(c: openai.OpenAI, prompt: str, max_tokens: int) -> tuple[str, int]:

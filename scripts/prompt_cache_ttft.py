@@ -11,13 +11,12 @@ fresh system prompt of the same length (cold: nothing of it cached). Streamed, g
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
 import time
-import urllib.error
-import urllib.request
+
+from sse_client import ServerError, stream_events
 
 WORDS = (
     "harbour light keeper storm night ship rope lamp tower island wave stone wind salt gull boat tide rock "
@@ -41,31 +40,10 @@ def prefix_text(n_words: int, seed: int) -> str:
 
 def stream_chat(url: str, messages: list[dict], max_tokens: int, key: str | None) -> dict:
     """One streamed chat request: seconds to the first generated text, the text, and the usage if reported."""
-    body = {
-        "model": "m",
-        "messages": messages,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
-    req = urllib.request.Request(f"{url}/v1/chat/completions", json.dumps(body).encode(), headers)
+    body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0}
     start, first, text, usage = time.perf_counter(), None, "", {}
     try:
-        r = urllib.request.urlopen(req, timeout=3600)
-    except urllib.error.HTTPError as e:
-        raise SystemExit(f"the server answered HTTP {e.code}: {e.read().decode(errors='replace')[:300]}") from None
-    except (urllib.error.URLError, OSError) as e:
-        raise SystemExit(f"{url}: {getattr(e, 'reason', e)}; start the server first (--url)") from None
-    with r:
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[5:])
-            if "error" in chunk:
-                raise SystemExit(f"the server answered an error: {chunk['error']}")
+        for chunk in stream_events(url, "/v1/chat/completions", body, key):
             for choice in chunk.get("choices") or []:
                 delta = choice.get("delta", {})
                 piece = (delta.get("content") or "") + (delta.get("reasoning_content") or "")
@@ -73,6 +51,8 @@ def stream_chat(url: str, messages: list[dict], max_tokens: int, key: str | None
                     first = time.perf_counter() - start
                 text += delta.get("content") or ""
             usage = chunk.get("usage") or usage
+    except ServerError as e:
+        raise SystemExit(f"the server failed: {e}") from None
     if first is None:
         raise SystemExit("the server streamed no text: raise --answer-tokens, or check the model")
     return {"ttft": first, "text": text, "usage": usage}
@@ -94,9 +74,13 @@ def main() -> None:
     url = a.url.rstrip("/").removesuffix("/v1")
     if a.tokens < 64 or a.rounds < 1 or a.answer_tokens < 1:
         raise SystemExit("--tokens must be at least 64, --rounds and --answer-tokens at least 1")
-    # words per token, calibrated on a text of its own (which the measured prompts do not share)
-    probe = stream_chat(url, [{"role": "user", "content": prefix_text(PROBE_WORDS, seed=-1)}], 1, a.api_key)
-    per_token = PROBE_WORDS / max(probe["usage"].get("prompt_tokens", PROBE_WORDS), 1)
+    # words per token from two texts of their own (which the measured prompts do not share): the difference leaves
+    # out the chat template's tokens, which made a one-text estimate ask 8192 and get ~7100
+    counts = []
+    for n in (PROBE_WORDS, 3 * PROBE_WORDS):
+        probe = stream_chat(url, [{"role": "user", "content": prefix_text(n, seed=-1)}], 1, a.api_key)
+        counts.append(probe["usage"].get("prompt_tokens", n))
+    per_token = 2 * PROBE_WORDS / max(counts[1] - counts[0], 1)
     n_words = int(a.tokens * per_token)
     rows = []
     for r in range(a.rounds):

@@ -51,20 +51,27 @@ class RouterMargins:
             self.chunk += 1
 
 
-def test_bf16_gpu_matches_f32_cpu(model_file):
+def test_bf16_gpu_matches_bf16_cpu_and_float32_on_most_tokens(model_file):
+    """bf16 rounding alone moves one prompt token of this random model by ~9% of the largest logit on the CPU as
+    on the GPU (token 25; its picks equal float32's in every layer), so the GPU's bf16 run is held to the CPU's
+    bf16 run token by token, and to float32 in the median token."""
     path = model_file(PRESET, "MXFP4_MOE")
-    cpu = moestream.load(path, device="cpu", ubatch=16, progress=False)
+    f32 = moestream.load(path, device="cpu", ubatch=16, progress=False)
+    cpu = moestream.load(path, device="cpu", dtype="bfloat16", ubatch=16, progress=False)
     gpu = moestream.load(path, device="cuda", dtype="bfloat16", ubatch=16, progress=False)
-    seq = TOKENS + cpu.generate(TOKENS, GREEDY).tokens
+    seq = TOKENS + f32.generate(TOKENS, GREEDY).tokens
     margins = RouterMargins(cpu, len(seq))
-    ref = cpu.forward(seq, cpu.new_cache(), all_logits=True, on_route=margins).cpu()
-    got = gpu.logits(seq)
+    ref = cpu.forward(seq, cpu.new_cache(), all_logits=True, on_route=margins).float().cpu()
+    got = gpu.logits(seq).float()
     clear = margins.margin >= 0.02
     assert clear.sum() >= 0.7 * len(seq), f"routing near-ties at tokens {(~clear).nonzero().flatten().tolist()}"
     err = float((ref[clear] - got[clear]).abs().max() / ref.abs().max())
-    assert err < 2e-2, f"bf16 GPU logits differ from f32 CPU by {err:.2e} on tokens without routing near-ties"
-    cpu.close()
-    gpu.close()
+    assert err < 2e-2, f"bf16 GPU logits differ from bf16 CPU by {err:.2e} on tokens without routing near-ties"
+    exact = f32.logits(seq)
+    per_token = (exact - got).abs().amax(dim=-1) / exact.abs().max()
+    assert float(per_token.median()) < 1e-2, f"bf16 GPU logits' median error against float32 {per_token.median():.2e}"
+    for engine in (f32, cpu, gpu):
+        engine.close()
 
 
 @pytest.fixture(scope="module")
