@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import mmap
 
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from moestream.kernels.launch import INTERPRETED
+from moestream.runtime import way_memory
 from moestream.tools.presets import get_preset
 from moestream.tools.synthetic import make_model
 
@@ -40,6 +42,17 @@ def model_file(tmp_path_factory):
         return made[key]
 
     return get
+
+
+_WAYS = itertools.count()
+
+
+@pytest.fixture(autouse=True)
+def own_way_memory(monkeypatch, tmp_path_factory):
+    """--small-batch auto's remembered choices (runtime/way_memory.py) are each test's own: none read from the
+    user's cache or left by another test (its injected delays would choose for this one)."""
+    path = tmp_path_factory.getbasetemp() / "way-memory" / f"{next(_WAYS)}.json"
+    monkeypatch.setattr(way_memory, "memory_file", lambda: path)
 
 
 @pytest.fixture

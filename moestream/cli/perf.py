@@ -240,8 +240,10 @@ def cmd_probe(a: argparse.Namespace) -> None:
 
     device = Options.make(device=a.device).model.torch_device  # the same checks as every other command
     from moestream.kernels.compiles import cache_dirs
+    from moestream.runtime.way_memory import memory_file
 
     print("kernel caches: " + "; ".join(f"{what} {where}" for what, where in cache_dirs().items()))
+    print(f"--small-batch auto's choices: {memory_file()} (delete it to measure again)")
     spec, streamed, registered = None, 0, None
     if a.model is not None:  # -m '': the file's own error
         from moestream.formats.gguf import GGUFFile

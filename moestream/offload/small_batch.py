@@ -75,12 +75,14 @@ class Measured:
     seconds: dict[SmallBatch, float]
     measuring: float = 0.0
     rebuilding: float = 0.0
+    note: str = ""  # where the choice came from when it was not timed now (runtime/way_memory.py)
 
     def describe(self) -> str:
         tried = ", ".join(f"{way} {s * 1e3:.1f}" for way, s in self.seconds.items())
+        cost = self.note or f"{self.measuring:.1f} s measuring"
         return (
             f"small batches: {self.chosen} (auto, measured ms a decode step: {tried}; "
-            f"{self.measuring:.1f} s measuring, {self.rebuilding:.1f} s rebuilding the placement)"
+            f"{cost}, {self.rebuilding:.1f} s rebuilding the placement)"
         )
 
 

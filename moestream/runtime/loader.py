@@ -19,6 +19,7 @@ from moestream.offload.device import cap_vram
 from moestream.offload.embedding import HostEmbedding
 from moestream.offload.small_batch import Measured
 from moestream.options import Options, parse_size
+from moestream.runtime import way_memory
 from moestream.runtime.engine import Engine
 from moestream.runtime.setup import Setup
 
@@ -67,7 +68,7 @@ def load(
 
         embedding = HostEmbedding(f.tensor("token_embd.weight"), device, dtype)
         model = module.Model(spec, weights, embedding, opts.model)
-        engine = Engine(model, tokenizer, Setup(model, opts, build), source=f)
+        engine = Engine(model, tokenizer, Setup(model, opts, build, way_memory.file_identity(f.path)), source=f)
     except BaseException:
         f.close()
         raise

@@ -19,6 +19,7 @@ from moestream.offload.experts import LayerExperts
 from moestream.offload.small_batch import Measured, measure
 from moestream.options import Options, SmallBatch
 from moestream.profiling.timeline import NULL, Timeline
+from moestream.runtime import way_memory
 from moestream.runtime.kv_cache import new_cache
 from moestream.runtime.step import Capturing, DecodeStep
 
@@ -29,8 +30,9 @@ class Setup:
     """options, the offload built for them and the decode step over its experts; `measured`: what
     --small-batch auto timed for this placement (None: nothing)."""
 
-    def __init__(self, model, options: Options, build: Build):
+    def __init__(self, model, options: Options, build: Build, file_id: str | None = None):
         self.model, self.options, self._build = model, options, build
+        self.file_id = file_id  # the model file as way_memory knows it (None: auto's choices are not kept)
         self.n_ctx = options.model.context(model.spec.n_ctx_train)
         self.capturing = Capturing()  # a refused capture is not retried in a later placement
         self.timeline: Timeline = NULL
@@ -69,14 +71,24 @@ class Setup:
 
     def settle(self) -> None:
         """--small-batch auto with a choice to make (offload/small_batch.py DecodePlan.measures): time a few
-        decode steps each way the placement allows and build the placement for the fastest (fresh byte counts
-        and expert cache, and the buffers that way needs)."""
+        decode steps each way the placement allows, or take what an earlier load of the same file with the same
+        options timed on this machine (way_memory.py), and build the placement for the fastest (fresh byte
+        counts and expert cache, and the buffers that way needs; the rule's placement serves when it is that)."""
         self.measured = None
         if not self.offload.plan.measures() or len(tried := self.offload.ways()) < 2:
             return
-        measured = measure(tried, self._trial)
+        k = way_memory.key(self.file_id, self.options, tried) if self.file_id is not None else None
+        measured = way_memory.recall(k) if k is not None else None
         start = time.perf_counter()
-        self._rebuild(self.options, measured)  # self.options stay auto
+        if measured is not None and measured.chosen is self.offload.plan.way:  # untouched by trials: keep it
+            self.offload.experts.plan = dataclasses.replace(self.offload.plan, measured=measured)
+        else:
+            if measured is None:
+                measured = measure(tried, self._trial)
+                if k is not None:
+                    way_memory.remember(k, measured)
+                start = time.perf_counter()
+            self._rebuild(self.options, measured)  # self.options stay auto
         self.measured = dataclasses.replace(measured, rebuilding=time.perf_counter() - start)
         if self.options.model.progress:
             print(self.measured.describe(), file=sys.stderr)

@@ -8,6 +8,7 @@ import re
 import matplotlib.image
 
 from moestream.cli.main import main
+from moestream.runtime import way_memory
 
 
 def test_bench_json_rows_and_invariants(model_file, capsys):
@@ -145,6 +146,7 @@ def test_probe_prints_rates_and_floors(model_file, capsys):
     )
     out = capsys.readouterr().out
     assert "pinned" in out and "TFLOP/s" in out and "transfer: token-major" in out
+    assert f"--small-batch auto's choices: {way_memory.memory_file()}" in out
 
 
 def test_probe_reads_n_cpu_moe_past_the_layers_as_every_layer_like_run(model_file, capsys):

@@ -5,6 +5,8 @@ with a slow link or slow kernels (on the CPU device the rule stands unless small
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
 import weakref
 
 import pytest
@@ -164,3 +166,69 @@ def test_the_printed_choice_counts_the_rebuild(model_file, monkeypatch, capsys):
         assert engine.setup.measured.describe() in capsys.readouterr().err
     finally:
         engine.close()
+
+
+def test_a_later_load_takes_the_choice_an_earlier_one_timed(model_file):
+    """The second load of the same file with the same options times nothing: it says where its choice came from,
+    keeps the rule's placement when that is the choice (no rebuild) and gives the same tokens."""
+    path = model_file("tiny", "Q4_K_M")
+    device = CpuDevice(compute_delay_s=0.2)  # the CPU way wins: not the rule's upload, so the second load rebuilds
+    try:
+        first = moestream.load(path, device="cpu", n_cpu_moe="all", device_impl=device, progress=False)
+        m1, want = first.setup.measured, _greedy(first)
+        first.close()
+        assert m1.chosen is SmallBatch.CPU and m1.measuring > 0 and m1.note == ""
+        second = moestream.load(path, device="cpu", n_cpu_moe="all", device_impl=device, progress=False)
+        m2 = second.setup.measured
+        assert (m2.chosen, m2.seconds, m2.measuring) == (m1.chosen, m1.seconds, 0.0)
+        assert "remembered from an earlier load" in m2.describe() and "measuring" not in m2.describe()
+        assert second.experts.plan.way is SmallBatch.CPU and _greedy(second) == want
+        second.close()
+    finally:
+        device.close()
+
+
+def test_the_rule_s_way_remembered_keeps_the_first_placement(model_file, monkeypatch):
+    from moestream.runtime import loader
+
+    path = model_file("tiny", "Q4_K_M")
+    device = CpuDevice(copy_delay_s=0.05)  # the link is slow: the rule's upload loses, gather or cpu wins
+    built, build = [], loader.build_offload
+    monkeypatch.setattr(loader, "build_offload", lambda *a, **kw: built.append(True) or build(*a, **kw))
+    try:
+        first = moestream.load(path, device="cpu", n_cpu_moe="all", device_impl=device, progress=False)
+        chosen = first.setup.measured.chosen
+        first.close()
+        monkeypatch.setattr(small_batch, "rule", lambda access: chosen)  # as if the rule named what was timed
+        built.clear()
+        second = moestream.load(path, device="cpu", n_cpu_moe="all", device_impl=device, progress=False)
+        assert len(built) == 1 and second.experts.plan.way is chosen  # no second placement
+        assert second.experts.plan.measured.note and second.setup.measured.rebuilding < 0.05
+        second.close()
+    finally:
+        device.close()
+
+
+@pytest.mark.parametrize("change", [dict(slots=2), dict(n_ctx=1024)])
+def test_other_options_a_rewritten_file_or_a_damaged_memory_measure_again(model_file, tmp_path, change):
+    from moestream.runtime import way_memory
+
+    path = tmp_path / "m.gguf"
+    shutil.copy(model_file("tiny", "Q4_K_M"), path)
+    device = CpuDevice(compute_delay_s=0.2)
+
+    def measuring(**kw) -> float:
+        engine = moestream.load(path, device="cpu", n_cpu_moe="all", device_impl=device, progress=False, **kw)
+        engine.close()
+        return engine.setup.measured.measuring if engine.setup.measured else -1.0
+
+    try:
+        assert measuring() > 0 and measuring() == 0.0
+        assert measuring(**change) > 0  # other options: their own choice
+        st = os.stat(path)  # the file rewritten with the same bytes: another modification time
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+        assert measuring() > 0
+        way_memory.memory_file().write_text("{not json")
+        assert measuring() > 0 and measuring() == 0.0  # measured, and the memory written whole again
+    finally:
+        device.close()

@@ -1,0 +1,87 @@
+"""--small-batch auto's choices kept between loads. Which way a placement's small batches take depends on the file,
+the options and the machine, and timing the ways again cost every later load seconds (docs/benchmarks.md, session
+29: 3.6 of a second run's 9.75 s on an H100). A load of the same file (path, size, modification time) with the same
+options on the same machine and versions takes the choice it made before; deleting the file measures again."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+from moestream.kernels.compiles import c_cache_dir
+from moestream.offload.small_batch import Measured
+from moestream.options import Options, SmallBatch
+
+FILE_NAME = "small-batch.json"
+
+
+def memory_file() -> Path:
+    """Where the choices are kept: beside the C matvec's builds ($XDG_CACHE_HOME/moestream or ~/.cache/moestream)."""
+    return c_cache_dir() / FILE_NAME
+
+
+def file_identity(path: str | os.PathLike[str]) -> str:
+    """A model file as the memory knows it: rewritten in place, it is another file."""
+    st = os.stat(path)
+    return f"{os.path.realpath(path)}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def _machine(options: Options) -> list:
+    device = options.model.torch_device
+    gpu = []
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        gpu = [props.name, props.total_memory]
+    return [platform.node(), os.cpu_count(), gpu, torch.__version__, _code()]
+
+
+def _code() -> str:
+    """This moestream: its version and where its code lies (a source tree on PYTHONPATH has no installed version)."""
+    try:
+        version = importlib.metadata.version("moestream")
+    except importlib.metadata.PackageNotFoundError:
+        version = "?"
+    return f"{version} {Path(__file__).resolve().parents[1]}"
+
+
+def key(file_id: str, options: Options, tried: list[SmallBatch]) -> str:
+    """What a choice was made for: the file, every option but progress output, the machine, the ways tried."""
+    what = [file_id, repr(options.replace(progress=False)), _machine(options), [str(w) for w in tried]]
+    return hashlib.sha256(json.dumps(what).encode()).hexdigest()
+
+
+def recall(k: str) -> Measured | None:
+    """The choice made under k before, if any (a damaged or unreadable memory is none)."""
+    try:
+        entry = json.loads(memory_file().read_text())[k]
+        seconds = {SmallBatch(w): float(s) for w, s in entry["seconds"].items()}
+        chosen = SmallBatch(entry["chosen"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    note = f"remembered from an earlier load; delete {memory_file()} to measure again"
+    return Measured(chosen, seconds, note=note)
+
+
+def remember(k: str, measured: Measured) -> None:
+    """Keep measured under k (best effort: a cache that cannot be written only costs the next load a measurement)."""
+    path = memory_file()
+    try:
+        entries = json.loads(path.read_text()) if path.exists() else {}
+        if not isinstance(entries, dict):
+            entries = {}
+    except (OSError, ValueError):
+        entries = {}
+    entries[k] = {"chosen": str(measured.chosen), "seconds": {str(w): s for w, s in measured.seconds.items()}}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(entries))
+        os.replace(tmp, path)  # another process's load sees the old file or the new one, never half of one
+    except OSError:
+        pass
