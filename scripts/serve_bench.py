@@ -15,6 +15,7 @@ import argparse
 import statistics
 import threading
 import time
+from collections.abc import Callable
 
 from sse_client import ServerError, stream_events
 
@@ -45,39 +46,54 @@ def one_request(url: str, prompt: str, max_tokens: int, key: str | None) -> dict
     return {"ttft": first, "total": time.perf_counter() - start, "tokens": usage.get("completion_tokens", chunks)}
 
 
-def phase(url: str, n_clients: int, seconds: float, max_tokens: int, key: str | None) -> dict:
-    done, failed, seen, lock = [], 0, set(), threading.Lock()
-    deadline = time.monotonic() + seconds
+class Failures:
+    """Failed requests of concurrent clients: counted, each distinct message said once."""
 
-    def client(k: int) -> None:
-        nonlocal failed
-        i = k
-        while time.monotonic() < deadline:
-            try:
-                r = one_request(url, PROMPTS[i % len(PROMPTS)], max_tokens, key)
-                with lock:
-                    done.append(r)
-            except ServerError as e:  # counted; each distinct message said once
-                with lock:
-                    failed += 1
-                    new, _ = str(e) not in seen, seen.add(str(e))
-                if new:
-                    print(f"request failed: {e}", flush=True)
-            i += 1
+    def __init__(self):
+        self.count, self._seen, self._lock = 0, set(), threading.Lock()
 
+    def add(self, said: str) -> None:
+        with self._lock:
+            self.count += 1
+            new = said not in self._seen
+            self._seen.add(said)
+        if new:
+            print(f"request failed: {said}", flush=True)
+
+
+def run_clients(n_clients: int, client: Callable[[int], None]) -> float:
+    """client(k) for each k < n_clients, on threads at once; the seconds until the last one returned."""
     start = time.monotonic()
     threads = [threading.Thread(target=client, args=(k,)) for k in range(n_clients)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    wall = time.monotonic() - start
+    return time.monotonic() - start
+
+
+def phase(url: str, n_clients: int, seconds: float, max_tokens: int, key: str | None) -> dict:
+    done, failures, lock = [], Failures(), threading.Lock()
+    deadline = time.monotonic() + seconds
+
+    def client(k: int) -> None:
+        i = k
+        while time.monotonic() < deadline:
+            try:
+                r = one_request(url, PROMPTS[i % len(PROMPTS)], max_tokens, key)
+                with lock:
+                    done.append(r)
+            except ServerError as e:
+                failures.add(str(e))
+            i += 1
+
+    wall = run_clients(n_clients, client)
     ttfts = sorted(r["ttft"] for r in done) or [float("nan")]
     rates = [(r["tokens"] - 1) / (r["total"] - r["ttft"]) for r in done if r["tokens"] > 1 and r["total"] > r["ttft"]]
     return {
         "clients": n_clients,
         "requests": len(done),
-        "failed": failed,
+        "failed": failures.count,
         "seconds": wall,
         "tokens_s": sum(r["tokens"] for r in done) / wall,
         "stream_tokens_s": statistics.median(rates) if rates else float("nan"),
