@@ -373,7 +373,7 @@ for step in "$@"; do
             --port 8094 > /tmp/srv.log 2>&1 &
         fi
         srv=$!
-        for _ in $(seq 300); do
+        for _ in $(seq 120); do  # at most 4 min for a load (llama-server's health answers 503 while it loads)
           python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8094/health')" 2> /dev/null && break
           kill -0 $srv 2> /dev/null || { tail -5 /tmp/srv.log; break; }; sleep 2
         done

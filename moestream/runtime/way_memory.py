@@ -19,6 +19,7 @@ from moestream.offload.small_batch import Measured
 from moestream.options import Options, SmallBatch
 
 FILE_NAME = "small-batch.json"
+KEEP = 256  # choices kept (bench sweeps make one a placement)
 
 
 def memory_file() -> Path:
@@ -77,7 +78,9 @@ def remember(k: str, measured: Measured) -> None:
             entries = {}
     except (OSError, ValueError):
         entries = {}
+    entries.pop(k, None)  # newest last: the oldest go first past KEEP
     entries[k] = {"chosen": str(measured.chosen), "seconds": {str(w): s for w, s in measured.seconds.items()}}
+    entries = dict(list(entries.items())[-KEEP:])
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")

@@ -232,3 +232,15 @@ def test_other_options_a_rewritten_file_or_a_damaged_memory_measure_again(model_
         assert measuring() > 0 and measuring() == 0.0  # measured, and the memory written whole again
     finally:
         device.close()
+
+
+def test_the_memory_keeps_the_newest_choices(monkeypatch):
+    from moestream.offload.small_batch import Measured
+    from moestream.runtime import way_memory
+
+    monkeypatch.setattr(way_memory, "KEEP", 3)
+    for i in range(5):
+        way_memory.remember(f"k{i}", Measured(SmallBatch.GATHER, {SmallBatch.GATHER: i / 1000}))
+    way_memory.remember("k2", Measured(SmallBatch.CPU, {SmallBatch.CPU: 1.0}))  # chosen again: newest
+    assert [way_memory.recall(f"k{i}") is not None for i in range(5)] == [False, False, True, True, True]
+    assert way_memory.recall("k2").chosen is SmallBatch.CPU and way_memory.recall("k1") is None
