@@ -17,9 +17,9 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 import warnings
-from functools import cache
 from pathlib import Path
 
 import torch
@@ -72,8 +72,18 @@ def grid_header() -> str:
     return "\n".join(lines) + "\n"
 
 
-@cache
+_lock = threading.Lock()  # one build, whichever thread asks first (build_in_background's or a caller's)
+_loaded: dict[str, ctypes.CDLL | None] = {}
+
+
 def _library() -> ctypes.CDLL | None:
+    with _lock:
+        if "lib" not in _loaded:
+            _loaded["lib"] = _built()
+        return _loaded["lib"]
+
+
+def _built() -> ctypes.CDLL | None:
     header = grid_header().encode()
     key = SOURCE.read_bytes() + header + _cpu_flags()  # -march=native: a build is only good for this kind of CPU
     lib = compiles.c_cache_dir() / f"cpu_quant-{hashlib.sha256(key).hexdigest()[:16]}.so"
@@ -121,6 +131,12 @@ def _build_and_load(lib: Path, header: bytes) -> ctypes.CDLL | None:
 
 def available() -> bool:
     return _library() is not None
+
+
+def build_in_background() -> None:
+    """Start building (or loading) the C matvec on a thread of its own: a fresh machine's compile takes seconds
+    (3.7 s on the 2-core dev box), which then overlap the model's load; available() waits for it."""
+    threading.Thread(target=available, name="moestream-cpu-matvec", daemon=True).start()
 
 
 def matvec(

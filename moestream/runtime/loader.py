@@ -10,6 +10,7 @@ import torch
 
 from moestream.errors import MoestreamError
 from moestream.formats.gguf import GGUFFile
+from moestream.kernels import cpu_quant
 from moestream.kernels.gather import RowGather
 from moestream.models.describe import describe, layer_part
 from moestream.models.registry import architecture
@@ -40,6 +41,8 @@ def load(
     opts = Options.make(**flat) if options is None else options.replace(**flat)
     if opts.model.threads is not None:
         torch.set_num_threads(opts.model.threads)
+    if _may_use_cpu_matvec(opts):
+        cpu_quant.build_in_background()  # a fresh machine compiles it while the file loads
     f = GGUFFile(path)
     try:
         layout, spec = describe(f)  # the file's layout (tensor names), checked
@@ -78,6 +81,14 @@ def load(
         engine.close()  # its placement and the file with it
         raise
     return engine
+
+
+def _may_use_cpu_matvec(opts: Options) -> bool:
+    """Whether this load may compute with the C matvec: on the CPU device, or streamed layers whose small batches
+    may run on the CPU (--small-batch auto tries it, cpu and --cpu-layers use it)."""
+    d = opts.decode
+    streams = opts.placement.n_cpu_moe != 0
+    return opts.model.torch_device.type == "cpu" or (streams and (d.small_batch in ("auto", "cpu") or d.cpu_layers > 0))
 
 
 def load_tokenizer(f: GGUFFile):

@@ -79,15 +79,14 @@ class Setup:
             return
         k = way_memory.key(self.file_id, self.options, tried) if self.file_id is not None else None
         measured = way_memory.recall(k) if k is not None else None
+        if measured is None:
+            measured = measure(tried, self._trial)
+            if k is not None:
+                way_memory.remember(k, measured)
         start = time.perf_counter()
-        if measured is not None and measured.chosen is self.offload.plan.way:  # untouched by trials: keep it
+        if measured.note and measured.chosen is self.offload.plan.way:  # remembered; no trial touched this one
             self.offload.experts.plan = dataclasses.replace(self.offload.plan, measured=measured)
         else:
-            if measured is None:
-                measured = measure(tried, self._trial)
-                if k is not None:
-                    way_memory.remember(k, measured)
-                start = time.perf_counter()
             self._rebuild(self.options, measured)  # self.options stay auto
         self.measured = dataclasses.replace(measured, rebuilding=time.perf_counter() - start)
         if self.options.model.progress:

@@ -109,3 +109,13 @@ def test_int8_matvec_rounds_x_like_a_q8_block(qtype):
     ref = cpu_quant.matvec(raw, qtype, 40, x, mats)
     err = float((cpu_quant.matvec(raw, qtype, 40, x, mats, int8=True) - ref).abs().max() / ref.abs().max())
     assert 1e-5 < err < 2e-2
+
+
+def test_a_build_started_in_the_background_is_the_one_callers_wait_for(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # a fresh machine's cache: the C file compiles
+    monkeypatch.setattr(cpu_quant, "_loaded", {})
+    builds, real = [], cpu_quant._built
+    monkeypatch.setattr(cpu_quant, "_built", lambda: builds.append(True) or real())
+    cpu_quant.build_in_background()
+    assert cpu_quant.available() and cpu_quant.available()
+    assert len(builds) == 1 and list((tmp_path / "moestream").glob("cpu_quant-*.so"))

@@ -76,3 +76,26 @@ def test_loading_the_engine_does_not_import_torch_dynamo():
     code = "import sys, moestream.runtime.loader, moestream.cli.main; print('torch._dynamo' in sys.modules)"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert r.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(
+    ("device", "n_cpu_moe", "small_batch", "cpu_layers", "builds"),
+    [
+        ("cpu", 0, "auto", 0, True),  # the CPU device's quantized weights go through it
+        ("cuda", 0, "auto", 0, False),  # all resident on a GPU: never used
+        ("cuda", 26, "auto", 0, True),  # auto times the cpu way
+        ("cuda", 26, "gather", 0, False),
+        ("cuda", 26, "gather", 4, True),
+    ],
+)
+def test_the_c_matvec_builds_ahead_only_where_it_may_run(device, n_cpu_moe, small_batch, cpu_layers, builds):
+    from types import SimpleNamespace as NS
+
+    from moestream.runtime import loader
+
+    opts = NS(
+        model=NS(torch_device=torch.device(device)),
+        placement=NS(n_cpu_moe=n_cpu_moe),
+        decode=NS(small_batch=small_batch, cpu_layers=cpu_layers),
+    )
+    assert loader._may_use_cpu_matvec(opts) is builds
