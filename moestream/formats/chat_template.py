@@ -4,7 +4,7 @@ A chat template is code that comes with the model file. Rendered in the sandbox 
 touch the system, but it can loop without end or build a string of any size in one call (`'a'.ljust(10**12)`,
 a `replace` in a loop...). So it runs in a Python process of its own (only jinja2 imported) capped at 1 GiB of
 address space and 2 s of CPU a rendering; whatever goes wrong comes back as one line. The processes stay for the
-next rendering (starting one cost ~60-80 ms of every chat request's first token); one that failed is replaced.
+next rendering (starting one cost every chat request tens of milliseconds); one that failed is replaced.
 """
 
 from __future__ import annotations

@@ -134,8 +134,8 @@ def available() -> bool:
 
 
 def build_in_background() -> None:
-    """Start building (or loading) the C matvec on a thread of its own: a fresh machine's compile takes seconds
-    (3.7 s on the 2-core dev box), which then overlap the model's load; available() waits for it."""
+    """Start building (or loading) the C matvec on a thread of its own: a fresh machine's compile takes seconds,
+    which then overlap the model's load; available() waits for it."""
     threading.Thread(target=available, name="moestream-cpu-matvec", daemon=True).start()
 
 
