@@ -1,6 +1,7 @@
 """--small-batch auto's choices kept between loads. Which way a placement's small batches take depends on the file,
-the options and the machine, and timing the ways again cost every later load seconds (docs/benchmarks.md). A load of the same file (path, size, modification time) with the same
-options on the same machine and versions takes the choice it made before; deleting the file measures again."""
+the options and the machine, and timing the ways again cost every later load seconds (docs/benchmarks.md). A load
+of the same file (path, size, modification time) with the same options on the same machine and versions takes the
+choice it made before; deleting the file measures again."""
 
 from __future__ import annotations
 
