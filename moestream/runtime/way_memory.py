@@ -5,6 +5,7 @@ choice it made before; deleting the file measures again."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -42,13 +43,19 @@ def _machine(options: Options) -> list:
     return [platform.node(), os.cpu_count(), gpu, torch.__version__, _code()]
 
 
+@functools.cache
 def _code() -> str:
-    """This moestream: its version and where its code lies (a source tree on PYTHONPATH has no installed version)."""
+    """This moestream: its version and a hash of its code (a source tree on PYTHONPATH has no installed version, and
+    an edit there may change which way is fastest)."""
     try:
         version = importlib.metadata.version("moestream")
     except importlib.metadata.PackageNotFoundError:
         version = "?"
-    return f"{version} {Path(__file__).resolve().parents[1]}"
+    package = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(p for p in package.rglob("*") if p.suffix in (".py", ".c", ".h")):
+        digest.update(path.read_bytes())
+    return f"{version} {digest.hexdigest()[:16]}"
 
 
 def key(file_id: str, options: Options, tried: list[SmallBatch]) -> str:
