@@ -136,17 +136,30 @@ class PromptCache:
         return cache, n
 
     def prefilled(self, cache: SequenceCache) -> None:
-        """After a prompt micro-batch ran in cache: a whole one from a micro-batch boundary extends the prefix it
-        holds. A recurrent model's state is kept at the last boundary before the prompt's end (where the same
-        prompt sent again starts) and at its end when that is one (where a longer one starts)."""
+        """After a chunk of the prompt ran in cache (whole micro-batches from a boundary, the last maybe partial):
+        its whole micro-batches extend the prefix it holds. A recurrent model's state is kept at the last boundary
+        before the prompt's end (where the same prompt sent again starts) and at its end when that is one (where a
+        longer one starts): a chunk ends there (must_stop_at)."""
         prompt, held, n = self.prompts.get(cache), self.held.get(cache), cache.n_past
-        if prompt is None or held is None or n % self.ubatch or n > len(prompt) or n <= len(held.tokens):
+        if prompt is None or held is None or n > len(prompt):
             return
-        held.tokens = prompt[:n]
+        whole = n - n % self.ubatch
+        if whole > len(held.tokens):
+            held.tokens = prompt[:whole]
+        if n % self.ubatch:
+            return
         before = (len(prompt) - 1) // self.ubatch * self.ubatch
         if held.recurrent and n in (before, len(prompt)):
             kept = {p: s for p, s in held.states.items() if p == before}
             held.states = kept | {n: {il: s.copy(HOST) for il, s in cache.recurrent.items()}}
+
+    def must_stop_at(self, cache: SequenceCache) -> int | None:
+        """Where a prompt chunk run in cache must end for what prefilled keeps: a recurrent state is copied only
+        between calls, and the one a resent prompt starts from lies at the last boundary before its end."""
+        prompt, held = self.prompts.get(cache), self.held.get(cache)
+        if prompt is None or held is None or not held.recurrent:
+            return None
+        return (len(prompt) - 1) // self.ubatch * self.ubatch
 
     def clear(self) -> None:
         self.held.clear()

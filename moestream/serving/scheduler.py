@@ -1,7 +1,9 @@
 """The one thread that drives the engine for the server: requests queue, up to max_seqs sequences run.
 
-A turn advances every running sequence by a step: a chunk of its prompt (at most ubatch tokens, so a long
-prompt never stalls the others for long), or one generated token. The decoding sequences' tokens go through
+A turn advances every running sequence by a step: a chunk of its prompt, or one generated token. A chunk is a few
+micro-batches while other sequences decode (so a long prompt stalls them only so long) and more when none does:
+each call streams every streamed layer's experts once, however many micro-batches it runs, so one micro-batch a
+turn would pay a full stream for every ubatch tokens of a prompt. The decoding sequences' tokens go through
 the model together (`Engine.forward_each`: one pass, the experts read once for all of them, replayed on a GPU
 from a graph captured per set of caches) or each sequence alone, whichever `Mode` measured faster for that
 many; alone where only a one-token step can be captured.
@@ -25,6 +27,10 @@ from moestream.offload.small_batch import Timings
 from moestream.options import PROMPT_CACHE_RAM_MIB
 from moestream.runtime.prompt_cache import PromptCache
 from moestream.runtime.sampling import Constraint, Sampler, SamplingParams, TokenLogprob
+
+PREFILL_UBATCHES = 16  # micro-batches of a prompt a turn runs when no other sequence decodes (Ctrl-C and a client
+# leaving wait for a turn to end)
+PREFILL_UBATCHES_SHARED = 4  # while others decode: each of their tokens waits for the chunk
 
 
 @dataclass
@@ -315,10 +321,15 @@ class Scheduler:
         self._release(seq)
 
     def _prefill(self, seq: _Sequence) -> None:
-        """Run the next chunk of the prompt (at most ubatch tokens); after the last, sample the first token."""
+        """Run the next chunk of the prompt (whole micro-batches from where its cache ends, so the rows are those
+        of a prefill in one call); after the last, sample the first token."""
         start = time.perf_counter()
-        ub = self.engine.options.model.ubatch
-        chunk, seq.pending = seq.pending[:ub], seq.pending[ub:]
+        decoding = any(not other.pending for other in self.running if other is not seq)
+        n = self.engine.options.model.ubatch * (PREFILL_UBATCHES_SHARED if decoding else PREFILL_UBATCHES)
+        at, stop = seq.cache.n_past, self.prompts.must_stop_at(seq.cache) if self.prompts is not None else None
+        if stop is not None and at < stop < at + n:
+            n = stop - at
+        chunk, seq.pending = seq.pending[:n], seq.pending[n:]
         logits = self.engine.forward(chunk, seq.cache)
         if self.prompts is not None:
             self.prompts.prefilled(seq.cache)

@@ -162,3 +162,79 @@ def test_a_way_that_fails_is_left_for_the_other(model_file, monkeypatch):
     finally:
         s.stop()
         engine.close()
+
+
+class Calls:
+    """engine.forward spied on: the token count of each prompt chunk it ran (one-token steps left out)."""
+
+    def __init__(self, engine, monkeypatch):
+        self.sizes, forward = [], engine.forward
+
+        def spy(tokens, cache, **kw):
+            if len(tokens) > 1:
+                self.sizes.append(len(tokens))
+            return forward(tokens, cache, **kw)
+
+        monkeypatch.setattr(engine, "forward", spy)
+
+
+def test_a_prompt_alone_runs_in_one_call_and_answers_as_generate(model_file, monkeypatch):
+    """Each call streams every streamed layer once: a lone prompt of 3.5 micro-batches is one call, not four."""
+    engine = moestream.load(model_file("tiny", "Q4_K_M"), device="cpu", progress=False, ubatch=16, n_cpu_moe="all")
+    prompt = [(7 * t) % 900 + 3 for t in range(56)]
+    want = engine.generate(prompt, SamplingParams(max_tokens=6, stop_at_eos=False)).text
+    calls = Calls(engine, monkeypatch)
+    s = Scheduler(engine, max_seqs=2)
+    try:
+        req, events = collect(prompt, max_tokens=6)
+        s.submit(req)
+        done = drain(events)
+        assert "".join(e.text for e in done[:-1]) == want and calls.sizes == [56]
+    finally:
+        s.stop()
+        engine.close()
+
+
+def test_a_prompt_beside_a_decoding_sequence_runs_a_few_micro_batches_a_turn(model_file, monkeypatch):
+    from moestream.serving import scheduler
+
+    engine = moestream.load(model_file("tiny", "Q4_K_M"), device="cpu", progress=False, ubatch=8)
+    long_prompt = [(5 * t) % 900 + 3 for t in range(8 * scheduler.PREFILL_UBATCHES_SHARED * 3 + 5)]
+    want = engine.generate(long_prompt, SamplingParams(max_tokens=4, stop_at_eos=False)).text
+    calls = Calls(engine, monkeypatch)
+    s = Scheduler(engine, max_seqs=2)
+    try:
+        first, first_events = collect([5, 6, 7], max_tokens=400)  # decoding while the long prompt arrives
+        s.submit(first)
+        first_events.get(timeout=30)  # its first token: it decodes now
+        req, events = collect(long_prompt, max_tokens=4)
+        s.submit(req)
+        done = drain(events)
+        first.cancelled.set()
+        assert "".join(e.text for e in done[:-1]) == want
+        chunk = 8 * scheduler.PREFILL_UBATCHES_SHARED
+        assert calls.sizes[0] == 3 and calls.sizes[1:] == [chunk, chunk, chunk, 5]
+    finally:
+        s.stop()
+        engine.close()
+
+
+def test_a_recurrent_prompt_stops_a_chunk_where_a_resent_one_starts(model_file, monkeypatch):
+    """qwen35moe's delta-net state is copied only between calls: the chunk ends at the last micro-batch boundary
+    before the prompt's end, and the same prompt sent again starts there."""
+    engine = moestream.load(model_file("tiny-qwen35moe", "Q4_K_M"), device="cpu", progress=False, ubatch=16)
+    prompt = [(3 * t) % 900 + 3 for t in range(40)]
+    calls = Calls(engine, monkeypatch)
+    s = Scheduler(engine, max_seqs=1)
+    try:
+        answers = []
+        for _ in range(2):
+            req, events = collect(prompt, max_tokens=4)
+            s.submit(req)
+            done = drain(events)
+            answers.append(("".join(e.text for e in done[:-1]), done[-1].cached_tokens))
+        assert answers[0][1] == 0 and answers[1] == (answers[0][0], 32)
+        assert calls.sizes == [32, 8, 8]  # the second run starts at 32: its 8 tokens are one chunk
+    finally:
+        s.stop()
+        engine.close()
