@@ -141,7 +141,8 @@ class Engine:
         p = experts.begin(visits, timeline=timeline, on_route=on_route, keep_dequantized=keep)
         started = False
         try:
-            for il, j in tqdm(order, desc="prefill", unit="layer", disable=not show, leave=False):
+            # on a terminal only (tqdm's None): a server's log would get a bar for every long prompt
+            for il, j in tqdm(order, desc="prefill", unit="layer", disable=None if show else True, leave=False):
                 p.start_layer(il, j)
                 started = True
                 if on_layer is not None:

@@ -155,10 +155,22 @@ def test_kv_rows_round_trip_through_the_cache_methods(model_file):
 
 
 def prefill(engine, prompts: PromptCache, cache, tokens: list[int]) -> torch.Tensor:
-    """The scheduler's prefill: micro-batch by micro-batch, the prompt cache told after each."""
+    """The scheduler's prefill of a lone prompt: one call of several micro-batches, ending where must_stop_at says
+    (a recurrent model's last boundary), the prompt cache told after each call."""
+    while tokens:
+        n, stop = len(tokens), prompts.must_stop_at(cache)
+        if stop is not None and cache.n_past < stop < cache.n_past + n:
+            n = stop - cache.n_past
+        logits = engine.forward(tokens[:n], cache)
+        prompts.prefilled(cache)
+        tokens = tokens[n:]
+    return logits
+
+
+def by_micro_batch(engine, cache, tokens: list[int]) -> torch.Tensor:
+    """A cold prefill one micro-batch a call (each call's rows equal those of one call over all)."""
     for i in range(0, len(tokens), UB):
         logits = engine.forward(tokens[i : i + UB], cache)
-        prompts.prefilled(cache)
     return logits
 
 
@@ -167,7 +179,7 @@ def check_warm_logits(engine, first: list[int], follow: list[int]) -> None:
     in place after decode steps moved the cache on, copied from a running cache, and back from host RAM."""
     whole = len(first) - len(first) % UB
     last = (len(follow) - 1) // UB * UB  # the same prompt again runs its last micro-batch
-    want = prefill(engine, PromptCache(UB, 0), engine.new_cache(), follow)
+    want = by_micro_batch(engine, engine.new_cache(), follow)
     pc, free = PromptCache(UB), []
     cache, _ = pc.take(first, free, [], engine.new_cache)
     prefill(engine, pc, cache, first)
