@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
@@ -25,6 +25,7 @@ class Tally:
     count: int = 0
     seconds: float = 0.0
     said: bool = False
+    each: list[tuple[float, str]] = field(default_factory=list)  # (seconds, kernel) of each compile
 
 
 _TALLY = Tally()
@@ -40,22 +41,30 @@ def compiling(out: TextIO | None = None) -> None:
     print(FIRST, file=out or sys.stderr, flush=True)
 
 
-def compiled(seconds: float) -> None:
+LONGEST = 3  # compiles a summary names, the longest first: where a fresh machine's first run waits
+
+
+def compiled(seconds: float, name: str = "a kernel") -> None:
     """One kernel was compiled (not found in its cache), in `seconds`."""
     with _LOCK:
         _TALLY.count += 1
         _TALLY.seconds += seconds
+        _TALLY.each.append((seconds, name))
 
 
 def summary(out: TextIO | None = None) -> int:
     """Say how many kernels were compiled since the last summary (nothing when none); returns that count."""
     with _LOCK:
-        count, seconds = _TALLY.count, _TALLY.seconds
-        _TALLY.count, _TALLY.seconds = 0, 0.0
+        count, seconds, each = _TALLY.count, _TALLY.seconds, _TALLY.each
+        _TALLY.count, _TALLY.seconds, _TALLY.each = 0, 0.0, []
     if count:
         s = "s" * (count != 1)
+        longest = ""
+        if count > 1:
+            top = sorted(each, reverse=True)[:LONGEST]
+            longest = "; longest: " + ", ".join(f"{name} {t:.1f} s" for t, name in top)
         print(
-            f"moestream: compiled {count} kernel{s} in {seconds:.1f} s (cached: later runs skip this)",
+            f"moestream: compiled {count} kernel{s} in {seconds:.1f} s (cached: later runs skip this){longest}",
             file=out or sys.stderr,
             flush=True,
         )
@@ -67,7 +76,7 @@ def triton_listener(*, src, metadata, metadata_group, times, cache_hit: bool, _c
     if not cache_hit:
         compiling()
         total = times.ir_initialization + sum(t for _, t in times.lowering_stages) + times.store_results
-        compiled(total / 1e6)  # Triton's times are microseconds
+        compiled(total / 1e6, getattr(src, "name", None) or "a kernel")  # Triton's times are microseconds
     if _chained is not None:
         _chained(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
 

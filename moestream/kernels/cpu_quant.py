@@ -116,7 +116,7 @@ def _build_and_load(lib: Path, header: bytes) -> ctypes.CDLL | None:
                 warnings.warn(f"building the CPU matvec failed ({first}); dequantizing in torch instead", stacklevel=3)
                 return None
             os.replace(out, lib)
-        compiles.compiled(time.perf_counter() - start)
+        compiles.compiled(time.perf_counter() - start, "the C matvec")
     dll = ctypes.CDLL(str(lib))
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     head = [p, ctypes.c_int, i64, i64, i64, p, i64]  # weights, type, n_out, n_in, row bytes, matrices, picks

@@ -4,10 +4,12 @@ cache filled says nothing."""
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -48,11 +50,15 @@ def test_triton_compiles_that_miss_the_cache_are_counted_and_chained():
         times = triton.knobs.CompileTimes(
             ir_initialization=500_000, lowering_stages=[("ttir", 1_000_000), ("ptx", 1_500_000)], store_results=0
         )
-        for hit in (False, True, False):
-            listener(src=None, metadata={}, metadata_group={}, times=times, cache_hit=hit)
+        for hit, name in ((False, "_matvec_kernel"), (True, "_gate_up_kernel"), (False, "_gate_up_kernel")):
+            listener(src=SimpleNamespace(name=name), metadata={}, metadata_group={}, times=times, cache_hit=hit)
         assert seen == [False, True, False]
         assert compiles._TALLY.count == 2 and compiles._TALLY.seconds == pytest.approx(6.0)
-        assert compiles.summary() == 2 and compiles.summary() == 0
+        compiles.compiled(7.5, "the C matvec")
+        out = io.StringIO()
+        assert compiles.summary(out) == 3 and compiles.summary() == 0
+        want = "longest: the C matvec 7.5 s, _matvec_kernel 3.0 s, _gate_up_kernel 3.0 s"
+        assert "compiled 3 kernels in 13.5 s" in out.getvalue() and want in out.getvalue(), out.getvalue()
     finally:
         triton.knobs.compilation.listener = saved
 
