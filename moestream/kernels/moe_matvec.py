@@ -31,6 +31,7 @@ if triton is not None:
         mats,
         gate_bias,
         up_bias,
+        bias_rows,
         n_out,
         row_bytes,
         K,
@@ -51,7 +52,8 @@ if triton is not None:
     ):
         """h[p] = silu(gate_p x[p // K]) * (up_p x[p // K]) for token-expert pair p (STACKED; a dense gate
         and up pair: p is the token, K 1): one read of x, no copies. CLAMPED: gpt-oss's, g * sigmoid(alpha g)
-        * (u + 1) of g = min(gate + bias, limit), u = clamp(up + bias, -limit, limit), pair p's biases [n_out]."""
+        * (u + 1) of g = min(gate + bias, limit), u = clamp(up + bias, -limit, limit), pair p's biases [n_out]
+        bias_rows elements after pair p - 1's."""
         pdl_start(PDL)
         p = tl.program_id(1).to(tl.int64)
         out = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -62,8 +64,9 @@ if triton is not None:
             wg, wu, mat, out, n_out, row_bytes, xp, ok, table, N_BLOCKS, DOT, TABLE, ELEMS, SIZE, B, UNROLLED, True
         )
         if CLAMPED:
-            g = tl.minimum(g + tl.load(gate_bias + p * n_out + out, mask=out < n_out, other=0).to(tl.float32), limit)
-            u = u + tl.load(up_bias + p * n_out + out, mask=out < n_out, other=0).to(tl.float32)
+            at = p * bias_rows + out
+            g = tl.minimum(g + tl.load(gate_bias + at, mask=out < n_out, other=0).to(tl.float32), limit)
+            u = u + tl.load(up_bias + at, mask=out < n_out, other=0).to(tl.float32)
             u = tl.minimum(tl.maximum(u, -limit), limit)
             y = g / (1 + tl.exp(-alpha * g)) * (u + 1)
         else:
@@ -72,12 +75,12 @@ if triton is not None:
 
     @triton.jit
     def _weighted_sum_kernel(
-        down, w, res, shared, gate, down_bias, out, D,
+        down, w, res, shared, gate, down_bias, bias_rows, out, D,
         K: tl.constexpr, BLOCK: tl.constexpr, RESIDUAL: tl.constexpr, SHARED: tl.constexpr, BIAS: tl.constexpr,
         PDL: tl.constexpr,
     ):  # fmt: skip
         """out[t] = sum over k in order of w[t, k] down[t K + k] (with BIAS, w[t, k] (down + down_bias)[t K + k],
-        the bias per pair), in float32: one token's sum, the same bits
+        the bias per pair, bias_rows elements apart), in float32: one token's sum, the same bits
         whatever else the launch holds (cuBLAS's bmm chose kernels by batch size and alignment). Then, rounded
         to out's dtype as torch rounds each operation on two tensors of it: with SHARED, plus sigmoid(gate[t])
         shared[t] (a shared expert behind its gate; on sm_90 the compiler makes product and sum one bf16 FMA,
@@ -91,7 +94,7 @@ if triton is not None:
             wk = tl.load(w + t * K + k).to(tl.float32)
             y = tl.load(down + (t * K + k) * D + cols, mask=ok, other=0).to(tl.float32)
             if BIAS:
-                y += tl.load(down_bias + (t * K + k) * D + cols, mask=ok, other=0).to(tl.float32)
+                y += tl.load(down_bias + (t * K + k) * bias_rows + cols, mask=ok, other=0).to(tl.float32)
             acc += wk * y
         s = acc.to(out.dtype.element_ty)
         if SHARED:
@@ -140,8 +143,7 @@ def _gate_up(
             x,
             h,
             x if picks is None else picks,  # unread without picks
-            x if clamped is None else clamped[0].contiguous(),  # unread without clamped
-            x if clamped is None else clamped[1].contiguous(),
+            *((x, x, 0) if clamped is None else _rows(*clamped[:2])),  # unread without clamped
             n_ff,
             gate_row,
             K,
@@ -157,6 +159,14 @@ def _gate_up(
             **pdl(x),
         )
     return h
+
+
+def _rows(*biases: torch.Tensor) -> tuple:
+    """The per-pair bias tensors as the kernels read them, then the elements from one pair's row to the next:
+    views of one gathered table as they are (rows of unit stride, the same step), anything else made so."""
+    if any(b.stride(-1) != 1 or b.stride(0) != biases[0].stride(0) for b in biases):
+        biases = tuple(b.contiguous() for b in biases)
+    return (*biases, biases[0].stride(0))
 
 
 def swiglu_picked(
@@ -204,7 +214,7 @@ def swiglu_picked(
             out if residual is None else residual.contiguous(),  # unread without a residual
             out if shared is None else shared[0].contiguous(),  # unread without a shared expert
             out if shared is None else shared[1].contiguous(),
-            out if clamped is None else clamped[2].contiguous(),  # unread without clamped
+            *((out, 0) if clamped is None else _rows(clamped[2])),  # unread without clamped
             out,
             D,
             K=K,

@@ -39,6 +39,14 @@ class Model(qwen3moe.Model):
 
     MOE_NORM = "post_attention_norm"  # the norm in front of a layer's MoE block
 
+    def __init__(self, spec, weights, embedding, run=None):
+        super().__init__(spec, weights, embedding, run)
+        # each layer's gate, up and down biases side by side [E, 2F + D]: a step gathers its pairs' three in one
+        # launch (three small launches a layer were a share of a decode step)
+        self.expert_bias = {
+            il: torch.cat([self.b(il, name) for name in EXPERT_TENSORS], dim=1) for il in spec.expert_layers
+        }
+
     def b(self, il: int, name: str) -> torch.Tensor:
         return self.weights[f"blk.{il}.{name}.bias"]
 
@@ -90,7 +98,7 @@ class Model(qwen3moe.Model):
         """The routed experts' sum, plus residual if given."""
         router = self.w(il, "ffn_gate_inp"), self.b(il, "ffn_gate_inp")
         weights, ids = route_softmax_topk(x, router[0], self.spec.n_expert_used, bias=router[1])
-        pairs = ids.reshape(-1)  # the experts' biases, per token-expert pair
-        biases = (self.b(il, name)[pairs] for name in EXPERT_TENSORS)
-        clamped = ClampedGlu(*biases, SWIGLU_ALPHA, SWIGLU_LIMIT)
+        n_ff = self.b(il, EXPERT_TENSORS[0]).shape[1]
+        both = self.expert_bias[il][ids.reshape(-1)]  # the experts' biases, per token-expert pair: views of one
+        clamped = ClampedGlu(*both.split([n_ff, n_ff, both.shape[1] - 2 * n_ff], dim=1), SWIGLU_ALPHA, SWIGLU_LIMIT)
         return routed_swiglu(x, weights, experts.weights(il, x, ids), residual, clamped=clamped)

@@ -126,9 +126,11 @@ def test_swiglu_picked_takes_each_types_experts(qtype):
 @pytest.mark.gpu
 @gpu_or_interpreter
 @pytest.mark.parametrize("qtype", [Q.MXFP4, Q.Q8_0], ids=lambda t: t.name)
-def test_clamped_experts_in_the_three_launches(qtype):
+@pytest.mark.parametrize("one_table", [False, True], ids=["apart", "one-table"])
+def test_clamped_experts_in_the_three_launches(qtype, one_table):
     """gpt-oss's experts: per-pair gate, up and down biases and the clamped GLU inside the gate-and-up and sum
-    launches, against the torch form over the dequantized experts; biases large enough to cross the clamps."""
+    launches, against the torch form over the dequantized experts; biases large enough to cross the clamps.
+    one_table: the biases are views of one [P, 2F + D] gather, as models/gpt_oss.py makes them."""
     E, F_, D, T, K = 4, 96, 160, 2, 3  # gpt-oss's tiny widths: rows of no power of two
     rng = np.random.default_rng(6)
     shapes = ((E, F_, D), (E, F_, D), (E, D, F_))
@@ -144,7 +146,11 @@ def test_clamped_experts_in_the_three_launches(qtype):
     ref = moe_swiglu_picked(x, weights, ids, *mv, clamped)
     plain = moe_swiglu_picked(x, weights, ids, *mv)
     raws = [torch.from_numpy(s).to(DEVICE) for s in stored]
-    on = ClampedGlu(*(b.to(DEVICE) for b in biases), 1.702, 7.0)
+    if one_table:
+        on = ClampedGlu(*torch.cat(biases, dim=1).to(DEVICE).split([F_, F_, D], dim=1), 1.702, 7.0)
+        assert on.gate_bias.stride(0) == 2 * F_ + D  # read in place, not copied
+    else:
+        on = ClampedGlu(*(b.to(DEVICE) for b in biases), 1.702, 7.0)
     got = moe_matvec.swiglu_picked(x.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE), raws, (qtype,) * 3, F_, clamped=on)
     assert float((got.cpu() - ref).abs().max() / ref.abs().max()) < 1e-5
     assert float((plain - ref).abs().max() / ref.abs().max()) > 0.1  # the biases and clamps matter here
