@@ -41,10 +41,10 @@ class Model(qwen3moe.Model):
 
     def __init__(self, spec, weights, embedding, run=None):
         super().__init__(spec, weights, embedding, run)
-        # each layer's gate, up and down biases side by side [E, 2F + D]: a step gathers its pairs' three in one
-        # launch (three small launches a layer were a share of a decode step)
+        # each layer's gate, up and down biases side by side [E, 2F + D] (in place of the three): a step gathers
+        # its pairs' three in one launch (three small launches a layer were a share of a decode step)
         self.expert_bias = {
-            il: torch.cat([self.b(il, name) for name in EXPERT_TENSORS], dim=1) for il in spec.expert_layers
+            il: weights.join([f"blk.{il}.{name}.bias" for name in EXPERT_TENSORS]) for il in spec.expert_layers
         }
 
     def b(self, il: int, name: str) -> torch.Tensor:

@@ -26,6 +26,8 @@ class Weights(Protocol):
 
     def __contains__(self, name: object) -> bool: ...  # whether the file has it (optional tensors)
 
+    def join(self, names: list[str]) -> torch.Tensor: ...  # float tensors of the same rows as one [R, widths]
+
 
 class Cache(Protocol):
     """A sequence's state between passes: `kv.update(il, pos0, k, v)` for attention layers and

@@ -55,6 +55,14 @@ class DenseWeights(Mapping[str, torch.Tensor]):
     def __contains__(self, name: object) -> bool:
         return name in self._floats or name in self._blocks  # without dequantizing anything
 
+    def join(self, names: list[str]) -> torch.Tensor:
+        """Float tensors of the same rows side by side [R, sum of widths], replacing them: each name then reads
+        its columns of the one tensor (so one gather of rows serves all; the bytes held stay the same)."""
+        joined = torch.cat([self._floats[name] for name in names], dim=1)
+        widths = [self._floats[name].shape[1] for name in names]
+        self._floats.update(zip(names, joined.split(widths, dim=1), strict=True))
+        return joined
+
     def __iter__(self) -> Iterator[str]:
         yield from self._floats
         yield from self._blocks

@@ -32,3 +32,18 @@ def test_named_floats_stay_float32(model_file):
     assert [dense[n].dtype for n in names] == [torch.float32, torch.float32, torch.bfloat16]
     assert torch.equal(dense[names[1]], torch.from_numpy(views[names[1]].data.copy()).view(torch.float32))
     assert dense.nbytes == views[names[0]].nbytes + views[names[1]].nbytes + views[names[2]].nbytes // 2  # F32 file
+
+
+def test_joined_floats_are_read_in_place_and_cost_nothing_more(model_file):
+    """gpt-oss's gate, up and down expert biases as one [E, 2F + D] table: each name reads its columns of it."""
+    f = GGUFFile(model_file("tiny-gpt-oss", "MXFP4_MOE"))
+    names = [f"blk.0.{t}.bias" for t in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")]
+    dense = DenseWeights({n: f.tensors[n] for n in names}, torch.device("cpu"), torch.bfloat16)
+    before, nbytes = [dense[n].clone() for n in names], dense.nbytes
+    joined = dense.join(names)
+    assert joined.shape == (before[0].shape[0], sum(b.shape[1] for b in before))
+    for n, b in zip(names, before, strict=True):  # the same values, now views of the one table
+        assert torch.equal(dense[n], b) and dense[n].untyped_storage().data_ptr() == joined.untyped_storage().data_ptr()
+    assert dense.nbytes == nbytes
+    rows = torch.tensor([3, 0, 3])
+    assert torch.equal(joined[rows], torch.cat([b[rows] for b in before], dim=1))
