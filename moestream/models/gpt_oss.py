@@ -98,7 +98,7 @@ class Model(qwen3moe.Model):
         """The routed experts' sum, plus residual if given."""
         router = self.w(il, "ffn_gate_inp"), self.b(il, "ffn_gate_inp")
         weights, ids = route_softmax_topk(x, router[0], self.spec.n_expert_used, bias=router[1])
-        n_ff = self.b(il, EXPERT_TENSORS[0]).shape[1]
         both = self.expert_bias[il][ids.reshape(-1)]  # the experts' biases, per token-expert pair: views of one
-        clamped = ClampedGlu(*both.split([n_ff, n_ff, both.shape[1] - 2 * n_ff], dim=1), SWIGLU_ALPHA, SWIGLU_LIMIT)
+        widths = [self.b(il, name).shape[1] for name in EXPERT_TENSORS]
+        clamped = ClampedGlu(*both.split(widths, dim=1), SWIGLU_ALPHA, SWIGLU_LIMIT)
         return routed_swiglu(x, weights, experts.weights(il, x, ids), residual, clamped=clamped)

@@ -139,7 +139,7 @@ class PromptCache:
         """After a chunk of the prompt ran in cache (whole micro-batches from a boundary, the last maybe partial):
         its whole micro-batches extend the prefix it holds. A recurrent model's state is kept at the last boundary
         before the prompt's end (where the same prompt sent again starts) and at its end when that is one (where a
-        longer one starts): a chunk ends there (must_stop_at)."""
+        longer one starts): a chunk ends there (chunk)."""
         prompt, held, n = self.prompts.get(cache), self.held.get(cache), cache.n_past
         if prompt is None or held is None or n > len(prompt):
             return
@@ -153,13 +153,15 @@ class PromptCache:
             kept = {p: s for p, s in held.states.items() if p == before}
             held.states = kept | {n: {il: s.copy(HOST) for il, s in cache.recurrent.items()}}
 
-    def must_stop_at(self, cache: SequenceCache) -> int | None:
-        """Where a prompt chunk run in cache must end for what prefilled keeps: a recurrent state is copied only
-        between calls, and the one a resent prompt starts from lies at the last boundary before its end."""
-        prompt, held = self.prompts.get(cache), self.held.get(cache)
+    def chunk(self, cache: SequenceCache, n: int) -> int:
+        """How many of the next n prompt tokens one call may run in cache for what prefilled keeps: a recurrent
+        state is copied only between calls, and the one a resent prompt starts from lies at the last boundary
+        before its end, so a chunk stops there."""
+        prompt, held, at = self.prompts.get(cache), self.held.get(cache), cache.n_past
         if prompt is None or held is None or not held.recurrent:
-            return None
-        return (len(prompt) - 1) // self.ubatch * self.ubatch
+            return n
+        stop = (len(prompt) - 1) // self.ubatch * self.ubatch
+        return stop - at if at < stop < at + n else n
 
     def clear(self) -> None:
         self.held.clear()

@@ -64,13 +64,22 @@ def key(file_id: str, options: Options, tried: list[SmallBatch]) -> str:
     return hashlib.sha256(json.dumps(what).encode()).hexdigest()
 
 
-def recall(k: str) -> Measured | None:
-    """The choice made under k before, if any (a damaged or unreadable memory is none)."""
+def _entries() -> dict:
+    """The choices kept (none where the file is missing, unreadable or damaged)."""
     try:
-        entry = json.loads(memory_file().read_text())[k]
+        entries = json.loads(memory_file().read_text())
+    except (OSError, ValueError):
+        return {}
+    return entries if isinstance(entries, dict) else {}
+
+
+def recall(k: str) -> Measured | None:
+    """The choice made under k before, if any (a damaged entry is none)."""
+    try:
+        entry = _entries()[k]
         seconds = {SmallBatch(w): float(s) for w, s in entry["seconds"].items()}
         chosen = SmallBatch(entry["chosen"])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (ValueError, KeyError, TypeError, AttributeError):
         return None
     note = f"remembered from an earlier load; delete {memory_file()} to measure again"
     return Measured(chosen, seconds, note=note)
@@ -78,13 +87,7 @@ def recall(k: str) -> Measured | None:
 
 def remember(k: str, measured: Measured) -> None:
     """Keep measured under k (best effort: a cache that cannot be written only costs the next load a measurement)."""
-    path = memory_file()
-    try:
-        entries = json.loads(path.read_text()) if path.exists() else {}
-        if not isinstance(entries, dict):
-            entries = {}
-    except (OSError, ValueError):
-        entries = {}
+    path, entries = memory_file(), _entries()
     entries.pop(k, None)  # newest last: the oldest go first past KEEP
     entries[k] = {"chosen": str(measured.chosen), "seconds": {str(w): s for w, s in measured.seconds.items()}}
     entries = dict(list(entries.items())[-KEEP:])

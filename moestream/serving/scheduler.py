@@ -326,9 +326,8 @@ class Scheduler:
         start = time.perf_counter()
         decoding = any(not other.pending for other in self.running if other is not seq)
         n = self.engine.options.model.ubatch * (PREFILL_UBATCHES_SHARED if decoding else PREFILL_UBATCHES)
-        at, stop = seq.cache.n_past, self.prompts.must_stop_at(seq.cache) if self.prompts is not None else None
-        if stop is not None and at < stop < at + n:
-            n = stop - at
+        if self.prompts is not None:
+            n = self.prompts.chunk(seq.cache, n)
         chunk, seq.pending = seq.pending[:n], seq.pending[n:]
         logits = self.engine.forward(chunk, seq.cache)
         if self.prompts is not None:

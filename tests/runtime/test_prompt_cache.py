@@ -155,12 +155,10 @@ def test_kv_rows_round_trip_through_the_cache_methods(model_file):
 
 
 def prefill(engine, prompts: PromptCache, cache, tokens: list[int]) -> torch.Tensor:
-    """The scheduler's prefill of a lone prompt: one call of several micro-batches, ending where must_stop_at says
-    (a recurrent model's last boundary), the prompt cache told after each call."""
+    """The scheduler's prefill of a lone prompt: one call of several micro-batches, ending where the prompt cache
+    says (a recurrent model's last boundary), the prompt cache told after each call."""
     while tokens:
-        n, stop = len(tokens), prompts.must_stop_at(cache)
-        if stop is not None and cache.n_past < stop < cache.n_past + n:
-            n = stop - cache.n_past
+        n = prompts.chunk(cache, len(tokens))
         logits = engine.forward(tokens[:n], cache)
         prompts.prefilled(cache)
         tokens = tokens[n:]
