@@ -50,9 +50,11 @@ def cmd_warmup(a: argparse.Namespace) -> None:
             engine.forward(random_prompt(n, n_vocab), cache)
             for t in random_prompt(4, n_vocab, seed=1):
                 engine.forward([t], cache)
-        caches = [engine.new_cache() for _ in range(a.max_seqs)] if a.max_seqs > 1 else []
-        for c in caches:
-            engine.forward(random_prompt(5, n_vocab), c)
+        caches = []
+        for _ in range(a.max_seqs if a.max_seqs > 1 else 0):  # each new KV cache may shrink an auto expert
+            caches.append(engine.new_cache())  # cache (Setup.new_cache): a step at each of its sizes
+            engine.forward(random_prompt(5, n_vocab), caches[-1])
+            engine.forward(random_prompt(1, n_vocab, seed=2), caches[-1])
         for k in range(2, len(caches) + 1):  # a server's running batches of 2..--max-seqs sequences
             engine.forward_each(random_prompt(k, n_vocab, seed=k), caches[:k])
     finally:

@@ -22,7 +22,7 @@ from moestream.offload.placement import (
     Footprint,
     Placement,
     Sizing,
-    cached_experts,
+    cache_rows,
     kv_cache_bytes,
     plan,
     workspace_bytes,
@@ -107,6 +107,9 @@ class Offload:
                         f"; {pf.cache.n} of each held on the GPU, the most picked "
                         f"({format_size(pf.cache.nbytes)}, --expert-cache)"
                     )
+                    if (least := pf.cache.by_caches[-1]) < pf.cache.n:  # auto, holding idle sequences' room
+                        n = len(pf.cache.by_caches)
+                        held += f", down to {least} as the {n} sequences' KV caches are made"
                 rows = f" for each of up to {pf.rows} sequences a pass" if pf.rows > 1 else ""
                 ahead = f" {pf.ahead} streamed layers" if pf.ahead > 1 else ""
                 lines.append(
@@ -211,7 +214,7 @@ def build_offload(
         decode = decode_plan(opts, spec.n_expert_used, _access(opts, pick, readable, streamer is not None), measured)
         decode.warn()
         stored = ExpertBytes(tensors, resident, streamer, first, opts.model.torch_dtype, pick)
-        experts, fp = _serve(stored, decode, placement, fp, budget, spec, rows)
+        experts, fp = _serve(stored, decode, placement, fp, budget, spec, rows, opts.serving.n_seqs)
     except BaseException:
         if pinned is not None:
             pinned.unregister()
@@ -287,22 +290,30 @@ def _footprint(
 
 
 def _serve(
-    stored: ExpertBytes, decode: DecodePlan, placement: Placement, fp: Footprint, budget: int | None, spec, rows: int
+    stored: ExpertBytes,
+    decode: DecodePlan,
+    placement: Placement,
+    fp: Footprint,
+    budget: int | None,
+    spec,
+    rows: int,
+    n_seqs: int,
 ) -> tuple[LayerExperts, Footprint]:
     """The decode side the plan asks for: where static steps guess ahead, the ring of guesses (for passes of up
-    to rows rows) and an expert cache as large as asked or as the budget leaves. Returns it and the footprint
-    with the cache counted."""
+    to rows rows) and an expert cache as large as asked or as the budget leaves (auto: larger while fewer of
+    the n_seqs sequences hold KV caches). Returns it and the footprint with the cache counted."""
     on_cpu = decode.on_cpu(placement.streamed)
     gathered = [il for il in placement.streamed if il not in on_cpu]  # the others compute on the CPU
     if not decode.guesses or not gathered:
         return LayerExperts(stored, decode), fp
     sizes = [stored.tensors[il].expert_bytes for il in gathered]
-    n_cached = cached_experts(decode.expert_cache, placement, fp, budget, sizes, spec.n_expert)
+    by_caches = cache_rows(decode.expert_cache, placement, fp, budget, sizes, spec.n_expert, n_seqs)
     device, streamed = stored.dev.device, gathered
     cache = None
-    if n_cached:
-        cache = ExpertCache(stored.tensors, streamed, n_cached, device, stored.pick, decode.cache_policy)
-    fp = replace(fp, expert_cache=cache.nbytes if cache is not None else 0)
+    if by_caches[0]:
+        cache = ExpertCache(stored.tensors, streamed, by_caches[0], device, stored.pick, decode.cache_policy, by_caches)
+    # the budget counts the cache as it is with every sequence's KV cache made
+    fp = replace(fp, expert_cache=cache.nbytes // cache.n * by_caches[-1] if cache is not None else 0)
     n_used = spec.n_expert_used
     prefetcher = Prefetcher(
         stored.tensors, streamed, decode.n_guess, n_used, stored.dev, stored.pick, cache, rows, decode.ahead

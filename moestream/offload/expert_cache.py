@@ -34,8 +34,11 @@ class ExpertCache:
         device: torch.device,
         pick: RowGather,
         policy: str = "static",
+        by_caches: list[int] | None = None,
     ):
         self.tensors, self.n, self.pick = tensors, n, pick
+        # rows to hold while 1, 2, ... sequences hold KV caches (placement.cache_rows): n at first
+        self.by_caches = by_caches or [n]
         self.layers = sorted(streamed)
         n_expert = tensors[self.layers[0]].n_expert
         self.stacks = {
@@ -162,6 +165,21 @@ class ExpertCache:
         nobody = self.slot_of.shape[1]
         rows = torch.arange(self.n, device=self._map.device).expand_as(self.expert_of)
         self._map.fill_(-1).scatter_(1, torch.where(self.expert_of >= 0, self.expert_of, nobody), rows)
+
+    def rows_for(self, n_caches: int) -> int:
+        """The rows a layer the cache may hold once n_caches KV caches are made."""
+        return self.by_caches[min(n_caches, len(self.by_caches)) - 1]
+
+    def keep(self, n: int) -> None:
+        """Hold only the first n rows a layer (n < self.n): the other rows' experts leave the map and their
+        memory goes, one stack at a time (no second copy of the cache at any moment). Steps captured over the
+        rows must be dropped first: they read them in place."""
+        for stacks in self.stacks.values():
+            for s, stack in enumerate(stacks):
+                stacks[s] = stack[:n].clone()
+        self.expert_of = self.expert_of[:, :n].clone()
+        self.n = n
+        self._write_map()
 
     def uncached(self, il: int, ids: torch.Tensor) -> torch.Tensor:
         """How many of experts ids layer il's cache does not hold (on the device: no sync)."""

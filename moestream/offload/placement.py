@@ -10,7 +10,7 @@ With a VRAM budget and N = "auto", the smallest N whose GPU footprint fits is ch
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -184,6 +184,21 @@ def cached_experts(
             f"for {room} experts a streamed layer; use --expert-cache auto or a smaller count"
         )
     return asked
+
+
+def cache_rows(
+    asked: int | str, p: Placement, fp: Footprint, budget: int | None, sizes: list[int], n_expert: int, n_seqs: int
+) -> list[int]:
+    """The expert cache's rows a layer while 1..n_seqs sequences hold KV caches (entry k - 1 for k): an auto
+    cache takes the room of the KV caches not made yet and gives it back as they are made (a server makes them
+    as its sequences come), where it holds a row with all n_seqs made; else cached_experts' count throughout."""
+    full = cached_experts(asked, p, fp, budget, sizes, n_expert)
+    if asked != "auto" or n_seqs == 1 or full == 0:
+        return [full] * n_seqs
+    each = fp.kv_cache // n_seqs
+    return [
+        cached_experts(asked, p, replace(fp, kv_cache=k * each), budget, sizes, n_expert) for k in range(1, n_seqs + 1)
+    ]
 
 
 def kv_cache_bytes(

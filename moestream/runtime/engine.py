@@ -19,7 +19,7 @@ from moestream.offload.device import cap_vram
 from moestream.offload.experts import LayerExperts, OnRoute
 from moestream.options import Options, Schedule
 from moestream.profiling.timeline import Timeline
-from moestream.runtime.kv_cache import SequenceCache, new_cache
+from moestream.runtime.kv_cache import SequenceCache
 from moestream.runtime.sampling import Sampler, SamplingParams
 from moestream.runtime.setup import Setup
 from moestream.runtime.step import DecodeStep
@@ -100,7 +100,7 @@ class Engine:
 
     def new_cache(self) -> SequenceCache:
         self._require_open()
-        return new_cache(self.model, self.n_ctx, self.dtype, self.device, self.options.model.kv_types)
+        return self.setup.new_cache()
 
     @torch.inference_mode()
     def forward(

@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import sys
 import time
+import weakref
 from collections.abc import Callable, Iterator
 
 import torch
@@ -20,7 +21,7 @@ from moestream.offload.small_batch import Measured, measure
 from moestream.options import Options, SmallBatch
 from moestream.profiling.timeline import NULL, Timeline
 from moestream.runtime import way_memory
-from moestream.runtime.kv_cache import new_cache
+from moestream.runtime.kv_cache import SequenceCache, new_cache
 from moestream.runtime.step import Capturing, DecodeStep
 
 Build = Callable[[Options, Measured | None], Offload]  # options (and what auto measured) -> a placement
@@ -39,6 +40,7 @@ class Setup:
         self.measured: Measured | None = None
         self.offload: Offload | None = None
         self.step: DecodeStep | None = None
+        self.caches: weakref.WeakSet[SequenceCache] = weakref.WeakSet()  # the sequences' KV caches alive now
         self._rebuild(options)
 
     @property
@@ -92,6 +94,26 @@ class Setup:
         if self.options.model.progress:
             print(self.measured.describe(), file=sys.stderr)
 
+    def new_cache(self) -> SequenceCache:
+        """A sequence's KV cache. An auto expert cache holds the room of the --max-seqs caches not made yet
+        (placement.cache_rows): it gives back what this one needs first."""
+        self._fit(len(self.caches) + 1)
+        opts = self.options.model
+        cache = new_cache(self.model, self.n_ctx, opts.torch_dtype, opts.torch_device, opts.kv_types)
+        self.caches.add(cache)
+        return cache
+
+    def _fit(self, n_caches: int) -> None:
+        """Shrink the expert cache to what it may hold beside n_caches KV caches, the steps captured over its
+        rows dropped first (they read them in place; the next step captures again)."""
+        pf = self.offload.experts.prefetcher
+        cache = pf.cache if pf is not None else None
+        if cache is not None and (rows := cache.rows_for(max(1, n_caches))) < cache.n:
+            if self.step is not None:
+                self.step.close()
+            self.offload.dev.synchronize()  # no copy queued before still reads or writes the rows
+            cache.keep(rows)
+
     @contextlib.contextmanager
     def _trial(self, way: SmallBatch) -> Iterator[Callable[[], None]]:
         """One-token steps of an empty sequence with this placement's small batches served `way` (greedy tokens,
@@ -123,6 +145,7 @@ class Setup:
             self.offload.close()  # first: the new placement may page-lock the same ranges
         self.offload = None  # and let its device memory go before the new one is made
         self.offload = self._build(options, measured)
+        self._fit(len(self.caches))  # sequences made before the rebuild keep their room
         self.step = DecodeStep(self.model, self.offload.experts, self.n_ctx, options.model.torch_dtype, self.capturing)
         self.record(self.timeline)
 

@@ -3,13 +3,15 @@ it, every pick counted, and the guessed bytes budgeted."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 import moestream
 from moestream.errors import MoestreamError
 from moestream.offload import prefetch
-from moestream.offload.placement import CACHE_SLACK, Footprint, Placement, cached_experts
+from moestream.offload.placement import CACHE_SLACK, Footprint, Placement, cache_rows, cached_experts
 from moestream.offload.prefetch import ring_bytes
 from moestream.options import Options
 from moestream.profiling.timeline import NULL, Timeline
@@ -394,6 +396,54 @@ def test_the_expert_cache_is_sized_by_the_budget_and_refused_past_it(model_file)
     for bad, says in (("-1", "must be 0"), ("lots", "expected an expert count or auto")):
         with pytest.raises(MoestreamError, match=f"--expert-cache {bad}: {says}"):
             Options.make(expert_cache=bad)
+
+
+def test_an_auto_cache_holds_the_room_of_sequences_not_yet_made(model_file):
+    """--max-seqs 4 under a budget: the auto expert cache is sized for the KV caches made so far, not for all
+    four, and gives their room back as each is made (the budget holds at every count; the GPU server's one
+    client had 2 experts a layer cached instead of 13), its steps captured again; tokens stay those of no cache."""
+    path, seqs = model_file("tiny", "Q4_K_M"), dict(n_seqs=4, n_ctx=384, **GATHERED)
+    e = moestream.load(path, expert_cache=0, **seqs)
+    try:
+        fp, p = e.offload.footprint, e.offload.placement
+        sizes = [t.expert_bytes for t in e.experts.tensors.values()]
+        greedy = SamplingParams(max_tokens=8, temperature=0.0)
+        want = e.generate(list(range(5, 13)), greedy).tokens
+    finally:
+        e.close()
+    per, each = len(p.streamed) * max(sizes), fp.kv_cache // 4
+    budget = p.gpu_bytes(fp) + CACHE_SLACK + per + per // 2  # one row a layer beside all four KV caches
+    rows = cache_rows("auto", p, fp, budget, sizes, 8, 4)
+    assert rows == [cached_experts("auto", p, replace(fp, kv_cache=k * each), budget, sizes, 8) for k in (1, 2, 3, 4)]
+    assert rows[0] == 8 and rows[-1] == 1 and rows == sorted(rows, reverse=True) and len(set(rows)) == 4
+    assert cache_rows(3, p, fp, budget, sizes, 8, 4) == [3] * 4  # an asked count is the user's
+    assert cache_rows("auto", p, fp, p.gpu_bytes(fp) + CACHE_SLACK, sizes, 8, 4) == [0] * 4  # none with all four
+    e = moestream.load(path, vram_budget=budget, **seqs)
+    try:
+        cache = e.experts.prefetcher.cache
+        assert cache.n == 8 and e.offload.footprint.expert_cache == cache.nbytes // 8 * 1  # budgeted with all four
+        assert "8 of each held on the GPU" in e.offload.describe()
+        assert "down to 1 as the 4 sequences' KV caches are made" in e.offload.describe()
+        assert e.generate(list(range(5, 13)), greedy).tokens == want  # generate's own cache: the first
+        assert e.experts.cached_width == 8 and int(cache.admitted) > 0
+        held = [e.new_cache() for _ in range(3)]  # a server's other sequences come
+        assert e.experts.cached_width == rows[3] == cache.n and not e.step.graphs
+        for stacks in cache.stacks.values():
+            assert all(s.shape[0] == rows[3] for s in stacks)
+        for i, il in enumerate(cache.layers):  # what it still holds is the file's bytes, mapped both ways
+            kept = cache.expert_of[i]
+            assert ((cache.slot_of[i] >= 0).sum() == (kept >= 0).sum()) and kept.numel() == rows[3]
+            for r, expert in enumerate(kept.tolist()):
+                if expert >= 0:
+                    assert int(cache.slot_of[i, expert]) == r
+                    for s, raw in enumerate(e.experts.tensors[il].host_bytes()):
+                        assert torch.equal(cache.stacks[il][s][r], raw[expert])
+        assert e.generate(list(range(5, 13)), greedy).tokens == want
+        del held
+        e.new_cache()  # fewer alive again: it keeps what it has (shrinking only)
+        assert cache.n == rows[3]
+    finally:
+        e.close()
 
 
 def test_a_cache_asked_without_guesses_is_said_to_hold_nothing(model_file):

@@ -9,6 +9,7 @@ import torch
 
 import moestream
 from moestream.kernels import launch, tuning
+from moestream.offload.placement import CACHE_SLACK
 from moestream.profiling.timeline import NULL, Timeline
 from moestream.runtime.sampling import SamplingParams
 from moestream.runtime.step import DecodeStep
@@ -303,3 +304,46 @@ def test_batch_graphs_go_with_their_caches_and_the_least_recently_replayed_first
         assert {frozenset(s.names) for s in graphs.steps.values()} == {frozenset({id(c), id(d)})}
     finally:
         e.close()
+
+
+def _greedy(engine, cache, prompt: list[int], n: int) -> list[int]:
+    logits, out = engine.forward(prompt, cache), []
+    for _ in range(n):
+        out.append(int(logits[-1].argmax()))
+        logits = engine.forward([out[-1]], cache)
+    return out
+
+
+@pytest.mark.filterwarnings("error")  # a refused capture warns and runs eagerly: not good enough here
+def test_an_expert_cache_giving_back_idle_sequences_room_keeps_each_sequences_tokens(model_file):
+    """--max-seqs 3 under a budget: the auto expert cache starts with the room of the two KV caches not made
+    and shrinks as they are made; the steps captured over its rows are dropped and captured again, and every
+    sequence (the first one going on after each shrink) decodes the tokens it does with no cache."""
+    path = model_file("tiny", "Q4_K_M")
+    opts = dict(device="cuda", progress=False, n_cpu_moe="all", small_batch="gather", n_seqs=3, n_ctx=384)
+    prompts = [TOKENS[:5], TOKENS[10:17], TOKENS[30:33]]
+
+    def run(e) -> tuple[list[list[int]], list[int]]:
+        caches, out, rows = [], [], []
+        for prompt in prompts:
+            caches.append(e.new_cache())
+            rows.append(e.experts.cached_width)
+            out.append(_greedy(e, caches[-1], prompt, 12))
+            out.append(_greedy(e, caches[0], [out[0][-1]], 4))  # the first sequence goes on
+            assert caches[0] in e.step.graphs  # captured again after a shrink
+        return out, rows
+
+    ref = moestream.load(path, expert_cache=0, **opts)
+    try:
+        fp, p = ref.offload.footprint, ref.offload.placement
+        per = len(p.streamed) * max(t.expert_bytes for t in ref.experts.tensors.values())
+        want, _ = run(ref)
+    finally:
+        ref.close()
+    e = moestream.load(path, vram_budget=p.gpu_bytes(fp) + CACHE_SLACK + per + per // 2, cache_policy="lru", **opts)
+    try:
+        got, rows = run(e)
+        assert rows == e.experts.prefetcher.cache.by_caches and rows[0] > rows[-1] >= 1
+    finally:
+        e.close()
+    assert got == want
