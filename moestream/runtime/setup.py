@@ -16,6 +16,7 @@ import torch
 
 from moestream.errors import MoestreamError
 from moestream.offload.builder import Offload
+from moestream.offload.expert_cache import ExpertCache
 from moestream.offload.experts import LayerExperts
 from moestream.offload.small_batch import Measured, measure
 from moestream.options import Options, SmallBatch
@@ -103,11 +104,19 @@ class Setup:
         self.caches.add(cache)
         return cache
 
+    def new_cache_shrinks(self) -> bool:
+        """Whether new_cache would shrink the expert cache (a server then reuses a free KV cache instead)."""
+        cache = self._expert_cache()
+        return cache is not None and cache.rows_for(len(self.caches) + 1) < cache.n
+
+    def _expert_cache(self) -> ExpertCache | None:
+        pf = self.offload.experts.prefetcher
+        return pf.cache if pf is not None else None
+
     def _fit(self, n_caches: int) -> None:
         """Shrink the expert cache to what it may hold beside n_caches KV caches, the steps captured over its
         rows dropped first (they read them in place; the next step captures again)."""
-        pf = self.offload.experts.prefetcher
-        cache = pf.cache if pf is not None else None
+        cache = self._expert_cache()
         if cache is not None and (rows := cache.rows_for(max(1, n_caches))) < cache.n:
             if self.step is not None:
                 self.step.close()

@@ -238,3 +238,40 @@ def test_a_recurrent_prompt_stops_a_chunk_where_a_resent_one_starts(model_file, 
     finally:
         s.stop()
         engine.close()
+
+
+def test_requests_one_at_a_time_leave_the_expert_cache_its_room(model_file):
+    """--max-seqs 3 under a budget: requests one after another reuse the free KV cache (what it held goes to
+    host RAM, and comes back for a request sharing it) rather than make new ones, each of which would shrink the
+    auto expert cache; requests at once get a cache each, their room taken from the expert cache."""
+    from moestream.offload.placement import CACHE_SLACK
+
+    path = model_file("tiny", "Q4_K_M")
+    opts = dict(device="cpu", progress=False, n_cpu_moe="all", small_batch="gather", n_seqs=3, n_ctx=384, ubatch=4)
+    probe = moestream.load(path, expert_cache=0, **opts)
+    fp, p = probe.offload.footprint, probe.offload.placement
+    per = len(p.streamed) * max(t.expert_bytes for t in probe.experts.tensors.values())
+    probe.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # --vram-budget on the CPU device
+        engine = moestream.load(path, vram_budget=p.gpu_bytes(fp) + CACHE_SLACK + per, **opts)
+    s = Scheduler(engine, max_seqs=3)
+    try:
+        full = engine.experts.cached_width
+        for prompt in ([5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22], [5, 6, 7, 8, 9, 10, 11, 12, 13]):
+            req, events = collect(prompt, max_tokens=4)
+            s.submit(req)
+            assert drain(events)[-1].kind == "done"
+        assert len(engine.setup.caches) == 1 and engine.experts.cached_width == full > 1
+        assert s.prompts.stats.host_hits == 1  # the third took the first's prefix back from host RAM
+        together = [collect([30 + i, 31, 32], max_tokens=40) for i in range(3)]
+        for req, _ in together:
+            s.submit(req)
+        for _, events in together:
+            assert drain(events)[-1].kind == "done"
+        cache = engine.experts.prefetcher.cache
+        grown = len(engine.setup.caches)
+        assert grown > 1 and engine.experts.cached_width == cache.rows_for(grown) < full
+    finally:
+        s.stop()
+        engine.close()
