@@ -62,6 +62,8 @@ class Buffers:
         def host(shape, dtype):
             return torch.empty(shape, dtype=dtype, pin_memory=pin)
 
+        self.queued = pin  # run as a host function in a GPU's stream (else called here, on the CPU device)
+
         n = max(T * D, T * K * F)  # x's rows, then the picks' hidden rows, quantized
         self.x, self.out = host((T, D), torch.float32), host((T, D), torch.float32)
         self.ids, self.weights = host((T, K), torch.int64), host((T, K), torch.float32)
@@ -80,7 +82,7 @@ class Buffers:
             a = _Args()
             for i, (raw, q) in enumerate(zip(raws, qtypes, strict=True)):
                 a.w[i], a.qtype[i], a.row_bytes[i] = raw.data_ptr(), int(q), raw.shape[-1]
-            a.n_embd, a.n_ff, a.n_tokens, a.n_used, a.n_threads = D, F, T, K, torch.get_num_threads()
+            a.n_embd, a.n_ff, a.n_tokens, a.n_used, a.n_threads = D, F, T, K, threads(self.queued)
             names = ["x", "ids", "weights", "out", "gu", "down", "xq", "dx", "xs", "xqs"]
             if glu is not None:
                 names += ["gate_b", "up_b", "down_b"]
@@ -89,6 +91,14 @@ class Buffers:
                 setattr(a, name, getattr(self, name).data_ptr())
             self.args[key] = a
         return self.args[key]
+
+
+def threads(queued: bool) -> int:
+    """host_swiglu's OpenMP threads: torch's count, one fewer in a GPU's stream, where the thread waiting for
+    that stream spins on a core meanwhile (CUDA's wait while cores outnumber contexts), and each parallel loop
+    would wait for whichever of its threads is descheduled."""
+    n = torch.get_num_threads()
+    return max(1, n - 1) if queued else n
 
 
 _buffers: dict[tuple, Buffers] = {}

@@ -93,3 +93,16 @@ def test_gpt_oss_clamped_glu_with_the_pairs_biases():
     got = host_swiglu.swiglu(x, weights, ids, raws, types, clamped)
     assert float((got - ref).abs().max() / ref.abs().max()) < 1e-6
     assert float((got - composed(x, weights, ids, raws, types, True)).abs().max()) > 0.1  # the GLU did change it
+
+
+def test_a_host_function_in_a_gpu_stream_leaves_a_core_to_the_thread_waiting_for_it(monkeypatch):
+    """In a GPU's stream the thread waiting for the stream spins on a core: the host function takes one
+    fewer; called here (the CPU device) it takes torch's count."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 16)
+    raws = stacks((Q.Q4_K, Q.Q4_K, Q.Q6_K))
+    for queued, want in ((True, 15), (False, 16)):
+        b = host_swiglu.Buffers(1, 2, D, F, pin=False)
+        b.queued = queued  # as a GPU's buffers are (pinned there)
+        assert b.args_for(raws, [Q.Q4_K, Q.Q4_K, Q.Q6_K], 1, 2, D, F, None).n_threads == want
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert host_swiglu.threads(True) == host_swiglu.threads(False) == 1
