@@ -102,6 +102,10 @@ class Engine:
         self._require_open()
         return self.setup.new_cache()
 
+    def new_cache_shrinks(self) -> bool:
+        """Whether new_cache would take room the expert cache holds now (a server reuses a free cache instead)."""
+        return self.setup.new_cache_shrinks()
+
     @torch.inference_mode()
     def forward(
         self,

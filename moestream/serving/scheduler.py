@@ -251,7 +251,7 @@ class Scheduler:
             cache.reset()
             return cache, 0
         grow = self.engine.new_cache if len(self._caches) + len(self.running) < self.max_seqs else None
-        if self._caches and self.engine.setup.new_cache_shrinks():  # a free cache's prefix goes to host RAM
+        if self._caches and self.engine.new_cache_shrinks():  # a free cache's prefix goes to host RAM
             grow = None  # rather than a new cache taking the expert cache's room
         running = [seq.cache for seq in self.running]
         return self.prompts.take(req.prompt_tokens, self._caches, running, grow, reuse=req.cache_prompt)
