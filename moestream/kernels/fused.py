@@ -87,15 +87,19 @@ if triton is not None:
         _norm_row(x + row * D, w, y + row * D, cos + t * HALF, sin + t * HALF, eps, D, BLOCK, HALF, ROPE)
 
     @triton.jit
-    def _add_rms_norm_kernel(x, r, w, h, y, eps, D: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        """h = x + r (rounded as torch's add), y = RMSNorm(h): a layer's residual add and the norm after it."""
+    def _add_rms_norm_kernel(
+        x, r, b, w, h, y, eps, D: tl.constexpr, BLOCK: tl.constexpr, BIAS: tl.constexpr, PDL: tl.constexpr
+    ):
+        """h = x + r (rounded as torch's add; with BIAS, r + b first, rounded too), y = RMSNorm(h): a layer's
+        residual add and the norm after it."""
         pdl_start(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         ok = offs < D
-        total = tl.load(x + row * D + offs, mask=ok).to(tl.float32) + tl.load(r + row * D + offs, mask=ok).to(
-            tl.float32
-        )
+        mixed = tl.load(r + row * D + offs, mask=ok)
+        if BIAS:
+            mixed = (mixed.to(tl.float32) + tl.load(b + offs, mask=ok).to(tl.float32)).to(h.dtype.element_ty)
+        total = tl.load(x + row * D + offs, mask=ok).to(tl.float32) + mixed.to(tl.float32)
         tl.store(h + row * D + offs, total.to(h.dtype.element_ty), mask=ok)
         tl.debug_barrier()  # the row's sum is read back below by other threads of the program
         _norm_row(h + row * D, w, y + row * D, h, h, eps, D, BLOCK, 1, False)
@@ -156,6 +160,7 @@ if triton is not None:
     @triton.jit
     def _softmax_topk_kernel(
         logits,
+        bias,
         w_out,
         id_out,
         E,
@@ -163,13 +168,17 @@ if triton is not None:
         KP: tl.constexpr,
         BLOCK_E: tl.constexpr,
         RENORM: tl.constexpr,
+        BIAS: tl.constexpr,
         PDL: tl.constexpr,
     ):
         pdl_start(PDL)
         t = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK_E)
         ok = offs < E
-        z = tl.load(logits + t * E + offs, mask=ok, other=-float("inf")).to(tl.float32)
+        z = tl.load(logits + t * E + offs, mask=ok, other=-float("inf"))
+        if BIAS:  # the router's bias, the sum rounded to the logits' dtype as torch's add would
+            z = (z.to(tl.float32) + tl.load(bias + offs, mask=ok, other=0.0).to(tl.float32)).to(z.dtype)
+        z = z.to(tl.float32)
         e = tl.where(ok, tl.exp(z - tl.max(z, axis=0)), 0.0)
         p = e / tl.sum(e, axis=0)
         # past E, and each expert once taken: -inf. A NaN (an overflowed logit, a broken weight) ranks lowest of
@@ -231,15 +240,18 @@ def _row_tile(D: int) -> dict:
 
 
 def add_rms_norm(
-    x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float, bias: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + r, RMSNorm of it) for rows x, r [T, D] in one launch."""
+    """(x + r, RMSNorm of it) for rows x, r [T, D] in one launch; with bias [D], x + (r + bias)."""
     x, r = x.contiguous(), r.contiguous()
     h, y = torch.empty_like(x), torch.empty_like(x)
     D = x.shape[-1]
     if x.numel():
         with on_device(x):
-            _add_rms_norm_kernel[(x.numel() // D,)](x, r, weight, h, y, eps, **_row_tile(D), **pdl(x))
+            b = bias if bias is not None else x  # unread without BIAS
+            _add_rms_norm_kernel[(x.numel() // D,)](
+                x, r, b, weight, h, y, eps, **_row_tile(D), BIAS=bias is not None, **pdl(x)
+            )
     return h, y
 
 
@@ -291,9 +303,11 @@ def qkv_store(
     return out
 
 
-def softmax_topk(logits: torch.Tensor, k: int, renorm: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over the last dim of logits [T, E] in float32, the k largest (weights in dtype, ids int64),
-    weights renormalised to sum 1 when renorm."""
+def softmax_topk(
+    logits: torch.Tensor, k: int, renorm: bool, dtype: torch.dtype, bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the last dim of logits [T, E] (plus bias [E], added in their dtype) in float32, the k largest
+    (weights in dtype, ids int64), weights renormalised to sum 1 when renorm."""
     T, E = logits.shape
     logits = logits.contiguous()
     weights = torch.empty((T, k), dtype=dtype, device=logits.device)
@@ -302,6 +316,7 @@ def softmax_topk(logits: torch.Tensor, k: int, renorm: bool, dtype: torch.dtype)
         with on_device(logits):
             _softmax_topk_kernel[(T,)](
                 logits,
+                bias if bias is not None else logits,  # unread without BIAS
                 weights,
                 ids,
                 E,
@@ -309,6 +324,7 @@ def softmax_topk(logits: torch.Tensor, k: int, renorm: bool, dtype: torch.dtype)
                 KP=triton.next_power_of_2(k),
                 BLOCK_E=triton.next_power_of_2(E),
                 RENORM=renorm,
+                BIAS=bias is not None,
                 num_warps=1 if E <= 256 else 4,  # one warp: the 2 k + 2 reductions are shuffles, no shared memory
                 **pdl(logits),
             )

@@ -69,7 +69,10 @@ class Model(qwen3moe.Model):
         s, T = self.spec, x.shape[0]
         q, k, v = linears(x, [self.stored(il, n) for n in QKV])  # their biases are added in attend
         out = self.attend(il, q.view(T, s.n_head, s.head_dim), k, v, batch, cache)  # [T, H, Dh]
-        return linear(out.reshape(T, -1), self.stored(il, "attn_output")) + self.b(il, "attn_output")
+        return linear(out.reshape(T, -1), self.stored(il, "attn_output"))  # its bias: output_bias
+
+    def output_bias(self, il: int) -> torch.Tensor:
+        return self.b(il, "attn_output")
 
     def attend(
         self, il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch, cache: Cache

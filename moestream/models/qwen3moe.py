@@ -80,8 +80,12 @@ class Model:
         """experts: the pass's source of routed experts (the engine's, like the cache)."""
         eps = self.spec.rms_eps
         mixed = self.attention(il, rms_norm(x, self.w(il, "attn_norm"), eps), batch, cache)
-        h, normed = add_rms_norm(x, mixed, self.w(il, self.MOE_NORM), eps)
+        h, normed = add_rms_norm(x, mixed, self.w(il, self.MOE_NORM), eps, self.output_bias(il))
         return self.moe(il, normed, experts, residual=h)
+
+    def output_bias(self, il: int) -> torch.Tensor | None:
+        """The attention output projection's bias, added with the residual (attention returns without it)."""
+        return None
 
     def guess_experts(self, il: int, x: torch.Tensor, n: int) -> torch.Tensor:
         """The n experts layer il's router would rank first for x, the residual stream before an earlier layer:

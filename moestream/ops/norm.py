@@ -17,10 +17,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def add_rms_norm(
-    x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float, bias: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h, rms_norm(h)) for h = x + r: a layer's residual add and the norm in front of its MoE block."""
-    if fused.usable(x) and x.dtype == r.dtype == weight.dtype:  # one kernel for both
-        return fused.add_rms_norm(x, r, weight, eps)
+    """(h, rms_norm(h)) for h = x + r (with bias, x + (r + bias): an output projection's bias added here, not
+    in a launch of its own): a layer's residual add and the norm in front of its MoE block."""
+    if fused.usable(x) and x.dtype == r.dtype == weight.dtype and (bias is None or bias.dtype == x.dtype):
+        return fused.add_rms_norm(x, r, weight, eps, bias)  # one kernel for all
+    if bias is not None:
+        r = r + bias
     h = x + r
     return h, rms_norm(h, weight, eps)

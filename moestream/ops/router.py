@@ -20,15 +20,17 @@ def route_softmax_topk(
     weights renormalised to sum 1 (the same as a softmax over the top-k logits). Returns weights [T, K], ids
     [T, K]."""
     logits = matvec.linear_each_row(x, w_router)  # a decode batch's rows route as each would alone
+    return softmax_topk(logits, k, x.dtype, renorm, bias)
+
+
+def softmax_topk(
+    logits: torch.Tensor, k: int, dtype: torch.dtype, renorm: bool = True, bias: torch.Tensor | None = None
+):
+    """route_softmax_topk from the router's logits [T, E] (plus bias [E]): weights [T, K] in dtype, ids [T, K]."""
+    if fused.usable(logits) and (bias is None or bias.dtype == logits.dtype):  # one kernel, the bias added there
+        return fused.softmax_topk(logits, k, renorm, dtype, bias)
     if bias is not None:
         logits = logits + bias
-    return softmax_topk(logits, k, x.dtype, renorm)
-
-
-def softmax_topk(logits: torch.Tensor, k: int, dtype: torch.dtype, renorm: bool = True):
-    """route_softmax_topk from the router's logits [T, E]: weights [T, K] in dtype, ids [T, K]."""
-    if fused.usable(logits):  # softmax, top-k and renormalisation in one kernel
-        return fused.softmax_topk(logits, k, renorm, dtype)
     probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
     weights, ids = torch.topk(probs, k, dim=-1)
     if renorm:

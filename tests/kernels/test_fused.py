@@ -43,6 +43,9 @@ def test_the_residual_add_and_the_norm_after_it_in_one_launch_give_the_bits_of_b
     w = torch.randn(D, device="cuda", generator=g).to(dtype)
     h, normed = fused.add_rms_norm(x, r, w, 1e-6)  # the kernel itself: ops' fallback is the reference
     assert torch.equal(h, x + r) and torch.equal(normed, fused.rms_norm(x + r, w, 1e-6))
+    b = torch.randn(D, device="cuda", generator=g).to(dtype)  # gpt-oss's output projection's bias
+    h, normed = fused.add_rms_norm(x, r, w, 1e-6, b)
+    assert torch.equal(h, x + (r + b)) and torch.equal(normed, fused.rms_norm(x + (r + b), w, 1e-6))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -75,6 +78,17 @@ def test_softmax_topk_matches_torch(renorm, E, k):
         ref_w = ref_w / ref_w.sum(-1, keepdim=True)
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softmax_topk_adds_the_routers_bias_as_torch_would(dtype):
+    """gpt-oss's router bias, added in the kernel (one launch less a layer): the weights and ids of the torch add
+    (rounded to the logits' dtype) and the kernel without a bias."""
+    g = torch.Generator(device="cuda").manual_seed(2)
+    logits, bias = torch.randn(4, 32, device="cuda", generator=g).to(dtype), torch.randn(32, device="cuda").to(dtype)
+    w, ids = fused.softmax_topk(logits, 4, True, torch.float32, bias)
+    ref_w, ref_ids = fused.softmax_topk(logits + bias, 4, True, torch.float32)
+    assert torch.equal(ids, ref_ids) and torch.equal(w, ref_w)
 
 
 def test_softmax_topk_takes_the_lowest_id_among_equals():
