@@ -125,8 +125,8 @@ def engine_flags(p: argparse.ArgumentParser, lists: tuple[str, ...] = ()) -> Non
         **typed("expert_cache", _cache, _cache_list, None),
         metavar="N|auto",
         help="decode with --prefetch: keep the N most-picked experts of each streamed layer on the GPU, read there "
-        "instead of over the link (0: off; default auto: as many as --vram-budget leaves, none without a budget; with "
-        "--max-seqs, also the room of KV caches not made yet, given back as sequences come)" + more,
+        "instead of over the link (0: off; default auto: as many as --vram-budget leaves, none without a budget; under "
+        "serve, also the KV room its sequences do not hold: each holds its prompt and max_tokens)" + more,
     )
     p.add_argument(
         "--cache-policy",

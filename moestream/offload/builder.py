@@ -107,9 +107,8 @@ class Offload:
                         f"; {pf.cache.n} of each held on the GPU, the most picked "
                         f"({format_size(pf.cache.nbytes)}, --expert-cache)"
                     )
-                    if (least := pf.cache.by_caches[-1]) < pf.cache.n:  # auto, holding idle sequences' room
-                        n = len(pf.cache.by_caches)
-                        held += f", down to {least} as the {n} sequences' KV caches are made"
+                    if (least := pf.cache.rows_for(self.footprint.kv_cache)) < pf.cache.n:  # auto: KV room
+                        held += f", down to {least} as sequences' KV caches take the room budgeted for them"
                 rows = f" for each of up to {pf.rows} sequences a pass" if pf.rows > 1 else ""
                 ahead = f" {pf.ahead} streamed layers" if pf.ahead > 1 else ""
                 lines.append(
@@ -300,20 +299,20 @@ def _serve(
     n_seqs: int,
 ) -> tuple[LayerExperts, Footprint]:
     """The decode side the plan asks for: where static steps guess ahead, the ring of guesses (for passes of up
-    to rows rows) and an expert cache as large as asked or as the budget leaves (auto: larger while fewer of
-    the n_seqs sequences hold KV caches). Returns it and the footprint with the cache counted."""
+    to rows rows) and an expert cache as large as asked or as the budget leaves (auto: larger while the n_seqs
+    sequences' KV caches hold less than their budget). Returns it and the footprint with the cache counted."""
     on_cpu = decode.on_cpu(placement.streamed)
     gathered = [il for il in placement.streamed if il not in on_cpu]  # the others compute on the CPU
     if not decode.guesses or not gathered:
         return LayerExperts(stored, decode), fp
     sizes = [stored.tensors[il].expert_bytes for il in gathered]
-    by_caches = cache_rows(decode.expert_cache, placement, fp, budget, sizes, spec.n_expert, n_seqs)
-    device, streamed = stored.dev.device, gathered
+    rows_for = cache_rows(decode.expert_cache, placement, fp, budget, sizes, spec.n_expert)
+    device, streamed, n_rows = stored.dev.device, gathered, rows_for(fp.kv_cache // n_seqs)  # beside one full
     cache = None
-    if by_caches[0]:
-        cache = ExpertCache(stored.tensors, streamed, by_caches[0], device, stored.pick, decode.cache_policy, by_caches)
-    # the budget counts the cache as it is with every sequence's KV cache made
-    fp = replace(fp, expert_cache=cache.nbytes // cache.n * by_caches[-1] if cache is not None else 0)
+    if n_rows:
+        cache = ExpertCache(stored.tensors, streamed, n_rows, device, stored.pick, decode.cache_policy, rows_for)
+    # the budget counts the cache as it is beside every sequence's whole KV cache
+    fp = replace(fp, expert_cache=cache.nbytes // cache.n * rows_for(fp.kv_cache) if cache is not None else 0)
     n_used = spec.n_expert_used
     prefetcher = Prefetcher(
         stored.tensors, streamed, decode.n_guess, n_used, stored.dev, stored.pick, cache, rows, decode.ahead

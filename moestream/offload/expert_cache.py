@@ -14,6 +14,8 @@ its map in place, so they stay valid. The rows hold the file's bytes: cached or 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from moestream.kernels import cache_admit
@@ -34,11 +36,11 @@ class ExpertCache:
         device: torch.device,
         pick: RowGather,
         policy: str = "static",
-        by_caches: list[int] | None = None,
+        rows_for: Callable[[int], int] | None = None,
     ):
         self.tensors, self.n, self.pick = tensors, n, pick
-        # rows to hold while 1, 2, ... sequences hold KV caches (placement.cache_rows): n at first
-        self.by_caches = by_caches or [n]
+        # rows it may hold beside KV caches of so many bytes (placement.cache_rows): n at first
+        self.rows_for = rows_for or (lambda kv_bytes: n)
         self.layers = sorted(streamed)
         n_expert = tensors[self.layers[0]].n_expert
         self.stacks = {
@@ -165,10 +167,6 @@ class ExpertCache:
         nobody = self.slot_of.shape[1]
         rows = torch.arange(self.n, device=self._map.device).expand_as(self.expert_of)
         self._map.fill_(-1).scatter_(1, torch.where(self.expert_of >= 0, self.expert_of, nobody), rows)
-
-    def rows_for(self, n_caches: int) -> int:
-        """The rows a layer the cache may hold once n_caches KV caches are made."""
-        return self.by_caches[min(n_caches, len(self.by_caches)) - 1]
 
     def keep(self, n: int) -> None:
         """Hold only the first n rows a layer (n < self.n): the other rows' experts leave the map and their

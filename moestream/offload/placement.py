@@ -187,18 +187,19 @@ def cached_experts(
 
 
 def cache_rows(
-    asked: int | str, p: Placement, fp: Footprint, budget: int | None, sizes: list[int], n_expert: int, n_seqs: int
-) -> list[int]:
-    """The expert cache's rows a layer while 1..n_seqs sequences hold KV caches (entry k - 1 for k): an auto
-    cache takes the room of the KV caches not made yet and gives it back as they are made (a server makes them
-    as its sequences come), where it holds a row with all n_seqs made; else cached_experts' count throughout."""
+    asked: int | str, p: Placement, fp: Footprint, budget: int | None, sizes: list[int], n_expert: int
+) -> Callable[[int], int]:
+    """The expert cache's rows a layer beside KV caches of kv_bytes in all (the argument): an auto cache takes
+    the room of the fp.kv_cache budgeted that no KV cache holds yet (a server makes them as its sequences come,
+    sized to them), where it holds a row with all of it held; else cached_experts' count whatever they hold."""
     full = cached_experts(asked, p, fp, budget, sizes, n_expert)
-    if asked != "auto" or n_seqs == 1 or full == 0:
-        return [full] * n_seqs
-    each = fp.kv_cache // n_seqs
-    return [
-        cached_experts(asked, p, replace(fp, kv_cache=k * each), budget, sizes, n_expert) for k in range(1, n_seqs + 1)
-    ]
+    if asked != "auto" or full == 0:
+        return lambda kv_bytes: full
+
+    def rows(kv_bytes: int) -> int:
+        return cached_experts(asked, p, replace(fp, kv_cache=min(kv_bytes, fp.kv_cache)), budget, sizes, n_expert)
+
+    return rows
 
 
 def kv_cache_bytes(

@@ -98,13 +98,14 @@ class Engine:
         if self.model is None:
             raise MoestreamError("this engine is closed; load the model again")
 
-    def new_cache(self) -> SequenceCache:
+    def new_cache(self, positions: int | None = None) -> SequenceCache:
+        """A sequence's cache: of the whole context, or (a server's) of about `positions` (Setup.new_cache)."""
         self._require_open()
-        return self.setup.new_cache()
+        return self.setup.new_cache(positions)
 
-    def new_cache_shrinks(self) -> bool:
+    def new_cache_shrinks(self, positions: int | None = None) -> bool:
         """Whether new_cache would take room the expert cache holds now (a server reuses a free cache instead)."""
-        return self.setup.new_cache_shrinks()
+        return self.setup.new_cache_shrinks(positions)
 
     @torch.inference_mode()
     def forward(
@@ -171,9 +172,9 @@ class Engine:
             raise MoestreamError("no tokens to run: the prompt is empty")
         if cache.broken:
             raise MoestreamError("this sequence's cache was left half-updated by an interrupted pass; start a new one")
-        if cache.n_past + len(tokens) > self.n_ctx:
+        if cache.n_past + len(tokens) > cache.kv.n_ctx:  # the context, or a server sequence's share of it
             raise MoestreamError(
-                f"the prompt needs {cache.n_past + len(tokens)} positions but the context is {self.n_ctx} "
+                f"the prompt needs {cache.n_past + len(tokens)} positions but the context is {cache.kv.n_ctx} "
                 f"(--ctx, at most the {self.spec.n_ctx_train} the model was trained for); raise --ctx up to "
                 "that or shorten the prompt"
             )
@@ -250,7 +251,7 @@ class Engine:
                     on_text(piece)
             if len(gen.tokens) >= params.limit:
                 break
-            if cache.n_past >= self.n_ctx:
+            if cache.n_past >= cache.kv.n_ctx:
                 gen.stop_reason = "context"
                 break
             token = sampler(self.forward([token], cache)[-1])

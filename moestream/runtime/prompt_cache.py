@@ -135,6 +135,12 @@ class PromptCache:
         self.used[cache] = next(self._ids)
         return cache, n
 
+    def release(self, cache: SequenceCache) -> None:
+        """A free cache is let go: what it holds goes to host RAM first."""
+        self._save(cache, 0)
+        self.prompts.pop(cache, None)
+        self.used.pop(cache, None)
+
     def prefilled(self, cache: SequenceCache) -> None:
         """After a chunk of the prompt ran in cache (whole micro-batches from a boundary, the last maybe partial):
         its whole micro-batches extend the prefix it holds. A recurrent model's state is kept at the last boundary

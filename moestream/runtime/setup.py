@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import sys
 import time
 import weakref
@@ -18,12 +19,13 @@ from moestream.errors import MoestreamError
 from moestream.offload.builder import Offload
 from moestream.offload.expert_cache import ExpertCache
 from moestream.offload.experts import LayerExperts
+from moestream.offload.placement import kv_cache_bytes
 from moestream.offload.small_batch import Measured, measure
 from moestream.options import Options, SmallBatch
 from moestream.profiling.timeline import NULL, Timeline
 from moestream.runtime import way_memory
 from moestream.runtime.kv_cache import SequenceCache, new_cache
-from moestream.runtime.step import Capturing, DecodeStep
+from moestream.runtime.step import Capturing, DecodeStep, key_bucket
 
 Build = Callable[[Options, Measured | None], Offload]  # options (and what auto measured) -> a placement
 
@@ -95,29 +97,47 @@ class Setup:
         if self.options.model.progress:
             print(self.measured.describe(), file=sys.stderr)
 
-    def new_cache(self) -> SequenceCache:
-        """A sequence's KV cache. An auto expert cache holds the room of the --max-seqs caches not made yet
-        (placement.cache_rows): it gives back what this one needs first."""
-        self._fit(len(self.caches) + 1)
+    def new_cache(self, positions: int | None = None) -> SequenceCache:
+        """A sequence's KV cache, of the whole context or (positions) of the key bucket that holds so many. An auto
+        expert cache holds the room of the --max-seqs KV caches not made yet (placement.cache_rows): it gives
+        back what this one needs first."""
+        n = self.capacity(positions)
+        self._fit(self._held() + self._bytes(n))
         opts = self.options.model
-        cache = new_cache(self.model, self.n_ctx, opts.torch_dtype, opts.torch_device, opts.kv_types)
+        cache = new_cache(self.model, n, opts.torch_dtype, opts.torch_device, opts.kv_types)
         self.caches.add(cache)
         return cache
 
-    def new_cache_shrinks(self) -> bool:
-        """Whether new_cache would shrink the expert cache (a server then reuses a free KV cache instead)."""
+    def capacity(self, positions: int | None) -> int:
+        """The positions new_cache(positions) gets: a power of two from the first key bucket up, at most -c."""
+        return self.n_ctx if positions is None else key_bucket(max(positions, 1) - 1, self.n_ctx)
+
+    def new_cache_shrinks(self, positions: int | None = None) -> bool:
+        """Whether new_cache(positions) would shrink the expert cache (a server then reuses a free cache)."""
         cache = self._expert_cache()
-        return cache is not None and cache.rows_for(len(self.caches) + 1) < cache.n
+        need = self._held() + self._bytes(self.capacity(positions))
+        return cache is not None and cache.rows_for(need) < cache.n
+
+    def _bytes(self, positions: int) -> int:
+        """A KV cache of so many positions (and its recurrent state), as the footprint counts a whole one."""
+        opts = self.options
+        kv = dict(zip(("type_k", "type_v"), opts.model.kv_types, strict=True))
+        size = functools.partial(kv_cache_bytes, self.model.spec, dtype=opts.model.torch_dtype, **kv)
+        return self.offload.footprint.kv_cache // opts.serving.n_seqs - size(self.n_ctx) + size(positions)
+
+    def _held(self) -> int:
+        """Bytes of the KV caches alive now."""
+        return sum(self._bytes(c.kv.n_ctx) for c in self.caches)
 
     def _expert_cache(self) -> ExpertCache | None:
         pf = self.offload.experts.prefetcher
         return pf.cache if pf is not None else None
 
-    def _fit(self, n_caches: int) -> None:
-        """Shrink the expert cache to what it may hold beside n_caches KV caches, the steps captured over its
+    def _fit(self, kv_bytes: int) -> None:
+        """Shrink the expert cache to what it may hold beside KV caches of kv_bytes, the steps captured over its
         rows dropped first (they read them in place; the next step captures again)."""
         cache = self._expert_cache()
-        if cache is not None and (rows := cache.rows_for(max(1, n_caches))) < cache.n:
+        if cache is not None and (rows := cache.rows_for(kv_bytes)) < cache.n:
             if self.step is not None:
                 self.step.close()
             self.offload.dev.synchronize()  # no copy queued before still reads or writes the rows
@@ -128,7 +148,7 @@ class Setup:
         """One-token steps of an empty sequence with this placement's small batches served `way` (greedy tokens,
         not zeros); they leave their traces in the placement (byte counts, the expert cache's picks)."""
         opts = self.options
-        step = DecodeStep(self.model, self.offload.trial(way), self.n_ctx, opts.model.torch_dtype, self.capturing)
+        step = DecodeStep(self.model, self.offload.trial(way), opts.model.torch_dtype, self.capturing)
         cache = new_cache(self.model, self.n_ctx, opts.model.torch_dtype, opts.model.torch_device, opts.model.kv_types)
         # run reaches them through `live`, cleared when the trial ends: the caller may still hold run while the
         # next trial makes its cache, which must not sit beside this one (the budget counts one)
@@ -154,8 +174,8 @@ class Setup:
             self.offload.close()  # first: the new placement may page-lock the same ranges
         self.offload = None  # and let its device memory go before the new one is made
         self.offload = self._build(options, measured)
-        self._fit(len(self.caches))  # sequences made before the rebuild keep their room
-        self.step = DecodeStep(self.model, self.offload.experts, self.n_ctx, options.model.torch_dtype, self.capturing)
+        self._fit(self._held())  # sequences made before the rebuild keep their room
+        self.step = DecodeStep(self.model, self.offload.experts, options.model.torch_dtype, self.capturing)
         self.record(self.timeline)
 
     def close(self) -> None:

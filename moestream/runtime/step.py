@@ -56,10 +56,8 @@ class DecodeStep:
     """Static one-token passes over model with the experts of one placement; `timeline` records them (and then
     runs them eagerly)."""
 
-    def __init__(
-        self, model, experts: LayerExperts, n_ctx: int, dtype: torch.dtype, capturing: Capturing | None = None
-    ):
-        self.model, self.experts, self.n_ctx, self.dtype = model, experts, n_ctx, dtype
+    def __init__(self, model, experts: LayerExperts, dtype: torch.dtype, capturing: Capturing | None = None):
+        self.model, self.experts, self.dtype = model, experts, dtype
         self.device = experts.dev.device
         self.capturing = capturing or Capturing()
         self.timeline: Timeline = NULL
@@ -75,7 +73,7 @@ class DecodeStep:
 
     def one(self, token: int, cache: SequenceCache) -> torch.Tensor:
         """Logits [1, V] of token after cache's sequence, appended to it."""
-        n_keys = key_bucket(cache.n_past, self.n_ctx)
+        n_keys = key_bucket(cache.n_past, cache.kv.n_ctx)
         captured = self.graphs.setdefault(cache, StepGraphs()) if self._captures(1) else None
         return self._pass([token], [cache], n_keys, captured, n_keys)
 
@@ -97,7 +95,7 @@ class DecodeStep:
         """A pass of rows sorted by cache: one replayed graph per set of caches and key buckets."""
         if len(tokens) == 1:
             return self.one(tokens[0], caches[0])
-        n_keys = tuple(key_bucket(c.n_past, self.n_ctx) for c in caches)
+        n_keys = tuple(key_bucket(c.n_past, c.kv.n_ctx) for c in caches)
         captured = None
         if self._captures(len(caches)):
             captured = self.batch_graphs = self.batch_graphs or StepGraphs(limit=graphs.BATCH_GRAPHS)

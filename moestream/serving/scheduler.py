@@ -13,6 +13,7 @@ starts from the longest prefix it shares with an earlier one (runtime/prompt_cac
 
 from __future__ import annotations
 
+import functools
 import queue
 import re
 import threading
@@ -245,16 +246,32 @@ class Scheduler:
             self.running.append(seq)
 
     def _cache_for(self, req: Request) -> tuple[object, int]:
-        """A cache for the request and how many of its prompt tokens are in it already."""
+        """A cache for the request and how many of its prompt tokens are in it already: a free one that holds
+        its prompt and max_tokens, or a new one of about that size (Setup.new_cache). A new cache may take room
+        the expert cache holds; a free one that fits is reused instead (what it held goes to host RAM)."""
+        need = min(self.engine.n_ctx, len(req.prompt_tokens) + req.params.limit)
+        fits = [c for c in self._caches if c.kv.n_ctx >= need]
+        if not fits and len(self._caches) + len(self.running) >= self.max_seqs:  # free ones all too small
+            self._drop(min(self._caches, key=lambda c: c.kv.n_ctx))
+        grow = None
+        if len(self._caches) + len(self.running) < self.max_seqs and not (fits and self.engine.new_cache_shrinks(need)):
+            grow = functools.partial(self.engine.new_cache, need)
         if self.prompts is None:
-            cache = self._caches.pop() if self._caches else self.engine.new_cache()
+            cache = fits[-1] if fits else grow()
             cache.reset()
-            return cache, 0
-        grow = self.engine.new_cache if len(self._caches) + len(self.running) < self.max_seqs else None
-        if self._caches and self.engine.new_cache_shrinks():  # a free cache's prefix goes to host RAM
-            grow = None  # rather than a new cache taking the expert cache's room
-        running = [seq.cache for seq in self.running]
-        return self.prompts.take(req.prompt_tokens, self._caches, running, grow, reuse=req.cache_prompt)
+            n = 0
+        else:
+            running = [seq.cache for seq in self.running]
+            cache, n = self.prompts.take(req.prompt_tokens, fits, running, grow, reuse=req.cache_prompt)
+        if cache in self._caches:
+            self._caches.remove(cache)
+        return cache, n
+
+    def _drop(self, cache) -> None:
+        """Let a free cache go (what it held to host RAM first), for a larger one in its place."""
+        if self.prompts is not None:
+            self.prompts.release(cache)
+        self._caches.remove(cache)
 
     def _release(self, seq: _Sequence) -> None:
         if seq in self.running:
@@ -354,7 +371,7 @@ class Scheduler:
             seq.text += seq.stream.push(seq.token)
         if self._emit_text(seq):
             return False
-        if len(seq.tokens) >= p.max_tokens or seq.cache.n_past >= self.engine.n_ctx:
+        if len(seq.tokens) >= p.max_tokens or seq.cache.n_past >= seq.cache.kv.n_ctx:
             self._finish(seq, "length")
             return False
         return True

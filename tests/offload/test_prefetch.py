@@ -399,9 +399,10 @@ def test_the_expert_cache_is_sized_by_the_budget_and_refused_past_it(model_file)
 
 
 def test_an_auto_cache_holds_the_room_of_sequences_not_yet_made(model_file):
-    """--max-seqs 4 under a budget: the auto expert cache is sized for the KV caches made so far, not for all
-    four, and gives their room back as each is made (the budget holds at every count; the GPU server's one
-    client had 2 experts a layer cached instead of 13), its steps captured again; tokens stay those of no cache."""
+    """--max-seqs 4 under a budget: the auto expert cache is sized beside the KV caches made so far, not beside
+    all four whole ones, and gives their room back as caches are made (whole ones, or a server's sized to its
+    requests; the budget holds at every size; the GPU server's one client had 2 experts a layer cached instead
+    of 13), its steps captured again; tokens stay those of no cache."""
     path, seqs = model_file("tiny", "Q4_K_M"), dict(n_seqs=4, n_ctx=384, **GATHERED)
     e = moestream.load(path, expert_cache=0, **seqs)
     try:
@@ -413,26 +414,29 @@ def test_an_auto_cache_holds_the_room_of_sequences_not_yet_made(model_file):
         e.close()
     per, each = len(p.streamed) * max(sizes), fp.kv_cache // 4
     budget = p.gpu_bytes(fp) + CACHE_SLACK + per + per // 2  # one row a layer beside all four KV caches
-    rows = cache_rows("auto", p, fp, budget, sizes, 8, 4)
-    assert rows == [cached_experts("auto", p, replace(fp, kv_cache=k * each), budget, sizes, 8) for k in (1, 2, 3, 4)]
-    assert rows[0] == 8 and rows[-1] == 1 and rows == sorted(rows, reverse=True) and len(set(rows)) == 4
-    assert cache_rows(3, p, fp, budget, sizes, 8, 4) == [3] * 4  # an asked count is the user's
-    assert cache_rows("auto", p, fp, p.gpu_bytes(fp) + CACHE_SLACK, sizes, 8, 4) == [0] * 4  # none with all four
+    rows = cache_rows("auto", p, fp, budget, sizes, 8)
+    by_count = [rows(k * each) for k in (1, 2, 3, 4)]
+    at = [cached_experts("auto", p, replace(fp, kv_cache=k * each), budget, sizes, 8) for k in (1, 2, 3, 4)]
+    assert by_count == at
+    assert by_count[0] == 8 and by_count[-1] == 1 and by_count == sorted(by_count, reverse=True)
+    assert len(set(by_count)) == 4 and rows(0) == 8 and rows(10 * fp.kv_cache) == 1  # never past the budget
+    assert cache_rows(3, p, fp, budget, sizes, 8)(0) == 3  # an asked count is the user's
+    assert cache_rows("auto", p, fp, p.gpu_bytes(fp) + CACHE_SLACK, sizes, 8)(0) == 0  # none with all four
     e = moestream.load(path, vram_budget=budget, **seqs)
     try:
         cache = e.experts.prefetcher.cache
         assert cache.n == 8 and e.offload.footprint.expert_cache == cache.nbytes // 8 * 1  # budgeted with all four
         assert "8 of each held on the GPU" in e.offload.describe()
-        assert "down to 1 as the 4 sequences' KV caches are made" in e.offload.describe()
-        assert e.generate(list(range(5, 13)), greedy).tokens == want  # generate's own cache: the first
+        assert "down to 1 as sequences' KV caches take the room budgeted for them" in e.offload.describe()
+        assert e.generate(list(range(5, 13)), greedy).tokens == want  # generate's own cache: a whole one
         assert e.experts.cached_width == 8 and int(cache.admitted) > 0
-        held = [e.new_cache() for _ in range(3)]  # a server's other sequences come
-        assert e.experts.cached_width == rows[3] == cache.n and not e.step.graphs
+        held = [e.new_cache() for _ in range(3)]  # three more whole ones
+        assert e.experts.cached_width == by_count[3] == cache.n and not e.step.graphs
         for stacks in cache.stacks.values():
-            assert all(s.shape[0] == rows[3] for s in stacks)
+            assert all(s.shape[0] == by_count[3] for s in stacks)
         for i, il in enumerate(cache.layers):  # what it still holds is the file's bytes, mapped both ways
             kept = cache.expert_of[i]
-            assert ((cache.slot_of[i] >= 0).sum() == (kept >= 0).sum()) and kept.numel() == rows[3]
+            assert ((cache.slot_of[i] >= 0).sum() == (kept >= 0).sum()) and kept.numel() == by_count[3]
             for r, expert in enumerate(kept.tolist()):
                 if expert >= 0:
                     assert int(cache.slot_of[i, expert]) == r
@@ -441,7 +445,19 @@ def test_an_auto_cache_holds_the_room_of_sequences_not_yet_made(model_file):
         assert e.generate(list(range(5, 13)), greedy).tokens == want
         del held
         e.new_cache()  # fewer alive again: it keeps what it has (shrinking only)
-        assert cache.n == rows[3]
+        assert cache.n == by_count[3]
+    finally:
+        e.close()
+    e = moestream.load(path, vram_budget=budget, **seqs)
+    try:
+        cache, setup = e.experts.prefetcher.cache, e.setup
+        small = [e.new_cache(40) for _ in range(3)]  # a server's: 40 positions asked, the first key bucket given
+        assert [c.kv.n_ctx for c in small] == [256] * 3 and setup.capacity(None) == 384 == setup.capacity(300)
+        held = sum(setup._bytes(c.kv.n_ctx) for c in small)
+        assert held == 3 * (each - e.offload.footprint.kv_cache // 4 + setup._bytes(256)) < 3 * each
+        assert cache.n == rows(held) and by_count[2] < cache.n < 8  # more than three whole ones would leave
+        with pytest.raises(MoestreamError, match="needs 257 positions but the context is 256"):
+            e.forward(list(range(257)), small[0])
     finally:
         e.close()
 

@@ -241,9 +241,11 @@ def test_a_recurrent_prompt_stops_a_chunk_where_a_resent_one_starts(model_file, 
 
 
 def test_requests_one_at_a_time_leave_the_expert_cache_its_room(model_file):
-    """--max-seqs 3 under a budget: requests one after another reuse the free KV cache (what it held goes to
-    host RAM, and comes back for a request sharing it) rather than make new ones, each of which would shrink the
-    auto expert cache; requests at once get a cache each, their room taken from the expert cache."""
+    """--max-seqs 3 under a budget: each request's KV cache holds its prompt and max_tokens (a key bucket), not
+    the whole context; requests one after another reuse the free cache (what it held goes to host RAM, and comes
+    back for a request sharing it) where a new one would shrink the auto expert cache; requests at once get a
+    cache each, their room taken from the expert cache; a request that no free cache holds gets a larger one in
+    the place of one."""
     from moestream.offload.placement import CACHE_SLACK
 
     path = model_file("tiny", "Q4_K_M")
@@ -256,22 +258,27 @@ def test_requests_one_at_a_time_leave_the_expert_cache_its_room(model_file):
         warnings.simplefilter("ignore")  # --vram-budget on the CPU device
         engine = moestream.load(path, vram_budget=p.gpu_bytes(fp) + CACHE_SLACK + per, **opts)
     s = Scheduler(engine, max_seqs=3)
+    cache, setup = engine.experts.prefetcher.cache, engine.setup
     try:
         full = engine.experts.cached_width
         for prompt in ([5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22], [5, 6, 7, 8, 9, 10, 11, 12, 13]):
             req, events = collect(prompt, max_tokens=4)
             s.submit(req)
             assert drain(events)[-1].kind == "done"
-        assert len(engine.setup.caches) == 1 and engine.experts.cached_width == full > 1
+        assert [c.kv.n_ctx for c in setup.caches] == [256] and engine.experts.cached_width == full > 1
         assert s.prompts.stats.host_hits == 1  # the third took the first's prefix back from host RAM
         together = [collect([30 + i, 31, 32], max_tokens=40) for i in range(3)]
         for req, _ in together:
             s.submit(req)
         for _, events in together:
             assert drain(events)[-1].kind == "done"
-        cache = engine.experts.prefetcher.cache
-        grown = len(engine.setup.caches)
-        assert grown > 1 and engine.experts.cached_width == cache.rows_for(grown) < full
+        assert sorted(c.kv.n_ctx for c in setup.caches) == [256] * 3
+        assert engine.experts.cached_width == cache.rows_for(setup._held()) > cache.rows_for(fp.kv_cache)
+        long, events = collect(list(range(40, 340)), max_tokens=8)  # 308 positions: no free cache holds it
+        s.submit(long)
+        assert drain(events)[-1].kind == "done"
+        assert sorted(c.kv.n_ctx for c in setup.caches) == [256, 256, 384]
+        assert engine.experts.cached_width == cache.rows_for(setup._held())
     finally:
         s.stop()
         engine.close()
