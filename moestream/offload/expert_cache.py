@@ -168,15 +168,19 @@ class ExpertCache:
         rows = torch.arange(self.n, device=self._map.device).expand_as(self.expert_of)
         self._map.fill_(-1).scatter_(1, torch.where(self.expert_of >= 0, self.expert_of, nobody), rows)
 
-    def keep(self, n: int) -> None:
-        """Hold only the first n rows a layer (n < self.n): the other rows' experts leave the map and their
-        memory goes, one stack at a time (no second copy of the cache at any moment). Steps captured over the
-        rows must be dropped first: they read them in place."""
+    def resize(self, n: int) -> None:
+        """Hold n rows a layer (at least 1): fewer drop the last rows' experts from the map, more add empty rows,
+        one stack at a time (never a second copy of the whole cache). Steps captured over the rows must be
+        dropped first: they read them in place."""
+        keep = min(n, self.n)
         for stacks in self.stacks.values():
             for s, stack in enumerate(stacks):
-                stacks[s] = stack[:n].clone()
-        self.expert_of = self.expert_of[:, :n].clone()
-        self.n = n
+                rows = stack.new_empty((n, *stack.shape[1:]))
+                rows[:keep] = stack[:keep]
+                stacks[s] = rows
+        expert_of = self.expert_of.new_full((self.expert_of.shape[0], n), -1)
+        expert_of[:, :keep] = self.expert_of[:, :keep]
+        self.expert_of, self.n = expert_of, n
         self._write_map()
 
     def uncached(self, il: int, ids: torch.Tensor) -> torch.Tensor:

@@ -99,8 +99,8 @@ class Setup:
 
     def new_cache(self, positions: int | None = None) -> SequenceCache:
         """A sequence's KV cache, of the whole context or (positions) of the key bucket that holds so many. An auto
-        expert cache holds the room of the --max-seqs KV caches not made yet (placement.cache_rows): it gives
-        back what this one needs first."""
+        expert cache holds the room the KV caches alive do not (placement.cache_rows): it is sized again beside
+        them and this one first."""
         n = self.capacity(positions)
         self._fit(self._held() + self._bytes(n))
         opts = self.options.model
@@ -134,14 +134,15 @@ class Setup:
         return pf.cache if pf is not None else None
 
     def _fit(self, kv_bytes: int) -> None:
-        """Shrink the expert cache to what it may hold beside KV caches of kv_bytes, the steps captured over its
-        rows dropped first (they read them in place; the next step captures again)."""
+        """Size the expert cache to what it may hold beside KV caches of kv_bytes (a server's small ones leave it
+        more than a whole one does), the steps captured over its rows dropped first (they read them in place;
+        the next step captures again)."""
         cache = self._expert_cache()
-        if cache is not None and (rows := cache.rows_for(kv_bytes)) < cache.n:
+        if cache is not None and (rows := max(1, cache.rows_for(kv_bytes))) != cache.n:
             if self.step is not None:
                 self.step.close()
             self.offload.dev.synchronize()  # no copy queued before still reads or writes the rows
-            cache.keep(rows)
+            cache.resize(rows)
 
     @contextlib.contextmanager
     def _trial(self, way: SmallBatch) -> Iterator[Callable[[], None]]:
@@ -174,7 +175,8 @@ class Setup:
             self.offload.close()  # first: the new placement may page-lock the same ranges
         self.offload = None  # and let its device memory go before the new one is made
         self.offload = self._build(options, measured)
-        self._fit(self._held())  # sequences made before the rebuild keep their room
+        if self.caches:  # sequences made before the rebuild keep their room (else it is sized beside a whole one)
+            self._fit(self._held())
         self.step = DecodeStep(self.model, self.offload.experts, options.model.torch_dtype, self.capturing)
         self.record(self.timeline)
 

@@ -399,10 +399,10 @@ def test_the_expert_cache_is_sized_by_the_budget_and_refused_past_it(model_file)
 
 
 def test_an_auto_cache_holds_the_room_of_sequences_not_yet_made(model_file):
-    """--max-seqs 4 under a budget: the auto expert cache is sized beside the KV caches made so far, not beside
-    all four whole ones, and gives their room back as caches are made (whole ones, or a server's sized to its
-    requests; the budget holds at every size; the GPU server's one client had 2 experts a layer cached instead
-    of 13), its steps captured again; tokens stay those of no cache."""
+    """--max-seqs 4 under a budget: the auto expert cache is sized beside the KV caches alive, not beside all
+    four whole ones, again as each is made (whole ones, or a server's sized to its requests; the budget holds at
+    every size; the GPU server's one client had 2 experts a layer cached instead of 13), its steps captured
+    again; tokens stay those of no cache."""
     path, seqs = model_file("tiny", "Q4_K_M"), dict(n_seqs=4, n_ctx=384, **GATHERED)
     e = moestream.load(path, expert_cache=0, **seqs)
     try:
@@ -444,8 +444,10 @@ def test_an_auto_cache_holds_the_room_of_sequences_not_yet_made(model_file):
                         assert torch.equal(cache.stacks[il][s][r], raw[expert])
         assert e.generate(list(range(5, 13)), greedy).tokens == want
         del held
-        e.new_cache()  # fewer alive again: it keeps what it has (shrinking only)
-        assert cache.n == by_count[3]
+        e.new_cache()  # two whole ones alive again: it grows back (new rows empty, the kept ones in place)
+        assert cache.n == by_count[1] and all(s.shape[0] == by_count[1] for s in cache.stacks[cache.layers[0]])
+        assert int((cache.expert_of[:, by_count[3] :] >= 0).sum()) == 0
+        assert e.generate(list(range(5, 13)), greedy).tokens == want
     finally:
         e.close()
     e = moestream.load(path, vram_budget=budget, **seqs)
