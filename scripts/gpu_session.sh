@@ -68,7 +68,8 @@
 #            pyproject.toml | tar -x -C wt-before (wt-before is git-excluded; carry it)
 #   firstrun issue 36: `moestream run` twice on $MODEL at -ncmoe 26 spread 12 GiB, 16 tokens: wall time, what it
 #            says about compiling, its load and prompt line (first on a fresh machine, before any step that compiles
-#            kernels, and before lbuild and bgtests: beside them, session 28's first run took 61.7 s, its compiles 41.6)
+#            kernels, and before lbuild and bgtests: beside them, session 28's first run took 61.7 s, its compiles 41.6);
+#            $FIRST_SETTINGS (e.g. unrolled=0): under those kernel tuning fields, from an empty Triton cache of their own
 #   ctx35    issue 36: qwen3.6-35b-a3b (generated first) with a 131072-token context and q8_0 K and V under
 #            --vram-budget 12GiB: tg128 at depth 32768, -ncmoe auto
 #   kvtypes  issue 36: the KV-type GPU tests, then tg128 at depths 0..32768 for bf16, f16, q8_0 and q4_0 caches on
@@ -229,8 +230,11 @@ for step in "$@"; do
              done
              $MS bench -m $MODEL -p 0 -n 128 -d 8192,32768 -ncmoe 0 -r 2 --no-floors 2>&1 | quiet | tee -a "$OUT/bench.txt" ;;
     firstrun) make_model $MODEL qwen3-30b-a3b | tee -a "$OUT/model.txt"
-              for i in 1 2; do
-                /usr/bin/time -f "run $i: %e s from start to exit" $MS run -m $MODEL -p "Write a haiku about the sea." \
+              for i in 1 2; do  # $FIRST_SETTINGS: kernel tuning fields (with_settings.py), a Triton cache of their own
+                cache=${FIRST_SETTINGS:+/tmp/tc-first}; [[ -n $cache && $i == 1 ]] && rm -rf $cache
+                TRITON_CACHE_DIR=${cache:-${TRITON_CACHE_DIR:-$HOME/.triton/cache}} /usr/bin/time \
+                  -f "run $i${FIRST_SETTINGS:+ [$FIRST_SETTINGS]}: %e s from start to exit" \
+                  python3 scripts/with_settings.py $FIRST_SETTINGS -- run -m $MODEL -p "Write a haiku about the sea." \
                   -n 16 -ncmoe 26 --streamed-layers spread --vram-budget 12GiB 2>&1 | quiet \
                   | grep -i -e compil -e "prompt " -e "from start" -e "small batches" | tee -a "$OUT/bench.txt"
               done ;;
