@@ -57,12 +57,22 @@ if triton is not None:
 
     @triton.jit
     def _gather_few_kernel(
-        src, ids, dst, row_words, n_items, chunks, WORDS: tl.constexpr, PROGRAMS: tl.constexpr, AT: tl.constexpr
+        src,
+        ids,
+        dst,
+        row_words,
+        n_items,
+        chunks,
+        WORDS: tl.constexpr,
+        PROGRAMS: tl.constexpr,
+        AT: tl.constexpr,
+        QUADS: tl.constexpr,
     ):
         """_gather_kernel's copies from PROGRAMS programs, each looping over (pick, chunk) items: a gather
         beside compute must leave it most multiprocessors (a program waiting on the link holds one). AT: ids
         are word offsets from src (anywhere in the unified address space: a device cache's rows too, maybe below
-        src). An UNREAD id's row is not written."""
+        src); QUADS: each a multiple of 4 words, so the loads are 16 bytes a thread, not 4 (Triton cannot see
+        that of an offset it loads). An UNREAD id's row is not written."""
         for start in range(0, n_items, PROGRAMS):
             item = start + tl.program_id(0)
             r = item // chunks
@@ -70,6 +80,8 @@ if triton is not None:
             row = tl.load(ids + r, mask=item < n_items, other=_UNREAD).to(tl.int64)
             ok = (w < row_words) & (row != _UNREAD)  # a row nobody reads (a repeated guess)
             at = row if AT else row * row_words
+            if QUADS:
+                at = tl.multiple_of(at, 4)
             tl.store(dst + r.to(tl.int64) * row_words + w, tl.load(src + at + w, mask=ok), mask=ok)
 
     @triton.jit
@@ -233,11 +245,13 @@ class RowGather:
                 self.failed(e)
         return _from_cache(out.copy_(src[rows.cpu()]), rows, cache)  # through the host: a sync on the ids
 
-    def _few(self, src: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, programs: int, at: bool) -> None:
+    def _few(
+        self, src: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, programs: int, at: bool, quads: bool = False
+    ) -> None:
         words = out[0].numel() // 4
         chunks = triton.cdiv(words, WORDS_PER_PROGRAM)
         _gather_few_kernel[(programs,)](
-            _words(src), rows, _words(out), words, rows.numel() * chunks, chunks, WORDS_PER_PROGRAM, programs, at
+            _words(src), rows, _words(out), words, rows.numel() * chunks, chunks, WORDS_PER_PROGRAM, programs, at, quads
         )
 
     def gather_held(
@@ -275,8 +289,9 @@ class RowGather:
                 4 * sum(words),
                 GUESS=triton.next_power_of_2(G),
             )
+            quads = all(n % 4 == 0 for n in [*words, *deltas])  # every offset a multiple of 4 words (16 bytes)
             for s, (src, out) in enumerate(zip(srcs, outs, strict=True)):
-                self._few(src, offs[s], out, programs, at=True)
+                self._few(src, offs[s], out, programs, at=True, quads=quads)
 
     def failed(self, e: Exception) -> None:
         """A kernel reading host memory failed: say it once; this picker goes through the host from now on."""
