@@ -47,20 +47,26 @@ def test_a_huge_rendering_is_a_400_before_tokenizing(server):
 
 def test_health_answers_while_templates_render(server):
     """Four clients send the hostile message over and over: rendering and refusing run off the event loop, so
-    /health answers at once meanwhile (it waited seconds for each tokenizing when they ran on the loop)."""
-    stop, errors = threading.Event(), []
+    /health answers at once meanwhile (it waited seconds for each tokenizing when they ran on the loop). Timed
+    once every client has had an answer: the renderers' processes start with the first ones (a 2-core machine
+    is busy starting them for half a second)."""
+    stop, errors, answered = threading.Event(), [], set()  # the clients that have had an answer
 
     def hammer() -> None:
         while not stop.is_set():
             r = httpx.post(server.url + "/chat/completions", json={"messages": [{"role": "user", "content": HUGE}]})
             if r.status_code != 400:
                 errors.append(r.text)
+            answered.add(threading.get_ident())
 
     threads = [threading.Thread(target=hammer) for _ in range(4)]
     for t in threads:
         t.start()
     took = []
     try:
+        started = time.monotonic()
+        while len(answered) < len(threads) and time.monotonic() < started + 30:
+            time.sleep(0.01)
         end = time.monotonic() + 3
         while time.monotonic() < end:
             start = time.perf_counter()
