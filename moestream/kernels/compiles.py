@@ -8,9 +8,12 @@ once. Triton tells us through its compilation listener, chained after any listen
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -93,6 +96,54 @@ def watch_triton(triton) -> None:
 
     listener.moestream = True
     knobs.listener = listener
+
+
+class _Deferred(threading.local):
+    """The launches a side_by_side block on this thread deferred: (kernel, its specialization) by Triton's key."""
+
+    def __init__(self):
+        self.specs: dict | None = None
+
+
+_DEFERRED = _Deferred()
+
+
+def _defer(*, key, fn, compile, **kw) -> bool | None:
+    """Triton's jit_cache_hook, called before a kernel not yet in the process is compiled: inside side_by_side
+    on its thread, note it and skip it (True: neither compiled nor launched); elsewhere compile as usual."""
+    specs = _DEFERRED.specs
+    if specs is None:
+        return None
+    specs.setdefault((id(fn.jit_function), str(key)), (fn.jit_function, compile["specialization_data"]))
+    return True
+
+
+@contextlib.contextmanager
+def side_by_side(triton, device, workers: int | None = None) -> Iterator[None]:
+    """Triton launches on this thread inside the block launch nothing and note what they would compile; at its
+    end those kernels compile (or load from the disk cache) on a pool of threads, side by side. Meant for a
+    pass recorded in a CUDA graph capture, which runs nothing anyway: its kernels are then ready before the pass
+    that runs. Compiling releases the GIL; one after another, a fresh machine's first decode step waits ~25 s."""
+    knobs = triton.knobs.runtime
+    if _DEFERRED.specs is not None or knobs.jit_cache_hook not in (None, _defer):
+        yield  # nested, or someone else's hook is installed: compile at first launch as usual
+        return
+    _DEFERRED.specs, knobs.jit_cache_hook = {}, _defer
+    try:
+        yield
+    finally:
+        specs, _DEFERRED.specs = _DEFERRED.specs, None
+    if not specs:
+        return
+    import torch
+
+    def preload(item) -> None:
+        with torch.cuda.device(device):  # Triton keys its in-process cache by the current device
+            item[0].preload(item[1])
+
+    workers = workers or min(len(specs), os.cpu_count() or 1)
+    with ThreadPoolExecutor(workers, thread_name_prefix="moestream-compile") as pool:
+        list(pool.map(preload, specs.values()))  # re-raises a compile's error here, as a launch would
 
 
 def cache_dirs() -> dict[str, str]:

@@ -32,6 +32,8 @@ class Tuning:
     attention_combine_block: int = 16  # chunks the combine reads at a time
     attention_chunk_warps: int = 4  # 8 spill no registers but were not timed against 4
     dequant_blocks_per_program: int = 8  # kernels/dequant.py: blocks a program expands
+    # a decode step's kernels compiled side by side (a throwaway capture of it) before its first pass runs
+    compile_ahead: bool = True
     # programmatic dependent launch of the decode kernels (sm_90 and later; never under Triton's interpreter)
     pdl: bool = True
 

@@ -5,10 +5,11 @@ A decode step launches dozens of small kernels per layer; launched one by one fr
 than the GPU work. A static step (positions only on the device, a fixed number of KV rows read under a mask,
 streamed experts picked on the device) queues the same work every token, so it is captured once per
 sequence cache and key-count bucket and then replayed: one launch per token (runtime/graphs.py keeps them).
-The first step of a bucket runs eagerly (it is also the warm-up that compiles the Triton kernels), later ones
-replay; both run the same kernels, so they give the same bits. A server's running batch (a token for each of
-several sequences) is captured the same way, once per set of caches and buckets. Gathered layers' experts are
-guessed from the input of an earlier layer (offload/prefetch.py; for every row of a batch) and fetched beside it.
+The first step of a bucket runs eagerly (the warm-up a capture needs), later ones replay; both run the same
+kernels, so they give the same bits. A server's running batch (a token for each of several sequences) is
+captured the same way, once per set of caches and buckets. A step's first pass is recorded once more before it
+runs, in a capture thrown away, only to compile its kernels side by side. Gathered layers' experts are guessed
+from the input of an earlier layer (offload/prefetch.py; for every row of a batch) and fetched beside it.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from functools import partial
 
 import torch
 
-from moestream.kernels import tuning
+from moestream.kernels import compiles, launch, tuning
 from moestream.models.layers import Batch
 from moestream.offload.experts import ExpertPass, LayerExperts
 from moestream.profiling.timeline import NULL, Timeline
@@ -63,6 +64,7 @@ class DecodeStep:
         self.timeline: Timeline = NULL
         self.graphs: weakref.WeakKeyDictionary[SequenceCache, StepGraphs] = weakref.WeakKeyDictionary()
         self.batch_graphs: StepGraphs | None = None  # batches', by caches and key buckets
+        self.compiled_ahead = False
 
     def replays(self, n_seqs: int = 1) -> bool:
         """Whether a step of one token for each of n_seqs sequences replays a CUDA graph here (else it runs
@@ -119,6 +121,8 @@ class DecodeStep:
                 logits = captured.replay(x, positions, key, experts.counters)
             else:
                 on_device = torch.tensor(positions, device=self.device)
+                if captured is not None and not self.compiled_ahead:
+                    self._compile_ahead(partial(self._layers, p, n_keys, caches), x, on_device)
                 logits = self._layers(p, n_keys, caches, x, on_device)
                 if captured is not None:
                     self._capture(captured, partial(self._layers, p, n_keys, caches), x, on_device, key, watch)
@@ -170,6 +174,25 @@ class DecodeStep:
             self.experts.forget()  # events recorded in the capture never ran
             what = "batched decode steps (one sequence's still replay)" if batch else "decode steps"
             warnings.warn(f"{what} could not be captured in a CUDA graph ({e}); running eagerly", stacklevel=4)
+
+    def _compile_ahead(self, step, x: torch.Tensor, positions: torch.Tensor) -> None:
+        """Compile the first captured step's Triton kernels side by side (kernels/compiles.py) before it runs
+        eagerly: recorded in a capture that is thrown away (nothing runs; the streamer's and prefetcher's events
+        recorded there never will). If CUDA refuses, the eager pass compiles them at first launch."""
+        self.compiled_ahead = True
+        if launch.triton is None or not tuning.current().compile_ahead:
+            return
+        counters, stream = self.experts.counters, torch.cuda.current_stream()
+        before = counters.read_bytes
+        try:
+            with compiles.side_by_side(launch.triton, self.device), torch.cuda.graph(torch.cuda.CUDAGraph()):
+                step(x, positions)
+        except RuntimeError:
+            pass
+        finally:
+            torch.cuda.set_stream(stream)
+            counters.read_bytes = before
+            self.experts.forget()
 
     def close(self) -> None:
         """Drop every captured step (their memory, and what they read, with them)."""
