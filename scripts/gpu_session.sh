@@ -231,12 +231,13 @@ for step in "$@"; do
              $MS bench -m $MODEL -p 0 -n 128 -d 8192,32768 -ncmoe 0 -r 2 --no-floors 2>&1 | quiet | tee -a "$OUT/bench.txt" ;;
     firstrun) make_model $MODEL qwen3-30b-a3b | tee -a "$OUT/model.txt"
               for i in 1 2; do  # $FIRST_SETTINGS: kernel tuning fields (with_settings.py), a Triton cache of their own
-                cache=${FIRST_SETTINGS:+/tmp/tc-first}; [[ -n $cache && $i == 1 ]] && rm -rf $cache
-                TRITON_CACHE_DIR=${cache:-${TRITON_CACHE_DIR:-$HOME/.triton/cache}} /usr/bin/time \
+                cache=${FIRST_SETTINGS:+/tmp/tc-first}; [[ -n $cache && $i == 1 ]] && rm -rf $cache /tmp/xdg-first
+                # with settings also a fresh C matvec build and no remembered small-batch choice: a new machine's
+                XDG_CACHE_HOME=${FIRST_SETTINGS:+/tmp/xdg-first} TRITON_CACHE_DIR=${cache:-${TRITON_CACHE_DIR:-$HOME/.triton/cache}} /usr/bin/time \
                   -f "run $i${FIRST_SETTINGS:+ [$FIRST_SETTINGS]}: %e s from start to exit" \
-                  python3 scripts/with_settings.py $FIRST_SETTINGS -- run -m $MODEL -p "Write a haiku about the sea." \
+                  python3 scripts/first_output.py python3 scripts/with_settings.py $FIRST_SETTINGS -- run -m $MODEL -p "Write a haiku about the sea." \
                   -n 16 -ncmoe 26 --streamed-layers spread --vram-budget 12GiB 2>&1 | quiet \
-                  | grep -i -e compil -e "prompt " -e "from start" -e "small batches" | tee -a "$OUT/bench.txt"
+                  | grep -i -e compil -e "prompt " -e "from start" -e "small batches" -e "first output" | tee -a "$OUT/bench.txt"
               done ;;
     ctx35) make_model $Q35 qwen3.6-35b-a3b | tee -a "$OUT/model35.txt"
            $MS bench -m $Q35 -p 0 -n 128 -d 32768 -c 131072 -ctk q8_0 -ctv q8_0 -ncmoe auto --vram-budget 12GiB -r 2 \
