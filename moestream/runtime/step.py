@@ -64,7 +64,7 @@ class DecodeStep:
         self.timeline: Timeline = NULL
         self.graphs: weakref.WeakKeyDictionary[SequenceCache, StepGraphs] = weakref.WeakKeyDictionary()
         self.batch_graphs: StepGraphs | None = None  # batches', by caches and key buckets
-        self.compiled_ahead = False
+        self.compiled_ahead: set[int] = set()  # row counts whose first pass compiled its kernels side by side
 
     def replays(self, n_seqs: int = 1) -> bool:
         """Whether a step of one token for each of n_seqs sequences replays a CUDA graph here (else it runs
@@ -121,7 +121,8 @@ class DecodeStep:
                 logits = captured.replay(x, positions, key, experts.counters)
             else:
                 on_device = torch.tensor(positions, device=self.device)
-                if captured is not None and not self.compiled_ahead:
+                if captured is not None and len(caches) not in self.compiled_ahead:
+                    self.compiled_ahead.add(len(caches))
                     self._compile_ahead(partial(self._layers, p, n_keys, caches), x, on_device)
                 logits = self._layers(p, n_keys, caches, x, on_device)
                 if captured is not None:
@@ -176,10 +177,9 @@ class DecodeStep:
             warnings.warn(f"{what} could not be captured in a CUDA graph ({e}); running eagerly", stacklevel=4)
 
     def _compile_ahead(self, step, x: torch.Tensor, positions: torch.Tensor) -> None:
-        """Compile the first captured step's Triton kernels side by side (kernels/compiles.py) before it runs
+        """Compile a first captured step's Triton kernels side by side (kernels/compiles.py) before it runs
         eagerly: recorded in a capture that is thrown away (nothing runs; the streamer's and prefetcher's events
         recorded there never will). If CUDA refuses, the eager pass compiles them at first launch."""
-        self.compiled_ahead = True
         if launch.triton is None or not tuning.current().compile_ahead:
             return
         counters, stream = self.experts.counters, torch.cuda.current_stream()
