@@ -138,12 +138,13 @@ def side_by_side(triton, device, workers: int | None = None) -> Iterator[None]:
     import torch
 
     def preload(item) -> None:
-        with torch.cuda.device(device):  # Triton keys its in-process cache by the current device
+        # a kernel failing here is compiled again at its launch, which then says why
+        with contextlib.suppress(Exception), torch.cuda.device(device):  # Triton's cache is the current device's
             item[0].preload(item[1])
 
     workers = workers or min(len(specs), os.cpu_count() or 1)
     with ThreadPoolExecutor(workers, thread_name_prefix="moestream-compile") as pool:
-        list(pool.map(preload, specs.values()))  # re-raises a compile's error here, as a launch would
+        list(pool.map(preload, specs.values()))
 
 
 def cache_dirs() -> dict[str, str]:
