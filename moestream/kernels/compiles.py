@@ -98,53 +98,38 @@ def watch_triton(triton) -> None:
     knobs.listener = listener
 
 
-class _Deferred(threading.local):
-    """The launches a side_by_side block on this thread deferred: (kernel, its specialization) by Triton's key."""
-
-    def __init__(self):
-        self.specs: dict | None = None
-
-
-_DEFERRED = _Deferred()
-
-
-def _defer(*, key, fn, compile, **kw) -> bool | None:
-    """Triton's jit_cache_hook, called before a kernel not yet in the process is compiled: inside side_by_side
-    on its thread, note it and skip it (True: neither compiled nor launched); elsewhere compile as usual."""
-    specs = _DEFERRED.specs
-    if specs is None:
-        return None
-    specs.setdefault((id(fn.jit_function), str(key)), (fn.jit_function, compile["specialization_data"]))
-    return True
+_AHEAD = threading.local()  # .on: this thread is inside side_by_side
+_AHEAD_LOCK = threading.Lock()  # one block at a time: it swaps Triton's launch for its length
 
 
 @contextlib.contextmanager
-def side_by_side(triton, device, workers: int | None = None) -> Iterator[None]:
-    """Triton launches on this thread inside the block launch nothing and note what they would compile; at its
-    end those kernels compile (or load from the disk cache) on a pool of threads, side by side. Meant for a
-    pass recorded in a CUDA graph capture, which runs nothing anyway: its kernels are then ready before the pass
-    that runs. Compiling releases the GIL; one after another, a fresh machine's first decode step waits ~25 s."""
-    knobs = triton.knobs.runtime
-    if _DEFERRED.specs is not None or knobs.jit_cache_hook not in (None, _defer):
-        yield  # nested, or someone else's hook is installed: compile at first launch as usual
+def side_by_side(triton, workers: int | None = None) -> Iterator[None]:
+    """Triton launches on this thread inside the block launch nothing: each kernel not yet loaded is handed to a
+    pool of threads to compile (or to load from the disk cache), and the block's end waits for them all. Meant
+    for a pass recorded in a CUDA graph capture, which runs nothing anyway: its kernels are then ready, compiled
+    side by side (compiling releases the GIL), before the pass that runs. A kernel that fails to compile here is
+    compiled again at its launch, which then says why."""
+    from triton.runtime.jit import JITFunction
+
+    if getattr(_AHEAD, "on", False) or not _AHEAD_LOCK.acquire(blocking=False):
+        yield  # nested, or another thread's block is open: compile at first launch as usual
         return
-    _DEFERRED.specs, knobs.jit_cache_hook = {}, _defer
+    launch = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        return launch(self, *args, grid=grid, warmup=warmup or getattr(_AHEAD, "on", False), **kwargs)
+
+    pool = ThreadPoolExecutor(workers or os.cpu_count() or 1, thread_name_prefix="moestream-compile")
     try:
-        yield
+        with triton.AsyncCompileMode(pool, ignore_errors=True):  # its end waits for the compiles it was given
+            _AHEAD.on, JITFunction.run = True, compile_only
+            try:
+                yield
+            finally:
+                _AHEAD.on, JITFunction.run = False, launch
     finally:
-        specs, _DEFERRED.specs = _DEFERRED.specs, None
-    if not specs:
-        return
-    import torch
-
-    def preload(item) -> None:
-        # a kernel failing here is compiled again at its launch, which then says why
-        with contextlib.suppress(Exception), torch.cuda.device(device):  # Triton's cache is the current device's
-            item[0].preload(item[1])
-
-    workers = workers or min(len(specs), os.cpu_count() or 1)
-    with ThreadPoolExecutor(workers, thread_name_prefix="moestream-compile") as pool:
-        list(pool.map(preload, specs.values()))
+        pool.shutdown()
+        _AHEAD_LOCK.release()
 
 
 def cache_dirs() -> dict[str, str]:

@@ -32,8 +32,9 @@ class Tuning:
     attention_combine_block: int = 16  # chunks the combine reads at a time
     attention_chunk_warps: int = 4  # 8 spill no registers but were not timed against 4
     dequant_blocks_per_program: int = 8  # kernels/dequant.py: blocks a program expands
-    # a decode step's kernels compiled side by side (a throwaway capture of it) before its first pass runs
-    compile_ahead: bool = True
+    # a decode step's kernels compiled side by side (a throwaway capture of it) before its first pass runs; off
+    # until its GPU test and first-run A/B have run (the hook-based first version failed on the GPU)
+    compile_ahead: bool = False
     # programmatic dependent launch of the decode kernels (sm_90 and later; never under Triton's interpreter)
     pdl: bool = True
 

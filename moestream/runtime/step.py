@@ -185,9 +185,10 @@ class DecodeStep:
         counters, stream = self.experts.counters, torch.cuda.current_stream()
         before = counters.read_bytes
         try:
-            with compiles.side_by_side(launch.triton, self.device), torch.cuda.graph(torch.cuda.CUDAGraph()):
-                step(x, positions)
-        except RuntimeError:
+            with compiles.side_by_side(launch.triton), torch.cuda.device(self.device):
+                with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                    step(x, positions)
+        except Exception:  # only a head start: the eager pass that follows meets any real error again
             pass
         finally:
             torch.cuda.set_stream(stream)
