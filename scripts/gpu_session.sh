@@ -237,7 +237,7 @@ for step in "$@"; do
                   -f "run $i${FIRST_SETTINGS:+ [$FIRST_SETTINGS]}: %e s from start to exit" \
                   python3 scripts/first_output.py python3 scripts/with_settings.py ${FIRST_SETTINGS:-} -- run -m $MODEL -p "Write a haiku about the sea." \
                   -n 16 -ncmoe 26 --streamed-layers spread --vram-budget 12GiB 2>&1 | quiet \
-                  | grep -i -e compil -e "prompt " -e "from start" -e "small batches" -e "first output" | tee -a "$OUT/bench.txt"
+                  | grep -a -i -e compil -e "prompt " -e "from start" -e "small batches" -e "first output" | tee -a "$OUT/bench.txt"
               done ;;
     ctx35) make_model $Q35 qwen3.6-35b-a3b | tee -a "$OUT/model35.txt"
            $MS bench -m $Q35 -p 0 -n 128 -d 32768 -c 131072 -ctk q8_0 -ctv q8_0 -ncmoe auto --vram-budget 12GiB -r 2 \
