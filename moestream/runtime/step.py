@@ -5,11 +5,12 @@ A decode step launches dozens of small kernels per layer; launched one by one fr
 than the GPU work. A static step (positions only on the device, a fixed number of KV rows read under a mask,
 streamed experts picked on the device) queues the same work every token, so it is captured once per
 sequence cache and key-count bucket and then replayed: one launch per token (runtime/graphs.py keeps them).
-The first step of a bucket runs eagerly (the warm-up a capture needs), later ones replay; both run the same
-kernels, so they give the same bits. A server's running batch (a token for each of several sequences) is
-captured the same way, once per set of caches and buckets. A step's first pass is recorded once more before it
-runs, in a capture thrown away, only to compile its kernels side by side. Gathered layers' experts are guessed
-from the input of an earlier layer (offload/prefetch.py; for every row of a batch) and fetched beside it.
+The first step of a bucket runs eagerly (the warm-up a capture needs, which compiles the Triton kernels one by
+one; with tuning's compile_ahead the first pass is recorded once before, in a capture thrown away, so they
+compile side by side), later ones replay; both run the same kernels, so they give the same bits. A server's
+running batch (a token for each of several sequences) is captured the same way, once per set of caches and
+buckets. Gathered layers' experts are guessed from the input of an earlier layer (offload/prefetch.py; for every
+row of a batch) and fetched beside it.
 """
 
 from __future__ import annotations
