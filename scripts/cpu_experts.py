@@ -2,7 +2,8 @@
 compiled matvec on the stored blocks (x rounded to int8, as beside a GPU; x in float32, as on the CPU device)
 vs dequantized to float32 in torch (the path before it). Prints ms per layer and the stored bytes read per
 second; timed after a warm-up, the best of several repeats of the same 8 experts (which a large L3 holds), and
-the host function once more over every expert in turn, new ones each call (read from DRAM, as in decode).
+the host function once more over every expert in turn, new ones each call (read from DRAM, as in decode), and
+for a batch of 4 tokens (without and with half their picks shared) in one call against each token alone.
 
     python scripts/cpu_experts.py MODEL [--layer 0] [--threads N]
 """
@@ -91,6 +92,26 @@ def main() -> None:
 
         s = best(host_function_all, 3) / len(turns)
         print(f"  {'host function, DRAM':<22} {s * 1e3:8.2f} ms  {nbytes / s / 1e9:6.2f} GB/s ({K} new experts a call)")
+        xs, w4 = torch.randn(4, spec.n_embd, generator=g), weights.expand(4, K)
+        for shared in (0, K // 2):  # a batch of 4 tokens, `shared` of each one's picks the same experts
+            calls = []
+            for start in range(0, t.n_expert - 4 * K, 4 * K):  # new experts each call, read from DRAM
+                own = torch.arange(start, start + 4 * K).view(4, K)
+                own[:, :shared] = own[0, :shared]
+                calls.append(own)
+
+            def together(calls=calls):
+                for picks in calls:
+                    host_swiglu.swiglu(xs, w4, picks, stored.raws, stored.qtypes)
+
+            def alone(calls=calls):
+                for picks in calls:
+                    for r in range(4):
+                        host_swiglu.swiglu(xs[r : r + 1], weights, picks[r : r + 1], stored.raws, stored.qtypes)
+
+            both = [best(fn, 3) / len(calls) * 1e3 for fn in (together, alone)]
+            distinct = len(set(calls[0].flatten().tolist()))
+            print(f"  4 tokens, {distinct} distinct of {4 * K} picks: together {both[0]:.2f} ms, alone {both[1]:.2f}")
         err8 = float((compiled_int8() - torch_dequant()).abs().max() / torch_dequant().abs().max())
         print(f"  max relative difference {err:.1e} (int8 x: {err8:.1e}); compiled available: {cpu_quant.available()}")
 

@@ -81,6 +81,20 @@ def test_in_a_replayed_graph_as_queued_eagerly():
     assert torch.equal(out, (want.bfloat16() * 2).cuda())
 
 
+def test_tokens_sharing_experts_get_the_bits_each_gets_alone():
+    """A batch's tokens sharing experts (a server's batched pass): every token's output is bit for bit its own
+    pass's, however many tokens share an expert."""
+    types = (Q.Q4_K, Q.Q4_K, Q.Q6_K)
+    raws = stacks(types)
+    g = torch.Generator().manual_seed(5)
+    x, weights = torch.randn(4, D, generator=g), torch.rand(4, 3, generator=g)
+    ids = torch.tensor([[0, 5, 2], [5, 0, 1], [5, 3, 2], [4, 1, 3]])  # 5 picked by three tokens, 0-3 by two
+    together = host_swiglu.swiglu(x, weights, ids, raws, types)
+    for t in range(4):
+        alone = host_swiglu.swiglu(x[t : t + 1], weights[t : t + 1], ids[t : t + 1], raws, types)
+        assert torch.equal(together[t : t + 1], alone), t
+
+
 def test_gpt_oss_clamped_glu_with_the_pairs_biases():
     types = (Q.MXFP4, Q.MXFP4, Q.MXFP4)  # gpt-oss's experts
     raws = stacks(types)
