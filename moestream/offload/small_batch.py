@@ -243,6 +243,10 @@ class Timings:
         seconds = self._seconds.get(way)
         return statistics.median(seconds) if seconds else float("inf")
 
+    def costs(self) -> dict[Hashable, float]:
+        """Each way's cost, for the ways with counted runs."""
+        return {way: self.cost(way) for way in self._seconds}
+
     def fastest(self, ways: list[Hashable]) -> Hashable:
         """The way of least cost (the first of equals)."""
         return min(ways, key=self.cost)

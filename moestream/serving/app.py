@@ -121,10 +121,21 @@ def create_app(
             ("moestream_queue_length", "gauge", "requests waiting"): scheduler.queue.qsize(),
             **prompt_cache_metrics(scheduler.prompts),
             ("moestream_running_sequences", "gauge", "sequences being served"): len(scheduler.running),
+            (
+                "moestream_turn_milliseconds",
+                "gauge",
+                "a decode turn of `rows` sequences in one pass or each alone: the median of the last turns timed "
+                "(what the server chooses between)",
+            ): {
+                f'rows="{n}",way="{"alone" if alone else "batched"}"': seconds * 1e3
+                for (alone, n), seconds in sorted(scheduler.mode.timings.costs().items(), key=lambda kv: kv[0][::-1])
+            },
         }
         lines = []
         for (name, kind, help_), value in values.items():
-            lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]
+            lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
+            series = value if isinstance(value, dict) else {"": value}  # labelled series, or one value
+            lines += [f"{name}{{{labels}}} {v}" if labels else f"{name} {v}" for labels, v in series.items()]
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     async def body_of(request: Request) -> dict[str, Any]:

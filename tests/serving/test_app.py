@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -156,6 +157,13 @@ def test_health_and_metrics(server):
     assert uptime > 0 and 0 <= idle < 1  # the tests before this one kept it busy some of the time
     time.sleep(0.5)  # no pass runs: the idle share grows
     assert metric(server, "moestream_idle_ratio") > idle
+    text = httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    turns = [line for line in text.splitlines() if line.startswith("moestream_turn_milliseconds{")]
+    assert turns, text  # the concurrent requests before ran turns of several sequences, timed both ways
+    for line in turns:
+        labels, value = line.split()
+        assert re.fullmatch(r'moestream_turn_milliseconds\{rows="\d+",way="(batched|alone)"\}', labels)
+        assert float(value) > 0
 
 
 def test_a_prompt_of_token_ids_answers_as_its_text(server):
