@@ -120,3 +120,39 @@ def test_a_decode_steps_kernels_compile_side_by_side_before_it_runs(model_file, 
     assert len(pooled) >= 4 and all(n.startswith("moestream-compile") for n in pooled), out
     assert len(set(pooled)) >= 2 and set(alone) == {"MainThread"}, out
     assert out["1"][1] == out["0"][1]
+
+
+@pytest.mark.gpu
+def test_side_by_side_compiles_on_the_pool_and_launches_nothing_until_after():
+    """Launches inside the block run nothing and hand their kernels to the pool (compiled or loaded from disk
+    there); after it the same launches run at once, from the process's cache, with the right results."""
+    triton = pytest.importorskip("triton")
+    import threading
+
+    import torch
+    import triton.language as tl
+
+    @triton.jit
+    def scaled(x, y, n, SCALE: tl.constexpr, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(y + i, tl.load(x + i, mask=i < n) * SCALE, mask=i < n)
+
+    x = torch.arange(1000, device="cuda", dtype=torch.float32)
+    ys = [torch.zeros_like(x) for _ in range(3)]
+    seen = []
+    saved = triton.knobs.compilation.listener
+    triton.knobs.compilation.listener = lambda **kw: seen.append(threading.current_thread().name)
+    try:
+        with compiles.side_by_side(triton):
+            for k, y in enumerate(ys):
+                scaled[(8,)](x, y, x.numel(), SCALE=k + 2, BLOCK=128)
+            torch.cuda.synchronize()
+            assert all(int(y.count_nonzero()) == 0 for y in ys)  # nothing ran
+        assert len(seen) == 3 and all(n.startswith("moestream-compile") for n in seen), seen
+        for k, y in enumerate(ys):
+            scaled[(8,)](x, y, x.numel(), SCALE=k + 2, BLOCK=128)
+        torch.cuda.synchronize()
+        assert len(seen) == 3  # nothing compiled or loaded again
+        assert all(torch.equal(y, x * (k + 2)) for k, y in enumerate(ys))
+    finally:
+        triton.knobs.compilation.listener = saved
