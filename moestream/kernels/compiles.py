@@ -4,6 +4,7 @@ warmup, a run). A fresh machine's first load can spend a minute here; without a 
 
 The count is the process's, as the caches it fills are the machine's: one engine or several, a kernel compiles
 once. Triton tells us through its compilation listener, chained after any listener already installed.
+`side_by_side` compiles a pass's Triton kernels on a pool of threads instead of one by one at first launch.
 """
 
 from __future__ import annotations
