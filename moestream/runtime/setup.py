@@ -102,7 +102,7 @@ class Setup:
         expert cache holds the room the KV caches alive do not (placement.cache_rows): it is sized again beside
         them and this one first."""
         n = self.capacity(positions)
-        self._fit(self._held() + self._bytes(n))
+        self._fit(self._held_with(n))
         opts = self.options.model
         cache = new_cache(self.model, n, opts.torch_dtype, opts.torch_device, opts.kv_types)
         self.caches.add(cache)
@@ -115,8 +115,7 @@ class Setup:
     def new_cache_shrinks(self, positions: int | None = None) -> bool:
         """Whether new_cache(positions) would shrink the expert cache (a server then reuses a free cache)."""
         cache = self._expert_cache()
-        need = self._held() + self._bytes(self.capacity(positions))
-        return cache is not None and cache.rows_for(need) < cache.n
+        return cache is not None and cache.rows_for(self._held_with(self.capacity(positions))) < cache.n
 
     def _bytes(self, positions: int) -> int:
         """A KV cache of so many positions (and its recurrent state), as the footprint counts a whole one."""
@@ -128,6 +127,10 @@ class Setup:
     def _held(self) -> int:
         """Bytes of the KV caches alive now."""
         return sum(self._bytes(c.kv.n_ctx) for c in self.caches)
+
+    def _held_with(self, positions: int) -> int:
+        """Bytes of the KV caches alive now and a new one of so many positions."""
+        return self._held() + self._bytes(positions)
 
     def _expert_cache(self) -> ExpertCache | None:
         pf = self.offload.experts.prefetcher

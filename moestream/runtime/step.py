@@ -121,13 +121,13 @@ class DecodeStep:
             if captured is not None and key in captured:
                 logits = captured.replay(x, positions, key, experts.counters)
             else:
-                on_device = torch.tensor(positions, device=self.device)
+                on_device, body = torch.tensor(positions, device=self.device), partial(self._layers, p, n_keys, caches)
                 if captured is not None and len(caches) not in self.compiled_ahead:
                     self.compiled_ahead.add(len(caches))
-                    self._compile_ahead(partial(self._layers, p, n_keys, caches), x, on_device)
-                logits = self._layers(p, n_keys, caches, x, on_device)
+                    self._compile_ahead(body, x, on_device)
+                logits = body(x, on_device)
                 if captured is not None:
-                    self._capture(captured, partial(self._layers, p, n_keys, caches), x, on_device, key, watch)
+                    self._capture(captured, body, x, on_device, key, watch)
         except BaseException:
             for c in caches:
                 c.broken = True  # a KV row or recurrent state may be half-written
