@@ -235,9 +235,9 @@ for step in "$@"; do
                 # with settings also a fresh C matvec build and no remembered small-batch choice: a new machine's
                 XDG_CACHE_HOME=${FIRST_SETTINGS:+/tmp/xdg-first} TRITON_CACHE_DIR=${cache:-${TRITON_CACHE_DIR:-$HOME/.triton/cache}} /usr/bin/time \
                   -f "run $i${FIRST_SETTINGS:+ [$FIRST_SETTINGS]}: %e s from start to exit" \
-                  python3 scripts/first_output.py python3 scripts/with_settings.py ${FIRST_SETTINGS:-} -- run -m $MODEL -p "Write a haiku about the sea." \
-                  -n 16 -ncmoe 26 --streamed-layers spread --vram-budget 12GiB 2>&1 | quiet \
-                  | grep -a -i -e compil -e "prompt " -e "from start" -e "small batches" -e "first output" | tee -a "$OUT/bench.txt"
+                  python3 scripts/first_output.py --stamp python3 scripts/with_settings.py ${FIRST_SETTINGS:-} -- run -m $MODEL \
+                  -p "Write a haiku about the sea." -n 16 -ncmoe 26 --streamed-layers spread --vram-budget 12GiB 2>&1 | quiet \
+                  | tee -a "$OUT/bench.txt"  # each stderr line stamped with its seconds since the start
               done ;;
     ctx35) make_model $Q35 qwen3.6-35b-a3b | tee -a "$OUT/model35.txt"
            $MS bench -m $Q35 -p 0 -n 128 -d 32768 -c 131072 -ctk q8_0 -ctv q8_0 -ncmoe auto --vram-budget 12GiB -r 2 \
