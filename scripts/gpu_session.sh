@@ -369,7 +369,7 @@ for step in "$@"; do
               # each under scripts/serve_bench.py ($SERVE_CLIENTS 1,16 clients; 128-token streamed completions,
               # ignore_eos), one server after the other; needs lbuild (llama-server) and the model step
       [[ -f $MODEL ]] || { echo "no $MODEL here: run the model step first"; continue; }
-      wait_build || continue
+      [[ ${SERVE_LLAMA:-1} == 0 ]] || wait_build || continue  # llama-server's row needs lbuild
       python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/serve/*.whl || exit 1
       IFS=';' read -ra serve_sets <<< "${SERVE_SETS:--}"  # moestream's extra flags, each set its own server
       engines=(); [[ ${SERVE_LLAMA:-1} == 1 ]] && engines=(llama-server)
