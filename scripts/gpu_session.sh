@@ -391,7 +391,7 @@ for step in "$@"; do
         python3 scripts/serve_bench.py --url http://127.0.0.1:8094 --label "$engine" --clients ${SERVE_CLIENTS:-1,16} \
           --seconds ${LOAD_SECONDS:-45} 2>&1 | tee -a "$OUT/bench.txt"
         python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8094/metrics').read().decode())" \
-          2> /dev/null | grep -e turns_total -e hit_ratio -e turn_milliseconds -e tokens_per_second -e idle_ratio -e link_giga | grep -v "^#" | tee -a "$OUT/bench.txt"
+          2> /dev/null | grep -e turns_total -e hit_ratio -e cache_experts -e kv_cache_bytes -e turn_milliseconds -e tokens_per_second -e idle_ratio -e link_giga | grep -v "^#" | tee -a "$OUT/bench.txt"
         kill -INT $srv; wait $srv; tail -2 /tmp/srv.log | quiet
       done ;;
     promptcache)

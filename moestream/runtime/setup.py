@@ -124,13 +124,13 @@ class Setup:
         size = functools.partial(kv_cache_bytes, self.model.spec, dtype=opts.model.torch_dtype, **kv)
         return self.offload.footprint.kv_cache // opts.serving.n_seqs - size(self.n_ctx) + size(positions)
 
-    def _held(self) -> int:
-        """Bytes of the KV caches alive now."""
+    def kv_bytes(self) -> int:
+        """Bytes of the KV caches alive now (a server's running and pooled ones)."""
         return sum(self._bytes(c.kv.n_ctx) for c in self.caches)
 
     def _held_with(self, positions: int) -> int:
         """Bytes of the KV caches alive now and a new one of so many positions."""
-        return self._held() + self._bytes(positions)
+        return self.kv_bytes() + self._bytes(positions)
 
     def _expert_cache(self) -> ExpertCache | None:
         pf = self.offload.experts.prefetcher
@@ -179,7 +179,7 @@ class Setup:
         self.offload = None  # and let its device memory go before the new one is made
         self.offload = self._build(options, measured)
         if self.caches:  # sequences made before the rebuild keep their room (else it is sized beside a whole one)
-            self._fit(self._held())
+            self._fit(self.kv_bytes())
         self.step = DecodeStep(self.model, self.offload.experts, options.model.torch_dtype, self.capturing)
         self.record(self.timeline)
 

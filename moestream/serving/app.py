@@ -118,6 +118,14 @@ def create_app(
                 "gauge",
                 "streamed layers' expert picks in decode that the guess a layer ahead named (0: no guesses)",
             ): s.guessed / s.picks if s.picks else 0.0,
+            (
+                "moestream_expert_cache_experts",
+                "gauge",
+                "experts of each streamed layer held in the GPU expert cache now (it gives KV caches their room)",
+            ): scheduler.cache_experts,
+            ("moestream_kv_cache_bytes", "gauge", "bytes of the KV caches alive: running and pooled"): (
+                scheduler.engine.setup.kv_bytes() if scheduler.engine.model is not None else 0
+            ),
             ("moestream_queue_length", "gauge", "requests waiting"): scheduler.queue.qsize(),
             **prompt_cache_metrics(scheduler.prompts),
             ("moestream_running_sequences", "gauge", "sequences being served"): len(scheduler.running),

@@ -194,6 +194,12 @@ class Scheduler:
     def link_bytes(self) -> int:
         return self.engine.experts.counters.bytes_moved if self.engine.model is not None else 0
 
+    @property
+    def cache_experts(self) -> int:
+        """Experts of each streamed layer the GPU expert cache holds now (0: none)."""
+        pf = self.engine.experts.prefetcher if self.engine.model is not None else None
+        return pf.cache.n if pf is not None and pf.cache is not None else 0
+
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:

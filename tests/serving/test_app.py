@@ -153,6 +153,9 @@ def test_health_and_metrics(server):
     assert metric(server, "moestream_queue_length") == 0
     # on the CPU device nothing is guessed or cached (the GPU gathers streamed experts): reported as 0
     assert metric(server, "moestream_expert_cache_hit_ratio") == metric(server, "moestream_prefetch_hit_ratio") == 0
+    assert metric(server, "moestream_expert_cache_experts") == 0
+    kv = server.scheduler.engine.setup.kv_bytes()  # the caches the requests before left pooled
+    assert kv > 0 and metric(server, "moestream_kv_cache_bytes") == kv
     uptime, idle = metric(server, "moestream_uptime_seconds"), metric(server, "moestream_idle_ratio")
     assert uptime > 0 and 0 <= idle < 1  # the tests before this one kept it busy some of the time
     time.sleep(0.5)  # no pass runs: the idle share grows

@@ -266,7 +266,7 @@ def test_requests_one_at_a_time_leave_the_expert_cache_its_room(model_file):
             s.submit(req)
             assert drain(events)[-1].kind == "done"
         assert [c.kv.n_ctx for c in setup.caches] == [256]  # reused: a second would shrink the expert cache
-        assert engine.experts.cached_width == cache.rows_for(setup._held()) > whole  # a small one leaves it more
+        assert engine.experts.cached_width == cache.rows_for(setup.kv_bytes()) > whole  # a small one leaves it more
         assert s.prompts.stats.host_hits == 1  # the third took the first's prefix back from host RAM
         together = [collect([30 + i, 31, 32], max_tokens=40) for i in range(3)]
         for req, _ in together:
@@ -274,12 +274,12 @@ def test_requests_one_at_a_time_leave_the_expert_cache_its_room(model_file):
         for _, events in together:
             assert drain(events)[-1].kind == "done"
         assert sorted(c.kv.n_ctx for c in setup.caches) == [256] * 3
-        assert engine.experts.cached_width == cache.rows_for(setup._held()) > cache.rows_for(fp.kv_cache)
+        assert engine.experts.cached_width == cache.rows_for(setup.kv_bytes()) > cache.rows_for(fp.kv_cache)
         long, events = collect(list(range(40, 340)), max_tokens=8)  # 308 positions: no free cache holds it
         s.submit(long)
         assert drain(events)[-1].kind == "done"
         assert sorted(c.kv.n_ctx for c in setup.caches) == [256, 256, 384]
-        assert engine.experts.cached_width == cache.rows_for(setup._held())
+        assert engine.experts.cached_width == cache.rows_for(setup.kv_bytes())
     finally:
         s.stop()
         engine.close()
