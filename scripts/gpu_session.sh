@@ -69,7 +69,8 @@
 #   firstrun issue 36: `moestream run` twice on $MODEL at -ncmoe 26 spread 12 GiB, 16 tokens: wall time, what it
 #            says about compiling, its load and prompt line (first on a fresh machine, before any step that compiles
 #            kernels, and before lbuild and bgtests: beside them, session 28's first run took 61.7 s, its compiles 41.6);
-#            $FIRST_SETTINGS (e.g. unrolled=0): under those kernel tuning fields, from an empty Triton cache of their own
+#            $FIRST_SETTINGS (e.g. unrolled=0): under those kernel tuning fields, from an empty Triton cache of their own;
+#            FIRST_SMALL=1: on the 8-layer slice, 6 layers streamed (its kernels are the benchmark model's)
 #   ctx35    issue 36: qwen3.6-35b-a3b (generated first) with a 131072-token context and q8_0 K and V under
 #            --vram-budget 12GiB: tg128 at depth 32768, -ncmoe auto
 #   kvtypes  issue 36: the KV-type GPU tests, then tg128 at depths 0..32768 for bf16, f16, q8_0 and q4_0 caches on
@@ -229,14 +230,16 @@ for step in "$@"; do
                  -r 2 --no-floors 2>&1 | quiet | tee -a "$OUT/bench.txt"
              done
              $MS bench -m $MODEL -p 0 -n 128 -d 8192,32768 -ncmoe 0 -r 2 --no-floors 2>&1 | quiet | tee -a "$OUT/bench.txt" ;;
-    firstrun) make_model $MODEL qwen3-30b-a3b | tee -a "$OUT/model.txt"
+    firstrun) first=$MODEL streamed=26  # FIRST_SMALL=1: the 8-layer slice, 6 streamed (the same kernels, seconds to write)
+              if [[ ${FIRST_SMALL:-0} == 1 ]]; then make_small; first=$SMALL streamed=6
+              else make_model $MODEL qwen3-30b-a3b | tee -a "$OUT/model.txt"; fi
               for i in 1 2; do  # $FIRST_SETTINGS: kernel tuning fields (with_settings.py), a Triton cache of their own
                 cache=${FIRST_SETTINGS:+/tmp/tc-first}; [[ -n $cache && $i == 1 ]] && rm -rf $cache /tmp/xdg-first
                 # with settings also a fresh C matvec build and no remembered small-batch choice: a new machine's
                 XDG_CACHE_HOME=${FIRST_SETTINGS:+/tmp/xdg-first} TRITON_CACHE_DIR=${cache:-${TRITON_CACHE_DIR:-$HOME/.triton/cache}} /usr/bin/time \
                   -f "run $i${FIRST_SETTINGS:+ [$FIRST_SETTINGS]}: %e s from start to exit" \
-                  python3 scripts/first_output.py --stamp python3 scripts/with_settings.py ${FIRST_SETTINGS:-} -- run -m $MODEL \
-                  -p "Write a haiku about the sea." -n 16 -ncmoe 26 --streamed-layers spread --vram-budget 12GiB 2>&1 | quiet \
+                  python3 scripts/first_output.py --stamp python3 scripts/with_settings.py ${FIRST_SETTINGS:-} -- run -m $first \
+                  -p "Write a haiku about the sea." -n 16 -ncmoe $streamed --streamed-layers spread --vram-budget 12GiB 2>&1 | quiet \
                   | tee -a "$OUT/bench.txt"  # each stderr line stamped with its seconds since the start
               done ;;
     ctx35) make_model $Q35 qwen3.6-35b-a3b | tee -a "$OUT/model35.txt"
