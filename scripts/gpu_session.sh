@@ -33,6 +33,7 @@
 #            --keep-dequantized, its layer-major profile
 #            at -ub 2048 (where the time goes: attention, dequant, experts), and llama-bench's pp32768 at -ncmoe 26
 #            -lm none -ub 2048 beside it where lbuild ran
+#   bgmodel  the model step's file written in the background, outliving the call (make_model waits for it)
 #   bgtests  the GPU tests of sessions 26-27's work (flash prefix in place, the admitting cache in captured steps,
 #            gather, --keep-dequantized) in the background with their own Triton cache, so a firstrun after it
 #            still compiles cold; the script waits for them at its end
@@ -89,6 +90,7 @@ SMALL=/tmp/$SMALL_PRESET-8layers-Q4_K_M.gguf
 quiet() { grep --line-buffered -v -e '%|' -e $'\r'; }  # drop progress bars
 make_small() { [[ -f $SMALL ]] || $MS make-model $SMALL --preset $SMALL_PRESET --layers 8 --quant Q4_K_M 2>&1 | quiet | tail -1; }
 make_model() {  # make_model PATH PRESET [make-model flags]
+  [[ $1 == "$MODEL" && -f /tmp/bgmodel.log ]] && until grep -q "model rc" /tmp/bgmodel.log; do sleep 5; done  # bgmodel's
   [[ -f $1 ]] && { echo "reusing $1"; return; }
   /usr/bin/time -f "make-model: %e s, max RSS %M KB" $MS make-model "$1" --preset "$2" --quant Q4_K_M "${@:3}" 2>&1 \
     | quiet | tail -3
@@ -254,6 +256,11 @@ for step in "$@"; do
              | quiet | tee -a "$OUT/profile.txt" | tail -30
            wait_build && /tmp/lcpp/build/bin/llama-bench -m $MODEL -ngl 99 -fa 1 -p 32768 -n 0 -ub 2048 -r 2 -ncmoe 26 \
              -lm none 2>&1 | grep -v '^ggml\|^load' | tee -a "$OUT/bench.txt" ;;
+    bgmodel) # the benchmark model written in a session of its own (setsid), so that it outlives this call; the next
+             # make_model of $MODEL waits for its "model rc" line
+             [[ -f $MODEL ]] || setsid bash -c "/usr/bin/time -f 'make-model: %e s' $MS make-model /tmp/bgmodel-part.gguf \
+               --preset qwen3-30b-a3b --quant Q4_K_M > /tmp/bgmodel.log 2>&1 && mv /tmp/bgmodel-part.gguf $MODEL; \
+               echo \"model rc \$?\" >> /tmp/bgmodel.log" < /dev/null > /dev/null 2>&1 & ;;
     bgtests) (TRITON_CACHE_DIR=/tmp/tc-tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/ops/test_prefix_attention.py \
                tests/kernels/test_cache_admit.py tests/runtime/test_step_gpu.py tests/kernels/test_gather.py \
                tests/offload/test_streaming_gpu.py 2>&1 \
