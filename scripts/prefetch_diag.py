@@ -14,6 +14,7 @@ import torch
 from decode_diag import step_ms  # scripts/ is on the path when this runs as a script
 
 import moestream
+from moestream.kernels import tuning
 from moestream.offload import prefetch
 
 
@@ -42,6 +43,8 @@ if __name__ == "__main__":
     variants = [  # experts a guess, gather programs, where the guess is made, layers ahead, experts held a layer
         (8, 16, "streamed", 1, 0),
         (8, 16, "streamed", 1, "auto"),
+        (8, 32, "streamed", 1, "auto"),
+        (8, 64, "streamed", 1, "auto"),
         (8, 16, "streamed", 1, 8),
         (8, 16, "layer", 1, "auto"),
         (10, 16, "streamed", 1, "auto"),
@@ -50,11 +53,12 @@ if __name__ == "__main__":
     ]
     for width, programs, lead, ahead, held in variants:
         e.setup.reconfigure(prefetch=width, prefetch_ahead=ahead, expert_cache=held)
-        prefetch.PROGRAMS, prefetch.LEAD = programs, lead
-        before = e.experts.counters.stats()
-        ms = step_ms(e)
-        d = [b - a for a, b in zip(before, e.experts.counters.stats(), strict=True)]
-        same = greedy(e) == want
+        prefetch.LEAD = lead
+        with tuning.use(gather_programs=programs):
+            before = e.experts.counters.stats()
+            ms = step_ms(e)
+            d = [b - a for a, b in zip(before, e.experts.counters.stats(), strict=True)]
+            same = greedy(e) == want
         print(
             f"prefetch {width:>2}, {programs:>3} programs, at the {lead:<8} {ahead} before, "
             f"{e.experts.cached_width:>3} held: {ms:7.3f} ms a step, {1 - d[1] / d[0]:.1%} guessed, "

@@ -32,6 +32,9 @@ class Tuning:
     attention_combine_block: int = 16  # chunks the combine reads at a time
     attention_chunk_warps: int = 4  # 8 spill no registers but were not timed against 4
     dequant_blocks_per_program: int = 8  # kernels/dequant.py: blocks a program expands
+    # decode's gather of guessed experts on the side stream (offload/prefetch.py): a program waiting on the link
+    # holds a multiprocessor that compute then lacks
+    gather_programs: int = 16
     # a decode step's kernels compiled side by side (a throwaway capture of it) before its first pass runs; off
     # until its GPU test and first-run A/B have run (the hook-based first version failed on the GPU)
     compile_ahead: bool = False

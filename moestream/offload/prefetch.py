@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moestream.kernels import tuning
 from moestream.kernels.gather import Count, RowGather, fill_misses, first_picks, union
 from moestream.offload.counters import Counters
 from moestream.offload.device import Device
@@ -34,7 +35,6 @@ from moestream.offload.expert_cache import ExpertCache
 from moestream.offload.expert_tensors import ExpertTensors
 from moestream.profiling.timeline import NULL, Timeline
 
-PROGRAMS = 16  # gather programs on the side stream: a program waiting on the link holds a multiprocessor
 # Where a streamed layer's guess is made, `ahead` layers before it: at the start of the layer that many before
 # ("layer"), or of the streamed layer that many before ("streamed", the default: earlier where resident layers
 # sit between, so the side stream has the next gather queued before the current one ends). ahead + 1 slots
@@ -138,19 +138,20 @@ class Prefetcher:
     def _gather(self, il: int, raws: list, part: _Guessed, counters: Counters) -> None:
         """The distinct guessed experts' rows of each stack, held ones read from the cache."""
         cache, width = self.cache, part.guess.numel()
+        programs = tuning.current().gather_programs
         outs = [r[:width] for r in part.rows]
         if all(self.pick.reads(raw, part.guess) for raw in raws):
             try:  # one launch says where each guess is read (host or cache; repeats nowhere), then the gathers
                 held = (cache.stacks[il], cache.slots(il)) if cache is not None else (outs, self.unheld)
                 self.pick.gather_held(
-                    raws, part.guess, part.n_live, outs, *held, counters.on_device, part.offs, PROGRAMS
+                    raws, part.guess, part.n_live, outs, *held, counters.on_device, part.offs, programs
                 )
                 return
             except Exception as e:  # as RowGather: say it once, then pick through the host
                 self.pick.failed(e)
         for s, (raw, out) in enumerate(zip(raws, outs, strict=True)):
             held = cache.of(il, s) if cache is not None else None
-            self.pick(raw, part.guess, out=out, programs=PROGRAMS, cache=held)
+            self.pick(raw, part.guess, out=out, programs=programs, cache=held)
         link = torch.arange(width, device=part.guess.device) < part.n_live  # the distinct ones
         if cache is not None:
             link &= cache.slots(il)[part.guess] < 0
