@@ -4,9 +4,10 @@ pages at their host address (as decode does: no host sync) beside a DMA copy of 
 A layer's stacks in qwen3-30b-a3b's Q4_K shapes (gate, up, down: 884736 bytes an expert each, 128 experts), random
 bytes in a file mapped and page-locked as the engine holds a model; each call reads other experts than the calls
 around it (the GPU's L2 would otherwise serve repeats). Rows: the side stream's gather (`_gather_few_kernel`) on P
-programs with 16-byte and 4-byte loads, the full grid (a program a pick and 8 KiB chunk: the misses' way), DMA.
+programs, each reading a chunk of 8 or 32 KiB at once (what a program keeps in flight), with 16-byte and 4-byte
+loads; the full grid (a program a pick and 8 KiB chunk: the misses' way); DMA.
 
-    python scripts/gather_rate.py [--experts 8,28] [--programs 16,32,64,132]
+    python scripts/gather_rate.py [--experts 8,28] [--programs 16,32,64,132] [--words 2048,8192]
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 from matvec_shapes import time_us  # scripts/ is on the path when run as a script
 
-from moestream.kernels import gather
+from moestream.kernels import gather, tuning
 from moestream.offload.host import PinnedRanges
 
 EXPERT_BYTES, N_EXPERT, STACKS = 884736, 128, 3  # 768 x 2048 in Q4_K (144-byte blocks of 256): qwen3-30b-a3b
@@ -43,7 +44,7 @@ def host_stacks(path: str) -> tuple[list[torch.Tensor], PinnedRanges, np.memmap]
     return [flat[s * size : (s + 1) * size].view(N_EXPERT, -1) for s in range(STACKS)], pinned, mapped
 
 
-def rates(stacks: list[torch.Tensor], n: int, programs: list[int], reps: int) -> dict[str, float]:
+def rates(stacks: list[torch.Tensor], n: int, programs: list[int], chunks: list[int], reps: int) -> dict[str, float]:
     """GB/s of each way of reading n experts of every stack, a different n each call of a cycle through them all."""
     calls = N_EXPERT // n
     sets = torch.randperm(N_EXPERT * calls, generator=torch.Generator().manual_seed(n))[: calls * n] % N_EXPERT
@@ -68,9 +69,11 @@ def rates(stacks: list[torch.Tensor], n: int, programs: list[int], reps: int) ->
             return float("nan")
 
     out: dict[str, float] = {}
-    for p in programs:
-        for quads in (True, False):
-            out[f"side gather, {p} programs, {16 if quads else 4}-byte loads"] = each_call(
+    for w, p, quads in [(w, p, q) for w in chunks for p in programs for q in (True, False)]:
+        if not quads and w != chunks[0]:
+            continue  # the load width at the default chunk alone
+        with tuning.use(gather_words=w):
+            out[f"side gather, {p} programs of {4 * w // 1024} KiB, {16 if quads else 4}-byte loads"] = each_call(
                 lambda j, s, src, o, p=p, q=quads: pick._few(src, offs[j], o, p, at=True, quads=q)
             )
     out["full grid (a program a pick and chunk)"] = each_call(lambda j, s, src, o: pick(src, ids[j], out=o))
@@ -84,10 +87,15 @@ def rates(stacks: list[torch.Tensor], n: int, programs: list[int], reps: int) ->
     return out
 
 
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--experts", default="8,28", help="experts read a call from each stack (8: one row; 28: 4 rows)")
     p.add_argument("--programs", default="16,32,64,132")
+    p.add_argument("--words", default="2048,8192", help="32-bit words a side-gather program reads at once")
     p.add_argument("--reps", type=int, default=5)
     a = p.parse_args()
     print(torch.cuda.get_device_name(), "| torch", torch.__version__)
@@ -96,9 +104,10 @@ def main() -> None:
     try:
         stacks, pinned, mapped = host_stacks(path)
         try:
-            for n in (int(x) for x in a.experts.split(",")):
+            for n in ints(a.experts):
                 mb = STACKS * n * EXPERT_BYTES / 1e6
-                for name, gbs in rates(stacks, n, [int(x) for x in a.programs.split(",")], a.reps).items():
+                ways = rates(stacks, n, ints(a.programs), ints(a.words), a.reps)
+                for name, gbs in ways.items():
                     print(f"{n:>3} experts x {STACKS} stacks ({mb:6.1f} MB) {name:<44} {gbs:7.2f} GB/s")
         finally:
             torch.cuda.synchronize()

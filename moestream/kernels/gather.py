@@ -14,6 +14,7 @@ import warnings
 
 import torch
 
+from moestream.kernels import tuning
 from moestream.kernels.launch import INTERPRETED, on_device
 
 try:  # Triton ships with CUDA builds of torch
@@ -248,10 +249,10 @@ class RowGather:
     def _few(
         self, src: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, programs: int, at: bool, quads: bool = False
     ) -> None:
-        words = out[0].numel() // 4
-        chunks = triton.cdiv(words, WORDS_PER_PROGRAM)
+        words, chunk = out[0].numel() // 4, tuning.current().gather_words
+        chunks = triton.cdiv(words, chunk)
         _gather_few_kernel[(programs,)](
-            _words(src), rows, _words(out), words, rows.numel() * chunks, chunks, WORDS_PER_PROGRAM, programs, at, quads
+            _words(src), rows, _words(out), words, rows.numel() * chunks, chunks, chunk, programs, at, quads
         )
 
     def gather_held(

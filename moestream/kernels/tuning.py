@@ -35,6 +35,7 @@ class Tuning:
     # decode's gather of guessed experts on the side stream (offload/prefetch.py): a program waiting on the link
     # holds a multiprocessor that compute then lacks
     gather_programs: int = 16
+    gather_words: int = 2048  # 32-bit words a program reads at once: what one program keeps in flight on the link
     # a decode step's kernels compiled side by side (a throwaway capture of it) before its first pass runs; off
     # until its GPU test and first-run A/B have run (the hook-based first version failed on the GPU)
     compile_ahead: bool = False

@@ -118,14 +118,15 @@ def test_gather_reads_page_locked_host_memory(own_pages):
 
 
 @pytest.mark.parametrize("down", [630 * 4, 630])  # an expert of 1260 words (16-byte loads) or 315 (4-byte)
-def test_held_gathers_read_cache_rows_on_the_device_and_the_rest_from_the_host(own_pages, monkeypatch, down):
+@pytest.mark.parametrize("chunk", [2048, 512])  # words a side-gather program reads at once (tuning.gather_words)
+def test_held_gathers_read_cache_rows_on_the_device_and_the_rest_from_the_host(own_pages, monkeypatch, down, chunk):
     """gather_held (the expert cache's prefetch read) of a batch's united guesses and fill_misses with a cache:
     every row the bytes of its expert, held ones read from the device stacks (a corrupted cache row shows),
     repeats of the union and an expert several rows missed read once, link bytes only for the rest; in 16-byte
     loads where every offset allows them."""
     import numpy as np
 
-    from moestream.kernels import gather
+    from moestream.kernels import gather, tuning
 
     rng = np.random.default_rng(1)
     shapes = [(32, 3, 4096), (32, 3, 4096), (32, 2, down)]  # three stacks; rows of several gather chunks
@@ -146,7 +147,8 @@ def test_held_gathers_read_cache_rows_on_the_device_and_the_rest_from_the_host(o
         pick, quads = gather.RowGather(), []
         few = pick._few
         monkeypatch.setattr(pick, "_few", lambda *a, **k: (quads.append(k["quads"]), few(*a, **k)))
-        pick.gather_held(srcs, guess, n_live, [o[:6] for o in outs], stacks, slot_of, counts, offs, 16)
+        with tuning.use(gather_words=chunk):
+            pick.gather_held(srcs, guess, n_live, [o[:6] for o in outs], stacks, slot_of, counts, offs, 16)
         assert quads == [down == 630 * 4] * 3  # an expert of 2 * down bytes: a multiple of 16 bytes, or not
         expert_bytes = sum(src[0].numel() for src in srcs)
         for src, out in zip(srcs, outs, strict=True):
