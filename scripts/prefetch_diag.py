@@ -40,27 +40,30 @@ if __name__ == "__main__":
     )
     want = greedy(e)
     print(f"prefetch off                {step_ms(e):7.3f} ms a step", flush=True)
-    variants = [  # experts a guess, gather programs, where the guess is made, layers ahead, experts held a layer
-        (8, 16, "streamed", 1, 0),
-        (8, 16, "streamed", 1, "auto"),
-        (8, 32, "streamed", 1, "auto"),
-        (8, 64, "streamed", 1, "auto"),
-        (8, 16, "streamed", 1, 8),
-        (8, 16, "layer", 1, "auto"),
-        (10, 16, "streamed", 1, "auto"),
-        (8, 16, "streamed", 2, 0),
-        (8, 16, "streamed", 2, "auto"),
+    variants = [  # experts a guess, gather programs and words a program, where the guess is made, layers ahead,
+        # experts held a layer
+        (8, 16, 2048, "streamed", 1, 0),
+        (8, 16, 2048, "streamed", 1, "auto"),
+        (8, 32, 2048, "streamed", 1, "auto"),
+        (8, 64, 2048, "streamed", 1, "auto"),
+        (8, 16, 8192, "streamed", 1, "auto"),
+        (8, 32, 8192, "streamed", 1, "auto"),
+        (8, 16, 2048, "streamed", 1, 8),
+        (8, 16, 2048, "layer", 1, "auto"),
+        (10, 16, 2048, "streamed", 1, "auto"),
+        (8, 16, 2048, "streamed", 2, 0),
+        (8, 16, 2048, "streamed", 2, "auto"),
     ]
-    for width, programs, lead, ahead, held in variants:
+    for width, programs, words, lead, ahead, held in variants:
         e.setup.reconfigure(prefetch=width, prefetch_ahead=ahead, expert_cache=held)
         prefetch.LEAD = lead
-        with tuning.use(gather_programs=programs):
+        with tuning.use(gather_programs=programs, gather_words=words):
             before = e.experts.counters.stats()
             ms = step_ms(e)
             d = [b - a for a, b in zip(before, e.experts.counters.stats(), strict=True)]
             same = greedy(e) == want
         print(
-            f"prefetch {width:>2}, {programs:>3} programs, at the {lead:<8} {ahead} before, "
+            f"prefetch {width:>2}, {programs:>3} programs of {4 * words // 1024:>2} KiB, at the {lead:<8} {ahead} before, "
             f"{e.experts.cached_width:>3} held: {ms:7.3f} ms a step, {1 - d[1] / d[0]:.1%} guessed, "
             f"{d[4] / d[0]:.1%} held, "
             f"{(d[2] + d[3]) / 144 / 1e6:.1f} MB a step over the link, same tokens: {same}",
