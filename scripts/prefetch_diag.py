@@ -63,7 +63,8 @@ if __name__ == "__main__":
             d = [b - a for a, b in zip(before, e.experts.counters.stats(), strict=True)]
             same = greedy(e) == want
         print(
-            f"prefetch {width:>2}, {programs:>3} programs of {4 * words // 1024:>2} KiB, at the {lead:<8} {ahead} before, "
+            f"prefetch {width:>2}, {programs:>3} programs of {4 * words // 1024:>2} KiB, "
+            f"at the {lead:<8} {ahead} before, "
             f"{e.experts.cached_width:>3} held: {ms:7.3f} ms a step, {1 - d[1] / d[0]:.1%} guessed, "
             f"{d[4] / d[0]:.1%} held, "
             f"{(d[2] + d[3]) / 144 / 1e6:.1f} MB a step over the link, same tokens: {same}",
