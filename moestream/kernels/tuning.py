@@ -36,8 +36,8 @@ class Tuning:
     # holds a multiprocessor that compute then lacks
     gather_programs: int = 16
     gather_words: int = 2048  # 32-bit words a program reads at once: what one program keeps in flight on the link
-    # a decode step's kernels compiled side by side (a throwaway capture of it) before its first pass runs; off
-    # until its GPU test and first-run A/B have run (the hook-based first version failed on the GPU)
+    # a decode step's kernels compiled side by side (a throwaway capture of it) before its first pass runs; off:
+    # on the H100 part of the step still compiled serially and a first run did not get faster (benchmarks.md)
     compile_ahead: bool = False
     # programmatic dependent launch of the decode kernels (sm_90 and later; never under Triton's interpreter)
     pdl: bool = True

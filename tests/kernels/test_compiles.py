@@ -103,6 +103,11 @@ print("tokens:", tokens)
 
 
 @pytest.mark.gpu
+@pytest.mark.xfail(
+    strict=True,
+    reason="H100, 2026-12-07: 13 of the first step's kernels compiled on the pool, one before it and several after "
+    "it on the main thread (the throwaway capture seems to stop part-way); compile_ahead stays off",
+)
 def test_a_decode_steps_kernels_compile_side_by_side_before_it_runs(model_file, tmp_path):
     """Each run in a fresh Triton cache: with compile_ahead the first decode step's kernels all compile on the
     pool's threads (several of them), without it on the main thread; the greedy tokens are the same."""
