@@ -13,6 +13,7 @@ loads; the full grid (a program a pick and 8 KiB chunk: the misses' way); DMA.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import tempfile
 import warnings
@@ -53,14 +54,14 @@ def rates(stacks: list[torch.Tensor], n: int, programs: list[int], chunks: list[
     offs = ids * words  # word offsets from a stack's base: the side stream's form (AT)
     outs = [torch.empty((n, EXPERT_BYTES), dtype=torch.uint8, device="cuda") for _ in stacks]
     pick = gather.RowGather()
-    cycle = iter(range(1 << 62))
+    cycle = itertools.count()
     nbytes = STACKS * n * EXPERT_BYTES
 
     def each_call(read) -> float:
         def run() -> None:
             j = next(cycle) % calls
-            for s, (src, out) in enumerate(zip(stacks, outs, strict=True)):
-                read(j, s, src, out)
+            for src, out in zip(stacks, outs, strict=True):
+                read(j, src, out)
 
         try:
             return nbytes / (time_us(run, calls=calls, reps=reps) * 1e3)  # bytes / ns = GB/s
@@ -69,17 +70,15 @@ def rates(stacks: list[torch.Tensor], n: int, programs: list[int], chunks: list[
             return float("nan")
 
     out: dict[str, float] = {}
-    for w, p, quads in [(w, p, q) for w in chunks for p in programs for q in (True, False)]:
-        if not quads and w != chunks[0]:
-            continue  # the load width at the default chunk alone
+    for w in chunks:
         with tuning.use(gather_words=w):
-            out[f"side gather, {p} programs of {4 * w // 1024} KiB, {16 if quads else 4}-byte loads"] = each_call(
-                lambda j, s, src, o, p=p, q=quads: pick._few(src, offs[j], o, p, at=True, quads=q)
-            )
-    out["full grid (a program a pick and chunk)"] = each_call(lambda j, s, src, o: pick(src, ids[j], out=o))
+            for p, quads in [(p, q) for p in programs for q in ((True, False) if w == chunks[0] else (True,))]:
+                name = f"side gather, {p} programs of {4 * w // 1024} KiB, {16 if quads else 4}-byte loads"
+                out[name] = each_call(lambda j, src, o, p=p, q=quads: pick._few(src, offs[j], o, p, at=True, quads=q))
+    out["full grid (a program a pick and chunk)"] = each_call(lambda j, src, o: pick(src, ids[j], out=o))
     first = ids[:, 0].tolist()  # DMA needs the host to know the rows: n experts in a row from each set's first
 
-    def dma(j: int, s: int, src: torch.Tensor, o: torch.Tensor) -> None:
+    def dma(j: int, src: torch.Tensor, o: torch.Tensor) -> None:
         e = min(first[j], N_EXPERT - n)
         o.copy_(src[e : e + n], non_blocking=True)
 
