@@ -71,7 +71,7 @@
 #            pyproject.toml | tar -x -C wt-before (wt-before is git-excluded; carry it)
 #   firstrun issue 36: `moestream run` twice on $MODEL at -ncmoe 26 spread 12 GiB, 16 tokens: wall time, what it
 #            says about compiling, its load and prompt line (first on a fresh machine, before any step that compiles
-#            kernels, and before lbuild and bgtests: beside them, session 28's first run took 61.7 s, its compiles 41.6);
+#            kernels and bgtests; it waits for a running lbuild: beside it, session 28's first run took 61.7 s);
 #            $FIRST_SETTINGS (e.g. unrolled=0): under those kernel tuning fields, from an empty Triton cache of their own;
 #            FIRST_SMALL=1: on the 8-layer slice, 6 layers streamed (its kernels are the benchmark model's)
 #   ctx35    issue 36: qwen3.6-35b-a3b (generated first) with a 131072-token context and q8_0 K and V under
@@ -84,6 +84,10 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+# the image sets PYTHONDONTWRITEBYTECODE=1 and its torch has no bytecode: each process would compile ~1000 modules
+# again (3 s, benchmarks.md "Thirty-fourth session"); a pip install keeps it, so keep it here too, written once
+unset PYTHONDONTWRITEBYTECODE; export PYTHONPYCACHEPREFIX=/tmp/pyc
+[[ -d /tmp/pyc ]] || python3 -c "import torch, triton, numpy, gguf, tokenizers"
 MS="python3 -m moestream.cli"
 MODEL=/tmp/qwen3-30b-a3b-Q4_K_M.gguf
 Q35=/tmp/qwen3.6-35b-a3b-Q4_K_M.gguf
@@ -212,10 +216,13 @@ for step in "$@"; do
     lbuild) # llama.cpp's llama-bench from the llama-cpp-python sdist, packed into .lcpp/llama.tgz (models/docs
             # left out); built in its own session (setsid) so that it outlives this call and overlaps the next
             # steps; `llamacpp` and `compare` wait for its "build rc" line
-            mkdir -p /tmp/lcpp && tar xzf .lcpp/llama.tgz -C /tmp/lcpp --strip-components=1 && setsid bash -c 'cd /tmp/lcpp \
+            : > /tmp/lcpp.log  # before the build starts: a step right after this one waits for it
+            mkdir -p /tmp/lcpp && tar xzf .lcpp/llama.tgz -C /tmp/lcpp --strip-components=1 \
+              || { echo "build rc 1 (no .lcpp/llama.tgz carried?)" >> /tmp/lcpp.log; continue; }
+            setsid bash -c 'cd /tmp/lcpp \
               && cmake -S . -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF \
                    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_SERVER=ON \
-                   -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF >/tmp/lcpp.log 2>&1 \
+                   -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF >>/tmp/lcpp.log 2>&1 \
               && nice cmake --build build --target llama-bench llama-server -j 16 >>/tmp/lcpp.log 2>&1; echo "build rc $?" >>/tmp/lcpp.log' \
               </dev/null >/dev/null 2>&1 & ;;
     llamacpp) wait_build; tail -3 /tmp/lcpp.log | tee -a "$OUT/gpu.txt"
@@ -237,6 +244,7 @@ for step in "$@"; do
     firstrun) first=$MODEL streamed=26  # FIRST_SMALL=1: the 8-layer slice, 6 streamed (the same kernels, seconds to write)
               if [[ ${FIRST_SMALL:-0} == 1 ]]; then make_small; first=$SMALL streamed=6
               else make_model $MODEL qwen3-30b-a3b | tee -a "$OUT/model.txt"; fi
+              [[ -f /tmp/lcpp.log ]] && { echo "waiting for lbuild: nothing beside a first run"; wait_build; }
               for i in 1 2; do  # $FIRST_SETTINGS: kernel tuning fields (with_settings.py), a Triton cache of their own
                 cache=${FIRST_SETTINGS:+/tmp/tc-first}; [[ -n $cache && $i == 1 ]] && rm -rf $cache /tmp/xdg-first
                 # with settings also a fresh C matvec build and no remembered small-batch choice: a new machine's
