@@ -309,7 +309,37 @@ def check_run(a: argparse.Namespace) -> None:
 
 
 def cmd_run(a: argparse.Namespace) -> None:
-    from moestream.kernels import compiles
+    from moestream.kernels import compiles, tuning
+
+    opts = engine_options(a)
+    rows = _run_rows(a.model, opts)
+    with tuning.use(unrolled=rows):
+        _run(a, opts)
+    if compiles.summary() and rows != tuning.current().unrolled:
+        print(
+            f"moestream: this first run took the decode kernels that compile fastest; `moestream warmup -m "
+            f"{a.model}` (with this run's flags) compiles the ~2% faster ones, which later runs then take",
+            file=sys.stderr,
+        )
+
+
+def _run_rows(path: str, opts) -> int:
+    """Rows unrolled in this run: the tuning's once a decode step of this file compiled them on this machine, else
+    the looped ones, which compile in half the time (a fresh machine's first run, docs/benchmarks.md)."""
+    from moestream.kernels import tuning
+    from moestream.runtime import way_memory
+
+    t = tuning.current()
+    if opts.model.torch_device.type != "cuda":
+        return t.unrolled  # no Triton kernels
+    try:
+        k = way_memory.rows_key(way_memory.file_identity(path), opts)
+    except OSError:
+        return t.unrolled  # the load says what is wrong with the path
+    return t.unrolled if t.unrolled in way_memory.rows_compiled(k) else t.unrolled_cold
+
+
+def _run(a: argparse.Namespace, opts) -> None:
     from moestream.runtime.loader import load
 
     prompt: list[int] = []  # encoded once, before the weights load
@@ -325,7 +355,7 @@ def cmd_run(a: argparse.Namespace) -> None:
             )
 
     start = time.perf_counter()
-    engine = load(a.model, engine_options(a), before_weights=prompt_fits)
+    engine = load(a.model, opts, before_weights=prompt_fits)
     load_s = time.perf_counter() - start  # llama.cpp says its load time too: a first run's compiles show here
     if str(engine.source.metadata.get("general.name", "")).startswith("moestream-generated"):
         print(
@@ -343,7 +373,6 @@ def cmd_run(a: argparse.Namespace) -> None:
         engine.close()
     print()
     _print_stats(gen, load_s)
-    compiles.summary()
 
 
 def _print_stats(gen, load_s: float) -> None:

@@ -22,6 +22,9 @@ class Tuning:
     gate_up_blocks_at_once: int = 1
     gate_up_warps: int = 4
     unrolled: int = 8  # rows of up to this many blocks are unrolled: longer ones spilled registers
+    # `run` takes this until a decode step of the file has compiled `unrolled` on this machine (runtime/way_memory.py):
+    # looped rows compile in half the time, for 1.5-3% of decode speed (benchmarks.md, thirty-first session)
+    unrolled_cold: int = 0
     float_blocks_at_once: int = 16  # a float weight's (the router's) blocks of values a tile
     sum_block: int = 256  # output columns a program of the experts' weighted sum
     max_tokens: int = 4  # above this, dequantizing once and multiplying on the tensor cores is cheaper

@@ -185,6 +185,8 @@ class Setup:
 
     def close(self) -> None:
         """Wait for copies, unpin, and let the placement's memory (and the model's) go."""
+        for unrolled in self.capturing.unrolled if self.file_id is not None else ():  # compiled here by now
+            way_memory.remember_rows(way_memory.rows_key(self.file_id, self.options), unrolled)
         try:
             if self.offload is not None:
                 self.offload.close()

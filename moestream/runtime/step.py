@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -47,11 +47,12 @@ def key_bucket(n_past: int, n_ctx: int) -> int:
 class Capturing:
     """Whether steps are still captured, kept across placements: once CUDA refused a capture, such steps run
     eagerly (the same kernels, the same bits). count: steps captured (or tried) so far, a turn that captured
-    being no measure of speed."""
+    being no measure of speed; unrolled: the row unrollings (kernels/tuning.py) their kernels were compiled with."""
 
     one: bool = True  # one-token steps
     batch: bool = True  # batches (a one-token step failing clears both)
     count: int = 0
+    unrolled: set[int] = field(default_factory=set)
 
 
 class DecodeStep:
@@ -163,6 +164,7 @@ class DecodeStep:
         """Capture a step; if CUDA refuses, say so once and run such steps eagerly (same kernels, same bits). A
         batch that fails (out of memory, say) leaves one-token steps captured."""
         self.capturing.count += 1
+        self.capturing.unrolled.add(tuning.current().unrolled)
         try:
             captured.capture(step, x, positions, key, self.experts.counters, watch)
         except RuntimeError as e:

@@ -1,7 +1,10 @@
 """--small-batch auto's choices kept between loads. Which way a placement's small batches take depends on the file,
 the options and the machine, and timing the ways again cost every later load seconds (docs/benchmarks.md). A load
 of the same file (path, size, modification time) with the same options on the same machine and versions takes the
-choice it made before; deleting the file measures again."""
+choice it made before; deleting the file measures again.
+
+The same file keeps which row unrollings (kernels/tuning.py's `unrolled`) a decode step of each model file has
+compiled on this machine: unrolled rows take twice as long to compile, so `run` takes them only once compiled."""
 
 from __future__ import annotations
 
@@ -87,9 +90,34 @@ def recall(k: str) -> Measured | None:
 
 def remember(k: str, measured: Measured) -> None:
     """Keep measured under k (best effort: a cache that cannot be written only costs the next load a measurement)."""
+    _keep(k, {"chosen": str(measured.chosen), "seconds": {str(w): s for w, s in measured.seconds.items()}})
+
+
+def rows_key(file_id: str, options: Options) -> str:
+    """What a decode step's kernels were compiled for: the file's shapes and types on this machine and code (the
+    placement options only add kernels beside them)."""
+    return hashlib.sha256(json.dumps(["compiled rows", file_id, _machine(options)]).encode()).hexdigest()
+
+
+def rows_compiled(k: str) -> list[int]:
+    """The row unrollings a decode step compiled under k (none where unknown or damaged)."""
+    try:
+        return [int(u) for u in _entries()[k]["unrolled"]]
+    except (KeyError, TypeError, ValueError):
+        return []
+
+
+def remember_rows(k: str, unrolled: int) -> None:
+    """A decode step compiled its kernels with rows of up to `unrolled` blocks unrolled, under k."""
+    kept = rows_compiled(k)
+    if unrolled not in kept:
+        _keep(k, {"unrolled": [*kept, unrolled]})
+
+
+def _keep(k: str, entry: dict) -> None:
     path, entries = memory_file(), _entries()
     entries.pop(k, None)  # newest last: the oldest go first past KEEP
-    entries[k] = {"chosen": str(measured.chosen), "seconds": {str(w): s for w, s in measured.seconds.items()}}
+    entries[k] = entry
     entries = dict(list(entries.items())[-KEEP:])
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

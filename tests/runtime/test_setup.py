@@ -5,6 +5,7 @@ with a slow link or slow kernels (on the CPU device the rule stands unless small
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import weakref
@@ -244,3 +245,25 @@ def test_the_memory_keeps_the_newest_choices(monkeypatch):
     way_memory.remember("k2", Measured(SmallBatch.CPU, {SmallBatch.CPU: 1.0}))  # chosen again: newest
     assert [way_memory.recall(f"k{i}") is not None for i in range(5)] == [False, False, True, True, True]
     assert way_memory.recall("k2").chosen is SmallBatch.CPU and way_memory.recall("k1") is None
+
+
+def test_a_closed_setup_keeps_the_row_unrollings_its_captured_steps_compiled(model_file, tmp_path):
+    """What `run` reads to take unrolled rows only once compiled (tests/cli/test_run_gpu.py captures real steps)."""
+    from moestream.runtime import way_memory
+
+    path, other = model_file("tiny", "Q4_K_M"), tmp_path / "other.gguf"
+    shutil.copy(path, other)
+    e = moestream.load(path, device="cpu", progress=False)
+    k = way_memory.rows_key(way_memory.file_identity(path), e.options)
+    assert way_memory.rows_compiled(k) == [] and e.setup.capturing.unrolled == set()  # the CPU captures nothing
+    e.setup.capturing.unrolled.add(8)  # as a captured CUDA step records its tuning
+    e.close()
+    assert way_memory.rows_compiled(k) == [8]
+    way_memory.remember_rows(k, 0)
+    way_memory.remember_rows(k, 8)
+    assert way_memory.rows_compiled(k) == [8, 0]
+    assert way_memory.rows_compiled(way_memory.rows_key(way_memory.file_identity(other), e.options)) == []
+    entries = json.loads(way_memory.memory_file().read_text())
+    entries[k] = {"unrolled": "x"}  # damaged: as if never compiled
+    way_memory.memory_file().write_text(json.dumps(entries))
+    assert way_memory.rows_compiled(k) == []
