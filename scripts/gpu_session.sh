@@ -72,7 +72,8 @@
 #   firstrun issue 36: `moestream run` twice on $MODEL at -ncmoe 26 spread 12 GiB, 16 tokens: wall time, what it
 #            says about compiling, its load and prompt line (first on a fresh machine, before any step that compiles
 #            kernels and bgtests; it waits for a running lbuild: beside it, session 28's first run took 61.7 s);
-#            $FIRST_SETTINGS (e.g. unrolled=0): under those kernel tuning fields, from an empty Triton cache of their own;
+#            $FIRST_SETTINGS (e.g. unrolled_cold=8: the unrolled rows a cold run took before): under those kernel tuning
+#            fields, from an empty Triton cache of their own;
 #            FIRST_SMALL=1: on the 8-layer slice, 6 layers streamed (its kernels are the benchmark model's)
 #   ctx35    issue 36: qwen3.6-35b-a3b (generated first) with a 131072-token context and q8_0 K and V under
 #            --vram-budget 12GiB: tg128 at depth 32768, -ncmoe auto
