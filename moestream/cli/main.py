@@ -33,7 +33,7 @@ from moestream.cli.llama import refuse_llama_flags
 from moestream.cli.perf import check_bench, check_probe, check_profile, cmd_bench, cmd_probe, cmd_profile, sweep_of
 from moestream.cli.warmup import add_warmup, check_warmup, cmd_warmup
 from moestream.errors import MoestreamError, Terminated, is_out_of_memory
-from moestream.options import PROMPT_CACHE_RAM_MIB, count_of, driver_present, format_size
+from moestream.options import PROMPT_CACHE_RAM_MIB, Options, count_of, driver_present, format_size
 from moestream.tools.presets import PRESETS
 
 DESCRIPTION = (
@@ -317,13 +317,13 @@ def cmd_run(a: argparse.Namespace) -> None:
         _run(a, opts)
     if compiles.summary() and rows != tuning.current().unrolled:
         print(
-            f"moestream: this first run took the decode kernels that compile fastest; `moestream warmup -m "
+            f"moestream: this run took the decode kernels that compile fastest (rows looped); `moestream warmup -m "
             f"{a.model}` (with this run's flags) compiles the ~2% faster ones, which later runs then take",
             file=sys.stderr,
         )
 
 
-def _run_rows(path: str, opts) -> int:
+def _run_rows(path: str, opts: Options) -> int:
     """Rows unrolled in this run: the tuning's once a decode step of this file compiled them on this machine, else
     the looped ones, which compile in half the time (a fresh machine's first run, docs/benchmarks.md)."""
     from moestream.kernels import tuning
@@ -339,7 +339,7 @@ def _run_rows(path: str, opts) -> int:
     return t.unrolled if t.unrolled in way_memory.rows_compiled(k) else t.unrolled_cold
 
 
-def _run(a: argparse.Namespace, opts) -> None:
+def _run(a: argparse.Namespace, opts: Options) -> None:
     from moestream.runtime.loader import load
 
     prompt: list[int] = []  # encoded once, before the weights load
