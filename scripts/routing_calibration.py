@@ -15,8 +15,9 @@ from pathlib import Path
 
 import moestream
 from moestream.tools import trained_routing
-from moestream.tools.routing_stats import report_lines, routing_report, text_tokens
+from moestream.tools.routing_stats import report_lines, routing_report
 from moestream.tools.synthetic import make_model
+from moestream.tools.tokens import text_tokens
 from moestream.tools.trained_routing import calibration_preset
 
 

@@ -430,7 +430,7 @@ def check_info(a: argparse.Namespace) -> None:
         if not a.routing:
             raise MoestreamError(f"--tokens {a.tokens} is the prompt length of --routing: give --routing too")
     if a.text is not None:
-        from moestream.tools.routing_stats import read_text
+        from moestream.tools.tokens import read_text
 
         if not a.routing:
             raise MoestreamError(f"--text {a.text} is the text of --routing: give --routing too")

@@ -50,7 +50,7 @@ def check_bench(a: argparse.Namespace) -> None:
     if a.batch_size is not None:
         at_least(a.batch_size, 1, "-b")
     if a.text is not None:
-        from moestream.tools.routing_stats import read_text
+        from moestream.tools.tokens import read_text
 
         read_text(a.text)
     check_engine(a, _positions(a) + 1, sweep_of(a).placements())  # every row, before the first
@@ -165,8 +165,8 @@ def cmd_profile(a: argparse.Namespace) -> None:
     import json
 
     from moestream.runtime.loader import load
-    from moestream.tools.bench import random_prompt
     from moestream.tools.profile import profile_pass
+    from moestream.tools.tokens import random_prompt
 
     opts = engine_options(a, ctx=a.n_prompt + 1)
     engine = load(a.model, opts, before_weights=lambda _, n_ctx, spec: _fits(a.n_prompt, n_ctx))

@@ -38,7 +38,7 @@ def cmd_warmup(a: argparse.Namespace) -> None:
         )
         return
     from moestream.runtime.loader import load
-    from moestream.tools.bench import random_prompt
+    from moestream.tools.tokens import random_prompt
 
     engine = load(a.model, opts)  # --small-batch auto's measuring compiles the decode step's kernels
     try:

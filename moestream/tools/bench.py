@@ -17,8 +17,8 @@ from moestream.options import Schedule
 from moestream.profiling.stats import summarize
 from moestream.profiling.timeline import Timeline
 from moestream.tools.probe import h2d_rate, timed
-from moestream.tools.routing_stats import text_tokens
 from moestream.tools.sweep import Sweep
+from moestream.tools.tokens import random_prompt, text_tokens
 
 
 @dataclass
@@ -72,10 +72,6 @@ class BenchRow:
 def named_test(kind: str, n: int, depth: int) -> str:
     """A row's test as llama-bench names it: pp512, tg128, pp512 @ d8192."""
     return f"{kind}{n}" + (f" @ d{depth}" if depth else "")
-
-
-def random_prompt(n: int, n_vocab: int, seed: int = 0) -> list[int]:
-    return torch.randint(0, n_vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def bench_tokens(text: list[int] | None, n: int, n_vocab: int, depth: int = 0) -> tuple[list[int], list[int]]:

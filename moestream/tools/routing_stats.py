@@ -12,9 +12,8 @@ from pathlib import Path
 
 import torch
 
-from moestream.errors import MoestreamError
+from moestream.tools.tokens import ENGLISH, random_prompt, text_tokens
 
-ENGLISH = Path(__file__).parent / "data" / "english.txt"  # the fixed text the generator is calibrated on
 TOP_SHARE = 0.10  # the share of a layer's experts whose picks top_share counts
 
 
@@ -90,30 +89,9 @@ def routing_report(engine, tokens: list[int]) -> RoutingReport:
     return RoutingReport(layers, len(tokens), spec.n_expert, joined)
 
 
-def read_text(path: str | Path) -> str:
-    """A --text file's text, or one clear error."""
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        reason = e.strerror if isinstance(e, OSError) else "not UTF-8"
-        raise MoestreamError(
-            f"--text {path}: cannot read it as UTF-8 text ({reason}); give a plain text file"
-        ) from None
-
-
-def text_tokens(engine, path: str | Path = ENGLISH, limit: int | None = None) -> list[int]:
-    """A text file's tokens (at most limit), the way a prompt of it is encoded."""
-    tokens = engine.encode_prompt(read_text(path))
-    if len(tokens) < 2:
-        raise MoestreamError(f"--text {path}: {len(tokens)} tokens; give a text of at least two")
-    return tokens[:limit] if limit else tokens
-
-
 def report_tokens(engine, text: str | None, limit: int) -> tuple[list[int], str]:
     """The tokens info --routing measures on and what they are: the text (default: the shipped English one)
     when the file has a tokenizer, else random ids."""
-    from moestream.tools.bench import random_prompt
-
     if text is None and engine.tokenizer is None:
         return random_prompt(limit, engine.spec.n_vocab), "random tokens (the file has no tokenizer)"
     tokens = text_tokens(engine, text or ENGLISH, limit)

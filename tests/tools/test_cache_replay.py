@@ -9,8 +9,8 @@ import torch
 import moestream
 from moestream.options import CACHE_POLICIES
 from moestream.tools.cache_replay import cache_sizes, replay
-from moestream.tools.routing_stats import text_tokens
 from moestream.tools.synthetic import make_model
+from moestream.tools.tokens import text_tokens
 from moestream.tools.trained_routing import calibration_preset
 
 GATHERED = dict(device="cpu", n_cpu_moe="all", small_batch="gather", prefetch=2, progress=False)

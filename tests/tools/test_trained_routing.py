@@ -14,8 +14,9 @@ import pytest
 import torch
 
 import moestream
-from moestream.tools.routing_stats import layer_routing, routing_report, text_tokens
+from moestream.tools.routing_stats import layer_routing, routing_report
 from moestream.tools.synthetic import make_model
+from moestream.tools.tokens import text_tokens
 from moestream.tools.trained_routing import ROUTING, calibration_preset
 
 N_TOKENS = 800
