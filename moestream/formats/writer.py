@@ -61,20 +61,54 @@ def write_gguf(
     produce: Callable[[TensorPlan], np.ndarray],
     progress: bool = True,
 ) -> None:
-    """Write metadata and tensor infos, then each tensor's bytes as produce(plan) returns them (uint8). The file
-    appears at path only when whole: it is written beside it under another name, so a failure or Ctrl-C half-way
-    leaves a file already there as it was."""
+    """Write metadata and tensor infos, then each tensor's bytes as produce(plan) returns them (uint8)."""
+
+    def fill(part: str, offsets: list[int], done: Callable[[int], None]) -> None:
+        with open(part, "r+b") as f:
+            for p, offset in zip(plans, offsets, strict=True):
+                data = produce(p)
+                if data.dtype != np.uint8 or data.nbytes != p.nbytes:
+                    raise ValueError(
+                        f"{p.name}: produced {data.nbytes} bytes of {data.dtype}, expected {p.nbytes} uint8"
+                    )
+                f.seek(offset)
+                data.tofile(f)
+                done(p.nbytes)
+
+    write_gguf_in_place(path, arch, metadata, plans, fill, progress)
+
+
+Fill = Callable[[str, list[int], Callable[[int], None]], None]
+
+
+def write_gguf_in_place(
+    path: str | os.PathLike[str],
+    arch: str,
+    metadata: dict[str, Any],
+    plans: list[TensorPlan],
+    fill: Fill,
+    progress: bool = True,
+) -> None:
+    """Write metadata and tensor infos into a file of the whole size (its padding zeros), then fill(part, offsets,
+    done) writes each plan's bytes at its offset in the file named part, in any order and from any process,
+    calling done(n) as n bytes land. The file appears at path only when whole: it is written beside it under
+    another name, so a failure or Ctrl-C half-way leaves a file already there as it was."""
     path = os.fspath(path)
     part = f"{path}.{os.getpid()}.part"
     try:
-        _write(part, arch, metadata, plans, produce, progress)
+        offsets = _layout(part, arch, metadata, plans)
+        total = sum(p.nbytes for p in plans)
+        with tqdm(total=total, unit="B", unit_scale=True, desc="write", disable=not progress) as bar:
+            fill(part, offsets, bar.update)
         os.replace(part, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(part)
 
 
-def _write(path: str, arch: str, metadata: dict[str, Any], plans: list[TensorPlan], produce, progress: bool) -> None:
+def _layout(path: str, arch: str, metadata: dict[str, Any], plans: list[TensorPlan]) -> list[int]:
+    """Header, metadata and tensor infos written, the file sized to hold every tensor (each padded to the
+    alignment, as gguf's writer pads them); returns where each tensor's bytes go."""
     w = gguf.GGUFWriter(path, arch)
     for key, value in metadata.items():
         if key != "general.architecture":
@@ -84,12 +118,12 @@ def _write(path: str, arch: str, metadata: dict[str, Any], plans: list[TensorPla
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
-    total = sum(p.nbytes for p in plans)
-    with tqdm(total=total, unit="B", unit_scale=True, desc="write", disable=not progress) as bar:
-        for p in plans:
-            data = produce(p)
-            if data.dtype != np.uint8 or data.nbytes != p.nbytes:
-                raise ValueError(f"{p.name}: produced {data.nbytes} bytes of {data.dtype}, expected {p.nbytes} uint8")
-            w.write_tensor_data(data)
-            bar.update(p.nbytes)
+    align = w.data_alignment
+    offset = gguf.GGUFWriter.ggml_pad(os.path.getsize(path), align)
     w.close()
+    offsets = []
+    for p in plans:
+        offsets.append(offset)
+        offset += gguf.GGUFWriter.ggml_pad(p.nbytes, align)
+    os.truncate(path, offset)
+    return offsets

@@ -12,15 +12,17 @@ import os
 import signal
 import zlib
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from gguf import GGMLQuantizationType
 
 from moestream.errors import MoestreamError
 from moestream.formats.quantize import QUANTIZABLE, quantize
 from moestream.formats.tokenizer import UNUSED, tiny_tokenizer_metadata
-from moestream.formats.writer import TensorPlan, write_gguf
+from moestream.formats.writer import TensorPlan, write_gguf_in_place
 from moestream.models.registry import layout
 from moestream.models.spec import Preset
 from moestream.tools.recipes import Facts, Recipe, recipe, tensor_types
@@ -115,16 +117,42 @@ def _plant(name: str, rows: np.ndarray, part: int, shape: tuple[int, ...], seed:
     return planted(name, rows, first, plant.preset, plant.settings, seed)
 
 
-def _make_chunk(task: tuple) -> np.ndarray:
-    name, shape, qtype, n_layer, seed, part, n_rows, real, plant = task
-    return quantize(_float_rows(name, shape, n_layer, seed, part, n_rows, real, plant), qtype)
+@dataclass(frozen=True)
+class Chunk:
+    """Rows [part * step, part * step + n_rows) of one tensor, made and written by one call in a worker."""
+
+    name: str
+    shape: tuple[int, ...]
+    qtype: GGMLQuantizationType
+    n_layer: int
+    seed: int
+    part: int
+    n_rows: int
+    at: int  # the chunk's first byte within its tensor's
+    real: int | None = None  # the output head's real tokens
+    plant: Planting | None = None
+
+
+def _write_chunk(c: Chunk, path: str, offset: int) -> int:
+    """Make the chunk and write it at offset in the file being written; returns its bytes."""
+    rows = _float_rows(c.name, c.shape, c.n_layer, c.seed, c.part, c.n_rows, c.real, c.plant)
+    data = memoryview(quantize(rows, c.qtype)).cast("B")
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        written = 0
+        while written < len(data):  # a regular file takes it whole, but pwrite may stop short of a large one
+            written += os.pwrite(fd, data[written:], offset + written)
+    finally:
+        os.close(fd)
+    return written
 
 
 def _chunks(p: TensorPlan, n_layer: int, seed: int, real: int | None = None, plant: Planting | None = None) -> list:
     n_rows = int(np.prod(p.shape[:-1]))
     step = max(1, CHUNK_ELEMENTS // p.shape[-1])
+    row = p.byte_shape[-1]
     return [
-        (p.name, p.shape, p.qtype, n_layer, seed, k, min(step, n_rows - start), real, plant)
+        Chunk(p.name, p.shape, p.qtype, n_layer, seed, k, min(step, n_rows - start), start * row, real, plant)
         for k, start in enumerate(range(0, n_rows, step))
     ]
 
@@ -168,35 +196,38 @@ def make_model(
 
     types_of_tokens = meta["tokenizer.ggml.token_type"]
     real = types_of_tokens.index(UNUSED) if UNUSED in types_of_tokens else None  # padding follows the real ones
-    tasks = {
-        p.name: _chunks(p, preset.spec.n_layer, seed, real if p.name == "output.weight" else None, plant) for p in plans
-    }
     workers = min(os.cpu_count() or 1, 32)
-    # big files: worker processes generate and quantize chunks (numpy holds the GIL too often for threads)
-    many = workers > 1 and max(map(len, tasks.values())) > 1
-    pool = _worker_pool(workers) if many else None
-    queued = iter([t for p in plans for t in tasks[p.name]])  # every chunk, in file order
-    pending: deque = deque()  # chunks the workers are making, oldest first
+    chunks = [  # in file order
+        c
+        for p in plans
+        for c in _chunks(p, preset.spec.n_layer, seed, real if p.name == "output.weight" else None, plant)
+    ]
+    # big files: worker processes generate, quantize and write chunks in place (numpy holds the GIL too often
+    # for threads; bytes sent back to this process made it the bottleneck)
+    pool = _worker_pool(workers) if workers > 1 and len(chunks) > len(plans) else None
 
-    def produce(p: TensorPlan) -> np.ndarray:
-        """The tensor's chunks; meanwhile the workers run up to 4 chunks each ahead, across tensor boundaries,
-        so they keep working while this process writes (bounded: a few MiB per worker)."""
+    def fill(part: str, offsets: list[int], done: Callable[[int], None]) -> None:
+        start = dict(zip((p.name for p in plans), offsets, strict=True))
+        jobs = [(c, part, start[c.name] + c.at) for c in chunks]
         if pool is None:
-            return np.concatenate([_make_chunk(t) for t in tasks[p.name]]).reshape(p.byte_shape)
-        parts = []
-        for _ in tasks[p.name]:
-            while len(pending) < 4 * workers and (t := next(queued, None)) is not None:
-                pending.append(pool.apply_async(_make_chunk, (t,)))
-            parts.append(pending.popleft().get())
-        return np.concatenate(parts).reshape(p.byte_shape)
+            for job in jobs:
+                done(_write_chunk(*job))
+            return
+        pending: deque = deque()  # up to 4 chunks a worker in flight: bounded memory, workers never idle
+        for job in jobs:
+            if len(pending) >= 4 * workers:
+                done(pending.popleft().get())
+            pending.append(pool.apply_async(_write_chunk, job))
+        while pending:
+            done(pending.popleft().get())
 
-    done = False
+    finished = False
     try:
-        write_gguf(out, preset.spec.arch, meta, plans, produce, progress)
-        done = True
+        write_gguf_in_place(out, preset.spec.arch, meta, plans, fill, progress)
+        finished = True
     finally:
         if pool is not None:
-            pool.close() if done else pool.terminate()  # Ctrl-C or an error: the chunks in flight are not needed
+            pool.close() if finished else pool.terminate()  # Ctrl-C or an error: the chunks in flight are not needed
             pool.join()
 
 
