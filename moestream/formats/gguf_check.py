@@ -115,7 +115,7 @@ class StringArray(Sequence[str]):
 
     def __iter__(self) -> Iterator[str]:
         blob = self.blob
-        for start, end in self.bounds.tolist():
+        for start, end in zip(self.bounds[:, 0].tolist(), self.bounds[:, 1].tolist(), strict=True):  # flat lists
             yield blob[start:end].decode("utf-8", errors="replace")
 
     def __eq__(self, other: object) -> bool:

@@ -20,6 +20,7 @@ import tokenizers
 from moestream.errors import MoestreamError
 from moestream.formats.chat_template import WITHOUT_CHAT
 from moestream.formats.chat_template import render as render_template
+from moestream.formats.gguf_check import StringArray
 
 # tokenizer.ggml.token_type codes (llama.cpp llama_token_type)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -277,7 +278,9 @@ class TextStream:
 def _list_of(meta: dict[str, Any], key: str, kind: type, default: list) -> list:
     """A metadata list whose every entry has the given type, or one clear error."""
     value = meta.get(key, default)
-    value = list(value) if isinstance(value, Sequence) and not isinstance(value, str) else value  # decoded here
+    if isinstance(value, StringArray) and kind is str:
+        return list(value)  # strings by construction: decoded here
+    value = list(value) if isinstance(value, Sequence) and not isinstance(value, str) else value
     if not isinstance(value, list) or not all(isinstance(v, kind) and not isinstance(v, bool) for v in value):
         raise MoestreamError(f"{key} must be a list of {kind.__name__} values; the file's tokenizer is damaged")
     return value
