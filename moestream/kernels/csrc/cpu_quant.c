@@ -15,8 +15,10 @@ enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q
 enum { IQ2_XXS = 16, IQ2_XS = 17, IQ3_XXS = 18, IQ1_S = 19, IQ3_S = 21, IQ2_S = 22, IQ1_M = 29 };
 enum { IQ4_NL = 20, IQ4_XS = 23, TQ1_0 = 34, TQ2_0 = 35 };
 
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__F16C__)
 static float f16(const uint8_t *p) { return _cvtsh_ss((unsigned short)(p[0] | (p[1] << 8))); } /* exact */
 #else
 static float f16(const uint8_t *p) {
@@ -459,12 +461,30 @@ int int8_offset(int qtype) {
 /* Q4_K's and Q5_K's 8 scales and mins (of 32 values), as the 16 sub-blocks of 16 the integer dots take. */
 static void k_scales(const uint8_t *restrict b, float *restrict scale, float *restrict minv) {
     const float d = f16(b), dmin = f16(b + 2);
+#if defined(__AVX512F__)
+    /* k_scale_min for all eight at once, a byte a lane of 32-bit words: bytes 0-3 scales 0-3, 4-7 mins 0-3,
+     * 8-11 the low (scale) and high (min) nibbles of 4-7 whose top two bits are those of bytes 0-3 / 4-7 (a
+     * quarter of a Q4_K block's integer dot, one by one) */
+    uint32_t w[3], v[4];
+    memcpy(w, b + 4, 12);
+    const uint32_t six = 0x3f3f3f3fu, nibble = 0x0f0f0f0fu, two = 0x03030303u;
+    v[0] = w[0] & six;
+    v[1] = (w[2] & nibble) | ((w[0] >> 6) & two) << 4;
+    v[2] = w[1] & six;
+    v[3] = ((w[2] >> 4) & nibble) | ((w[1] >> 6) & two) << 4;
+    const __m512 all = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)v)));
+    const __m512i pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    _mm512_storeu_ps(scale, _mm512_mul_ps(_mm512_set1_ps(d), _mm512_permutexvar_ps(pairs, all)));
+    _mm512_storeu_ps(minv, _mm512_mul_ps(_mm512_set1_ps(dmin),
+                                         _mm512_permutexvar_ps(_mm512_add_epi32(pairs, _mm512_set1_epi32(8)), all)));
+#else
     for (int k = 0; k < 8; k++) {
         int a, m;
         k_scale_min(b + 4, k, &a, &m);
         scale[2 * k] = scale[2 * k + 1] = d * a;
         minv[2 * k] = minv[2 * k + 1] = dmin * m;
     }
+#endif
 }
 
 static void unpack_q4_k(const uint8_t *restrict b, uint8_t *restrict u, float *restrict scale, float *restrict minv) {
