@@ -17,7 +17,7 @@ from moestream.offload.device import CpuDevice, CudaDevice, cap_vram, make_devic
 from moestream.offload.expert_cache import ExpertCache
 from moestream.offload.expert_tensors import ExpertTensors
 from moestream.offload.experts import ExpertBytes, LayerExperts
-from moestream.offload.host import PinnedRanges
+from moestream.offload.host import PinnedRanges, locked_for_upload
 from moestream.offload.placement import (
     Footprint,
     Placement,
@@ -195,8 +195,9 @@ def build_offload(
     try:
         resident = {}
         show = opts.model.progress and bool(placement.resident)  # no empty bar when every layer streams
-        for il in tqdm(placement.resident, desc="experts", unit="layer", disable=not show, leave=False):
-            resident[il] = [torch_bytes(v).to(device) for v in tensors[il].views]
+        with locked_for_upload([v.data for il in placement.resident for v in tensors[il].views], device) as fast:
+            for il in tqdm(placement.resident, desc="experts", unit="layer", disable=not show, leave=False):
+                resident[il] = [torch_bytes(v).to(device, non_blocking=fast) for v in tensors[il].views]
         devs = [first]
         if placement.streamed and opts.placement.devices is not None and len(opts.placement.devices) > 1:
             made = [] if len(given) > 1 else [make_device(torch.device(d)) for d in opts.placement.devices[1:]]

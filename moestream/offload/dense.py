@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from moestream.formats import quants
 from moestream.formats.gguf import TensorView, torch_bytes
+from moestream.offload.host import locked_for_upload
 from moestream.ops.linear import Stored, Weight
 
 FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
@@ -35,13 +36,14 @@ class DenseWeights(Mapping[str, torch.Tensor]):
         self.device, self.dtype = torch.device(device), dtype
         self._floats: dict[str, torch.Tensor] = {}
         self._blocks: dict[str, Stored] = {}
-        for name, v in tqdm(views.items(), desc="load", unit="tensor", disable=not progress, leave=False):
-            raw = torch_bytes(v).to(device)  # upload the stored bytes; any dequantization happens on the device
-            if v.qtype in FLOAT_TYPES:
-                out = torch.float32 if name in float32 else dtype
-                self._floats[name] = quants.dequantize(raw, v.qtype, v.shape, out)
-            else:
-                self._blocks[name] = Stored(raw, v.qtype, v.shape)
+        with locked_for_upload([v.data for v in views.values()], self.device) as fast:
+            for name, v in tqdm(views.items(), desc="load", unit="tensor", disable=not progress, leave=False):
+                raw = torch_bytes(v).to(device, non_blocking=fast)  # the stored bytes; dequantized on the device
+                if v.qtype in FLOAT_TYPES:
+                    out = torch.float32 if name in float32 else dtype
+                    self._floats[name] = quants.dequantize(raw, v.qtype, v.shape, out)
+                else:
+                    self._blocks[name] = Stored(raw, v.qtype, v.shape)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name in self._floats:

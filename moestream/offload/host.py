@@ -6,9 +6,11 @@ refused); DMA from a registered range runs at the pinned link rate instead of th
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap as _mmap
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -34,8 +36,8 @@ class PinnedRanges:
     def nbytes(self) -> int:
         return sum(size for _, size in self.ranges)
 
-    def register(self, arrays: list[np.ndarray]) -> bool:
-        """Page-lock the pages under each array (merged into runs). False, with one warning, if refused.
+    def register(self, arrays: list[np.ndarray], warn: bool = True) -> bool:
+        """Page-lock the pages under each array (merged into runs). False, with one warning (if warn), if refused.
 
         Whole pages: memory sharing them is locked too, and CUDA refuses a copy that starts inside a locked
         range and runs past it. The model's tensors are pages of the file's own mapping; other memory given
@@ -55,6 +57,9 @@ class PinnedRanges:
                 if int(err) == 0:
                     break
                 _clear_cuda_error()
+            if int(err) != 0 and not warn:
+                self.unregister()
+                return False
             if int(err) != 0:
                 warnings.warn(
                     f"page-locking {end - start} bytes of the model file was refused (CUDA error {int(err)}); "
@@ -72,6 +77,21 @@ class PinnedRanges:
         for start, _ in self.ranges:
             cudart.cudaHostUnregister(ctypes.c_void_p(start).value)
         self.ranges.clear()
+
+
+@contextlib.contextmanager
+def locked_for_upload(arrays: list[np.ndarray], device: torch.device) -> Iterator[bool]:
+    """The pages under arrays page-locked in place while the block uploads them: DMA at the pinned link rate, ~7x
+    the pageable one (docs/benchmarks.md), unlocked once the device has read them. Yields whether they are locked
+    (copies may then be non-blocking); where CUDA refuses, they upload pageable, as before, without a word."""
+    pins = PinnedRanges()
+    locked = device.type == "cuda" and bool(arrays) and pins.register(arrays, warn=False)
+    try:
+        yield locked
+    finally:
+        if locked:
+            torch.cuda.synchronize(device)  # the copies read those pages until they end
+            pins.unregister()
 
 
 def _clear_cuda_error() -> None:
