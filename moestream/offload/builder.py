@@ -195,8 +195,8 @@ def build_offload(
     try:
         resident = {}
         show = opts.model.progress and bool(placement.resident)  # no empty bar when every layer streams
-        with locked_for_upload([v.data for il in placement.resident for v in tensors[il].views], device) as fast:
-            for il in tqdm(placement.resident, desc="experts", unit="layer", disable=not show, leave=False):
+        for il in tqdm(placement.resident, desc="experts", unit="layer", disable=not show, leave=False):
+            with locked_for_upload([v.data for v in tensors[il].views], device) as fast:
                 resident[il] = [torch_bytes(v).to(device, non_blocking=fast) for v in tensors[il].views]
         devs = [first]
         if placement.streamed and opts.placement.devices is not None and len(opts.placement.devices) > 1:

@@ -36,14 +36,14 @@ class DenseWeights(Mapping[str, torch.Tensor]):
         self.device, self.dtype = torch.device(device), dtype
         self._floats: dict[str, torch.Tensor] = {}
         self._blocks: dict[str, Stored] = {}
-        with locked_for_upload([v.data for v in views.values()], self.device) as fast:
-            for name, v in tqdm(views.items(), desc="load", unit="tensor", disable=not progress, leave=False):
+        for name, v in tqdm(views.items(), desc="load", unit="tensor", disable=not progress, leave=False):
+            with locked_for_upload([v.data], self.device) as fast:
                 raw = torch_bytes(v).to(device, non_blocking=fast)  # the stored bytes; dequantized on the device
-                if v.qtype in FLOAT_TYPES:
-                    out = torch.float32 if name in float32 else dtype
-                    self._floats[name] = quants.dequantize(raw, v.qtype, v.shape, out)
-                else:
-                    self._blocks[name] = Stored(raw, v.qtype, v.shape)
+            if v.qtype in FLOAT_TYPES:
+                out = torch.float32 if name in float32 else dtype
+                self._floats[name] = quants.dequantize(raw, v.qtype, v.shape, out)
+            else:
+                self._blocks[name] = Stored(raw, v.qtype, v.shape)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name in self._floats:

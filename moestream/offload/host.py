@@ -79,13 +79,18 @@ class PinnedRanges:
         self.ranges.clear()
 
 
+LOCK_AT_LEAST = 1 << 20  # bytes below which a pageable copy costs less than locking and unlocking the pages
+
+
 @contextlib.contextmanager
 def locked_for_upload(arrays: list[np.ndarray], device: torch.device) -> Iterator[bool]:
     """The pages under arrays page-locked in place while the block uploads them: DMA at the pinned link rate, ~7x
-    the pageable one (docs/benchmarks.md), unlocked once the device has read them. Yields whether they are locked
-    (copies may then be non-blocking); where CUDA refuses, they upload pageable, as before, without a word."""
+    the pageable one (docs/benchmarks.md), unlocked once the device has read them (callers lock a layer or a
+    tensor at a time: RAM need not hold the whole file locked). Yields whether they are locked (copies may then be
+    non-blocking); where CUDA refuses, they upload pageable, as before, without a word."""
     pins = PinnedRanges()
-    locked = device.type == "cuda" and bool(arrays) and pins.register(arrays, warn=False)
+    big = sum(a.nbytes for a in arrays) >= LOCK_AT_LEAST
+    locked = device.type == "cuda" and big and pins.register(arrays, warn=False)
     try:
         yield locked
     finally:
