@@ -53,6 +53,9 @@ def _add_value(w: gguf.GGUFWriter, key: str, value: Any) -> None:
         raise TypeError(f"metadata {key}: cannot write a {type(value).__name__}")
 
 
+Fill = Callable[[str, list[int], Callable[[int], None]], None]  # write_gguf_in_place's fill(part, offsets, done)
+
+
 def write_gguf(
     path: str | os.PathLike[str],
     arch: str,
@@ -76,9 +79,6 @@ def write_gguf(
                 done(p.nbytes)
 
     write_gguf_in_place(path, arch, metadata, plans, fill, progress)
-
-
-Fill = Callable[[str, list[int], Callable[[int], None]], None]
 
 
 def write_gguf_in_place(

@@ -57,16 +57,14 @@ class PinnedRanges:
                 if int(err) == 0:
                     break
                 _clear_cuda_error()
-            if int(err) != 0 and not warn:
-                self.unregister()
-                return False
             if int(err) != 0:
-                warnings.warn(
-                    f"page-locking {end - start} bytes of the model file was refused (CUDA error {int(err)}); "
-                    "falling back to pinned bounce buffers (slower). Raise the locked-memory limit "
-                    "(ulimit -l) or free RAM to restore full link speed.",
-                    stacklevel=2,
-                )
+                if warn:
+                    warnings.warn(
+                        f"page-locking {end - start} bytes of the model file was refused (CUDA error {int(err)}); "
+                        "falling back to pinned bounce buffers (slower). Raise the locked-memory limit "
+                        "(ulimit -l) or free RAM to restore full link speed.",
+                        stacklevel=2,
+                    )
                 self.unregister()
                 return False
             self.ranges.append((start, end - start))
