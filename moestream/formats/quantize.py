@@ -55,9 +55,6 @@ def _pack_bits(q: np.ndarray, bits: int) -> np.ndarray:
 def _extremes(xs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """xs.min(axis=-1) and xs.max(axis=-1), halving a last axis of a power of two: numpy reduces a short last axis
     several times slower than whole-array minimum / maximum, and these were the generator's largest cost."""
-    n = xs.shape[-1]
-    if n & (n - 1):  # not a power of two
-        return xs.min(axis=-1), xs.max(axis=-1)
     lo = hi = xs
     while lo.shape[-1] > 1:
         h = lo.shape[-1] // 2

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moestream.errors import MoestreamError
-from moestream.formats.quantize import QUANTIZABLE, quantize
+from moestream.formats.quantize import QUANTIZABLE, _extremes, quantize
 from moestream.formats.quants import SUPPORTED, dequantize, row_bytes
 
 Q = gguf.GGMLQuantizationType
@@ -122,3 +122,11 @@ def test_unsupported_type_is_named():
 def test_row_must_be_whole_blocks():
     with pytest.raises(MoestreamError, match="not a whole number of Q4_K blocks"):
         quantize(gaussian((2, 100)), Q.Q4_K)
+
+
+@pytest.mark.parametrize("shape", [(5, 8, 32), (3, 16), (7, 2, 16, 1)])
+def test_extremes_by_halving_equal_numpys_reductions(shape):
+    xs = np.random.default_rng(4).standard_normal(shape).astype(np.float32)
+    xs.reshape(-1)[::7] = -0.0
+    lo, hi = _extremes(xs)
+    assert np.array_equal(lo, xs.min(axis=-1)) and np.array_equal(hi, xs.max(axis=-1))
