@@ -75,6 +75,8 @@
 #            $FIRST_SETTINGS (e.g. unrolled_cold=8: the unrolled rows a cold run took before): under those kernel tuning
 #            fields, from an empty Triton cache of their own;
 #            FIRST_SMALL=1: on the 8-layer slice, 6 layers streamed (its kernels are the benchmark model's)
+#   runab    issue 36: warm `moestream run` (firstrun's command, kernels compiled) of the tree $BEFORE (wt-before) and
+#            this one, alternating processes, $ROUNDS rounds (3): its first-output time and load line
 #   ctx35    issue 36: qwen3.6-35b-a3b (generated first) with a 131072-token context and q8_0 K and V under
 #            --vram-budget 12GiB: tg128 at depth 32768, -ncmoe auto
 #   kvtypes  issue 36: the KV-type GPU tests, then tg128 at depths 0..32768 for bf16, f16, q8_0 and q4_0 caches on
@@ -255,6 +257,15 @@ for step in "$@"; do
                   -p "Write a haiku about the sea." -n 16 -ncmoe $streamed --streamed-layers spread --vram-budget 12GiB 2>&1 | quiet \
                   | tee -a "$OUT/bench.txt"  # each stderr line stamped with its seconds since the start
               done ;;
+    runab) trees=(${BEFORE:-wt-before} .)  # e.g. the uploads from locked pages (this tree) against pageable (before)
+           for round in $(seq ${ROUNDS:-3}); do
+             for i in 0 1; do
+               tree=${trees[$(( (i + round - 1) % 2 ))]}
+               (cd "$tree" && PYTHONPATH=/tmp/site:$PWD python3 "$OLDPWD/scripts/first_output.py" --stamp $MS run -m $MODEL \
+                 -p "Write a haiku about the sea." -n 16 -ncmoe 26 --streamed-layers spread --vram-budget 12GiB 2>&1 \
+                 | quiet | grep -e "first output" -e "load" | sed "s|^|$tree round $round: |" | tee -a "$OUT/bench.txt")
+             done
+           done ;;
     ctx35) make_model $Q35 qwen3.6-35b-a3b | tee -a "$OUT/model35.txt"
            $MS bench -m $Q35 -p 0 -n 128 -d 32768 -c 131072 -ctk q8_0 -ctv q8_0 -ncmoe auto --vram-budget 12GiB -r 2 \
              --no-floors 2>&1 | quiet | tail -6 | tee -a "$OUT/bench.txt" ;;
