@@ -50,7 +50,7 @@
 #   oom      issue 36: `-ncmoe auto --vram-budget 12GiB` pp16384, where the memory was at an out-of-memory
 #            (scripts/oom_where.py), with and without the expert cache, and placement_peak at auto
 #   ctxllama llama-bench's same rows on the same file (-lm none for the prompts; needs lbuild; $CTX_P, $CTX_D: other
-#            prompt lengths and depths, CTX_D=none: no depth rows; $CTX_NCMOE: the prompts' -ncmoe, 26; 0: all resident)
+#            prompt lengths and depths)
 #   lbuild llamacpp   build llama.cpp's llama-bench and llama-server (background) / wait and run tg128 at -ncmoe 0,26 on each
 #            benchmark model generated so far (qwen3-30b, and qwen3.6-35b after decode35 or qwen35)
 #   model35  generate the qwen3.6-35b-a3b model alone
@@ -75,6 +75,8 @@
 #            $FIRST_SETTINGS (e.g. unrolled_cold=8: the unrolled rows a cold run took before): under those kernel tuning
 #            fields, from an empty Triton cache of their own;
 #            FIRST_SMALL=1: on the 8-layer slice, 6 layers streamed (its kernels are the benchmark model's)
+#   ctxres   issue 36's moonshot rows: pp16384 and pp32768 at -ncmoe auto --vram-budget 12GiB (-ub 2048, 4096) beside
+#            llama-bench all resident (-ncmoe 0, -ub 2048; needs lbuild) on the same file
 #   runab    issue 36: warm `moestream run` (firstrun's command, kernels compiled) of the tree $BEFORE (wt-before) and
 #            this one, alternating processes, $ROUNDS rounds (3): its first-output time and load line
 #   ctx35    issue 36: qwen3.6-35b-a3b (generated first) with a 131072-token context and q8_0 K and V under
@@ -257,6 +259,11 @@ for step in "$@"; do
                   -p "Write a haiku about the sea." -n 16 -ncmoe $streamed --streamed-layers spread --vram-budget 12GiB 2>&1 | quiet \
                   | tee -a "$OUT/bench.txt"  # each stderr line stamped with its seconds since the start
               done ;;
+    ctxres) make_model $MODEL qwen3-30b-a3b | tee -a "$OUT/model.txt"
+            $MS bench -m $MODEL -p 16384,32768 -n 0 -ub 2048,4096 -ncmoe auto --vram-budget 12GiB -r 2 --no-floors 2>&1 \
+              | quiet | grep -e "| *pp" -e "streamed" | tee -a "$OUT/bench.txt"
+            wait_build && /tmp/lcpp/build/bin/llama-bench -m $MODEL -ngl 99 -fa 1 -p 16384,32768 -n 0 -ub 2048 -r 2 \
+              -ncmoe 0 2>&1 | grep -v '^ggml\|^load' | tee -a "$OUT/bench.txt" ;;
     runab) trees=(${BEFORE:-wt-before} .)  # e.g. the uploads from locked pages (this tree) against pageable (before)
            for round in $(seq ${ROUNDS:-3}); do
              for i in 0 1; do
@@ -319,9 +326,9 @@ for step in "$@"; do
          python3 scripts/placement_peak.py -m $MODEL --contexts 16385 -ub 2048 -ncmoe auto --vram-budget 12GiB \
            --streamed-layers first 2>&1 | quiet | tee -a "$OUT/diag.txt" ;;
     ctxllama) wait_build; tail -1 /tmp/lcpp.log | tee -a "$OUT/gpu.txt"  # context's rows by llama-bench, same file
-              /tmp/lcpp/build/bin/llama-bench -m $MODEL -ngl 99 -fa 1 -p ${CTX_P:-16384,32768} -n 0 -ub 2048 -r 3 -ncmoe ${CTX_NCMOE:-26} \
-                -lm none 2>&1 | grep -v '^ggml\|^load' | tee -a "$OUT/bench.txt"
-              [[ ${CTX_D:-} == none ]] || /tmp/lcpp/build/bin/llama-bench -m $MODEL -ngl 99 -fa 1 -p 0 -n 128 -d ${CTX_D:-8192,32768} -r 3 -ncmoe 0,26 2>&1 \
+              /tmp/lcpp/build/bin/llama-bench -m $MODEL -ngl 99 -fa 1 -p ${CTX_P:-16384,32768} -n 0 -ub 2048 -r 3 -ncmoe 26 -lm none \
+                2>&1 | grep -v '^ggml\|^load' | tee -a "$OUT/bench.txt"
+              /tmp/lcpp/build/bin/llama-bench -m $MODEL -ngl 99 -fa 1 -p 0 -n 128 -d ${CTX_D:-8192,32768} -r 3 -ncmoe 0,26 2>&1 \
                 | grep -v '^ggml\|^load' | tee -a "$OUT/bench.txt" ;;
     compare) # issues 32/33: each $COMPARE entry preset:recipe:streamed:budget (e.g. gpt-oss-20b:MXFP4_MOE:24:8GiB) is
              # generated, run by moestream (resident, then -ncmoe streamed within the budget) and by llama-bench
