@@ -178,7 +178,7 @@ def main() -> None:
     for n_chunks in (1, 16):  # a short bucket normalises in the chunk kernel; a long one is combined after
         consts = dict(HKV=4, G=8, G_PAD=16, DH=128, CHUNK=256, N_CHUNKS=n_chunks, BLOCK_S=64, PRECISION="tf32")
         consts |= dict(SINKS=False, KIND_K=0, KIND_V=0)
-        for warps in sorted({t.attention_chunk_warps, 8}):
+        for warps in sorted({t.attention_chunk_warps, t.attention_spread_warps}):
             label = f"decode attention, {n_chunks} chunk(s) of 256 keys, {warps} warps"
             build(label, decode_attention._chunk_kernel, attention, consts, warps=warps)
     for kind_k, kind_v in ((1, 1), (2, 2)):  # -ctk/-ctv q8_0 and q4_0: tiles dequantized from the blocks

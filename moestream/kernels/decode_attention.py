@@ -23,7 +23,7 @@ import math
 import torch
 
 from moestream.kernels import kv_quant, tuning
-from moestream.kernels.launch import on_device, pdl, triton
+from moestream.kernels.launch import multiprocessors, on_device, pdl, triton
 
 if triton is not None:
     import triton.language as tl
@@ -212,6 +212,11 @@ def chunk_size(n_keys: int, n_rows: int, block: int, t: tuning.Tuning) -> int:
     return triton.cdiv(triton.cdiv(n_keys, n_chunks), block) * block
 
 
+def chunk_warps(programs: int, device: torch.device, t: tuning.Tuning) -> int:
+    """Warps a chunk program for a grid of `programs`: more where each has a multiprocessor to itself."""
+    return t.attention_spread_warps if programs <= multiprocessors(device) else t.attention_chunk_warps
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -270,7 +275,7 @@ def attention(
             SINKS=sinks is not None,
             KIND_K=kv_quant.KIND.get(types[0], 0),
             KIND_V=kv_quant.KIND.get(types[1], 0),
-            num_warps=t.attention_chunk_warps,
+            num_warps=chunk_warps(T * Hkv * n_chunks, q.device, t),
             **pdl(q),
         )
         if n_chunks > 1:

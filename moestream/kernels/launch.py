@@ -42,6 +42,12 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    """device's multiprocessor count (0 for the CPU, where Triton interprets)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+
+
 if triton is not None:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 

@@ -10,8 +10,6 @@ Float weights (the router) go through the same kernel, their values read in bloc
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, QK_K, GGMLQuantizationType
@@ -19,7 +17,7 @@ from gguf import GGML_QUANT_SIZES, QK_K, GGMLQuantizationType
 from moestream.kernels import tuning
 from moestream.kernels.dequant import table_args
 from moestream.kernels.dots import DOTS, FLOAT_BLOCK, FLOAT_DOTS, FLOAT_QTYPES, WORD_BYTES
-from moestream.kernels.launch import on_device, pdl, triton
+from moestream.kernels.launch import multiprocessors, on_device, pdl, triton
 
 if triton is not None:
     import triton.language as tl
@@ -363,12 +361,7 @@ def blocks_at_once(n_blocks: int, at_most: int) -> int:
 
 def fewest_programs(device: torch.device, t: tuning.Tuning) -> int:
     """t.programs_per_sm programs for each multiprocessor of device (0 for the CPU, where Triton interprets)."""
-    return _multiprocessors(device) * t.programs_per_sm
-
-
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+    return multiprocessors(device) * t.programs_per_sm
 
 
 def tile(rows: int, warps: int, n_out: int, n_vectors: int, min_programs: int) -> tuple[int, int]:

@@ -33,7 +33,10 @@ class Tuning:
     attention_target_programs: int = 256  # chunk programs to aim for on long buckets: about two an SM
     attention_bucket_steps: int = 8  # keys bucketed to a multiple of next_pow2(S) / 8: no half-empty chunk grid
     attention_combine_block: int = 16  # chunks the combine reads at a time
-    attention_chunk_warps: int = 4  # 8 spill no registers but were not timed against 4
+    # warps a chunk program: 8 hold its tiles without spilling and win where the grid leaves multiprocessors idle
+    # (at most one program each); 4 win where two programs share one (benchmarks.md, thirty-fifth session)
+    attention_chunk_warps: int = 4
+    attention_spread_warps: int = 8
     dequant_blocks_per_program: int = 8  # kernels/dequant.py: blocks a program expands
     # decode's gather of guessed experts on the side stream (offload/prefetch.py): a program waiting on the link
     # holds a multiprocessor that compute then lacks

@@ -8,7 +8,9 @@ import os
 import pytest
 import torch
 
-from moestream.kernels.decode_attention import attention, triton, usable
+from moestream.kernels import tuning
+from moestream.kernels.decode_attention import attention, chunk_warps, triton, usable
+from moestream.kernels.launch import multiprocessors
 from moestream.ops.attention import masked_attention
 
 CUDA = torch.cuda.is_available()
@@ -80,6 +82,14 @@ def test_replays_in_a_cuda_graph():
         pos.copy_(torch.tensor(positions))
         graph.replay()
         assert worst_error(out, q, k, v, pos) < 2e-2
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_chunk_programs_take_more_warps_where_each_has_a_multiprocessor():
+    """CASES run both: (1, 32, 4, 128, 4096) is 64 programs, (1, 32, 4, 128, 32768) 256."""
+    t, device = tuning.current(), torch.device("cuda")
+    n = multiprocessors(device)
+    assert chunk_warps(n, device, t) == t.attention_spread_warps != chunk_warps(n + 1, device, t)
 
 
 SINK_CASES = [  # T, H, Hkv, Dh, S, positions, window: gpt-oss's sinks, alone and with a sliding window
