@@ -3,7 +3,7 @@ decode step runs it (a cache of n_ctx = depth + 128 rows, the key bucket the ste
 layers), in ms a token and GB/s of K and V bytes read, beside the device's own copy rate (the floor).
 
     python scripts/decode_attention_rates.py --depths 8192,32768 \
-        --settings '-;attention_target_programs=1024;attention_min_chunk=128 attention_target_programs=1024'
+        --settings='-;attention_target_programs=1024;attention_min_chunk=128 attention_target_programs=1024'
 """
 
 from __future__ import annotations

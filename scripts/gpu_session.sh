@@ -2,8 +2,10 @@
 # One device-machine call: any of the steps below, in order. Wheels are carried in .whl (no network there).
 # Usage (on the GPU machine): bash scripts/gpu_session.sh STEP... with STEP one of
 #   tests    pytest -m gpu (without fla's kernels: `fla` runs those, ~100 s of autotuning; tests/serving/test_app.py
-#            needs httpx2/openai, which the GPU image lacks)
-#   types    each tensor type's decode matvec and picked-expert launch beside Q4_K's (scripts/type_rates.py)
+#            needs httpx2/openai, which the GPU image lacks); $TESTS: these files only (this script sets the path
+#            to the carried gguf: a bare pytest there cannot import it)
+#   types    each tensor type's decode matvec and picked-expert launch beside Q4_K's (scripts/type_rates.py; ~8 min
+#            with lbuild beside it: every type's kernels compile first)
 #   quick    the matvec, fused-kernel, decode-attention and decode GPU tests alone (~2 min)
 #   model    generate the qwen3-30b-a3b Q4_K_M model (skipped when a warm machine still has it) + routing
 #   pp512 pp2048 long profile decode decodediag prefetch cachediag cpuexp alloc   issue-3/4/10 benches on it
@@ -98,7 +100,7 @@ MODEL=/tmp/qwen3-30b-a3b-Q4_K_M.gguf
 Q35=/tmp/qwen3.6-35b-a3b-Q4_K_M.gguf
 SMALL_PRESET=${SMALL_PRESET:-qwen3-30b-a3b}  # small: which preset to slice
 SMALL=/tmp/$SMALL_PRESET-8layers-Q4_K_M.gguf
-quiet() { grep --line-buffered -v -e '%|' -e $'\r'; }  # drop progress bars
+quiet() { grep -a --line-buffered -v -e '%|' -e $'\r'; }  # drop progress bars (-a: a random model's text is bytes)
 make_small() { [[ -f $SMALL ]] || $MS make-model $SMALL --preset $SMALL_PRESET --layers 8 --quant Q4_K_M 2>&1 | quiet | tail -1; }
 make_model() {  # make_model PATH PRESET [make-model flags]
   [[ $1 == "$MODEL" && -f /tmp/bgmodel.log ]] && until grep -q "model rc" /tmp/bgmodel.log; do sleep 5; done  # bgmodel's
@@ -118,7 +120,7 @@ B="$MS bench -m $MODEL -ncmoe 26 -r 3"
 for step in "$@"; do
   echo "== $step $(date -u +%T)" | tee -a "$OUT/gpu.txt"
   case $step in
-    tests) python3 -m pytest -m gpu -q -p no:cacheprovider tests --deselect tests/ops/test_delta_rule_gpu.py \
+    tests) python3 -m pytest -m gpu -q -p no:cacheprovider ${TESTS:-tests} --deselect tests/ops/test_delta_rule_gpu.py \
              --ignore tests/serving/test_app.py 2>&1 \
              | tee -a "$OUT/gpu_tests.txt" | tail -25 ;;
     types) python3 scripts/type_rates.py 2>&1 | tee -a "$OUT/bench.txt" ;;  # issue 32: each type's decode kernels
@@ -307,7 +309,7 @@ for step in "$@"; do
             done
             python3 scripts/cpu_experts.py $MODEL --layer 1 --threads 16 2>&1 | tee -a "$OUT/diag.txt" ;;
     gatherrate) python3 scripts/gather_rate.py 2>&1 | tee -a "$OUT/bench.txt" ;;  # #34/#35: decode's reads vs the link
-    attn) python3 scripts/decode_attention_rates.py --settings "${ATTN_SETTINGS:--}" 2>&1 | tee -a "$OUT/bench.txt" ;;
+    attn) python3 scripts/decode_attention_rates.py --settings="${ATTN_SETTINGS:--}" 2>&1 | tee -a "$OUT/bench.txt" ;;
     attnrows) make_model $MODEL qwen3-30b-a3b | tee -a "$OUT/model.txt"
               python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_decode_attention.py 2>&1 | tail -3 \
                 | tee -a "$OUT/gpu_tests.txt"
