@@ -243,6 +243,8 @@ class DecodeOptions:
     cache_policy: str = "lru"  # which experts that cache holds: static, lru or lfu (offload/cache_policy.py)
     cpu_layers: int = 0  # of the streamed layers, this many (evenly spaced) compute a few tokens' experts on the
     # CPU instead (the rest as small_batch says): the CPU's memory and the link work side by side
+    measure_ways: bool = True  # auto times the ways at load unless an earlier load's choice is remembered; off:
+    # the rule (a cold `run`, whose timing would compile every way's kernels for a few tokens)
 
 
 PROMPT_CACHE_RAM_MIB = 8192  # host RAM for prompt prefixes by default: llama-server's --cache-ram

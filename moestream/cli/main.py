@@ -313,12 +313,14 @@ def cmd_run(a: argparse.Namespace) -> None:
 
     opts = engine_options(a)
     rows = _run_rows(a.model, opts)
-    with tuning.use(unrolled=rows):
-        _run(a, opts)
-    if compiles.summary() and rows != tuning.current().unrolled:
+    cold = rows != tuning.current().unrolled
+    with tuning.use(unrolled=rows):  # cold: nor does it time --small-batch auto's ways (each compiles its kernels)
+        _run(a, opts.replace(measure_ways=False) if cold else opts)
+    if compiles.summary() and cold:
         print(
-            f"moestream: this run took the decode kernels that compile fastest (rows looped); `moestream warmup -m "
-            f"{a.model}` (with this run's flags) compiles the ~2% faster ones, which later runs then take",
+            f"moestream: this run took the decode kernels that compile fastest (rows looped) and small batches by "
+            f"rule; `moestream warmup -m {a.model}` (with this run's flags) compiles the ~2% faster kernels and "
+            "times the small-batch ways, which later runs then take",
             file=sys.stderr,
         )
 

@@ -75,15 +75,18 @@ class Setup:
         self.settle()
 
     def settle(self) -> None:
-        """--small-batch auto with a choice to make (offload/small_batch.py DecodePlan.measures): time a few
-        decode steps each way the placement allows, or take what an earlier load of the same file with the same
-        options timed on this machine (way_memory.py), and build the placement for the fastest (fresh byte
-        counts and expert cache, and the buffers that way needs; the rule's placement serves when it is that)."""
+        """--small-batch auto with a choice to make (offload/small_batch.py DecodePlan.measures): take what an
+        earlier load of the same file with the same options timed on this machine (way_memory.py), or time a few
+        decode steps each way the placement allows (unless measure_ways is off: the rule then stands), and build
+        the placement for the fastest (fresh byte counts and expert cache, and the buffers that way needs; the
+        rule's placement serves when it is that)."""
         self.measured = None
         if not self.offload.plan.measures() or len(tried := self.offload.ways()) < 2:
             return
         k = way_memory.key(self.file_id, self.options, tried) if self.file_id is not None else None
         measured = way_memory.recall(k) if k is not None else None
+        if measured is None and not self.options.decode.measure_ways:
+            return  # the rule's placement stands
         if measured is None:
             measured = measure(tried, self._trial)
             if k is not None:

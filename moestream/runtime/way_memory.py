@@ -62,8 +62,10 @@ def _code() -> str:
 
 
 def key(file_id: str, options: Options, tried: list[SmallBatch]) -> str:
-    """What a choice was made for: the file, every option but progress output, the machine, the ways tried."""
-    what = [file_id, repr(options.replace(progress=False)), _machine(options), [str(w) for w in tried]]
+    """What a choice was made for: the file, every option but progress output and whether to measure, the machine,
+    the ways tried."""
+    options = options.replace(progress=False, measure_ways=True)
+    what = [file_id, repr(options), _machine(options), [str(w) for w in tried]]
     return hashlib.sha256(json.dumps(what).encode()).hexdigest()
 
 

@@ -189,6 +189,29 @@ def test_a_later_load_takes_the_choice_an_earlier_one_timed(model_file):
         device.close()
 
 
+def test_a_load_that_may_not_measure_keeps_the_rule_or_takes_a_remembered_choice(model_file):
+    """measure_ways=False (a cold `run`): nothing timed, nothing remembered, the rule's way; once a load that
+    measures has timed the ways, the same options take its choice (the key ignores measure_ways)."""
+    path = model_file("tiny", "Q4_K_M")
+    device = CpuDevice(compute_delay_s=0.2)  # the CPU way wins: not the rule's upload
+
+    def load(**kw):
+        return moestream.load(path, device="cpu", n_cpu_moe="all", device_impl=device, progress=False, **kw)
+
+    try:
+        engine = load(measure_ways=False)
+        assert engine.setup.measured is None and engine.experts.plan.way is SmallBatch.UPLOAD
+        engine.close()
+        engine = load()  # nothing was remembered: this one measures
+        assert engine.setup.measured.measuring > 0 and engine.experts.plan.way is SmallBatch.CPU
+        engine.close()
+        engine = load(measure_ways=False)
+        assert engine.setup.measured.note and engine.experts.plan.way is SmallBatch.CPU
+        engine.close()
+    finally:
+        device.close()
+
+
 def test_the_rule_s_way_remembered_keeps_the_first_placement(model_file, monkeypatch):
     from moestream.runtime import loader
 
