@@ -79,6 +79,7 @@
 #            FIRST_SMALL=1: on the 8-layer slice, 6 layers streamed (its kernels are the benchmark model's)
 #   ctxres   issue 36's moonshot rows: pp16384 and pp32768 at -ncmoe auto --vram-budget 12GiB (-ub 2048, 4096) beside
 #            llama-bench all resident (-ncmoe 0, -ub 2048; needs lbuild) on the same file
+#   diskrate /tmp's write rate (4 GiB, flushed) beside make-model's: where its 207 s on 16 cores go (~55 s of CPU a core)
 #   runab    issue 36: warm `moestream run` (firstrun's command, kernels compiled) of the tree $BEFORE (wt-before) and
 #            this one, alternating processes, $ROUNDS rounds (3): its first-output time and load line
 #   ctx35    issue 36: qwen3.6-35b-a3b (generated first) with a 131072-token context and q8_0 K and V under
@@ -112,6 +113,7 @@ TRAINED=$MODEL  # make-model routes like a trained model by default on this pres
 TEXT=moestream/tools/data/english.txt
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  python3 -c "import os; print('cpus', os.cpu_count(), 'usable', len(os.sched_getaffinity(0)))"  # make-model's workers
   git log -1 --format='commit %H %cd' 2>/dev/null; date -u; } | tee -a "$OUT/gpu.txt"
 wait_build() {  # lbuild's end; false where this machine never ran lbuild (a fresh machine)
   [[ -f /tmp/lcpp.log ]] || { echo "no llama.cpp build here: run lbuild first"; return 1; }
@@ -266,6 +268,8 @@ for step in "$@"; do
               | quiet | grep -e "| *pp" -e "streamed" | tee -a "$OUT/bench.txt"
             wait_build && /tmp/lcpp/build/bin/llama-bench -m $MODEL -ngl 99 -fa 1 -p 16384,32768 -n 0 -ub 2048 -r 2 \
               -ncmoe 0 2>&1 | grep -v '^ggml\|^load' | tee -a "$OUT/bench.txt" ;;
+    diskrate) dd if=/dev/zero of=/tmp/ddtest bs=1M count=4096 conv=fdatasync 2>&1 | tail -1 | tee -a "$OUT/gpu.txt"
+              rm -f /tmp/ddtest; grep -e Dirty -e MemAvailable /proc/meminfo | tee -a "$OUT/gpu.txt" ;;
     runab) trees=(${BEFORE:-wt-before} .)  # e.g. the uploads from locked pages (this tree) against pageable (before)
            for round in $(seq ${ROUNDS:-3}); do
              for i in 0 1; do
