@@ -80,6 +80,8 @@
 #   ctxres   issue 36's moonshot rows: pp16384 and pp32768 at -ncmoe auto --vram-budget 12GiB (-ub 2048, 4096) beside
 #            llama-bench all resident (-ncmoe 0, -ub 2048; needs lbuild) on the same file
 #   diskrate /tmp's write rate (4 GiB, flushed) beside make-model's: where its 207 s on 16 cores go (~55 s of CPU a core)
+#   runprof  issue 36: a warm `moestream run` (firstrun's command) under cProfile: where a second run's seconds go
+#            ($OUT/diag.txt: by cumulative and by own time)
 #   runab    issue 36: warm `moestream run` (firstrun's command, kernels compiled) of the tree $BEFORE (wt-before) and
 #            this one, alternating processes, $ROUNDS rounds (3): its first-output time and load line
 #   ctx35    issue 36: qwen3.6-35b-a3b (generated first) with a 131072-token context and q8_0 K and V under
@@ -270,6 +272,10 @@ for step in "$@"; do
               -ncmoe 0 2>&1 | grep -v '^ggml\|^load' | tee -a "$OUT/bench.txt" ;;
     diskrate) dd if=/dev/zero of=/tmp/ddtest bs=1M count=4096 conv=fdatasync 2>&1 | tail -1 | tee -a "$OUT/gpu.txt"
               rm -f /tmp/ddtest; grep -e Dirty -e MemAvailable /proc/meminfo | tee -a "$OUT/gpu.txt" ;;
+    runprof) python3 -m cProfile -o /tmp/run.prof -m moestream.cli run -m $MODEL -p "Write a haiku about the sea." -n 16 \
+               -ncmoe 26 --streamed-layers spread --vram-budget 12GiB 2>&1 | quiet | tail -3 | tee -a "$OUT/diag.txt"
+             python3 -c "import pstats; s = pstats.Stats('/tmp/run.prof'); s.sort_stats('cumulative').print_stats(45); \
+               s.sort_stats('tottime').print_stats(25)" 2>&1 | tee -a "$OUT/diag.txt" | tail -30 ;;
     runab) trees=(${BEFORE:-wt-before} .)  # e.g. the uploads from locked pages (this tree) against pageable (before)
            for round in $(seq ${ROUNDS:-3}); do
              for i in 0 1; do
