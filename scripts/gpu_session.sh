@@ -82,6 +82,8 @@
 #   diskrate /tmp's write rate (4 GiB, flushed) beside make-model's: where its 207 s on 16 cores go (~55 s of CPU a core)
 #   runprof  issue 36: a warm `moestream run` (firstrun's command) under cProfile: where a second run's seconds go
 #            ($OUT/diag.txt: by cumulative and by own time)
+#   keepdq   issue 36's --keep-dequantized default: pp32768 and tg128 after it (-d 32768) at -ncmoe auto
+#            --vram-budget 12GiB, without and with it (auto streams more layers for its stacks: decode pays)
 #   runab    issue 36: warm `moestream run` (firstrun's command, kernels compiled) of the tree $BEFORE (wt-before) and
 #            this one, alternating processes, $ROUNDS rounds (3): its first-output time and load line
 #   ctx35    issue 36: qwen3.6-35b-a3b (generated first) with a 131072-token context and q8_0 K and V under
@@ -267,7 +269,7 @@ for step in "$@"; do
               done ;;
     ctxres) make_model $MODEL qwen3-30b-a3b | tee -a "$OUT/model.txt"
             $MS bench -m $MODEL -p 16384,32768 -n 0 -ub 2048,4096 -ncmoe auto --vram-budget 12GiB -r 2 --no-floors 2>&1 \
-              | quiet | grep -e "| *pp" -e "streamed" | tee -a "$OUT/bench.txt"
+              | quiet | grep -e "^| model" -e "| *pp" | tee -a "$OUT/bench.txt"
             wait_build && /tmp/lcpp/build/bin/llama-bench -m $MODEL -ngl 99 -fa 1 -p 16384,32768 -n 0 -ub 2048 -r 2 \
               -ncmoe 0 2>&1 | grep -v '^ggml\|^load' | tee -a "$OUT/bench.txt" ;;
     diskrate) dd if=/dev/zero of=/tmp/ddtest bs=1M count=4096 conv=fdatasync 2>&1 | tail -1 | tee -a "$OUT/gpu.txt"
@@ -276,6 +278,13 @@ for step in "$@"; do
                -ncmoe 26 --streamed-layers spread --vram-budget 12GiB 2>&1 | quiet | tail -3 | tee -a "$OUT/diag.txt"
              python3 -c "import pstats; s = pstats.Stats('/tmp/run.prof'); s.sort_stats('cumulative').print_stats(45); \
                s.sort_stats('tottime').print_stats(25)" 2>&1 | tee -a "$OUT/diag.txt" | tail -30 ;;
+    keepdq) make_model $MODEL qwen3-30b-a3b | tee -a "$OUT/model.txt"
+            for keep in "" --keep-dequantized; do
+              $MS bench -m $MODEL -p 32768 -n 0 -ub 2048 -ncmoe auto --vram-budget 12GiB -r 2 --no-floors $keep 2>&1 \
+                | quiet | grep -e "^| model" -e "| *pp" | sed "s|^|${keep:-each} |" | tee -a "$OUT/bench.txt"
+              $MS bench -m $MODEL -p 0 -n 128 -d 32768 -ub 2048 -ncmoe auto --vram-budget 12GiB -r 2 --no-floors $keep \
+                2>&1 | quiet | grep -e "^| model" -e "| *tg" | sed "s|^|${keep:-each} |" | tee -a "$OUT/bench.txt"
+            done ;;
     runab) trees=(${BEFORE:-wt-before} .)  # e.g. the uploads from locked pages (this tree) against pageable (before)
            for round in $(seq ${ROUNDS:-3}); do
              for i in 0 1; do
