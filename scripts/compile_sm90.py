@@ -1,6 +1,6 @@
 """Compile the decode kernels for the H200 (sm_90) on a machine without a GPU, with the ptxas that
 ships in Triton's wheel: a compile error shows here, not in the first minutes of device time. Needs triton
-(`pip install triton==3.6.0`); prints each kernel's static SASS instruction count,
+(`pip install triton==3.6.0`); prints each kernel's static SASS instruction count and global loads,
 registers a thread (they cap the occupancy of the decode launches) and int-to-float conversions, for the
 current tuning (kernels/tuning.py).
 
@@ -50,9 +50,10 @@ def build(label: str, fn, signature: dict, constexprs: dict, warps: int = 4, div
     n = len(re.findall(r"/\*[0-9a-f]{4,}\*/\s+\S", sass))
     i2f = len(re.findall(r"\bI2F", sass))  # int to float: 16 a clock on an SM, an eighth of FFMA's rate
     spills = len(re.findall(r"\b(?:LDL|STL)", sass))  # registers spilled to local memory
+    loads = len(re.findall(r"\bLDG", sass))  # global loads (weights, x, and lookup tables through L1)
     print(
         f"{label:<40} compiled in {time.time() - start:4.1f} s, {n} SASS instructions, {regs} registers, {i2f} I2F, "
-        f"{spills} spills",
+        f"{spills} spills, {loads} LDG",
         flush=True,
     )
 

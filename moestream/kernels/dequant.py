@@ -13,7 +13,6 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from moestream.formats import quants
-from moestream.formats.quants import grids
 from moestream.formats.quants.nonlinear import IQ4_VALUES
 from moestream.kernels import tuning
 from moestream.kernels.launch import INTERPRETED, on_device, triton
@@ -143,15 +142,13 @@ if triton is not None:
         return q * f16_at(base, 0, ok)
 
     # The IQ grid types (formats/quants/grids.py). Group g (0..3) of 8 values of sub-block s (0..7) of 32 has
-    # a scale, a grid row and a sign row in the type's kernel_table, read as 8-byte quads: quad q of a row holds
-    # values 4 q .. 4 q + 3 as bfloat16. The _fields functions give, for tensors s, g and q (broadcast against
-    # base), the group's scale and the table offsets, in quads, of quad q of its grid row and sign row. They
-    # load whole 16- and 32-bit fields of the sub-block and shift the group's bits out, so the dots' loads
-    # are per sub-block. WORDS loads a 16-bit field as such (the dots: blocks 2-byte aligned), otherwise as
-    # two bytes (the tiles: any buffer).
-    _SIGNS_BY_BYTE = tl.constexpr(grids.BYTE_SIGNS // 2)
-    _SIGNS_BY_INDEX = tl.constexpr(grids.INDEX_SIGNS // 2)
-    _GRID = tl.constexpr(grids.GRID // 2)
+    # a scale, a grid row in the type's kernel_table, read as 8-byte quads (quad q of a row holds values
+    # 4 q .. 4 q + 3 as bfloat16), and a byte of signs (bit j: value j negative), made in registers: a table
+    # of sign masks was a second scattered load a quad. The _fields functions give, for tensors s, g and q
+    # (broadcast against base), the group's scale, the table offset in quads of quad q of its grid row and
+    # its sign byte. They load whole 16- and 32-bit fields of the sub-block and shift the group's bits out, so
+    # the dots' loads are per sub-block. WORDS loads a 16-bit field as such (the dots: blocks 2-byte aligned),
+    # otherwise as two bytes (the tiles: any buffer).
 
     @triton.jit
     def _byte(base, offset, ok):
@@ -188,6 +185,15 @@ if triton is not None:
         return _u16(base, 0, ok, WORDS).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
+    def _index_signs(i):
+        """The sign byte a 7-bit sign index names: its bits, and an eighth that makes the count of minus signs
+        even (gguf's ksigns)."""
+        p = i ^ (i >> 4)
+        p ^= p >> 2
+        p ^= p >> 1
+        return i | ((p & 1) << 7)
+
+    @triton.jit
     def _quarter(d, sc):
         """d (1/2 + sc) / 4, the IQ2 scale, in the reference's order of products."""
         return d * (0.5 + sc.to(tl.float32)) * 0.25
@@ -198,7 +204,7 @@ if triton is not None:
         index = (_u32(base, 2 + 8 * s, ok, WORDS) >> (8 * g)) & 255
         aux = _u32(base, 6 + 8 * s, ok, WORDS)
         db = _quarter(_f16(base, ok, WORDS), (aux >> 28) & 15)
-        return db, _GRID + index * 2 + q, _SIGNS_BY_INDEX + ((aux >> (7 * g)) & 127) * 2 + q
+        return db, index * 2 + q, _index_signs((aux >> (7 * g)) & 127)
 
     @triton.jit
     def iq2_xs_fields(base, s, g, q, ok, WORDS: tl.constexpr):
@@ -206,7 +212,7 @@ if triton is not None:
         sub-block at 66."""
         v = _half_of(base, 2 + 8 * s, g, ok, WORDS)
         db = _quarter(_f16(base, ok, WORDS), (_byte_of(base, 66, s, ok, WORDS) >> (4 * (g // 2))) & 15)
-        return db, _GRID + (v & 511) * 2 + q, _SIGNS_BY_INDEX + (v >> 9) * 2 + q
+        return db, (v & 511) * 2 + q, _index_signs(v >> 9)
 
     @triton.jit
     def iq2_s_fields(base, s, g, q, ok, WORDS: tl.constexpr):
@@ -216,13 +222,7 @@ if triton is not None:
         db = _quarter(_f16(base, ok, WORDS), (_byte_of(base, 74, s, ok, WORDS) >> (4 * (g // 2))) & 15)
         index = ((_u32(base, 2 + 4 * s, ok, WORDS) >> (8 * g)) & 255) | (high << 8)
         signs = (_u32(base, 34 + 4 * s, ok, WORDS) >> (8 * g)) & 255
-        return db, _GRID + index * 2 + q, _SIGNS_BY_BYTE + signs * 2 + q
-
-    @triton.jit
-    def _split_quads(at, q):
-        """at + q, as two 8-byte loads rather than one of 16: an IQ3 group's two grid rows lie apart, and loads
-        of one shape keep one layout (a dot would otherwise move one through shared memory)."""
-        return tl.where(q == 0, at, at + 1)
+        return db, index * 2 + q, signs
 
     @triton.jit
     def iq3_xxs_fields(base, s, g, q, ok, WORDS: tl.constexpr):
@@ -232,7 +232,7 @@ if triton is not None:
         aux = _u32(base, 66 + 4 * s, ok, WORDS)
         db = _f16(base, ok, WORDS) * (0.5 + ((aux >> 28) & 15).to(tl.float32)) * 0.5
         row = tl.where(q == 0, pair & 255, pair >> 8)
-        return db, _GRID + row, _split_quads(_SIGNS_BY_INDEX + ((aux >> (7 * g)) & 127) * 2, q)
+        return db, row, _index_signs((aux >> (7 * g)) & 127)
 
     @triton.jit
     def iq3_s_fields(base, s, g, q, ok, WORDS: tl.constexpr):
@@ -244,7 +244,7 @@ if triton is not None:
         row = tl.where(q == 0, (pair & 255) | ((high & 1) << 8), (pair >> 8) | ((high & 2) << 7))
         db = _f16(base, ok, WORDS) * (1 + 2 * sc).to(tl.float32)
         signs = (_u32(base, 74 + 4 * s, ok, WORDS) >> (8 * g)) & 255
-        return db, _GRID + row, _split_quads(_SIGNS_BY_BYTE + signs * 2, q)
+        return db, row, signs
 
     @triton.jit
     def iq1_s_fields(base, s, g, q, ok, WORDS: tl.constexpr):
@@ -253,7 +253,7 @@ if triton is not None:
         qh = _u16(base, 34 + 2 * s, ok, WORDS)
         index = ((_u32(base, 2 + 4 * s, ok, WORDS) >> (8 * g)) & 255) | (((qh >> (3 * g)) & 7) << 8)
         dl = _f16(base, ok, WORDS) * (2 * ((qh >> 12) & 7) + 1).to(tl.float32)
-        return dl, tl.where(qh >> 15 == 0, 0.125, -0.125), _GRID + index * 2 + q
+        return dl, tl.where(qh >> 15 == 0, 0.125, -0.125), index * 2 + q
 
     @triton.jit
     def iq1_m_fields(base, s, g, q, ok, WORDS: tl.constexpr):
@@ -266,16 +266,17 @@ if triton is not None:
         d = bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
         dl = d * (2 * (sc & 7) + 1).to(tl.float32)
         index = ((_u32(base, 4 * s, ok, WORDS) >> (8 * g)) & 255) | ((nibble & 7) << 8)
-        return dl, tl.where((nibble & 8) == 0, 0.125, -0.125), _GRID + index * 2 + q
+        return dl, tl.where((nibble & 8) == 0, 0.125, -0.125), index * 2 + q
 
     @triton.jit
-    def grid_quad(table, grid_quad, sign_quad, SIGNED: tl.constexpr):
-        """Four values as the bfloat16 quarters of an int64 (lowest: the first), signs applied (an XOR of the
-        bits)."""
-        t = table.to(tl.pointer_type(tl.int64))
-        w = tl.load(t + grid_quad)
+    def grid_quad(table, grid_quad, signs, q, SIGNED: tl.constexpr):
+        """Four values as the bfloat16 quarters of an int64 (lowest: the first), quad q's four bits of the sign
+        byte applied: multiplying by 1 + 2**15 + 2**30 + 2**45 puts bit j at 16 j (no two copies overlap, so no
+        carries), the AND keeps those, the shift moves them to each quarter's sign bit, and XOR flips it."""
+        w = tl.load(table.to(tl.pointer_type(tl.int64)) + grid_quad)
         if SIGNED:
-            w ^= tl.load(t + sign_quad)
+            nibble = ((signs >> (4 * q)) & 15).to(tl.int64)
+            w ^= ((nibble * 0x200040008001) & 0x1000100010001) << 15
         return w
 
     @triton.jit
@@ -286,13 +287,14 @@ if triton is not None:
 
     @triton.jit
     def _signed_tile(base, e, ok, table, FIELDS: tl.constexpr):
-        db, gq, sq = FIELDS(base, e // 32, (e // 8) % 4, (e % 8) // 4, ok, False)
-        return db * _quarter_of(grid_quad(table, gq, sq, True), e)
+        q = (e % 8) // 4
+        db, gq, signs = FIELDS(base, e // 32, (e // 8) % 4, q, ok, False)
+        return db * _quarter_of(grid_quad(table, gq, signs, q, True), e)
 
     @triton.jit
     def _shifted_tile(base, e, ok, table, FIELDS: tl.constexpr):
         dl, delta, gq = FIELDS(base, e // 32, (e // 8) % 4, (e % 8) // 4, ok, False)
-        return dl * (_quarter_of(grid_quad(table, gq, gq, False), e) + delta)
+        return dl * (_quarter_of(grid_quad(table, gq, gq, 0, False), e) + delta)
 
     @triton.jit
     def iq2_xxs_tile(base, e, ok, table):

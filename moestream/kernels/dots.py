@@ -490,10 +490,10 @@ if triton is not None:
     @triton.jit
     def _grid_dot(base, xb, ok, table, FIELDS: tl.constexpr, SHIFTED: tl.constexpr):
         """An IQ grid block (kernels/dequant.py's _fields) as [R, B, 8 sub-blocks, 4 groups, 2 quads]: the
-        fields load once a sub-block; each lane loads a quad of its grid row and of its sign row from the
-        L1-resident table (a row's 2 quads are 16 contiguous bytes), XORs the signs into the four bfloat16
-        values and takes each apart with a shift or an AND, against x's matching quad (one 8-byte load of a
-        bfloat16 x). IQ1's delta multiplies the sum of x. Returns [R, B, 8, 4]."""
+        fields load once a sub-block; each lane loads a quad of its grid row from the L1-resident table (a row's
+        2 quads are 16 contiguous bytes), XORs its four signs into the four bfloat16 values and takes each
+        apart with a shift or an AND, against x's matching quad (one 8-byte load of a bfloat16 x). IQ1's delta
+        multiplies the sum of x. Returns [R, B, 8, 4]."""
         base, xb, ok = base[:, :, :, None, None], xb[:, :, :, None, None], ok[:, :, :, None, None]
         s = tl.arange(0, 8)[None, None, :, None, None]
         g = tl.arange(0, 4)[None, None, None, :, None]
@@ -507,10 +507,10 @@ if triton is not None:
             x2, x3 = tl.load(at + 2).to(tl.float32), tl.load(at + 3).to(tl.float32)
         if SHIFTED:
             scale, delta, gq = FIELDS(base, s, g, q, ok, True)
-            w = grid_quad(table, gq, gq, False)
+            w = grid_quad(table, gq, gq, q, False)
         else:
-            scale, gq, sq = FIELDS(base, s, g, q, ok, True)
-            w = grid_quad(table, gq, sq, True)
+            scale, gq, signs = FIELDS(base, s, g, q, ok, True)
+            w = grid_quad(table, gq, signs, q, True)
         acc = _bf16_of(w, 0) * x0 + _bf16_of(w, 1) * x1 + _bf16_of(w, 2) * x2 + _bf16_of(w, 3) * x3
         if SHIFTED:
             acc += delta * (x0 + x1 + x2 + x3)

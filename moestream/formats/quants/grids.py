@@ -20,9 +20,6 @@ from moestream.formats.quants.fields import f16, split_bits
 # The 7-bit sign indices of IQ2_XXS, IQ2_XS and IQ3_XXS name 8-bit patterns with an even count of minus signs
 KSIGNS = np.frombuffer(gguf.quants.IQ2_XXS.ksigns, dtype=np.uint8)
 
-# kernel_table's layout, in int32 words: sign masks by byte (256 x 4), by 7-bit index (128 x 4), then the grid
-BYTE_SIGNS, INDEX_SIGNS, GRID = 0, 1024, 1536
-
 
 def grid_values(qtype: Q) -> np.ndarray:
     """The grid of an IQ type as gguf decodes it: float32 [rows, 8] (IQ3: [rows, 4]); IQ1_M shares IQ1_S's."""
@@ -48,15 +45,11 @@ def sign_bytes(device: torch.device) -> torch.Tensor:
 
 @functools.cache
 def kernel_table(qtype: Q, device: torch.device) -> torch.Tensor:
-    """The int32 words the Triton kernels read for qtype (kernels/dequant.py, dots.py): the sign masks, 4 words
-    a pattern, word j holding element 2j's sign at bit 15 and 2j + 1's at bit 31 (by sign byte at BYTE_SIGNS,
-    by 7-bit index at INDEX_SIGNS); then at GRID each grid row's values as bfloat16 (exact: small integers,
-    or +-1 and 0 for IQ1), two a word, low half first. XOR with a mask word flips the pair's signs."""
-    bits = (np.arange(256, dtype=np.uint32)[:, None] >> np.arange(8, dtype=np.uint32)) & 1
-    masks = (bits[:, 0::2] << 15) | (bits[:, 1::2] << 31)
+    """The int32 words the Triton kernels read for qtype (kernels/dequant.py, dots.py): each grid row's values as
+    bfloat16 (exact: small integers, or +-1 and 0 for IQ1), two a word, low half first. The kernels make the
+    signs from the blocks' sign bytes themselves."""
     halves = (grid_values(qtype).view(np.uint32) >> 16).reshape(-1, 2)  # float32 -> bfloat16, exact here
-    words = np.concatenate([masks.ravel(), masks[KSIGNS].ravel(), (halves[:, 0] | (halves[:, 1] << 16))])
-    return torch.from_numpy(words.view(np.int32).copy()).to(device)
+    return torch.from_numpy((halves[:, 0] | (halves[:, 1] << 16)).view(np.int32).copy()).to(device)
 
 
 def _u16(b: torch.Tensor) -> torch.Tensor:
