@@ -84,6 +84,8 @@
 #            ($OUT/diag.txt: by cumulative and by own time)
 #   keepdq   issue 36's --keep-dequantized default: pp32768 and tg128 after it (-d 32768) at -ncmoe auto
 #            --vram-budget 12GiB, without and with it (auto streams more layers for its stacks: decode pays)
+#   typesab  issue 32: the grid types' decode kernels (type_rates.py, $AB_TYPES) in the tree $BEFORE (wt-before) and
+#            this one, alternating, two rounds: e.g. the signs made in registers against the sign-mask table
 #   runab    issue 36: warm `moestream run` (firstrun's command, kernels compiled) of the tree $BEFORE (wt-before) and
 #            this one, alternating processes, $ROUNDS rounds (3): its first-output time and load line
 #   ctx35    issue 36: qwen3.6-35b-a3b (generated first) with a 131072-token context and q8_0 K and V under
@@ -285,6 +287,15 @@ for step in "$@"; do
               $MS bench -m $MODEL -p 0 -n 128 -d 32768 -ub 2048 -ncmoe auto --vram-budget 12GiB -r 2 --no-floors $keep \
                 2>&1 | quiet | grep -e "^| model" -e "| *tg" | sed "s|^|${keep:-each} |" | tee -a "$OUT/bench.txt"
             done ;;
+    typesab) trees=(${BEFORE:-wt-before} .)
+             for round in 1 2; do
+               for i in 0 1; do
+                 tree=${trees[$(( (i + round - 1) % 2 ))]}
+                 (cd "$tree" && PYTHONPATH=/tmp/site:$PWD python3 "$OLDPWD/scripts/type_rates.py" \
+                   ${AB_TYPES:-IQ2_XXS IQ2_XS IQ2_S IQ3_XXS IQ3_S IQ1_S} 2>&1 | grep -v compiling \
+                   | sed "s|^|$tree round $round: |" | tee -a "$OUT/bench.txt")
+               done
+             done ;;
     runab) trees=(${BEFORE:-wt-before} .)  # e.g. the uploads from locked pages (this tree) against pageable (before)
            for round in $(seq ${ROUNDS:-3}); do
              for i in 0 1; do
