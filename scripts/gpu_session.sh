@@ -120,6 +120,7 @@ TEXT=moestream/tools/data/english.txt
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   python3 -c "import os; print('cpus', os.cpu_count(), 'usable', len(os.sched_getaffinity(0)))"  # make-model's workers
+  lscpu 2>/dev/null | grep -E '^(Model name|Thread|Core)'  # hyperthreads share a core's arithmetic (numpy's RNG)
   git log -1 --format='commit %H %cd' 2>/dev/null; date -u; } | tee -a "$OUT/gpu.txt"
 wait_build() {  # lbuild's end; false where this machine never ran lbuild (a fresh machine)
   [[ -f /tmp/lcpp.log ]] || { echo "no llama.cpp build here: run lbuild first"; return 1; }
