@@ -44,7 +44,7 @@
 #            cpu (the host function in the graph), then
 #            auto (its measured gather / upload / cpu ms a step), then scripts/cpu_experts.py at 16 threads
 #   gatherrate  the decode gathers' GB/s over the link alone (side stream's programs, load width, full grid) vs DMA
-#   attn     issue 36: decode attention at depths 8192 and 32768 under each of $ATTN_SETTINGS (';'-separated tuning
+#   attn     issue 36: decode attention at depths $ATTN_DEPTHS (8192,32768) under each of $ATTN_SETTINGS (';'-separated tuning
 #            fields, '-' the defaults) beside the device's copy rate (scripts/decode_attention_rates.py)
 #   attnrows issue 36: the decode attention GPU tests, then tg128 @ d8192,32768 at -ncmoe 0 with the key buckets of
 #            before (attention_bucket_steps=1) and now (8), each its own process
@@ -340,7 +340,7 @@ for step in "$@"; do
             done
             python3 scripts/cpu_experts.py $MODEL --layer 1 --threads 16 2>&1 | tee -a "$OUT/diag.txt" ;;
     gatherrate) python3 scripts/gather_rate.py 2>&1 | tee -a "$OUT/bench.txt" ;;  # #34/#35: decode's reads vs the link
-    attn) python3 scripts/decode_attention_rates.py --settings="${ATTN_SETTINGS:--}" 2>&1 | tee -a "$OUT/bench.txt" ;;
+    attn) python3 scripts/decode_attention_rates.py --depths ${ATTN_DEPTHS:-8192,32768} --settings="${ATTN_SETTINGS:--}" 2>&1 | tee -a "$OUT/bench.txt" ;;
     attnrows) make_model $MODEL qwen3-30b-a3b | tee -a "$OUT/model.txt"
               python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_decode_attention.py 2>&1 | tail -3 \
                 | tee -a "$OUT/gpu_tests.txt"

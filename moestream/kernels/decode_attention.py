@@ -235,7 +235,7 @@ def attention(
     (k_args, Hkv), (v_args, _) = (_cache_args(c, name, Dh) for c, name in ((k, types[0]), (v, types[1])))
     G = H // Hkv
     t = tuning.current()
-    block = min(64, 16384 // (Dh * q.element_size()))  # K and V tiles of at most 16 KiB: no register spills
+    block = min(t.attention_block_keys, 16384 // (Dh * q.element_size()))  # K and V tiles of at most 16 KiB
     # chunks sized for a bucket of keys (a power of two, or a step of one), those past S empty: a prompt's any
     # length compiles few kernels
     step = max(1, triton.next_power_of_2(S) // t.attention_bucket_steps)

@@ -37,6 +37,7 @@ class Tuning:
     # (at most one program each); 4 win where two programs share one (benchmarks.md, thirty-fifth session)
     attention_chunk_warps: int = 4
     attention_spread_warps: int = 8
+    attention_block_keys: int = 64  # keys a K and V tile holds at most (at 4 warps 64 spill registers, 32 do not)
     dequant_blocks_per_program: int = 8  # kernels/dequant.py: blocks a program expands
     # decode's gather of guessed experts on the side stream (offload/prefetch.py): a program waiting on the link
     # holds a multiprocessor that compute then lacks
