@@ -89,7 +89,7 @@
 #   runab    issue 36: warm `moestream run` (firstrun's command, kernels compiled) of the tree $BEFORE (wt-before) and
 #            this one, alternating processes, $ROUNDS rounds (3): its first-output time and load line
 #   ctx35    issue 36: qwen3.6-35b-a3b (generated first) with a 131072-token context and q8_0 K and V under
-#            --vram-budget 12GiB: tg128 at depth 32768, -ncmoe auto
+#            --vram-budget 12GiB: tg128 at depth 32768, -ncmoe auto; llama-bench's at -ncmoe 26 beside it after lbuild
 #   kvtypes  issue 36: the KV-type GPU tests, then tg128 at depths 0..32768 for bf16, f16, q8_0 and q4_0 caches on
 #            the benchmark model (scripts/depth_sweep.py), resident and at -ncmoe 26 spread 12 GiB
 # At most 8 files come back from $OUT: keep appending to the ones below.
@@ -308,7 +308,11 @@ for step in "$@"; do
            done ;;
     ctx35) make_model $Q35 qwen3.6-35b-a3b | tee -a "$OUT/model35.txt"
            $MS bench -m $Q35 -p 0 -n 128 -d 32768 -c 131072 -ctk q8_0 -ctv q8_0 -ncmoe auto --vram-budget 12GiB -r 2 \
-             --no-floors 2>&1 | quiet | tail -6 | tee -a "$OUT/bench.txt" ;;
+             --no-floors 2>&1 | quiet | tail -6 | tee -a "$OUT/bench.txt"
+           # llama.cpp beside it where lbuild ran: its -ncmoe 26 with the same cache types (llama-bench sizes its
+           # context for the test, so its KV cache is the depth's, not 131072 positions')
+           [[ -f /tmp/lcpp.log ]] && wait_build && /tmp/lcpp/build/bin/llama-bench -m $Q35 -ngl 99 -fa 1 -p 0 -n 128 \
+             -d 32768 -ctk q8_0 -ctv q8_0 -ncmoe 26 -r 2 2>&1 | grep -v '^ggml\|^load' | tee -a "$OUT/bench.txt" ;;
     pp32k) make_model $MODEL qwen3-30b-a3b | tee -a "$OUT/model.txt"
            for keep in "" --keep-dequantized; do  # each layer's stacks dequantized once a micro-batch / once a prompt
              $MS bench -m $MODEL -p 32768 -n 0 -ub ${UB:-2048,4096} -ncmoe auto --vram-budget 12GiB -r 2 --no-floors \
