@@ -122,6 +122,12 @@ TEXT=moestream/tools/data/english.txt
   python3 -c "import os; print('cpus', os.cpu_count(), 'usable', len(os.sched_getaffinity(0)))"  # make-model's workers
   lscpu 2>/dev/null | grep -E '^(Model name|Thread|Core)'  # hyperthreads share a core's arithmetic (numpy's RNG)
   git log -1 --format='commit %H %cd' 2>/dev/null; date -u; } | tee -a "$OUT/gpu.txt"
+alternating() {  # alternating ROUNDS CMD...: CMD TREE ROUND for $BEFORE (wt-before) and this tree, the order turning
+  local round i trees=(${BEFORE:-wt-before} .)  # each round (A/B, B/A, ...), in processes of their own
+  for round in $(seq "$1"); do
+    for i in 0 1; do "${@:2}" "${trees[$(( (i + round - 1) % 2 ))]}" "$round"; done
+  done
+}
 wait_build() {  # lbuild's end; false where this machine never ran lbuild (a fresh machine)
   [[ -f /tmp/lcpp.log ]] || { echo "no llama.cpp build here: run lbuild first"; return 1; }
   until grep -q "build rc" /tmp/lcpp.log; do sleep 5; done; grep -q "build rc 0" /tmp/lcpp.log; }
@@ -288,24 +294,14 @@ for step in "$@"; do
               $MS bench -m $MODEL -p 0 -n 128 -d 32768 -ub 2048 -ncmoe auto --vram-budget 12GiB -r 2 --no-floors $keep \
                 2>&1 | quiet | grep -e "^| model" -e "| *tg" | sed "s|^|${keep:-each} |" | tee -a "$OUT/bench.txt"
             done ;;
-    typesab) trees=(${BEFORE:-wt-before} .)
-             for round in 1 2; do
-               for i in 0 1; do
-                 tree=${trees[$(( (i + round - 1) % 2 ))]}
-                 (cd "$tree" && PYTHONPATH=/tmp/site:$PWD python3 "$OLDPWD/scripts/type_rates.py" \
-                   ${AB_TYPES:-IQ2_XXS IQ2_XS IQ2_S IQ3_XXS IQ3_S IQ1_S} 2>&1 | grep -v compiling \
-                   | sed "s|^|$tree round $round: |" | tee -a "$OUT/bench.txt")
-               done
-             done ;;
-    runab) trees=(${BEFORE:-wt-before} .)  # e.g. the uploads from locked pages (this tree) against pageable (before)
-           for round in $(seq ${ROUNDS:-3}); do
-             for i in 0 1; do
-               tree=${trees[$(( (i + round - 1) % 2 ))]}
-               (cd "$tree" && PYTHONPATH=/tmp/site:$PWD python3 "$OLDPWD/scripts/first_output.py" --stamp $MS run -m $MODEL \
-                 -p "Write a haiku about the sea." -n 16 -ncmoe 26 --streamed-layers spread --vram-budget 12GiB 2>&1 \
-                 | quiet | grep -e "first output" -e "load" | sed "s|^|$tree round $round: |" | tee -a "$OUT/bench.txt")
-             done
-           done ;;
+    typesab) types_in() { (cd "$1" && PYTHONPATH=/tmp/site:$PWD python3 "$OLDPWD/scripts/type_rates.py" \
+               ${AB_TYPES:-IQ2_XXS IQ2_XS IQ2_S IQ3_XXS IQ3_S IQ1_S} 2>&1 | grep -v compiling \
+               | sed "s|^|$1 round $2: |" | tee -a "$OUT/bench.txt"); }
+             alternating 2 types_in ;;
+    runab) run_in() { (cd "$1" && PYTHONPATH=/tmp/site:$PWD python3 "$OLDPWD/scripts/first_output.py" --stamp $MS run \
+             -m $MODEL -p "Write a haiku about the sea." -n 16 -ncmoe 26 --streamed-layers spread --vram-budget 12GiB \
+             2>&1 | quiet | grep -e "first output" -e "load" | sed "s|^|$1 round $2: |" | tee -a "$OUT/bench.txt"); }
+           alternating ${ROUNDS:-3} run_in ;;  # e.g. uploads from locked pages (this tree) against pageable (before)
     ctx35) make_model $Q35 qwen3.6-35b-a3b | tee -a "$OUT/model35.txt"
            $MS bench -m $Q35 -p 0 -n 128 -d 32768 -c 131072 -ctk q8_0 -ctv q8_0 -ncmoe auto --vram-budget 12GiB -r 2 \
              --no-floors 2>&1 | quiet | tail -6 | tee -a "$OUT/bench.txt"
@@ -427,19 +423,16 @@ for step in "$@"; do
     routing35) $MS info $Q35 --routing --tokens 2048 2>&1 | quiet | tail -45 | tee -a "$OUT/model35.txt" | tail -3 ;;
     speed) m=${SPEED_MODEL:-$MODEL}
            make_model $m ${SPEED_PRESET:-qwen3-30b-a3b} --quant ${SPEED_QUANT:-Q4_K_M} | tee -a "$OUT/model.txt"
-           trees=(${BEFORE:-wt-before} .)
-           for round in $(seq ${ROUNDS:-2}); do
-             for i in 0 1; do
-               tree=${trees[$(( (i + round - 1) % 2 ))]}
-               IFS=';' read -ra speed_args <<< "${SPEED_ARGS:--ncmoe 0 -p 0 -n 128;-ncmoe 26 --streamed-layers spread --vram-budget 12GiB -p 2048 -ub 2048 -n 128}"
-               for args in "${speed_args[@]}"; do
-                 t0=$SECONDS
-                 (cd "$tree" && PYTHONPATH=/tmp/site:$PWD $MS bench -m $m $args -r 3 --no-floors > /tmp/speed.log 2>&1)
-                 { grep -e "| *pp2048" -e "| *tg128" /tmp/speed.log || tail -3 /tmp/speed.log; } \
-                   | sed "s|^|$(basename $m) $tree round $round, $((SECONDS - t0)) s |" | tee -a "$OUT/bench.txt"
-               done
+           IFS=';' read -ra speed_args <<< "${SPEED_ARGS:--ncmoe 0 -p 0 -n 128;-ncmoe 26 --streamed-layers spread --vram-budget 12GiB -p 2048 -ub 2048 -n 128}"
+           bench_in() {
+             for args in "${speed_args[@]}"; do
+               t0=$SECONDS
+               (cd "$1" && PYTHONPATH=/tmp/site:$PWD $MS bench -m $m $args -r 3 --no-floors > /tmp/speed.log 2>&1)
+               { grep -e "| *pp2048" -e "| *tg128" /tmp/speed.log || tail -3 /tmp/speed.log; } \
+                 | sed "s|^|$(basename $m) $1 round $2, $((SECONDS - t0)) s |" | tee -a "$OUT/bench.txt"
              done
-           done ;;
+           }
+           alternating ${ROUNDS:-2} bench_in ;;
     llamaspeed) wait_build && /tmp/lcpp/build/bin/llama-bench -m ${SPEED_MODEL:-$MODEL} -ngl 99 -fa 1 -p 0 -n 128 -r 3 \
                   2>&1 | grep -v '^ggml\|^load' | tee -a "$OUT/bench.txt" ;;
     servecmp) # issue 35: llama-server and moestream serve on $MODEL, 4 sequences at -ncmoe 26 (ours spread, 12 GiB),
