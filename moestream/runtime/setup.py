@@ -85,9 +85,9 @@ class Setup:
             return
         k = way_memory.key(self.file_id, self.options, tried) if self.file_id is not None else None
         measured = way_memory.recall(k) if k is not None else None
-        if measured is None and not self.options.decode.measure_ways:
-            return  # the rule's placement stands
         if measured is None:
+            if not self.options.decode.measure_ways:
+                return  # the rule's placement stands
             measured = measure(tried, self._trial)
             if k is not None:
                 way_memory.remember(k, measured)
