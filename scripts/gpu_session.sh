@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# One device-machine call: any of the steps below, in order. Wheels are carried in .whl (no network there).
+# One device-machine call: any of the steps below, in order. Wheels are carried in .whl (no network there): the
+# dependencies the GPU image lacks (pip download --no-deps --only-binary=:all: -d .whl "gguf>=0.19,<0.20"
+# "threadpoolctl>=3.5,<4"), and .whl/serve the serving ones.
 # Usage (on the GPU machine): bash scripts/gpu_session.sh STEP... with STEP one of
 #   tests    pytest -m gpu (without fla's kernels: `fla` runs those, ~100 s of autotuning; tests/serving/test_app.py
 #            needs httpx2/openai, which the GPU image lacks); $TESTS: these files only (this script sets the path

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType
+from threadpoolctl import threadpool_limits
 
 from moestream.errors import MoestreamError
 from moestream.formats.quantize import QUANTIZABLE, quantize
@@ -243,6 +244,9 @@ def _worker_pool(workers: int) -> mp.pool.Pool:
 
 
 def _worker_start(parent: int) -> None:
+    # one BLAS thread a worker: there is a worker a core, and each worker's own BLAS threads (a core's count each,
+    # numpy's default) only contend with the other workers (the bytes are the same)
+    threadpool_limits(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     # killed when the process that forked it ends, however it ends: a worker ignores Ctrl-C, and its siblings

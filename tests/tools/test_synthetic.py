@@ -8,6 +8,7 @@ import hashlib
 import gguf
 import numpy as np
 import pytest
+import threadpoolctl
 import torch
 
 import moestream
@@ -19,7 +20,7 @@ from moestream.offload.device import CpuDevice
 from moestream.runtime.sampling import SamplingParams
 from moestream.tools.presets import get_preset
 from moestream.tools.recipes import RECIPES, recipe
-from moestream.tools.synthetic import make_model, tensor_plans
+from moestream.tools.synthetic import _worker_pool, make_model, tensor_plans
 
 Q = gguf.GGMLQuantizationType
 TOKENS = torch.randint(0, 1280, (40,), generator=torch.Generator().manual_seed(7)).tolist()
@@ -143,3 +144,18 @@ def test_uniform_routing_writes_the_weights_it_always_did(tmp_path):
 def test_trained_routing_needs_a_preset_with_its_settings(tmp_path):
     with pytest.raises(MoestreamError, match="tiny has no trained routing settings.*qwen3-30b-a3b"):
         make_model(tmp_path / "t.gguf", get_preset("tiny"), progress=False, routing="trained")
+
+
+def _blas_threads() -> list[int]:
+    return [p["num_threads"] for p in threadpoolctl.threadpool_info() if p["user_api"] == "blas"]
+
+
+def test_a_writers_worker_keeps_to_one_blas_thread():
+    """A worker a core: a worker's own BLAS threads would contend with the others' (the planted rows' products)."""
+    pool = _worker_pool(2)
+    try:
+        inside = pool.apply(_blas_threads)
+        assert inside and set(inside) == {1}, inside
+    finally:
+        pool.close()
+        pool.join()
