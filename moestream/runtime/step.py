@@ -182,14 +182,15 @@ class DecodeStep:
     def _compile_ahead(self, step, x: torch.Tensor, positions: torch.Tensor) -> None:
         """Compile a first captured step's Triton kernels side by side (kernels/compiles.py) before it runs
         eagerly: recorded in a capture that is thrown away (nothing runs; the streamer's and prefetcher's events
-        recorded there never will). If CUDA refuses, the eager pass compiles them at first launch."""
+        recorded there never will). If CUDA refuses, the eager pass compiles them at first launch. The capture is
+        relaxed: in CUDA's default (global) mode a driver call from a compiling thread would void it part-way."""
         if launch.triton is None or not tuning.current().compile_ahead:
             return
         counters, stream = self.experts.counters, torch.cuda.current_stream()
         before = counters.read_bytes
         try:
             with compiles.side_by_side(launch.triton), torch.cuda.device(self.device):
-                with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                with torch.cuda.graph(torch.cuda.CUDAGraph(), capture_error_mode="relaxed"):
                     step(x, positions)
         except Exception:  # only a head start: the eager pass that follows meets any real error again
             pass
