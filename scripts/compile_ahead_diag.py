@@ -1,7 +1,8 @@
 """Why a decode step's throwaway capture (runtime/step.py `_compile_ahead`) compiles only part of the step side by
 side (issue 36, benchmarks.md thirtieth session): with compile_ahead on and an empty Triton cache of its own, the
 first decode steps of MODEL, each compile named with its thread and phase (load, prefill, the capture's block,
-after it), and the exception that ended the capture, if one did (the engine swallows it).
+after it), and the exception that ended the capture, if one did (the engine swallows it). CAPTURE_MODE=global
+captures in CUDA's default mode instead of the engine's relaxed one (the A/B of why it stopped).
 
     TRITON_CACHE_DIR=$(mktemp -d) python scripts/compile_ahead_diag.py MODEL [n_cpu_moe] [vram_budget]
 """
@@ -9,11 +10,13 @@ after it), and the exception that ended the capture, if one did (the engine swal
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
 import time
 import traceback
 
+import torch
 import triton
 
 from moestream.kernels import compiles, tuning
@@ -55,6 +58,15 @@ def watched(triton, workers=None):
 
 
 compiles.side_by_side = watched
+MODE = os.environ.get("CAPTURE_MODE")
+if MODE:
+    graph = torch.cuda.graph
+
+    class Forced(graph):  # the engine's throwaway capture, in MODE
+        def __init__(self, cuda_graph, *args, capture_error_mode="global", **kw):
+            super().__init__(cuda_graph, *args, capture_error_mode=MODE, **kw)
+
+    torch.cuda.graph = Forced
 
 
 def main() -> None:
@@ -64,6 +76,8 @@ def main() -> None:
     flat = dict(device="cuda", progress=False, n_cpu_moe=ncmoe, streamed_layers="spread", small_batch="gather")
     if budget:
         flat["vram_budget"] = budget
+    mode = MODE or "relaxed (the engine's)"
+    print(f"{path}: {ncmoe} layers streamed, capture mode {mode}", flush=True)
     with tuning.use(compile_ahead=True):
         engine = load(path, **flat)
         cache = engine.new_cache()

@@ -90,7 +90,8 @@
 #            this one, alternating, two rounds: e.g. the signs made in registers against the sign-mask table
 #   aheaddiag issue 36: why the decode step's throwaway capture compiles only part of it side by side: each
 #            compile's thread and phase, and what ended the capture (scripts/compile_ahead_diag.py; the 8-layer
-#            slice, resident and 6 layers streamed, each from an empty Triton cache of its own)
+#            slice resident with the capture in CUDA's global mode and relaxed (the engine's), and 6 layers streamed,
+#            each from an empty Triton cache of its own)
 #   gridcodes issue 32: IQ2_XXS's decode matvec with its grid rows as 2-bit codes beside the library's (scripts/grid_codes.py)
 #   runab    issue 36: warm `moestream run` (firstrun's command, kernels compiled) of the tree $BEFORE (wt-before) and
 #            this one, alternating processes, $ROUNDS rounds (3): its first-output time and load line
@@ -305,8 +306,9 @@ for step in "$@"; do
                | sed "s|^|$1 round $2: |" | tee -a "$OUT/bench.txt"); }
              alternating 2 types_in ;;
     aheaddiag) make_small
-               for n in 0 6; do rm -rf /tmp/tc-ahead; TRITON_CACHE_DIR=/tmp/tc-ahead python3 scripts/compile_ahead_diag.py \
-                 $SMALL $n 12GiB 2>&1 | quiet | tee -a "$OUT/diag.txt"; done ;;
+               for run in 0:global 0:relaxed 6:relaxed; do rm -rf /tmp/tc-ahead  # resident in both capture modes, streamed
+                 CAPTURE_MODE=${run#*:} TRITON_CACHE_DIR=/tmp/tc-ahead python3 scripts/compile_ahead_diag.py $SMALL ${run%%:*} \
+                   12GiB 2>&1 | quiet | tee -a "$OUT/diag.txt"; done ;;
     gridcodes) python3 scripts/grid_codes.py 2>&1 | grep -v compiling | tee -a "$OUT/bench.txt" ;;
     runab) run_in() { (cd "$1" && PYTHONPATH=/tmp/site:$PWD python3 "$OLDPWD/scripts/first_output.py" --stamp $MS run \
              -m $MODEL -p "Write a haiku about the sea." -n 16 -ncmoe 26 --streamed-layers spread --vram-budget 12GiB \
