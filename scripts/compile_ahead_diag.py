@@ -62,7 +62,7 @@ MODE = os.environ.get("CAPTURE_MODE")
 if MODE:
     graph = torch.cuda.graph
 
-    class Forced(graph):  # the engine's throwaway capture, in MODE
+    class Forced(graph):  # every capture in MODE (the throwaway one is the one that matters here)
         def __init__(self, cuda_graph, *args, capture_error_mode="global", **kw):
             super().__init__(cuda_graph, *args, capture_error_mode=MODE, **kw)
 

@@ -183,7 +183,8 @@ class DecodeStep:
         """Compile a first captured step's Triton kernels side by side (kernels/compiles.py) before it runs
         eagerly: recorded in a capture that is thrown away (nothing runs; the streamer's and prefetcher's events
         recorded there never will). If CUDA refuses, the eager pass compiles them at first launch. The capture is
-        relaxed: in CUDA's default (global) mode a driver call from a compiling thread would void it part-way."""
+        relaxed: in CUDA's default (global) mode an unsafe call from any thread (a finalizer's, a compiling
+        thread's) would void it part-way."""
         if launch.triton is None or not tuning.current().compile_ahead:
             return
         counters, stream = self.experts.counters, torch.cuda.current_stream()
