@@ -29,8 +29,7 @@ listener = triton.knobs.compilation.listener  # moestream's own, installed at it
 
 def noting(**kw) -> None:
     if not kw["cache_hit"]:
-        t = kw["times"]
-        seconds = (t.ir_initialization + sum(s for _, s in t.lowering_stages) + t.store_results) / 1e6
+        seconds = compiles.compile_seconds(kw["times"])
         seen.append((phase[0], threading.current_thread().name, getattr(kw["src"], "name", "?"), seconds))
     if listener is not None:
         listener(**kw)

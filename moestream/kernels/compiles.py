@@ -75,12 +75,16 @@ def summary(out: TextIO | None = None) -> int:
     return count
 
 
+def compile_seconds(times) -> float:
+    """The seconds of one compile, from the times Triton's listener is given (in microseconds)."""
+    return (times.ir_initialization + sum(t for _, t in times.lowering_stages) + times.store_results) / 1e6
+
+
 def triton_listener(*, src, metadata, metadata_group, times, cache_hit: bool, _chained=None) -> None:
     """Triton's compilation listener: a compile that missed the disk cache is said and counted."""
     if not cache_hit:
         compiling()
-        total = times.ir_initialization + sum(t for _, t in times.lowering_stages) + times.store_results
-        compiled(total / 1e6, getattr(src, "name", None) or "a kernel")  # Triton's times are microseconds
+        compiled(compile_seconds(times), getattr(src, "name", None) or "a kernel")
     if _chained is not None:
         _chained(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
 
