@@ -6,13 +6,16 @@ Bytes, not characters: JSON's structure is ASCII, and a token may end inside a U
 non-ASCII bytes are taken as they come (the text is decoded, with replacement, as any answer is).
 The schema subset: type (one or a list), properties (only those keys: OpenAI's strict outputs), required,
 enum (of scalars), items, additionalProperties false; titles and descriptions are read past. Any other keyword
-is refused, so a schema is never half enforced. The state is a tuple of frames, so checking a token copies
-nothing.
+is refused, so a schema is never half enforced. A checked schema is kept as rules: property names and enum
+values as the bytes JSON spells them (escapes included), sorted, so a byte is checked in log time however long
+the lists. The state is a tuple of frames, so checking a token copies nothing.
 """
 
 from __future__ import annotations
 
 import json
+import weakref
+from bisect import bisect_left
 from typing import TYPE_CHECKING, Any
 
 from moestream.errors import MoestreamError
@@ -44,18 +47,41 @@ _NUM = {
 _NUM_DONE = frozenset({2, 3, 5, 8})
 
 
+class Spellings:
+    """The JSON spellings (bytes) of a set of values or property names: whole and prefix lookups in log time."""
+
+    def __init__(self, spelled) -> None:
+        self.sorted = sorted(set(spelled))
+        self.whole = frozenset(self.sorted)
+
+    def extends(self, raw: bytes, taken: frozenset = frozenset()) -> bool:
+        """Whether raw begins a spelling that is not in taken."""
+        i = bisect_left(self.sorted, raw)
+        while i < len(self.sorted) and self.sorted[i].startswith(raw):
+            if self.sorted[i] not in taken:
+                return True
+            i += 1
+        return False
+
+
+def spelled(name: str) -> bytes:
+    """A string's bytes between the quotes of its JSON spelling (json.dumps', escapes and all)."""
+    return json.dumps(name, ensure_ascii=False)[1:-1].encode()
+
+
 def schema_of(response_format: dict) -> dict:
-    """The schema a response_format asks for, checked: json_object is any object."""
+    """The rules a response_format asks for, checked: json_object is any object."""
     if response_format.get("type") == "json_object":
-        return {"type": "object"}
+        return rules({"type": "object"})
     schema = (response_format.get("json_schema") or {}).get("schema")
     if not isinstance(schema, dict):
         raise MoestreamError("json_schema.schema must be a JSON schema object")
-    _check(schema, "schema")
-    return schema
+    return rules(schema)
 
 
-def _check(schema: Any, where: str, depth: int = 0) -> None:
+def rules(schema: Any, where: str = "schema", depth: int = 0) -> dict:
+    """A schema checked and kept as the validator reads it: enum a Spellings of values, properties keyed by
+    their spelled names (with a Spellings of them under "names"), required as spelled names."""
     if depth > MAX_DEPTH:
         raise MoestreamError(f"the schema nests deeper than {MAX_DEPTH} levels; flatten it")
     if not isinstance(schema, dict):
@@ -69,23 +95,36 @@ def _check(schema: Any, where: str, depth: int = 0) -> None:
         raise MoestreamError(
             f"{where}: type {schema['type']!r} is not a JSON schema type ({', '.join(sorted(TYPES))}, or a list)"
         )
+    if "type" in schema and not kinds:
+        raise MoestreamError(f"{where}: type [] allows no value; name at least one type")
     if schema.get("additionalProperties", False) is not False:
         raise MoestreamError(f"{where}: only additionalProperties false (the properties listed, as OpenAI's strict)")
+    out: dict[str, Any] = {k: schema[k] for k in ("type",) if k in schema}
     enum = schema.get("enum")
-    if enum is not None and (not isinstance(enum, list) or not enum or any(isinstance(v, (dict, list)) for v in enum)):
-        raise MoestreamError(f"{where}: enum must be a non-empty list of strings, numbers, booleans or null")
+    if enum is not None:
+        if not isinstance(enum, list) or not enum or any(isinstance(v, (dict, list)) for v in enum):
+            raise MoestreamError(f"{where}: enum must be a non-empty list of strings, numbers, booleans or null")
+        out["enum"] = Spellings(json.dumps(v, ensure_ascii=False).encode() for v in enum)
     properties = schema.get("properties", {})
     if not isinstance(properties, dict):
         raise MoestreamError(f"{where}: properties must be an object of name -> schema")
-    for name, sub in properties.items():
-        _check(sub, f"{where}.properties.{name}", depth + 1)
     required = schema.get("required", [])
     if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
         raise MoestreamError(f"{where}: required must be a list of property names")
     if not set(required) <= set(properties) and "properties" in schema:
         raise MoestreamError(f"{where}: required names a property that properties does not list")
+    if "properties" in schema:
+        out["properties"] = {
+            spelled(name): rules(sub, f"{where}.properties.{name}", depth + 1) for name, sub in properties.items()
+        }
+        out["names"] = Spellings(out["properties"])
+    out["required"] = frozenset(spelled(r) for r in required)
     if "items" in schema:
-        _check(schema["items"], f"{where}.items", depth + 1)
+        out["items"] = rules(schema["items"], f"{where}.items", depth + 1)
+    return out
+
+
+ANY = rules({})  # a value of any kind
 
 
 def _kinds(schema: dict) -> frozenset[str]:
@@ -100,8 +139,37 @@ def _enum_ok(schema: dict, raw: bytes, done: bool) -> bool:
     enum = schema.get("enum")
     if enum is None:
         return True
-    texts = [json.dumps(v, ensure_ascii=False).encode() for v in enum]
-    return raw in texts if done else any(t.startswith(raw) for t in texts)
+    return raw in enum.whole if done else enum.extends(raw)
+
+
+def _escape_left(raw: bytes) -> int:
+    """Where a JSON string's bytes so far stand in an escape: 0 outside one, -1 just after the backslash, or how
+    many hex digits of a \\u escape are still due."""
+    i, n = 0, len(raw)
+    while i < n:
+        if raw[i] != 0x5C:
+            i += 1
+        elif i + 1 == n:
+            return -1
+        elif raw[i + 1] == ord("u"):
+            if i + 6 > n:
+                return i + 6 - n
+            i += 6
+        else:
+            i += 2
+    return 0
+
+
+def _string_byte(esc: int, b: int) -> int | None:
+    """The escape state after byte b inside a string (esc as _escape_left says; not the closing quote), or
+    None where JSON allows no such byte."""
+    if esc == -1:
+        return 4 if b == ord("u") else 0 if bytes([b]) in b'"\\/bfnrt' else None
+    if esc > 0:
+        return esc - 1 if bytes([b]) in b"0123456789abcdefABCDEF" else None
+    if b < 0x20:
+        return None
+    return -1 if b == ord("\\") else 0
 
 
 # Frames (tuples): ("value", schema) a value is due; ("obj", schema, phase, seen, key); ("arr", schema, phase);
@@ -154,15 +222,12 @@ def _value_done(stack: tuple) -> tuple | None:
 
 
 def _close_ok(frame: tuple) -> bool:
-    required = frame[1].get("required", [])
-    return all(name.encode() in frame[3] for name in required)
+    return frame[1]["required"] <= frame[3]
 
 
 def _property_schema(schema: dict, key: bytes) -> dict | None:
     props = schema.get("properties")
-    if props is None:
-        return {}
-    return props.get(key.decode("utf-8", errors="replace"))
+    return ANY if props is None else props.get(key)
 
 
 def feed(stack: tuple, b: int) -> tuple | None:
@@ -179,21 +244,10 @@ def feed(stack: tuple, b: int) -> tuple | None:
     if kind == "str":
         _, schema, raw, esc = top
         raw2 = raw + bytes([b])
-        if esc == -1:
-            if b == ord("u"):
-                return (*rest, ("str", schema, raw2, 4))
-            return (*rest, ("str", schema, raw2, 0)) if bytes([b]) in b'"\\/bfnrt' else None
-        if esc > 0:
-            return (*rest, ("str", schema, raw2, esc - 1)) if bytes([b]) in b"0123456789abcdefABCDEF" else None
-        if b < 0x20:
-            return None
-        if b == ord("\\"):
-            return (*rest, ("str", schema, raw2, -1)) if _enum_ok(schema, raw2, False) else None
-        if not _enum_ok(schema, raw2, b == ord('"')):
-            return None
-        if b == ord('"'):
-            return _value_done(rest)
-        return (*rest, ("str", schema, raw2, 0))
+        if esc == 0 and b == ord('"'):
+            return _value_done(rest) if _enum_ok(schema, raw2, True) else None
+        nxt = _string_byte(esc, b)  # an enum's prefix is checked inside escapes too: no state is a dead end
+        return None if nxt is None or not _enum_ok(schema, raw2, False) else (*rest, ("str", schema, raw2, nxt))
     if kind == "lit":
         _, schema, raw = top
         raw2 = raw + bytes([b])
@@ -216,17 +270,14 @@ def feed(stack: tuple, b: int) -> tuple | None:
 
 def _feed_object(rest: tuple, top: tuple, b: int) -> tuple | None:
     _, schema, phase, seen, key = top
-    if phase == "key":
-        if b == ord('"'):
+    if phase == "key":  # key: the name's bytes so far, as spelled in JSON
+        if b == ord('"') and _escape_left(key) == 0:  # the name ends (a spelled name has no bare quote)
             sub = _property_schema(schema, key)
             return None if sub is None or key in seen else (*rest, ("obj", schema, "colon", seen, key))
-        if b < 0x20 or b == ord("\\"):
-            return None
-        key += bytes([b])
-        props = schema.get("properties")
-        if props is not None and not any(n.encode().startswith(key) and n.encode() not in seen for n in props):
-            return None
-        return (*rest, ("obj", schema, "key", seen, key))
+        grown = key + bytes([b])
+        if "names" in schema:
+            return (*rest, ("obj", schema, "key", seen, grown)) if schema["names"].extends(grown, seen) else None
+        return None if _string_byte(_escape_left(key), b) is None else (*rest, ("obj", schema, "key", seen, grown))
     if b in WS:
         return (*rest, top)
     if phase in ("first", "next") and b == ord('"') and schema.get("properties", True):  # {} : no key to write
@@ -235,7 +286,7 @@ def _feed_object(rest: tuple, top: tuple, b: int) -> tuple | None:
         return _value_done(rest) if _close_ok(top) else None
     if phase == "after" and b == ord(","):  # only where a key is left to write
         props = schema.get("properties")
-        left = props is None or any(n.encode() not in seen for n in props)
+        left = props is None or len(seen) < len(props)  # seen: only listed names
         return (*rest, ("obj", schema, "next", seen, b"")) if left else None
     if phase == "colon" and b == ord(":"):
         return (*rest, ("obj", schema, "value", seen, key), ("value", _property_schema(schema, key)))
@@ -252,7 +303,7 @@ def _feed_array(rest: tuple, top: tuple, b: int) -> tuple | None:
         if b == ord("]"):
             return _value_done(rest)
         return (*rest, ("arr", schema, "next")) if b == ord(",") else None
-    return feed((*rest, ("arr", schema, "value"), ("value", schema.get("items", {}))), b)
+    return feed((*rest, ("arr", schema, "value"), ("value", schema.get("items", ANY))), b)
 
 
 def _free(stack: tuple) -> bool:
@@ -260,7 +311,7 @@ def _free(stack: tuple) -> bool:
     top = stack[-1]
     if top[0] == "str":
         return top[3] == 0 and "enum" not in top[1]
-    return top[0] == "obj" and top[2] == "key" and "properties" not in top[1]
+    return top[0] == "obj" and top[2] == "key" and "properties" not in top[1] and _escape_left(top[4]) == 0
 
 
 def complete(stack: tuple) -> bool:
@@ -269,15 +320,16 @@ def complete(stack: tuple) -> bool:
     return top[0] == "done" or (len(stack) == 1 and top[0] == "num" and top[3] in _NUM_DONE)
 
 
-class JsonConstraint:
-    """The sampler's Constraint for one sequence: JSON the schema allows, then an end-of-text token."""
+_INDEXES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> _index(tokenizer)
 
-    def __init__(self, tokenizer, schema: dict) -> None:
+
+class JsonConstraint:
+    """The sampler's Constraint for one sequence: JSON the rules (schema_of's) allow, then an end-of-text token."""
+
+    def __init__(self, tokenizer, rules: dict) -> None:
         self.tokenizer = tokenizer
-        self.state: tuple = (("value", schema),)
+        self.state: tuple = (("value", rules),)
         self.blanks = 0  # blanks in a row outside strings
-        self._groups: dict[int, list[int]] | None = None  # normal token ids by first byte (built by mask)
-        self._plain_rest: list[bool] = []  # per token: its bytes after the first are plain string text
 
     def _after(self, token: int) -> tuple[tuple, int] | None:
         """The state and blank run after a token, or None if it breaks the JSON."""
@@ -305,35 +357,38 @@ class JsonConstraint:
         bytes hold no quote, backslash or control byte are taken without feeding them."""
         import torch
 
-        if self._groups is None:
-            self._index()
+        if self.tokenizer not in _INDEXES:
+            _INDEXES[self.tokenizer] = _index(self.tokenizer)
+        groups, plain_rest = _INDEXES[self.tokenizer]
         allowed = [False] * n_vocab
-        for first, ids in self._groups.items():
+        for first, ids in groups.items():
             after = feed(self.state, first)
             if after is None:
                 continue
             free = _free(after) and (first not in WS or _free(self.state))  # a blank outside strings is counted
             for i in ids:
-                if i < n_vocab and ((free and self._plain_rest[i]) or self._after(i) is not None):
+                if i < n_vocab and ((free and plain_rest[i]) or self._after(i) is not None):
                     allowed[i] = True
         for i in self.tokenizer.eos_ids:
             if i < n_vocab and complete(self.state):
                 allowed[i] = True
         return torch.tensor(allowed, dtype=torch.bool)
 
-    def _index(self) -> None:
-        """The vocabulary's normal tokens by first byte, and whether the rest of each is plain string text."""
-        tok, groups = self.tokenizer, {}
-        plain_rest = [False] * len(tok.token_types)
-        for i, kind in enumerate(tok.token_types):
-            data = tok.token_bytes(i) if kind == NORMAL else b""
-            if data:
-                groups.setdefault(data[0], []).append(i)
-                plain_rest[i] = all(b >= 0x20 and b not in (0x22, 0x5C) for b in data[1:])
-        self._groups, self._plain_rest = groups, plain_rest
-
     def advance(self, token: int) -> None:
         after = self._after(token)
         if after is None:  # the sampler picks only allowed tokens
             raise MoestreamError(f"token {token} breaks the JSON the answer must be")
         self.state, self.blanks = after
+
+
+def _index(tok) -> tuple[dict[int, list[int]], list[bool]]:
+    """The vocabulary's normal tokens by first byte, and whether the rest of each is plain string text (made once
+    a tokenizer: every constrained sequence's masks read it)."""
+    groups: dict[int, list[int]] = {}
+    plain_rest = [False] * len(tok.token_types)
+    for i, kind in enumerate(tok.token_types):
+        data = tok.token_bytes(i) if kind == NORMAL else b""
+        if data:
+            groups.setdefault(data[0], []).append(i)
+            plain_rest[i] = all(b >= 0x20 and b not in (0x22, 0x5C) for b in data[1:])
+    return groups, plain_rest

@@ -26,6 +26,10 @@ BAN = -100.0  # a logit bias this low bans the token (OpenAI's meaning of -100);
 MAX_LOGPROBS = 20  # alternatives a step reports at most, as OpenAI's top_logprobs
 
 
+class NoTokenLeft(MoestreamError):
+    """The request's own limits (logit_bias bans, a response_format) leave no token to pick: the client's to fix."""
+
+
 class Constraint(Protocol):
     """What a token may come next (runtime/json_constraint.py): checked per pick, a full mask only when needed."""
 
@@ -149,7 +153,7 @@ class Sampler:
         if self.constraint is not None and not self.constraint.allows(token):
             allowed = self.constraint.mask(len(logits))
             if not bool(allowed.any()):
-                raise MoestreamError("no token can continue the constrained output (response_format)")
+                raise NoTokenLeft("no token of the vocabulary can continue the constrained output (response_format)")
             logits = logits.masked_fill(~allowed, -math.inf)
             token = self._pick(logits)
         if self.params.logprobs is not None:
@@ -172,7 +176,7 @@ class Sampler:
 
         p = self.params
         if logits.max() == -math.inf:
-            raise MoestreamError("every token is banned (logit_bias, or a constraint with -inf biases); ban fewer")
+            raise NoTokenLeft("every token is banned (logit_bias, or a constraint with -inf biases); ban fewer")
         if p.greedy:
             return int(torch.argmax(logits))
         logits = logits - logits.max()
@@ -199,6 +203,7 @@ class Sampler:
         n = torch.tensor(list(counts.values()), dtype=logits.dtype)
         seen = logits[ids]
         seen = torch.where(seen > 0, seen / p.repeat_penalty, seen * p.repeat_penalty)
-        logits = logits.clone()
-        logits[ids] = seen - n * p.frequency_penalty - p.presence_penalty
+        seen = seen - n * p.frequency_penalty - p.presence_penalty
+        logits = logits.clone()  # a penalty past float32's range: +inf the largest logit, nan (inf - inf) a ban
+        logits[ids] = seen.nan_to_num(nan=-math.inf, posinf=torch.finfo(logits.dtype).max, neginf=-math.inf)
         return logits

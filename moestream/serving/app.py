@@ -24,10 +24,26 @@ from moestream.serving.scheduler import Event, QueueFull, Scheduler
 from moestream.serving.scheduler import Request as Job
 from moestream.serving.tool_calls import template_messages
 
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _kind(event) -> str:
+    return "invalid_request_error" if event.client else "server_error"
+
 
 def _plain(message: dict[str, Any]) -> dict[str, Any]:
-    """A chat message whose content is a list of parts (OpenAI's format) as one text: templates expect text."""
-    content = message.get("content")
+    """A chat message checked (a 400 where a template would fail on it), its content as one text where it is a
+    list of parts (OpenAI's format): templates expect text."""
+    role, content = message.get("role"), message.get("content")
+    if role not in ROLES:
+        raise ApiError(400, f"message role {role!r}: expected one of {', '.join(ROLES)}")
+    calls = message.get("tool_calls")
+    if calls is not None and (role != "assistant" or not isinstance(calls, list)):
+        raise ApiError(400, "tool_calls: a list, in assistant messages only")
+    if content is None and not (role == "assistant" and calls):
+        raise ApiError(400, f"a {role} message needs content (only an assistant's tool calls may come without)")
+    if content is not None and not isinstance(content, (str, list)):
+        raise ApiError(400, "message content must be a string or a list of text parts")
     if isinstance(content, list):
         texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
         if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
@@ -66,6 +82,7 @@ def create_app(
         served = "GET /health, /metrics, /v1/models; POST /v1/completions, /v1/chat/completions"
         return _error(e.status_code, f"{request.method} {request.url.path}: {e.detail}; this server answers {served}")
 
+    @app.head("/health", include_in_schema=False)  # load balancers probe with HEAD too
     @app.get("/health")
     async def health():
         return {"status": "ok"}
@@ -185,7 +202,7 @@ def create_app(
                     while not answer.done:
                         i, ev = await events.get()
                         if ev.kind == "error":
-                            yield f"data: {json.dumps({'error': {'message': ev.text, 'type': 'server_error'}})}\n\n"
+                            yield f"data: {json.dumps({'error': {'message': ev.text, 'type': _kind(ev)}})}\n\n"
                             yield "data: [DONE]\n\n"  # the stream ends as every stream does
                             return
                         for chunk in answer.event(i, ev):
@@ -213,7 +230,7 @@ def create_app(
                 if ev is None:
                     continue
                 if ev.kind == "error":
-                    raise ApiError(500, ev.text, "server_error")
+                    raise ApiError(400 if ev.client else 500, ev.text, _kind(ev))
                 answer.event(i, ev)
         finally:
             for job in jobs:
@@ -224,8 +241,8 @@ def create_app(
     async def completions(request: Request):
         body = await body_of(request)
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one prompt (a batch of several is refused)
         ask = read_request(body, COMPLETIONS, max_tokens, engine.tokenizer.vocab_size)
         return await run(request, ask, await prompts.encode(prompt), chat=False)
 

@@ -29,22 +29,29 @@ def chat_variables(template: str | None, ask: Ask, reasoning_format: str) -> dic
 
 def choice_jobs(ask: Ask, tokenizer) -> list[tuple[SamplingParams, Constraint | None]]:
     """Each choice's sampling: choice i draws with seed + i (the same draws otherwise), and its own constraint."""
-    out = []
+    out, rules = [], _rules(ask)
     for i in range(ask.n):
         seed = None if ask.params.seed is None else (ask.params.seed + i) % 2**64
-        out.append((replace(ask.params, seed=seed), _constraint(ask, tokenizer)))
+        out.append((replace(ask.params, seed=seed), _constraint(rules, tokenizer)))
     return out
 
 
-def _constraint(ask: Ask, tokenizer) -> Constraint | None:
+def _rules(ask: Ask) -> dict | None:
+    """The response_format's rules, made once for all the choices."""
     if ask.response_format is None:
         return None
-    from moestream.runtime.json_constraint import JsonConstraint, schema_of
+    from moestream.runtime.json_constraint import schema_of
 
     try:
-        return JsonConstraint(tokenizer, schema_of(ask.response_format))
+        return schema_of(ask.response_format)
     except MoestreamError as e:
         raise BadRequest(f"response_format: {e}") from None
+
+
+def _constraint(rules: dict | None, tokenizer) -> Constraint | None:
+    from moestream.runtime.json_constraint import JsonConstraint
+
+    return None if rules is None else JsonConstraint(tokenizer, rules)
 
 
 def answer_for(

@@ -49,17 +49,17 @@ class Guard:
 
     def __init__(self, app, api_key: str | None):
         self.app = app
-        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+        self.expected = None if api_key is None else api_key.encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
             headers = dict(scope["headers"])
             refused = None
             if self.expected is not None and scope["path"] not in OPEN_PATHS:
-                given = headers.get(b"authorization", b"")
-                if b"x-api-key" in headers:  # llama-server's other spelling
-                    given = b"Bearer " + headers[b"x-api-key"]
-                if not hmac.compare_digest(given, self.expected):  # no timing to guess the key from
+                scheme, _, bearer = headers.get(b"authorization", b"").partition(b" ")
+                given = [headers.get(b"x-api-key", b"")]  # llama-server's other spelling
+                given.append(bearer.strip() if scheme.lower() == b"bearer" else b"")  # the scheme in any case
+                if not any([hmac.compare_digest(g, self.expected) for g in given]):  # both compared: no timing
                     refused = error_response(
                         401, "a valid API key is required (Authorization: Bearer KEY)", "authentication_error"
                     )

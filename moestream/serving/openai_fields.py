@@ -8,15 +8,30 @@ reasoning_format and chat_template_kwargs."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from moestream.errors import MoestreamError
-from moestream.runtime.sampling import MAX_LOGPROBS, SamplingParams
+from moestream.runtime.sampling import BAN, MAX_LOGPROBS, SamplingParams
 from moestream.serving.reasoning import FORMATS as REASONING_FORMATS
 
 MAX_STOPS = 4  # as OpenAI's API
 MAX_N = 16  # choices of one request, each its own sequence
+DEFAULT_MAX_TOKENS = 256  # a request that gives no max_tokens: at most this, and at most the context's room
+# SamplingParams' errors name the run command's flags; the server's name the request's fields
+FIELD_OF_FLAG = {
+    "--temp": "temperature",
+    "--top-p": "top_p",
+    "--top-k": "top_k",
+    "--min-p": "min_p",
+    "--repeat-penalty": "repeat_penalty",
+    "--repeat-last-n": "repeat_last_n",
+    "--presence-penalty": "presence_penalty",
+    "--frequency-penalty": "frequency_penalty",
+    "--seed": "seed",
+    "--logit-bias": "logit_bias",
+}
+PENALTY = 2.0  # presence and frequency penalties: from -2 to 2, as OpenAI's API and vLLM
 # template variables the server sets itself, so chat_template_kwargs may not: name -> where they come from
 SERVER_VARIABLES = {
     "messages": "from messages",
@@ -101,6 +116,7 @@ class Ask:
     response_format: dict | None = None  # json_object or json_schema; None: text
     reasoning_format: str | None = None  # None: the server's
     template_variables: dict[str, Any] = field(default_factory=dict)
+    max_tokens_given: bool = True  # False: the default, lowered to the room the prompt leaves
 
 
 def check_fields(body: dict[str, Any], endpoint: str) -> None:
@@ -133,6 +149,13 @@ def _float(body: dict, name: str, default: float) -> float:
     return float(value)
 
 
+def _penalty(body: dict, name: str) -> float:
+    value = _float(body, name, 0.0)
+    if not -PENALTY <= value <= PENALTY:
+        raise BadRequest(f"{name} must be from {-PENALTY:g} to {PENALTY:g}")
+    return value
+
+
 def _bool(body: dict, name: str, default: bool) -> bool:
     value = body.get(name, default)
     if not isinstance(value, bool):
@@ -145,8 +168,8 @@ def read_request(body: dict[str, Any], endpoint: str, max_tokens: int, n_vocab: 
     check_fields(body, endpoint)
     body = {k: v for k, v in body.items() if v is not None}
     chat = endpoint == CHAT
-    n_max = body.get("max_tokens", body.get("max_completion_tokens", 256))
-    n_max = _int({"max_tokens": n_max}, "max_tokens", 256, 0, max_tokens)
+    given = [_int(body, name, 0, 0, max_tokens) for name in ("max_tokens", "max_completion_tokens") if name in body]
+    n_max = given[0] if given else min(DEFAULT_MAX_TOKENS, max_tokens)
     n = _int(body, "n", 1, 1, MAX_N)
     if _int(body, "best_of", n, 1, MAX_N) != n:
         raise BadRequest("best_of: only equal to n (no choice is ranked and dropped)")
@@ -173,17 +196,21 @@ def read_request(body: dict[str, Any], endpoint: str, max_tokens: int, n_vocab: 
             min_p=_float(body, "min_p", 0.0),
             repeat_penalty=_float(body, "repeat_penalty", 1.0),
             repeat_last_n=_int(body, "repeat_last_n", 64, 0, 1 << 20),
-            presence_penalty=_float(body, "presence_penalty", 0.0),
-            frequency_penalty=_float(body, "frequency_penalty", 0.0),
+            presence_penalty=_penalty(body, "presence_penalty"),
+            frequency_penalty=_penalty(body, "frequency_penalty"),
             seed=seed,
             stop_at_eos=not _bool(body, "ignore_eos", False),
             logit_bias=_logit_bias(body.get("logit_bias", {}), n_vocab),
             logprobs=_logprobs(body, chat),
         )
-    except MoestreamError as e:
-        raise BadRequest(f"bad sampling parameters: {e}") from None
-    stream, include_usage = _bool(body, "stream", False), bool(options.get("include_usage", False))
-    ask = Ask(params, n, stream, include_usage, stop, _bool(body, "cache_prompt", True))
+    except MoestreamError as e:  # its message starts with the command line's flag: name the field instead
+        flag, _, rest = str(e).partition(" ")
+        raise BadRequest(f"{FIELD_OF_FLAG.get(flag, flag)} {rest}") from None
+    stream = _bool(body, "stream", False)
+    include_usage = _bool(options, "include_usage", False)
+    if options and not stream:
+        raise BadRequest("stream_options: only with stream true")
+    ask = Ask(params, n, stream, include_usage, stop, _bool(body, "cache_prompt", True), max_tokens_given=bool(given))
     if chat:
         _read_chat(body, ask)
     return ask
@@ -194,15 +221,16 @@ def _logit_bias(value: Any, n_vocab: int) -> dict[int, float]:
         raise BadRequest("logit_bias must be an object of token id -> bias")
     out = {}
     for key, bias in value.items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise BadRequest(f"logit_bias: {key!r} is not a token id") from None
+        if not (key.isascii() and key.isdigit()):  # int() would take " 1 ", "1_0" and other digits
+            raise BadRequest(f"logit_bias: {key!r} is not a token id")
+        token = int(key)
         if not 0 <= token < n_vocab:
             raise BadRequest(f"logit_bias: token {token} is not in the vocabulary (0 to {n_vocab - 1})")
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
             raise BadRequest(f"logit_bias: the bias of token {token} must be a number from -100 to 100")
         out[token] = float(bias)
+    if sum(b <= BAN for b in out.values()) >= n_vocab:
+        raise BadRequest(f"logit_bias bans every token of the vocabulary ({n_vocab}); ban fewer")
     return out
 
 
@@ -218,8 +246,10 @@ def _logprobs(body: dict, chat: bool) -> int | None:
 
 def _read_chat(body: dict, ask: Ask) -> None:
     tools = body.get("tools", [])
-    if not isinstance(tools, list) or not all(_is_function(t) for t in tools):
+    if not isinstance(tools, list):
         raise BadRequest('tools must be a list of {"type": "function", "function": {"name": ..., "parameters": ...}}')
+    for i, tool in enumerate(tools):
+        _check_tool(tool, f"tools[{i}]")
     choice = body.get("tool_choice", "auto")
     if choice not in ("none", "auto"):
         if choice == "required" or isinstance(choice, dict):
@@ -234,7 +264,11 @@ def _read_chat(body: dict, ask: Ask) -> None:
     kind = fmt.get("type") if isinstance(fmt, dict) else None
     if kind not in ("text", "json_object", "json_schema"):
         raise BadRequest("response_format must be {type: text}, {type: json_object} or {type: json_schema, ...}")
-    if kind == "json_schema" and not isinstance((fmt.get("json_schema") or {}).get("schema"), dict):
+    if set(fmt) - {"type", "json_schema"} or ("json_schema" in fmt) != (kind == "json_schema"):
+        raise BadRequest("response_format takes type, and json_schema with type json_schema")
+    if kind == "json_schema" and not (
+        isinstance(fmt["json_schema"], dict) and isinstance(fmt["json_schema"].get("schema"), dict)
+    ):
         raise BadRequest("response_format json_schema needs json_schema.schema, a JSON schema object")
     ask.response_format = None if kind == "text" else fmt
     reasoning = body.get("reasoning_format")
@@ -254,9 +288,18 @@ def _read_chat(body: dict, ask: Ask) -> None:
         ask.template_variables["reasoning_effort"] = body["reasoning_effort"]
 
 
-def _is_function(tool: Any) -> bool:
+def _check_tool(tool: Any, where: str) -> None:
+    """A 400 unless the tool is {"type": "function", "function": {"name": str, "parameters": object}} (parameters'
+    properties, where given, an object of name -> schema: templates and the call parser read them)."""
     fn = tool.get("function") if isinstance(tool, dict) else None
-    return tool.get("type") == "function" and isinstance(fn, dict) and isinstance(fn.get("name"), str)
+    if not isinstance(fn, dict) or tool.get("type") != "function" or not isinstance(fn.get("name"), str):
+        raise BadRequest(f'{where} must be {{"type": "function", "function": {{"name": ..., "parameters": ...}}}}')
+    parameters = fn.get("parameters", {})
+    if not isinstance(parameters, dict):
+        raise BadRequest(f"{where}.function.parameters must be a JSON schema object")
+    properties = parameters.get("properties", {})
+    if not isinstance(properties, dict) or not all(isinstance(p, dict) for p in properties.values()):
+        raise BadRequest(f"{where}.function.parameters.properties must be an object of name -> schema object")
 
 
 def check_template(template: str | None, ask: Ask) -> None:
@@ -270,8 +313,14 @@ def check_template(template: str | None, ask: Ask) -> None:
 
 
 def check_context(n_prompt: int, ask: Ask, n_ctx: int) -> None:
+    """A 400 for an empty prompt or one that leaves no room for max_tokens; a max_tokens the request did not give
+    is lowered to the room left (as llama-server generates until the context is full)."""
     if not n_prompt:
         raise BadRequest("the prompt is empty")
+    if not ask.max_tokens_given and n_prompt < n_ctx:
+        ask.params = replace(ask.params, max_tokens=min(ask.params.max_tokens, n_ctx - n_prompt))
+    if not ask.max_tokens_given and n_prompt >= n_ctx:
+        raise BadRequest(f"the prompt ({n_prompt} tokens) fills the context ({n_ctx}); shorten the prompt")
     if n_prompt + ask.params.max_tokens > n_ctx:
         raise BadRequest(
             f"the prompt ({n_prompt} tokens) plus max_tokens ({ask.params.max_tokens}) is more than the context "

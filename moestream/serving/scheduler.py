@@ -27,7 +27,7 @@ from moestream.formats.tokenizer import TextStream
 from moestream.offload.small_batch import Timings
 from moestream.options import PROMPT_CACHE_RAM_MIB
 from moestream.runtime.prompt_cache import PromptCache
-from moestream.runtime.sampling import Constraint, Sampler, SamplingParams, TokenLogprob
+from moestream.runtime.sampling import Constraint, NoTokenLeft, Sampler, SamplingParams, TokenLogprob
 
 PREFILL_UBATCHES = 16  # micro-batches of a prompt a turn runs when no other sequence decodes (Ctrl-C and a client
 # leaving wait for a turn to end)
@@ -43,6 +43,7 @@ class Event:
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens taken from the prompt cache, not run
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of the tokens this text (or the end) brings
+    client: bool = False  # an error the request's own fields caused (HTTP 400), not the server (500)
 
 
 @dataclass
@@ -67,7 +68,8 @@ def _error(e: Exception) -> Event:
             text=f"out of memory{what}: this request failed; restart the server with a larger --vram-budget, "
             "a smaller --max-seqs or --ctx, or more layers streamed",
         )
-    return Event("error", text=str(e).splitlines()[0] if str(e) else type(e).__name__)
+    text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return Event("error", text=text, client=isinstance(e, NoTokenLeft))
 
 
 class QueueFull(MoestreamError):

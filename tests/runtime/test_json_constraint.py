@@ -9,7 +9,7 @@ import pytest
 
 import moestream
 from moestream.errors import MoestreamError
-from moestream.runtime.json_constraint import JsonConstraint, complete, feed, schema_of
+from moestream.runtime.json_constraint import JsonConstraint, complete, feed, rules, schema_of
 from moestream.runtime.sampling import SamplingParams
 
 SCHEMA = {
@@ -27,7 +27,7 @@ SCHEMA = {
 
 
 def accepts(schema: dict, text: str) -> bool:
-    state = (("value", schema),)
+    state = (("value", rules(schema)),)
     for b in text.encode():
         state = feed(state, b)
         if state is None:
@@ -58,9 +58,10 @@ def test_the_validator_against_the_schema(text, ok):
 
 
 def test_any_json_object_and_numbers():
-    obj = schema_of({"type": "json_object"})
+    obj = {"type": "object"}
     assert accepts(obj, '{"a": [1, -0.5e+3, {"b": null}], "c": "d"}')
     assert not accepts(obj, "[1]") and not accepts(obj, '{"a": 01}') and not accepts(obj, '{"a": 1.}')
+    assert accepts(obj, '{"a\\"b\\u00e9": 1}') and not accepts(obj, '{"a\\x": 1}')  # escapes in any key
     assert accepts({"type": "number"}, "-12.5E3") and not accepts({"type": "integer"}, "2e3")
 
 
@@ -87,11 +88,59 @@ def _nested(depth: int) -> dict:
         ({"type": "json_schema", "json_schema": {"schema": {"properties": []}}}, "properties must be an object"),
         ({"type": "json_schema", "json_schema": {"schema": {"required": "a"}}}, "required must be a list"),
         ({"type": "json_schema", "json_schema": {"schema": _nested(900)}}, "nests deeper than 64"),
+        ({"type": "json_schema", "json_schema": {"schema": {"type": []}}}, "allows no value"),
     ],
 )
 def test_unsupported_schemas_are_refused(fmt, word):
     with pytest.raises(MoestreamError, match=word):
         schema_of(fmt)
+
+
+ODD = ['"', "\\", "a\nb", "\t", "\u0000", "é/日"]  # names and values JSON spells with escapes, or not
+
+
+@pytest.mark.parametrize("text", ODD)
+def test_names_and_values_that_need_escapes(text):
+    """A property name or enum value is spelled as json.dumps does: escapes are written, and a wrong escape or
+    the bare character is refused."""
+    schema = {"type": "object", "properties": {text: {"enum": [text, "x"]}}, "required": [text]}
+    answer = json.dumps({text: text}, ensure_ascii=False)
+    assert accepts(schema, answer) and accepts(schema, json.dumps({text: "x"}, ensure_ascii=False))
+    assert not accepts(schema, json.dumps({text + "y": text}, ensure_ascii=False))
+    if "\\" in json.dumps(text, ensure_ascii=False):
+        assert not accepts(schema, answer.replace("\\", "\\u005c", 1))  # another spelling: not the one taken
+
+
+def test_no_prefix_is_a_dead_end():
+    """Every byte the validator takes can be finished: inside an enum's escapes too (a model is never left
+    where no token continues)."""
+    schema = rules({"enum": ['"', "\\n", "a"]})
+    state = (("value", schema),)
+    for b in b'"\\':
+        state = feed(state, b)
+    assert feed(state, ord("n")) is None and feed(state, ord("t")) is None  # no value goes on as \\n or \\t
+    assert feed(state, ord('"')) is not None and feed(state, ord("\\")) is not None
+
+
+def test_a_long_enum_is_checked_in_log_time():
+    """40000 values: each byte is a lookup in the sorted spellings, not a pass over the list."""
+    import time
+
+    values = [f"v{i:06d}" for i in range(40_000)]
+    schema = rules({"enum": values})
+    start = time.perf_counter()
+    for _ in range(50):
+        assert _fed(schema, '"v031415"')
+    assert time.perf_counter() - start < 1.0  # a pass over the list a byte took ~15 s
+
+
+def _fed(schema: dict, text: str) -> bool:
+    state = (("value", schema),)
+    for b in text.encode():
+        state = feed(state, b)
+        if state is None:
+            return False
+    return complete(state)
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +152,7 @@ def engine(model_file):
 
 def test_the_mask_is_what_allows_says(engine):
     tok = engine.tokenizer
-    c = JsonConstraint(tok, SCHEMA)
+    c = JsonConstraint(tok, rules(SCHEMA))
     for text in ('{"name": "Ann', '", "mood": ', '"calm", "age": 1', "}"):  # a free string, a value, a number, the end
         for t in tok.encode(text):
             assert c.allows(t)
@@ -125,7 +174,7 @@ def test_sampled_answers_follow_the_schema(engine, seed):
         "additionalProperties": False,
     }
     tok = engine.tokenizer
-    constraint = JsonConstraint(tok, schema)
+    constraint = JsonConstraint(tok, rules(schema))
     sampler = Sampler(SamplingParams(temperature=1.0, seed=seed), constraint=constraint)
     cache = engine.new_cache()
     prompt = tok.encode("Answer in JSON:")

@@ -135,3 +135,23 @@ def test_a_constraint_masks_only_when_the_pick_breaks_it():
     assert c.seen == [0, 4]
     sampled = Sampler(SamplingParams(temperature=100.0, seed=0), constraint=_OnlyEven())
     assert {sampled(LOGITS) for _ in range(60)} == {0, 2, 4}
+
+
+@pytest.mark.parametrize(
+    "penalties",
+    [
+        dict(repeat_penalty=1e-300),
+        dict(presence_penalty=-1e308),
+        dict(frequency_penalty=1e308, presence_penalty=-1e308),
+    ],
+)
+def test_penalties_past_float32s_range_still_pick_a_token(penalties):
+    """A penalty that overflows float32 gives the largest logit (or a ban where it would be inf - inf), never an
+    inf or nan for the sampler to choke on."""
+    logits = torch.tensor([1.0, -2.0, 3.0, 0.5])
+    for temperature in (0.0, 1.0):
+        sampler = Sampler(SamplingParams(temperature=temperature, seed=1, **penalties), prompt=[0, 1])
+        token = sampler(logits)
+        assert 0 <= token < 4
+        adjusted = sampler._penalised(logits)
+        assert not adjusted.isnan().any() and not (adjusted == math.inf).any()

@@ -33,7 +33,10 @@ def test_every_route_but_health_needs_the_key(server, path):
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", (headers, r.text)
     assert httpx.get(base + path, headers={"Authorization": f"Bearer {KEY}"}).status_code != 401
     assert httpx.get(base + path, headers={"X-Api-Key": KEY}).status_code != 401  # llama-server's other header
+    for headers in ({"Authorization": f"bearer {KEY}"}, {"X-Api-Key": "wrong", "Authorization": f"Bearer {KEY}"}):
+        assert httpx.get(base + path, headers=headers).status_code != 401, headers  # the scheme in any case; either
     assert httpx.get(base + "/health").json() == {"status": "ok"}
+    assert httpx.head(base + "/health").status_code == 200  # a load balancer's probe may be a HEAD
 
 
 def test_the_openai_client_with_and_without_the_key(server):

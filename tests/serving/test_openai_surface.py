@@ -186,7 +186,23 @@ def test_template_variables(client):
         ("completions", {"logit_bias": {"5": 101}}, "from -100 to 100"),
         ("chat", {"tool_choice": "required", "tools": TOOLS}, "cannot be enforced"),
         ("chat", {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "tools": TOOLS}, "forced"),
-        ("chat", {"tools": [{"type": "custom"}]}, "tools must be"),
+        ("chat", {"tools": [{"type": "custom"}]}, r"tools\[0\] must be"),
+        ("chat", {"tools": [1]}, r"tools\[0\] must be"),
+        ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "parameters must"),
+        (
+            "chat",
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"properties": 5}}}]},
+            r"tools\[0\].function.parameters.properties must",
+        ),
+        ("chat", {"response_format": {"type": "json_schema", "json_schema": "x"}}, "json_schema.schema"),
+        ("chat", {"response_format": {"type": "text", "x": 1}}, "response_format takes"),
+        ("chat", {"max_completion_tokens": "x"}, "max_completion_tokens must be"),
+        ("chat", {"stream_options": {"include_usage": True}}, "only with stream true"),
+        ("completions", {"presence_penalty": -3}, "presence_penalty must be from -2 to 2"),
+        ("completions", {"frequency_penalty": 1e308}, "frequency_penalty must be"),
+        ("completions", {"logit_bias": {" 1 ": 1}}, "is not a token id"),
+        ("completions", {"temperature": -1}, r"temperature -1.0: must be >= 0"),
+        ("completions", {"top_p": 0}, r"top_p 0.0: must be in \(0, 1\]"),
         ("chat", {"functions": [{"name": "f"}]}, "functions: not supported"),
         ("chat", {"top_logprobs": 2}, "top_logprobs needs logprobs"),
         ("chat", {"response_format": {"type": "yaml"}}, "response_format"),
@@ -201,6 +217,27 @@ def test_every_field_not_taken_is_a_400_naming_it(client, endpoint, fields, word
             client.completions.create(model="tiny", prompt=PROMPT, max_tokens=1, extra_body=fields)
         else:
             client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1, extra_body=fields)
+
+
+def test_what_a_request_gets_wrong_is_a_400_and_what_it_leaves_out_has_a_default(client, engine):
+    """Bans of the whole vocabulary and a role no template knows are the client's (400, not 500); a one-token
+    prompt, a default max_tokens near a full context and a vanishing repeat penalty are answered."""
+    n_vocab = engine.tokenizer.vocab_size
+    with pytest.raises(openai.BadRequestError, match="bans every token"):
+        client.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=2, logit_bias={str(i): -100 for i in range(n_vocab)}
+        )
+    with pytest.raises(openai.BadRequestError, match="role 'wizard'"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "wizard", "content": "hi"}], max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="needs content"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": None}], max_tokens=1)
+    assert client.completions.create(model="tiny", prompt=[5], max_tokens=2).usage.prompt_tokens == 1
+    r = client.completions.create(model="tiny", prompt=[5] * 2040, temperature=0)  # 8 positions left of 2048
+    assert r.usage.completion_tokens <= 8 and r.choices[0].finish_reason in ("length", "stop")
+    r = client.completions.create(
+        model="tiny", prompt=[5, 6, 7], max_tokens=4, temperature=1, extra_body={"repeat_penalty": 1e-300}
+    )
+    assert r.usage.completion_tokens >= 1
 
 
 def test_neutral_fields_are_accepted(client):
@@ -244,6 +281,10 @@ def test_response_format_is_enforced(client):
         assert isinstance(json.loads(r.choices[0].message.content), dict)
     else:
         assert r.choices[0].message.content.lstrip().startswith("{")
+    odd = {"type": "object", "properties": {'say "hi"': {"enum": ['"', "a\\b"]}}, "required": ['say "hi"']}
+    fmt = {"type": "json_schema", "json_schema": {"name": "odd", "schema": odd}}
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=40, seed=5, response_format=fmt)
+    assert json.loads(r.choices[0].message.content)['say "hi"'] in ('"', "a\\b")  # names and values with escapes
     bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "minLength": 3}}}
     with pytest.raises(openai.BadRequestError, match="minLength"):
         client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, response_format=bad)
