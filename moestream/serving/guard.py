@@ -66,7 +66,8 @@ class Guard:
             length = headers.get(b"content-length", b"0")
             if refused is None and (not length.isdigit() or len(length) > 9 or int(length) > MAX_BODY):
                 refused = error_response(413, f"the request is larger than {MAX_BODY} bytes")
-            if refused is not None:
+            if refused is not None:  # the body is left unread: close the connection rather than read what follows
+                refused.headers["connection"] = "close"
                 await refused(scope, receive, send)
                 return
         await self.app(scope, receive, send)

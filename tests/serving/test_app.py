@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import socket
 import threading
 import time
 
@@ -115,6 +116,12 @@ def test_oversized_and_too_long_requests_are_refused(server):
     with pytest.raises(openai.APIStatusError) as e:
         c.completions.create(model="tiny", prompt="word " * 300_000, max_tokens=4)
     assert e.value.status_code == 413
+    host, port = server.url.removeprefix("http://").removesuffix("/v1").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:  # a body it will not read: no keep-alive
+        auth = f"Authorization: Bearer {KEY}\r\n".encode()
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + auth + b"Content-Length: 999999999\r\n\r\n{")
+        head = s.recv(65536).split(b"\r\n\r\n")[0].lower()
+    assert head.startswith(b"http/1.1 413") and b"connection: close" in head
     with pytest.raises(openai.BadRequestError, match="context"):
         c.completions.create(model="tiny", prompt="hello", max_tokens=4095)
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
