@@ -352,27 +352,31 @@ class JsonConstraint:
         return self._after(token) is not None
 
     def mask(self, n_vocab: int) -> torch.Tensor:
-        """Every token's verdict. Tokens are grouped by their first byte: a group whose first byte breaks the JSON
-        is skipped whole, and where that byte leaves a free string (or any key), the group's tokens whose other
-        bytes hold no quote, backslash or control byte are taken without feeding them."""
+        """Every token's verdict. Tokens are grouped by their first byte, then their second: a group whose first
+        bytes break the JSON is skipped whole (a blank, then a letter, where a key is due), and where the first
+        byte leaves a free string (or any key), the tokens whose other bytes hold no quote, backslash or control
+        byte are taken at once, without feeding them."""
         import torch
 
         if self.tokenizer not in _INDEXES:
             _INDEXES[self.tokenizer] = _index(self.tokenizer)
-        groups, plain_rest = _INDEXES[self.tokenizer]
-        allowed = [False] * n_vocab
-        for first, ids in groups.items():
+        allowed = torch.zeros(max(n_vocab, len(self.tokenizer.token_types)), dtype=torch.bool)
+        for first, (plain, others, by_second) in _INDEXES[self.tokenizer].items():
             after = feed(self.state, first)
             if after is None:
                 continue
             free = _free(after) and (first not in WS or _free(self.state))  # a blank outside strings is counted
-            for i in ids:
-                if i < n_vocab and ((free and plain_rest[i]) or self._after(i) is not None):
-                    allowed[i] = True
-        for i in self.tokenizer.eos_ids:
-            if i < n_vocab and complete(self.state):
-                allowed[i] = True
-        return torch.tensor(allowed, dtype=torch.bool)
+            if free:  # few second bytes break a free string: no pruning by them
+                allowed[plain] = True
+                fed = [others]
+            else:  # a second byte that breaks the JSON rules out its group (then each is fed whole)
+                fed = [p + o for second, (p, o) in by_second.items() if second is None or feed(after, second)]
+            ids = [i for group in fed for i in group if self._after(i) is not None]
+            if ids:
+                allowed[ids] = True
+        if complete(self.state):
+            allowed[list(self.tokenizer.eos_ids)] = True
+        return allowed[:n_vocab]
 
     def advance(self, token: int) -> None:
         after = self._after(token)
@@ -381,14 +385,24 @@ class JsonConstraint:
         self.state, self.blanks = after
 
 
-def _index(tok) -> tuple[dict[int, list[int]], list[bool]]:
-    """The vocabulary's normal tokens by first byte, and whether the rest of each is plain string text (made once
-    a tokenizer: every constrained sequence's masks read it)."""
-    groups: dict[int, list[int]] = {}
-    plain_rest = [False] * len(tok.token_types)
+def _index(tok) -> dict[int, tuple[torch.Tensor, list[int], dict[int | None, tuple[list[int], list[int]]]]]:
+    """The vocabulary's normal tokens by first byte: those whose other bytes are plain string text (no quote,
+    backslash or control byte) as a tensor, the others as a list; and all of them by second byte (None:
+    one-byte tokens), each as (plain, others). Made once a tokenizer: every mask reads it."""
+    import torch
+
+    groups: dict[int, dict[int | None, tuple[list[int], list[int]]]] = {}
     for i, kind in enumerate(tok.token_types):
         data = tok.token_bytes(i) if kind == NORMAL else b""
         if data:
-            groups.setdefault(data[0], []).append(i)
-            plain_rest[i] = all(b >= 0x20 and b not in (0x22, 0x5C) for b in data[1:])
-    return groups, plain_rest
+            plain = all(b >= 0x20 and b not in (0x22, 0x5C) for b in data[1:])
+            second = data[1] if len(data) > 1 else None
+            groups.setdefault(data[0], {}).setdefault(second, ([], []))[0 if plain else 1].append(i)
+    return {
+        first: (
+            torch.tensor([i for p, _ in by_second.values() for i in p], dtype=torch.long),
+            [i for _, o in by_second.values() for i in o],
+            by_second,
+        )
+        for first, by_second in groups.items()
+    }

@@ -162,6 +162,39 @@ def test_the_mask_is_what_allows_says(engine):
         assert any(mask[i] for i in tok.eos_ids) == (text == "}")
 
 
+class _Words:
+    """A tokenizer's three fields the constraint reads, over every byte and random words with blanks, quotes,
+    backslashes and JSON punctuation (a generated model's vocabulary has few of them)."""
+
+    def __init__(self, size: int, seed: int):
+        import random
+
+        from moestream.formats.tokenizer import NORMAL
+
+        rng = random.Random(seed)
+        self.words = [bytes([b]) for b in range(256)]
+        while len(self.words) < size:
+            word = "".join(rng.choice('ab9 "\\:,{}[]ntrue.-e') for _ in range(rng.randint(2, 6)))
+            self.words.append(word.encode())
+        self.token_types, self.eos_ids = [NORMAL] * size, (0,)
+
+    def token_bytes(self, i: int) -> bytes:
+        return self.words[i]
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_the_mask_is_what_allows_says_over_a_vocabulary_of_json_shards(seed):
+    """The mask's shortcuts (groups skipped by their first two bytes, plain string text taken unfed) give every
+    token the verdict feeding it gives, at each byte of an answer."""
+    words = _Words(3000, seed)
+    schema = {"type": "object", "properties": {'k"1': {"type": "array", "items": {"enum": ["a\\b", 9]}}, "t": {}}}
+    c = JsonConstraint(words, rules(schema))
+    for b in b'{ "k\\"1" : [ "a\\\\b" , 9 ] , "t" : { "x\\n" : "a b" } }':
+        mask = c.mask(len(words.words))
+        assert mask.tolist() == [c.allows(i) for i in range(len(words.words))], bytes([b])
+        c.advance(b)
+
+
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_sampled_answers_follow_the_schema(engine, seed):
     """A random model at temperature 1: every answer the mask lets through parses and follows the schema."""
