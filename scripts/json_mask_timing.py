@@ -1,44 +1,65 @@
-"""Time JsonConstraint.mask over a synthetic vocabulary of a real model's size (docs/benchmarks.md).
+"""How long response_format's full token mask takes at each point of a JSON answer, over a vocabulary the size
+of Qwen3's (151k tokens: every byte, then random words, most with a leading blank, some ending in JSON
+punctuation). A generated model's vocabulary has ~500 normal tokens, so it cannot show this.
 
-The mask is built only when a pick breaks the JSON; this is what such a step costs on the host."""
+    python scripts/json_mask_timing.py [TREE]   # TREE: a checkout to import moestream from (an A/B), default this one
+"""
 
 from __future__ import annotations
 
-import argparse
 import random
+import sys
 import time
-from types import SimpleNamespace
+from pathlib import Path
 
-from moestream.runtime.json_constraint import JsonConstraint, feed
+sys.path.insert(0, sys.argv[1] if len(sys.argv) > 1 else str(Path(__file__).resolve().parents[1]))
 
-ALPHA = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
-PREFIXES = ["", " ", '"', "\n", ", ", '":', "{"]
+from moestream.formats.tokenizer import NORMAL  # noqa: E402
+from moestream.runtime.json_constraint import JsonConstraint, schema_of  # noqa: E402
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "mood": {"enum": ["calm", "storm"]}, "n": {"type": "integer"}},
+    "required": ["name", "mood"],
+}
+# the answer so far, fed a byte at a time (tokens 0-255 are the single bytes); a mask is timed after each piece
+PIECES = [b"{", b'"', b"na", b'me":', b' "', b"Ann and", b'", "mood": "', b"ca"]
+
+
+class Vocabulary:
+    """The three things the constraint reads of a tokenizer."""
+
+    def __init__(self, size: int = 151_000, seed: int = 0):
+        rng = random.Random(seed)
+        letters = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+        ends = ['"', ",", ".", ":", '":', '",', "\\n", "{", "}"]
+        self.words = [bytes([b]) for b in range(256)]
+        while len(self.words) < size:
+            word = "".join(rng.choice(letters) for _ in range(rng.randint(1, 9)))
+            word = (" " if rng.random() < 0.6 else "") + word + (rng.choice(ends) if rng.random() < 0.1 else "")
+            self.words.append(word.encode())
+        self.token_types = [NORMAL] * size
+        self.eos_ids = (0,)
+
+    def token_bytes(self, i: int) -> bytes:
+        return self.words[i]
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--vocab", type=int, default=151_000)
-    a = p.parse_args()
-    rng = random.Random(0)
-    toks = [bytes([i]) for i in range(256)]
-    while len(toks) < a.vocab:
-        word = "".join(rng.choice(ALPHA) for _ in range(rng.randint(2, 9)))
-        toks.append((rng.choice(PREFIXES) + word).encode())
-    tok = SimpleNamespace(token_bytes=toks.__getitem__, token_types=[1] * len(toks), tokens=toks, eos_ids=frozenset())
-    schema = {"type": "object"}
-    t0 = time.perf_counter()
-    JsonConstraint(tok, schema)._index()
-    print(f"index of {len(toks)} tokens: {time.perf_counter() - t0:.3f} s")
-    import torch  # noqa: F401 (imported before timing: the mask imports it on first use)
-
-    for text in (b"{", b'{"na', b'{"name": "Ann is', b'{"name": "Ann", '):
-        c = JsonConstraint(tok, schema)
-        c._index()
-        for b in text:
-            c.state = feed(c.state, b)
-        t0 = time.perf_counter()
-        allowed = int(c.mask(len(toks)).sum())
-        print(f"mask after {text.decode()!r:20} {time.perf_counter() - t0:.3f} s, {allowed} tokens allowed")
+    vocab = Vocabulary()
+    n = len(vocab.words)
+    c = JsonConstraint(vocab, schema_of({"type": "json_schema", "json_schema": {"schema": SCHEMA}}))
+    c.mask(n)  # the vocabulary's index, made once
+    print("| answer so far ends with | state | tokens allowed | mask ms (best of 3) |\n|---|---|---:|---:|")
+    for piece in PIECES:
+        for b in piece:
+            c.advance(b)
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            allowed = c.mask(n)
+            times.append(time.perf_counter() - start)
+        print(f"| `{piece.decode()}` | {c.state[-1][0]} | {int(allowed.sum())} | {min(times) * 1000:.1f} |")
 
 
 if __name__ == "__main__":

@@ -71,8 +71,8 @@ def spelled(name: str) -> bytes:
 
 def schema_of(response_format: dict) -> dict:
     """The rules a response_format asks for, checked: json_object is any object."""
-    if response_format.get("type") == "json_object":
-        return rules({"type": "object"})
+    if response_format.get("type") == "json_object":  # with llama-server's schema, or any object
+        return rules(response_format.get("schema") or {"type": "object"})
     schema = (response_format.get("json_schema") or {}).get("schema")
     if not isinstance(schema, dict):
         raise MoestreamError("json_schema.schema must be a JSON schema object")
@@ -104,7 +104,12 @@ def rules(schema: Any, where: str = "schema", depth: int = 0) -> dict:
     if enum is not None:
         if not isinstance(enum, list) or not enum or any(isinstance(v, (dict, list)) for v in enum):
             raise MoestreamError(f"{where}: enum must be a non-empty list of strings, numbers, booleans or null")
-        out["enum"] = Spellings(json.dumps(v, ensure_ascii=False).encode() for v in enum)
+        # only values the type lets be written (1.5 is no integer, Infinity no JSON): the others lead nowhere
+        typed = {**out, "required": frozenset()}
+        spelled_values = [json.dumps(v, ensure_ascii=False).encode() for v in enum]
+        out["enum"] = Spellings(v for v in spelled_values if _whole(typed, v))
+        if not out["enum"].sorted:
+            raise MoestreamError(f"{where}: no value of enum is JSON of type {schema.get('type')!r}; fix either")
     properties = schema.get("properties", {})
     if not isinstance(properties, dict):
         raise MoestreamError(f"{where}: properties must be an object of name -> schema")
@@ -142,27 +147,9 @@ def _enum_ok(schema: dict, raw: bytes, done: bool) -> bool:
     return raw in enum.whole if done else enum.extends(raw)
 
 
-def _escape_left(raw: bytes) -> int:
-    """Where a JSON string's bytes so far stand in an escape: 0 outside one, -1 just after the backslash, or how
-    many hex digits of a \\u escape are still due."""
-    i, n = 0, len(raw)
-    while i < n:
-        if raw[i] != 0x5C:
-            i += 1
-        elif i + 1 == n:
-            return -1
-        elif raw[i + 1] == ord("u"):
-            if i + 6 > n:
-                return i + 6 - n
-            i += 6
-        else:
-            i += 2
-    return 0
-
-
 def _string_byte(esc: int, b: int) -> int | None:
-    """The escape state after byte b inside a string (esc as _escape_left says; not the closing quote), or
-    None where JSON allows no such byte."""
+    """The escape state after byte b inside a string (not its closing quote): 0 outside an escape, -1 just after
+    the backslash, or how many hex digits of a \\u escape are still due; None where JSON allows no such byte."""
     if esc == -1:
         return 4 if b == ord("u") else 0 if bytes([b]) in b'"\\/bfnrt' else None
     if esc > 0:
@@ -172,7 +159,8 @@ def _string_byte(esc: int, b: int) -> int | None:
     return -1 if b == ord("\\") else 0
 
 
-# Frames (tuples): ("value", schema) a value is due; ("obj", schema, phase, seen, key); ("arr", schema, phase);
+# Frames (tuples): ("value", schema) a value is due; ("obj", schema, phase, seen, key, escape) escape: a key's, as
+# a string's (0 in other phases); ("arr", schema, phase);
 # ("str", schema, raw, escape) escape: 0, "\" seen (-1) or hex digits left; ("num", schema, raw, dfa state);
 # ("lit", schema, raw); ("done",) the whole value is read.
 
@@ -181,7 +169,7 @@ def _start(schema: dict, b: int) -> tuple | None:
     """The frame a value starting with byte b opens, if the schema lets it."""
     kinds, c = _kinds(schema), bytes([b])
     if c == b"{" and "object" in kinds and "enum" not in schema:
-        return ("obj", schema, "first", frozenset(), b"")
+        return ("obj", schema, "first", frozenset(), b"", 0)
     if c == b"[" and "array" in kinds and "enum" not in schema:
         return ("arr", schema, "first")
     if c == b'"' and "string" in kinds:
@@ -216,8 +204,8 @@ def _value_done(stack: tuple) -> tuple | None:
         return (("done",),)
     parent = stack[-1]
     if parent[0] == "obj":
-        _, schema, _, seen, key = parent
-        return (*stack[:-1], ("obj", schema, "after", seen | {key}, b""))
+        _, schema, _, seen, key, _ = parent
+        return (*stack[:-1], ("obj", schema, "after", seen | {key}, b"", 0))
     return (*stack[:-1], ("arr", parent[1], "after"))
 
 
@@ -269,27 +257,27 @@ def feed(stack: tuple, b: int) -> tuple | None:
 
 
 def _feed_object(rest: tuple, top: tuple, b: int) -> tuple | None:
-    _, schema, phase, seen, key = top
+    _, schema, phase, seen, key, esc = top
     if phase == "key":  # key: the name's bytes so far, as spelled in JSON
-        if b == ord('"') and _escape_left(key) == 0:  # the name ends (a spelled name has no bare quote)
+        if b == ord('"') and esc == 0:  # the name ends (a listed name's spelling has no bare quote)
             sub = _property_schema(schema, key)
-            return None if sub is None or key in seen else (*rest, ("obj", schema, "colon", seen, key))
-        grown = key + bytes([b])
-        if "names" in schema:
-            return (*rest, ("obj", schema, "key", seen, grown)) if schema["names"].extends(grown, seen) else None
-        return None if _string_byte(_escape_left(key), b) is None else (*rest, ("obj", schema, "key", seen, grown))
+            return None if sub is None or key in seen else (*rest, ("obj", schema, "colon", seen, key, 0))
+        grown, esc = key + bytes([b]), _string_byte(esc, b)
+        if esc is None or ("names" in schema and not schema["names"].extends(grown, seen)):
+            return None
+        return (*rest, ("obj", schema, "key", seen, grown, esc))
     if b in WS:
         return (*rest, top)
     if phase in ("first", "next") and b == ord('"') and schema.get("properties", True):  # {} : no key to write
-        return (*rest, ("obj", schema, "key", seen, b""))
+        return (*rest, ("obj", schema, "key", seen, b"", 0))
     if phase in ("first", "after") and b == ord("}"):
         return _value_done(rest) if _close_ok(top) else None
     if phase == "after" and b == ord(","):  # only where a key is left to write
         props = schema.get("properties")
         left = props is None or len(seen) < len(props)  # seen: only listed names
-        return (*rest, ("obj", schema, "next", seen, b"")) if left else None
+        return (*rest, ("obj", schema, "next", seen, b"", 0)) if left else None
     if phase == "colon" and b == ord(":"):
-        return (*rest, ("obj", schema, "value", seen, key), ("value", _property_schema(schema, key)))
+        return (*rest, ("obj", schema, "value", seen, key, 0), ("value", _property_schema(schema, key)))
     return None
 
 
@@ -311,13 +299,24 @@ def _free(stack: tuple) -> bool:
     top = stack[-1]
     if top[0] == "str":
         return top[3] == 0 and "enum" not in top[1]
-    return top[0] == "obj" and top[2] == "key" and "properties" not in top[1] and _escape_left(top[4]) == 0
+    return top[0] == "obj" and top[2] == "key" and "properties" not in top[1] and top[5] == 0
 
 
 def complete(stack: tuple) -> bool:
     """Whether the bytes so far are one whole value (a bare number is whole where it may end)."""
     top = stack[-1]
-    return top[0] == "done" or (len(stack) == 1 and top[0] == "num" and top[3] in _NUM_DONE)
+    bare_number = len(stack) == 1 and top[0] == "num" and top[3] in _NUM_DONE
+    return top[0] == "done" or (bare_number and _enum_ok(top[1], top[2], True))
+
+
+def _whole(schema: dict, text: bytes) -> bool:
+    """Whether text is one value the schema allows."""
+    state: tuple | None = (("value", schema),)
+    for b in text:
+        state = feed(state, b)
+        if state is None:
+            return False
+    return complete(state)
 
 
 _INDEXES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> _index(tokenizer)
@@ -374,8 +373,7 @@ class JsonConstraint:
             ids = [i for group in fed for i in group if self._after(i) is not None]
             if ids:
                 allowed[ids] = True
-        if complete(self.state):
-            allowed[list(self.tokenizer.eos_ids)] = True
+        allowed[list(self.tokenizer.eos_ids)] = complete(self.state)  # also where one is typed as normal text
         return allowed[:n_vocab]
 
     def advance(self, token: int) -> None:

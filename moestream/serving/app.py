@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from moestream.errors import MoestreamError
 from moestream.runtime.prompt_cache import metrics as prompt_cache_metrics
 from moestream.serving.choices import answer_for, chat_variables, choice_jobs
 from moestream.serving.errors import ApiError, Errors, parse_body
@@ -24,7 +25,7 @@ from moestream.serving.scheduler import Event, QueueFull, Scheduler
 from moestream.serving.scheduler import Request as Job
 from moestream.serving.tool_calls import template_messages
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # function: OpenAI's older tool role
 
 
 def _kind(event) -> str:
@@ -40,7 +41,7 @@ def _plain(message: dict[str, Any]) -> dict[str, Any]:
     calls = message.get("tool_calls")
     if calls is not None and (role != "assistant" or not isinstance(calls, list)):
         raise ApiError(400, "tool_calls: a list, in assistant messages only")
-    if content is None and not (role == "assistant" and calls):
+    if content is None and not (role == "assistant" and (calls or message.get("function_call"))):
         raise ApiError(400, f"a {role} message needs content (only an assistant's tool calls may come without)")
     if content is not None and not isinstance(content, (str, list)):
         raise ApiError(400, "message content must be a string or a list of text parts")
@@ -60,6 +61,8 @@ def create_app(
     threads_http: int | None = None,
     reasoning_format: str = "auto",
 ) -> FastAPI:
+    if api_key is not None and not api_key.strip():  # an empty key would let every request in
+        raise MoestreamError("the API key is empty: give a key, or none to serve without one")
     engine = scheduler.engine
     threads = threads_http if threads_http is not None else default_threads(scheduler.max_seqs)
     prompts = Prompts(engine.tokenizer, engine.n_ctx, threads)  # templating and tokenizing: off the event loop

@@ -157,7 +157,8 @@ def _penalty(body: dict, name: str) -> float:
 
 
 def _bool(body: dict, name: str, default: bool) -> bool:
-    value = body.get(name, default)
+    value = body.get(name)
+    value = default if value is None else value
     if not isinstance(value, bool):
         raise BadRequest(f"{name} must be true or false")
     return value
@@ -168,7 +169,8 @@ def read_request(body: dict[str, Any], endpoint: str, max_tokens: int, n_vocab: 
     check_fields(body, endpoint)
     body = {k: v for k, v in body.items() if v is not None}
     chat = endpoint == CHAT
-    given = [_int(body, name, 0, 0, max_tokens) for name in ("max_tokens", "max_completion_tokens") if name in body]
+    names = ("max_completion_tokens", "max_tokens")  # OpenAI's newer name first, where a client sends both
+    given = [_int(body, name, 0, 0, max_tokens) for name in names if name in body]
     n_max = given[0] if given else min(DEFAULT_MAX_TOKENS, max_tokens)
     n = _int(body, "n", 1, 1, MAX_N)
     if _int(body, "best_of", n, 1, MAX_N) != n:
@@ -261,11 +263,15 @@ def _read_chat(body: dict, ask: Ask) -> None:
     ask.tools = tools if choice == "auto" else []
     ask.parallel_tool_calls = _bool(body, "parallel_tool_calls", True)
     fmt = body.get("response_format", {"type": "text"})
+    fmt = {k: v for k, v in fmt.items() if v is not None} if isinstance(fmt, dict) else fmt
     kind = fmt.get("type") if isinstance(fmt, dict) else None
     if kind not in ("text", "json_object", "json_schema"):
         raise BadRequest("response_format must be {type: text}, {type: json_object} or {type: json_schema, ...}")
-    if set(fmt) - {"type", "json_schema"} or ("json_schema" in fmt) != (kind == "json_schema"):
-        raise BadRequest("response_format takes type, and json_schema with type json_schema")
+    extra = {"json_schema": {"json_schema"}, "json_object": {"schema"}}.get(kind, set())  # llama-server's schema
+    if set(fmt) - {"type"} - extra:
+        raise BadRequest(f"response_format of type {kind} takes only {', '.join(['type', *sorted(extra)])}")
+    if kind == "json_object" and "schema" in fmt and not isinstance(fmt["schema"], dict):
+        raise BadRequest("response_format json_object's schema (llama-server's) must be a JSON schema object")
     if kind == "json_schema" and not (
         isinstance(fmt["json_schema"], dict) and isinstance(fmt["json_schema"].get("schema"), dict)
     ):
@@ -294,12 +300,12 @@ def _check_tool(tool: Any, where: str) -> None:
     fn = tool.get("function") if isinstance(tool, dict) else None
     if not isinstance(fn, dict) or tool.get("type") != "function" or not isinstance(fn.get("name"), str):
         raise BadRequest(f'{where} must be {{"type": "function", "function": {{"name": ..., "parameters": ...}}}}')
-    parameters = fn.get("parameters", {})
+    parameters = fn.get("parameters") or {}
     if not isinstance(parameters, dict):
         raise BadRequest(f"{where}.function.parameters must be a JSON schema object")
-    properties = parameters.get("properties", {})
-    if not isinstance(properties, dict) or not all(isinstance(p, dict) for p in properties.values()):
-        raise BadRequest(f"{where}.function.parameters.properties must be an object of name -> schema object")
+    properties = parameters.get("properties") or {}
+    if not isinstance(properties, dict) or not all(isinstance(p, (dict, bool)) for p in properties.values()):
+        raise BadRequest(f"{where}.function.parameters.properties must be an object of name -> schema")
 
 
 def check_template(template: str | None, ask: Ask) -> None:

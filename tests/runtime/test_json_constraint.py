@@ -89,6 +89,11 @@ def _nested(depth: int) -> dict:
         ({"type": "json_schema", "json_schema": {"schema": {"required": "a"}}}, "required must be a list"),
         ({"type": "json_schema", "json_schema": {"schema": _nested(900)}}, "nests deeper than 64"),
         ({"type": "json_schema", "json_schema": {"schema": {"type": []}}}, "allows no value"),
+        (
+            {"type": "json_schema", "json_schema": {"schema": {"type": "integer", "enum": [1.5, "2"]}}},
+            "no value of enum",
+        ),
+        ({"type": "json_schema", "json_schema": {"schema": {"enum": [float("inf")]}}}, "no value of enum"),
     ],
 )
 def test_unsupported_schemas_are_refused(fmt, word):
@@ -120,6 +125,25 @@ def test_no_prefix_is_a_dead_end():
         state = feed(state, b)
     assert feed(state, ord("n")) is None and feed(state, ord("t")) is None  # no value goes on as \\n or \\t
     assert feed(state, ord('"')) is not None and feed(state, ord("\\")) is not None
+
+
+def test_enum_values_the_type_cannot_write_are_dropped_and_a_bare_number_ends_only_in_the_enum():
+    schema = rules({"type": "integer", "enum": [1.5, 2, 1.0]})  # 1.5 and 1.0 (spelled 1.0) are no integers
+    assert schema["enum"].sorted == [b"2"]
+    state = (("value", rules({"enum": [15]})),)
+    state = feed(state, ord("1"))
+    assert not complete(state) and complete(feed(state, ord("5")))
+
+
+def test_a_long_free_key_costs_a_byte_a_byte():
+    """An object of any keys keeps its key's escape state in its frame: a 20000-byte key is not rescanned."""
+    import time
+
+    state = (("value", rules({"type": "object"})),)
+    start = time.perf_counter()
+    for b in b'{"' + b"ab\\n" * 5000:
+        state = feed(state, b)
+    assert state is not None and time.perf_counter() - start < 1.0  # rescanning took ~30 s
 
 
 def test_a_long_enum_is_checked_in_log_time():
@@ -180,6 +204,18 @@ class _Words:
 
     def token_bytes(self, i: int) -> bytes:
         return self.words[i]
+
+
+def test_an_end_of_text_token_typed_as_text_is_masked_until_the_json_is_whole():
+    words = _Words(300, 1)
+    words.words[299], words.eos_ids = b"</s>", (299,)  # plain string text, and the end of text
+    c = JsonConstraint(words, rules({"type": "object"}))
+    for b in b'{"a": "x':
+        c.advance(b)
+    assert not c.mask(300)[299] and not c.allows(299)
+    for b in b'"}':
+        c.advance(b)
+    assert c.mask(300)[299] and c.allows(299)
 
 
 @pytest.mark.parametrize("seed", [1, 2])

@@ -65,6 +65,14 @@ def test_where_the_key_comes_from(tmp_path):
         api_key_of(None, str(tmp_path / "none"), {})
 
 
+def test_an_app_is_not_made_with_an_empty_key(server):
+    """Compared with a missing header's empty bytes, an empty key would let every request in."""
+    from moestream.serving.app import create_app
+
+    with pytest.raises(MoestreamError, match="API key is empty"):
+        create_app(server.scheduler, "tiny", api_key=" ")
+
+
 def test_serve_says_a_bad_key_file_in_one_line(tmp_path, capsys, model_file):
     path = model_file("tiny", "Q4_K_M")
     assert main(["serve", "-m", path, "--device", "cpu", "--api-key-file", str(tmp_path / "none")]) == 2

@@ -195,7 +195,7 @@ def test_template_variables(client):
             r"tools\[0\].function.parameters.properties must",
         ),
         ("chat", {"response_format": {"type": "json_schema", "json_schema": "x"}}, "json_schema.schema"),
-        ("chat", {"response_format": {"type": "text", "x": 1}}, "response_format takes"),
+        ("chat", {"response_format": {"type": "text", "x": 1}}, "response_format of type text takes only type"),
         ("chat", {"max_completion_tokens": "x"}, "max_completion_tokens must be"),
         ("chat", {"stream_options": {"include_usage": True}}, "only with stream true"),
         ("completions", {"presence_penalty": -3}, "presence_penalty must be from -2 to 2"),
@@ -232,6 +232,16 @@ def test_what_a_request_gets_wrong_is_a_400_and_what_it_leaves_out_has_a_default
     with pytest.raises(openai.BadRequestError, match="needs content"):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": None}], max_tokens=1)
     assert client.completions.create(model="tiny", prompt=[5], max_tokens=2).usage.prompt_tokens == 1
+    tool = {"type": "function", "function": {"name": "f", "parameters": None}}
+    r = client.chat.completions.create(  # nulls inside objects mean the default, as at the top level
+        model="tiny",
+        messages=[*MESSAGES, {"role": "function", "name": "f", "content": "{}"}],
+        max_tokens=2,
+        stream=True,
+        stream_options={"include_usage": None},
+        extra_body={"response_format": {"type": "text", "json_schema": None}, "tools": [tool]},
+    )
+    assert [c for c in r if c.choices]
     r = client.completions.create(model="tiny", prompt=[5] * 2040, temperature=0)  # 8 positions left of 2048
     assert r.usage.completion_tokens <= 8 and r.choices[0].finish_reason in ("length", "stop")
     r = client.completions.create(
@@ -281,6 +291,11 @@ def test_response_format_is_enforced(client):
         assert isinstance(json.loads(r.choices[0].message.content), dict)
     else:
         assert r.choices[0].message.content.lstrip().startswith("{")
+    typed = {"type": "object", "properties": {"n": {"enum": [7, 8]}}, "required": ["n"]}  # llama-server's form
+    r = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=40, seed=6, response_format={"type": "json_object", "schema": typed}
+    )
+    assert json.loads(r.choices[0].message.content)["n"] in (7, 8)
     odd = {"type": "object", "properties": {'say "hi"': {"enum": ['"', "a\\b"]}}, "required": ['say "hi"']}
     fmt = {"type": "json_schema", "json_schema": {"name": "odd", "schema": odd}}
     r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=40, seed=5, response_format=fmt)
