@@ -60,7 +60,7 @@ FIELDS: dict[str, tuple[str, str, str]] = {
     "n": (BOTH, TAKEN, f"up to {MAX_N} choices, each its own sequence"),
     "best_of": (COMPLETIONS, TAKEN, "only equal to n: no choice is ranked and dropped"),
     "stream": (BOTH, TAKEN, "server-sent events"),
-    "stream_options": (BOTH, TAKEN, "include_usage"),
+    "stream_options": (BOTH, TAKEN, "include_usage, with stream true"),
     "stop": (BOTH, TAKEN, f"up to {MAX_STOPS} strings"),
     "temperature": (BOTH, TAKEN, "0: greedy"),
     "top_p": (BOTH, TAKEN, ""),
@@ -74,7 +74,7 @@ FIELDS: dict[str, tuple[str, str, str]] = {
     "tools": (CHAT, TAKEN, "functions, through the chat template; calls come back as tool_calls"),
     "tool_choice": (CHAT, TAKEN, "none or auto; a forced call cannot be enforced"),
     "parallel_tool_calls": (CHAT, TAKEN, "false keeps the first call"),
-    "response_format": (CHAT, TAKEN, "text, json_object, json_schema: enforced by a token mask"),
+    "response_format": (CHAT, TAKEN, "text, json_object (llama-server's schema too), json_schema: a token mask"),
     "reasoning_format": (CHAT, TAKEN, "none, deepseek or auto, as llama-server"),
     "reasoning_effort": (CHAT, TAKEN, "to the chat template, where it reads it (gpt-oss)"),
     "chat_template_kwargs": (CHAT, TAKEN, "variables the chat template reads (enable_thinking...)"),
@@ -323,10 +323,10 @@ def check_context(n_prompt: int, ask: Ask, n_ctx: int) -> None:
     is lowered to the room left (as llama-server generates until the context is full)."""
     if not n_prompt:
         raise BadRequest("the prompt is empty")
-    if not ask.max_tokens_given and n_prompt < n_ctx:
+    if not ask.max_tokens_given:
+        if n_prompt >= n_ctx:
+            raise BadRequest(f"the prompt ({n_prompt} tokens) fills the context ({n_ctx}); shorten the prompt")
         ask.params = replace(ask.params, max_tokens=min(ask.params.max_tokens, n_ctx - n_prompt))
-    if not ask.max_tokens_given and n_prompt >= n_ctx:
-        raise BadRequest(f"the prompt ({n_prompt} tokens) fills the context ({n_ctx}); shorten the prompt")
     if n_prompt + ask.params.max_tokens > n_ctx:
         raise BadRequest(
             f"the prompt ({n_prompt} tokens) plus max_tokens ({ask.params.max_tokens}) is more than the context "
