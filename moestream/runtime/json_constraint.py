@@ -338,39 +338,31 @@ class JsonConstraint:
         data = tok.token_bytes(token)
         if not data or tok.token_types[token] != NORMAL:  # only normal tokens spell JSON (no markers, no padding)
             return None
-        state, blanks = self.state, self.blanks
-        for b in data:
-            in_string = state[-1][0] == "str" or (state[-1][0] == "obj" and state[-1][2] == "key")
-            blanks = 0 if in_string or b not in WS else blanks + 1
-            state = feed(state, b) if blanks <= MAX_BLANKS else None
-            if state is None:
-                return None
-        return state, blanks
+        return _feed_bytes(self.state, self.blanks, data)
 
     def allows(self, token: int) -> bool:
         return self._after(token) is not None
 
     def mask(self, n_vocab: int) -> torch.Tensor:
         """Every token's verdict. Tokens are grouped by their first byte, then their second: a group whose first
-        bytes break the JSON is skipped whole (a blank, then a letter, where a key is due), and where the first
-        byte leaves a free string (or any key), the tokens whose other bytes hold no quote, backslash or control
-        byte are taken at once, without feeding them."""
+        bytes break the JSON is skipped whole (a blank, then a letter, where a key is due). Where the first byte
+        leaves a free string (or any key), what a token's other bytes do is known from the index: stay inside
+        (taken at once) or close it, and then only the bytes from the closing quote on are fed, once each."""
         import torch
 
         if self.tokenizer not in _INDEXES:
             _INDEXES[self.tokenizer] = _index(self.tokenizer)
         allowed = torch.zeros(max(n_vocab, len(self.tokenizer.token_types)), dtype=torch.bool)
-        for first, (plain, others, by_second) in _INDEXES[self.tokenizer].items():
+        for first, (inside, closing, by_second) in _INDEXES[self.tokenizer].items():
             after = feed(self.state, first)
             if after is None:
                 continue
-            free = _free(after) and (first not in WS or _free(self.state))  # a blank outside strings is counted
-            if free:  # few second bytes break a free string: no pruning by them
-                allowed[plain] = True
-                fed = [others]
+            if _free(after) and (first not in WS or _free(self.state)):  # a blank outside strings is counted
+                allowed[inside] = True
+                ids = _closing(after, closing)
             else:  # a second byte that breaks the JSON rules out its group (then each is fed whole)
-                fed = [p + o for second, (p, o) in by_second.items() if second is None or feed(after, second)]
-            ids = [i for group in fed for i in group if self._after(i) is not None]
+                fed = [group for second, group in by_second.items() if second is None or feed(after, second)]
+                ids = [i for group in fed for i in group if self._after(i) is not None]
             if ids:
                 allowed[ids] = True
         allowed[list(self.tokenizer.eos_ids)] = complete(self.state)  # also where one is typed as normal text
@@ -383,24 +375,78 @@ class JsonConstraint:
         self.state, self.blanks = after
 
 
-def _index(tok) -> dict[int, tuple[torch.Tensor, list[int], dict[int | None, tuple[list[int], list[int]]]]]:
-    """The vocabulary's normal tokens by first byte: those whose other bytes are plain string text (no quote,
-    backslash or control byte) as a tensor, the others as a list; and all of them by second byte (None:
-    one-byte tokens), each as (plain, others). Made once a tokenizer: every mask reads it."""
+def _feed_bytes(state: tuple, blanks: int, data: bytes) -> tuple[tuple, int] | None:
+    """The state and blank run (outside strings) after data, or None if it breaks the JSON."""
+    for b in data:
+        in_string = state[-1][0] == "str" or (state[-1][0] == "obj" and state[-1][2] == "key")
+        blanks = 0 if in_string or b not in WS else blanks + 1
+        state = feed(state, b) if blanks <= MAX_BLANKS else None
+        if state is None:
+            return None
+    return state, blanks
+
+
+def _closing(after: tuple, closing: dict[bytes, tuple[list[int], list[bytes]]]) -> list[int]:
+    """Of the tokens that close the free string (or key) open in `after`, those whose bytes from the closing
+    quote on (their tail) the JSON allows. A string's close leads to one state whatever its text, so each tail is
+    fed once; a key's close depends on its whole name (a repeat is refused, a required one counted), so a tail is
+    fed once for the names that are neither, unless it closes a second name (3 quotes or more: fed per name)."""
+    top = after[-1]
+    if top[0] == "str":
+        shut = _value_done(after[:-1])
+        return [i for tail, (ids, _) in closing.items() if _feed_bytes(shut, 0, tail[1:]) for i in ids]
+    _, schema, _, seen, key, _ = top
+    verdicts: dict[tuple[bytes, bytes | None], bool] = {}
+    out = []
+    for tail, (ids, middles) in closing.items():
+        shared = tail.count(b'"') <= 2
+        for i, middle in zip(ids, middles, strict=True):
+            name = key + middle
+            if name in seen:
+                continue
+            which = (tail, None if shared and name not in schema["required"] else name)
+            if which not in verdicts:
+                named = (*after[:-1], ("obj", schema, "colon", seen, name, 0))
+                verdicts[which] = _feed_bytes(named, 0, tail[1:]) is not None
+            if verdicts[which]:
+                out.append(i)
+    return out
+
+
+def _close_at(data: bytes) -> int | None:
+    """Where a token's closing quote is, read as the rest of a free string from its second byte: its index,
+    None if the token stays inside the string, -1 if a byte breaks it (a control byte, a bad escape)."""
+    esc = 0
+    for k in range(1, len(data)):
+        if esc == 0 and data[k] == 0x22:
+            return k
+        esc = _string_byte(esc, data[k])
+        if esc is None:
+            return -1
+    return None
+
+
+def _index(tok) -> dict[int, tuple[torch.Tensor, dict[bytes, tuple[list[int], list[bytes]]], dict]]:
+    """The vocabulary's normal tokens by first byte, each group as: the tokens whose other bytes stay inside a
+    free string (a tensor); those that close it, by their tail from the closing quote on (ids, and the text
+    before the quote); and all of them by second byte (None: one-byte tokens). Made once a tokenizer."""
     import torch
 
-    groups: dict[int, dict[int | None, tuple[list[int], list[int]]]] = {}
+    groups: dict[int, tuple[list[int], dict, dict[int | None, list[int]]]] = {}
     for i, kind in enumerate(tok.token_types):
         data = tok.token_bytes(i) if kind == NORMAL else b""
-        if data:
-            plain = all(b >= 0x20 and b not in (0x22, 0x5C) for b in data[1:])
-            second = data[1] if len(data) > 1 else None
-            groups.setdefault(data[0], {}).setdefault(second, ([], []))[0 if plain else 1].append(i)
+        if not data:
+            continue
+        inside, closing, by_second = groups.setdefault(data[0], ([], {}, {}))
+        by_second.setdefault(data[1] if len(data) > 1 else None, []).append(i)
+        at = _close_at(data)
+        if at is None:
+            inside.append(i)
+        elif at > 0:
+            ids, middles = closing.setdefault(data[at:], ([], []))
+            ids.append(i)
+            middles.append(data[1:at])
     return {
-        first: (
-            torch.tensor([i for p, _ in by_second.values() for i in p], dtype=torch.long),
-            [i for _, o in by_second.values() for i in o],
-            by_second,
-        )
-        for first, by_second in groups.items()
+        first: (torch.tensor(inside, dtype=torch.long), closing, by_second)
+        for first, (inside, closing, by_second) in groups.items()
     }

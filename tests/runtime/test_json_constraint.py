@@ -182,13 +182,13 @@ class _Words:
     """A tokenizer's three fields the constraint reads, over every byte and random words with blanks, quotes,
     backslashes and JSON punctuation (a generated model's vocabulary has few of them)."""
 
-    def __init__(self, size: int, seed: int):
+    def __init__(self, size: int, seed: int, extra: tuple[bytes, ...] = ()):
         import random
 
         from moestream.formats.tokenizer import NORMAL
 
         rng = random.Random(seed)
-        self.words = [bytes([b]) for b in range(256)]
+        self.words = [bytes([b]) for b in range(256)] + list(extra)
         while len(self.words) < size:
             word = "".join(rng.choice('ab9 "\\:,{}[]ntrue.-e') for _ in range(rng.randint(2, 6)))
             self.words.append(word.encode())
@@ -210,17 +210,34 @@ def test_an_end_of_text_token_typed_as_text_is_masked_until_the_json_is_whole():
     assert c.mask(300)[299] and c.allows(299)
 
 
+SHARDS_ANSWERS = [
+    (
+        {"type": "object", "properties": {'k"1': {"type": "array", "items": {"enum": ["a\\b", 9]}}, "t": {}}},
+        b'{ "k\\"1" : [ "a\\\\b" , 9 ] , "t" : { "x\\n" : "a b" } }',
+        (),
+    ),
+    # free keys: a repeat is refused, a required one counted where the object closes; tokens that share a tail
+    # after their name's closing quote but not its verdict (at the outer object's third key)
+    (
+        {"type": "object", "required": ["ab"]},
+        b'{"b":1,"a\\"":"x","ab":{"b":[],"a":"b"},"a":9}',
+        (b'a":9,"a"', b'aa":9,"a"', b'a":9}', b'ab":9}'),
+    ),
+]
+
+
 @pytest.mark.parametrize("seed", [1, 2])
-def test_the_mask_is_what_allows_says_over_a_vocabulary_of_json_shards(seed):
-    """The mask's shortcuts (groups skipped by their first two bytes, plain string text taken unfed) give every
-    token the verdict feeding it gives, at each byte of an answer."""
-    words = _Words(3000, seed)
-    schema = {"type": "object", "properties": {'k"1': {"type": "array", "items": {"enum": ["a\\b", 9]}}, "t": {}}}
+@pytest.mark.parametrize("schema, answer, extra", SHARDS_ANSWERS)
+def test_the_mask_is_what_allows_says_over_a_vocabulary_of_json_shards(seed, schema, answer, extra):
+    """The mask's shortcuts (groups skipped by their first two bytes, free string text taken unfed, tails after
+    a closing quote fed once) give every token the verdict feeding it gives, at each byte of an answer."""
+    words = _Words(3000, seed, extra)
     c = JsonConstraint(words, rules(schema))
-    for b in b'{ "k\\"1" : [ "a\\\\b" , 9 ] , "t" : { "x\\n" : "a b" } }':
+    for b in answer:
         mask = c.mask(len(words.words))
         assert mask.tolist() == [c.allows(i) for i in range(len(words.words))], bytes([b])
         c.advance(b)
+    assert c.mask(len(words.words))[0]
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
