@@ -327,6 +327,8 @@ class JsonConstraint:
 
     def __init__(self, tokenizer, rules: dict) -> None:
         self.tokenizer = tokenizer
+        if tokenizer not in _INDEXES:  # here, not at the first mask: the server makes constraints off its engine
+            _INDEXES[tokenizer] = _index(tokenizer)
         self.state: tuple = (("value", rules),)
         self.blanks = 0  # blanks in a row outside strings
 
@@ -350,8 +352,6 @@ class JsonConstraint:
         (taken at once) or close it, and then only the bytes from the closing quote on are fed, once each."""
         import torch
 
-        if self.tokenizer not in _INDEXES:
-            _INDEXES[self.tokenizer] = _index(self.tokenizer)
         allowed = torch.zeros(max(n_vocab, len(self.tokenizer.token_types)), dtype=torch.bool)
         for first, (inside, closing, by_second) in _INDEXES[self.tokenizer].items():
             after = feed(self.state, first)

@@ -179,6 +179,7 @@ def create_app(
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
         answer = answer_for(engine.tokenizer, ask, prompt_tokens, model_id, chat, reasoning_format)
+        choices = await prompts.off_loop(choice_jobs, ask, engine.tokenizer)  # a schema's rules, the vocab's index
         jobs = [
             Job(
                 prompt_tokens,
@@ -188,7 +189,7 @@ def create_app(
                 cache_prompt=ask.cache_prompt,
                 constraint=constraint,
             )
-            for i, (params, constraint) in enumerate(choice_jobs(ask, engine.tokenizer))
+            for i, (params, constraint) in enumerate(choices)
         ]
         try:
             for job in jobs:
