@@ -14,6 +14,7 @@ the lists. The state is a tuple of frames, so checking a token copies nothing.
 from __future__ import annotations
 
 import json
+import re
 import weakref
 from bisect import bisect_left
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,7 @@ TYPES = frozenset({"object", "array", "string", "number", "integer", "boolean", 
 MAX_BLANKS = 16  # blanks in a row outside strings: a model cannot pad forever
 MAX_DEPTH = 64  # schemas nested deeper are refused: the checks recurse (and no answer needs so many levels)
 WS = frozenset(b" \t\n\r")
+_SPECIAL = re.compile(rb'["\\\x00-\x1f]')  # the bytes that end or escape a string, or break it
 LITERALS = {b"t": b"true", b"f": b"false", b"n": b"null"}
 _KIND_OF = {b"true": "boolean", b"false": "boolean", b"null": "null"}
 # the number grammar as a DFA: state -> {byte class: state}; accepting: 2 (0), 3 (digits), 5 (fraction), 8 (exponent)
@@ -416,6 +418,8 @@ def _closing(after: tuple, closing: dict[bytes, tuple[list[int], list[bytes]]]) 
 def _close_at(data: bytes) -> int | None:
     """Where a token's closing quote is, read as the rest of a free string from its second byte: its index,
     None if the token stays inside the string, -1 if a byte breaks it (a control byte, a bad escape)."""
+    if _SPECIAL.search(data, 1) is None:  # most tokens: no quote, backslash or control byte
+        return None
     esc = 0
     for k in range(1, len(data)):
         if esc == 0 and data[k] == 0x22:
