@@ -36,15 +36,15 @@ LITERALS = {b"t": b"true", b"f": b"false", b"n": b"null"}
 _KIND_OF = {b"true": "boolean", b"false": "boolean", b"null": "null"}
 # the number grammar as a DFA: state -> {byte class: state}; accepting: 2 (0), 3 (digits), 5 (fraction), 8 (exponent)
 _NUM = {
-    0: {"-": 1, "0": 2, "d": 3},
-    1: {"0": 2, "d": 3},
+    0: {"-": 1, "0": 2, "1-9": 3},
+    1: {"0": 2, "1-9": 3},
     2: {".": 4, "e": 6},
-    3: {"0": 3, "d": 3, ".": 4, "e": 6},
-    4: {"0": 5, "d": 5},
-    5: {"0": 5, "d": 5, "e": 6},
-    6: {"+": 7, "-": 7, "0": 8, "d": 8},
-    7: {"0": 8, "d": 8},
-    8: {"0": 8, "d": 8},
+    3: {"0": 3, "1-9": 3, ".": 4, "e": 6},
+    4: {"0": 5, "1-9": 5},
+    5: {"0": 5, "1-9": 5, "e": 6},
+    6: {"+": 7, "-": 7, "0": 8, "1-9": 8},
+    7: {"0": 8, "1-9": 8},
+    8: {"0": 8, "1-9": 8},
 }
 _NUM_DONE = frozenset({2, 3, 5, 8})
 
@@ -192,7 +192,7 @@ def _integer_only(schema: dict) -> bool:
 def _number(frame: tuple, b: int) -> tuple | None:
     _, schema, raw, state = frame
     c = chr(b)
-    cls = "d" if c in "123456789" else "e" if c in "eE" else c
+    cls = "1-9" if c in "123456789" else "e" if c in "eE" else c
     nxt = _NUM[state].get(cls)
     if nxt is None or (cls in (".", "e") and _integer_only(schema)):
         return None

@@ -66,6 +66,24 @@ def test_any_json_object_and_numbers():
     assert accepts({"type": "number"}, "-12.5E3") and not accepts({"type": "integer"}, "2e3")
 
 
+def _parses_as_number(text: str) -> bool:
+    try:
+        value = json.loads(text, parse_constant=lambda word: None)  # NaN and Infinity are no JSON
+    except ValueError:
+        return False
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def test_numbers_agree_with_a_json_parser():
+    """Every printable byte before, inside and after a number: a letter is no digit (d was read as one)."""
+    texts = []
+    for base in ["0", "7", "-12", "1.5", "3e5", "-0.25E-7"]:
+        for c in map(chr, range(0x20, 0x7F)):
+            texts += [base + c, c + base, base[:1] + c + base[1:], base[:-1] + c + base[-1:]]
+    wrong = [t for t in texts if accepts({"type": "number"}, t) != _parses_as_number(t)]
+    assert not wrong, wrong[:10]
+
+
 def _nested(depth: int) -> dict:
     schema: dict = {"type": "string"}
     for _ in range(depth):
