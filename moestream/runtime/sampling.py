@@ -26,6 +26,9 @@ BAN = -100.0  # a logit bias this low bans the token (OpenAI's meaning of -100);
 MAX_LOGPROBS = 20  # alternatives a step reports at most, as OpenAI's top_logprobs
 
 
+MASKED_LOGPROB = -9999.0  # a masked or banned token's logprob, as vLLM reports it: JSON has no -Infinity
+
+
 class NoTokenLeft(MoestreamError):
     """The request's own limits (logit_bias bans, a response_format) leave no token to pick: the client's to fix."""
 
@@ -149,14 +152,13 @@ class Sampler:
             logits = logits.index_add(0, self._bias_ids, self._bias)
         if self.params.penalises and self.recent:
             logits = self._penalised(logits)
-        token = self._pick(logits)
+        token, masked = self._pick(logits), False
         if self.constraint is not None and not self.constraint.allows(token):
-            allowed = self.constraint.mask(len(logits))
-            if not bool(allowed.any()):
-                raise NoTokenLeft("no token of the vocabulary can continue the constrained output (response_format)")
-            logits = logits.masked_fill(~allowed, -math.inf)
+            logits, masked = self._masked(logits), True
             token = self._pick(logits)
-        if self.params.logprobs is not None:
+        if self.params.logprobs is not None:  # of the logits the constraint leaves, whichever way the pick went
+            if self.constraint is not None and not masked:
+                logits = self._masked(logits)
             self.last = self._logprob(torch.log_softmax(logits, dim=-1), token)
         if self.constraint is not None:
             self.constraint.advance(token)
@@ -164,9 +166,16 @@ class Sampler:
             self.recent.append(token)
         return token
 
+    def _masked(self, logits: torch.Tensor) -> torch.Tensor:
+        allowed = self.constraint.mask(len(logits))
+        if not bool(allowed.any()):
+            raise NoTokenLeft("no token of the vocabulary can continue the constrained output (response_format)")
+        return logits.masked_fill(~allowed, -math.inf)
+
     def _logprob(self, logprobs: torch.Tensor, token: int) -> TokenLogprob:
         import torch
 
+        logprobs = logprobs.clamp_min(MASKED_LOGPROB)
         top = torch.topk(logprobs, min(self.params.logprobs, len(logprobs)))
         pairs = tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True))
         return TokenLogprob(token, float(logprobs[token]), pairs)

@@ -277,6 +277,11 @@ def _read_chat(body: dict, ask: Ask) -> None:
     ):
         raise BadRequest("response_format json_schema needs json_schema.schema, a JSON schema object")
     ask.response_format = None if kind == "text" else fmt
+    if ask.response_format is not None and not ask.params.stop_at_eos:  # the mask then leaves only end of text
+        raise BadRequest(
+            "ignore_eos with response_format: once the JSON is whole only the end of text may follow, and "
+            "ignore_eos writes it as text; send one of them"
+        )
     reasoning = body.get("reasoning_format")
     if reasoning is not None and reasoning not in REASONING_FORMATS:
         raise BadRequest(f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}")

@@ -79,6 +79,8 @@ class Answer:
         c.logprobs += ev.logprobs
         if ev.kind == "done":
             c.finish = "tool_calls" if c.calls and ev.finish_reason == "stop" else ev.finish_reason
+            if self.chat and not c.started:  # nothing said: the role still opens the choice, as OpenAI's streams
+                chunks.append(self._chunk(index, Delta(), []))
             chunks.append(self._chunk(index, Delta(), [], c.finish))
         return chunks
 
@@ -100,7 +102,7 @@ class Answer:
         if not self.chat:
             choice = {"index": index, "text": delta.content, "logprobs": lp, "finish_reason": finish}
             return self._object("text_completion", [choice])
-        out: dict[str, Any] = {} if c.started or finish else {"role": "assistant"}
+        out: dict[str, Any] = {} if c.started else {"role": "assistant"}
         c.started = True
         if delta.reasoning:
             out["reasoning_content"] = delta.reasoning

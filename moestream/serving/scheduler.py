@@ -121,7 +121,8 @@ class _Sequence:
     tokens: list[int] = field(default_factory=list)
     text: str = ""
     sent: int = 0  # characters of text already emitted
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # of tokens not yet emitted (params.logprobs)
+    # (where in text its characters start, logprob) of tokens not yet emitted (params.logprobs)
+    logprobs: list[tuple[int, TokenLogprob]] = field(default_factory=list)
 
 
 @dataclass
@@ -374,7 +375,7 @@ class Scheduler:
             return False
         seq.tokens.append(seq.token)
         if seq.sampler.last is not None:
-            seq.logprobs.append(seq.sampler.last)
+            seq.logprobs.append((len(seq.text), seq.sampler.last))
         if seq.stream is not None:
             seq.text += seq.stream.push(seq.token)
         if self._emit_text(seq):
@@ -396,21 +397,25 @@ class Scheduler:
         hold = max((len(s) - 1 for s in stops), default=0)
         end = max(len(seq.text) - hold, seq.sent)
         if end > seq.sent:
-            self._send(seq.req, Event("text", text=seq.text[seq.sent : end], logprobs=self._logprobs(seq)))
+            self._send(seq.req, Event("text", text=seq.text[seq.sent : end], logprobs=self._logprobs(seq, end)))
             seq.sent = end
         return False
 
     @staticmethod
-    def _logprobs(seq: _Sequence) -> list[TokenLogprob]:
-        """The log-probabilities of the tokens sent so far, taken (a token's text may be held back a while)."""
-        out, seq.logprobs = seq.logprobs, []
+    def _logprobs(seq: _Sequence, end: int | None = None) -> list[TokenLogprob]:
+        """Taken: the log-probabilities of the tokens whose text starts before end (all: None). A token's text held
+        back (a stop string's possible start) keeps its logprob back too: a stop string cuts both."""
+        out = [lp for start, lp in seq.logprobs if end is None or start < end]
+        seq.logprobs = seq.logprobs[len(out) :]
         return out
 
     def _finish(self, seq: _Sequence, reason: str, flush: bool = True) -> None:
         if seq.stream is not None and flush:  # bytes of an unfinished character
             seq.text += seq.stream.flush()
         if seq.sent < len(seq.text):
-            self._send(seq.req, Event("text", text=seq.text[seq.sent :], logprobs=self._logprobs(seq)))
+            self._send(seq.req, Event("text", text=seq.text[seq.sent :], logprobs=self._logprobs(seq, len(seq.text))))
+        if not flush:  # a stop string cut the text: the tokens past the cut go unreported
+            seq.logprobs = []
         self._send(
             seq.req,
             Event(

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 import torch
 
 from moestream.errors import MoestreamError
-from moestream.runtime.sampling import Sampler, SamplingParams
+from moestream.runtime.sampling import MASKED_LOGPROB, Sampler, SamplingParams
 
 LOGITS = torch.tensor([1.0, 3.5, -2.0, 3.25, 0.0])
 
@@ -155,3 +156,29 @@ def test_penalties_past_float32s_range_still_pick_a_token(penalties):
         assert 0 <= token < 4
         adjusted = sampler._penalised(logits)
         assert not adjusted.isnan().any() and not (adjusted == math.inf).any()
+
+
+class _Bytes:
+    """A tokenizer's three fields the JSON constraint reads: token i is the byte string words[i]."""
+
+    def __init__(self, words: list[bytes]):
+        from moestream.formats.tokenizer import NORMAL
+
+        self.words, self.token_types, self.eos_ids = words, [NORMAL] * len(words), (len(words) - 1,)
+
+    def token_bytes(self, i: int) -> bytes:
+        return self.words[i]
+
+
+def test_masked_tokens_among_the_top_logprobs_are_finite():
+    """Logprobs are of the logits a response_format leaves, also where the first pick passed it unmasked; the
+    masked tokens are -inf, which JSON cannot carry (a 500, or a stream strict parsers reject): vLLM's -9999."""
+    from moestream.runtime.json_constraint import JsonConstraint, rules
+
+    words = _Bytes([b"{", b"1", b"x", b" ", b"</s>"])
+    sampler = Sampler(SamplingParams(logprobs=5), constraint=JsonConstraint(words, rules({"type": "number"})))
+    assert sampler(LOGITS) == 1  # "{" and "x" cannot start a number, nor the end of text
+    values = [v for _, v in sampler.last.top]
+    assert all(math.isfinite(v) for v in values) and values.count(MASKED_LOGPROB) == 3
+    assert json.loads(json.dumps(values)) == values
+    assert math.isclose(sampler.last.logprob, float(torch.log_softmax(LOGITS[[1, 3]], dim=0)[0]), rel_tol=1e-6)

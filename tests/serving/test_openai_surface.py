@@ -206,6 +206,7 @@ def test_template_variables(client):
         ("chat", {"functions": [{"name": "f"}]}, "functions: not supported"),
         ("chat", {"top_logprobs": 2}, "top_logprobs needs logprobs"),
         ("chat", {"response_format": {"type": "yaml"}}, "response_format"),
+        ("chat", {"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos with response_format"),
         ("chat", {"reasoning_format": "loud"}, "reasoning_format"),
         ("chat", {"modalities": ["text", "audio"]}, "modalities"),
         ("chat", {"stream_options": {"chunk": 1}}, "stream_options"),
@@ -293,9 +294,17 @@ def test_response_format_is_enforced(client):
         assert r.choices[0].message.content.lstrip().startswith("{")
     typed = {"type": "object", "properties": {"n": {"enum": [7, 8]}}, "required": ["n"]}  # llama-server's form
     r = client.chat.completions.create(
-        model="tiny", messages=MESSAGES, max_tokens=40, seed=6, response_format={"type": "json_object", "schema": typed}
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=40,
+        seed=6,
+        response_format={"type": "json_object", "schema": typed},
+        logprobs=True,
+        top_logprobs=5,  # tokens the schema masks among them: -inf was a 500 (JSON has no infinity)
     )
     assert json.loads(r.choices[0].message.content)["n"] in (7, 8)
+    tops = [t.logprob for token in r.choices[0].logprobs.content for t in token.top_logprobs]
+    assert len(tops) == 5 * len(r.choices[0].logprobs.content) and -9999.0 in tops
     odd = {"type": "object", "properties": {'say "hi"': {"enum": ['"', "a\\b"]}}, "required": ['say "hi"']}
     fmt = {"type": "json_schema", "json_schema": {"name": "odd", "schema": odd}}
     r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=40, seed=5, response_format=fmt)
@@ -339,3 +348,34 @@ def test_think_blocks_come_back_as_reasoning_content(client, engine):
     raw = client.chat.completions.create(**ask, extra_body={"reasoning_format": "none"})
     assert raw.choices[0].message.content == "<think>" * 3
     assert getattr(raw.choices[0].message, "reasoning_content", None) is None
+
+
+def test_a_stop_string_cuts_the_logprobs_with_the_text(client):
+    """The tokens whose text starts past a stop string's cut go unreported, whole and streamed (they were sent
+    with the last text, and a token held back as a possible stop string's start was reported early)."""
+    full = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0, logprobs=1).choices[0]
+    tokens, offsets = full.logprobs.tokens, full.logprobs.text_offset
+    k = next(i for i in range(3, len(tokens) - 1) if tokens[i].isprintable() and tokens[i + 1].isprintable())
+    stop = full.text[offsets[k + 1] - 1 : offsets[k + 1] + 1]  # token k's last character, token k+1's first
+    cut = full.text.find(stop)
+    want = [t for t, o in zip(tokens, offsets, strict=True) if o < cut]
+    whole = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=24, temperature=0, logprobs=1, stop=[stop]
+    ).choices[0]
+    assert whole.finish_reason == "stop" and whole.text == full.text[:cut]
+    assert whole.logprobs.tokens == want
+    chunks = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=24, temperature=0, logprobs=1, stop=[stop], stream=True
+    )
+    streamed = [t for c in chunks for choice in c.choices if choice.logprobs for t in choice.logprobs.tokens]
+    assert streamed == want
+
+
+def test_a_streamed_choice_that_says_nothing_still_opens_with_the_role(client):
+    chunks = list(
+        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=0, n=2, stream=True, seed=1)
+    )
+    for i in range(2):
+        deltas = [ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].index == i]
+        assert deltas[0].delta.role == "assistant" and deltas[0].finish_reason is None
+        assert deltas[-1].finish_reason == "length" and deltas[-1].delta.role is None
