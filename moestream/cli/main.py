@@ -291,6 +291,12 @@ def check_run(a: argparse.Namespace) -> None:
             raise MoestreamError(f"-f {a.file}: {getattr(e, 'strerror', None) or e}; give a text file") from None
     if not a.prompt:
         raise MoestreamError(f"{'-p' if a.file is None else '-f ' + a.file}: the prompt is empty; give some text")
+    try:
+        a.prompt.encode("utf-8")  # a terminal's bytes that are no UTF-8 reach argv as lone surrogates
+    except UnicodeEncodeError as e:
+        raise MoestreamError(
+            f"-p: the prompt is not UTF-8 text (character {e.start + 1}); set the terminal to UTF-8, or pass -f FILE"
+        ) from None
     a.sampling = SamplingParams(
         max_tokens=a.n_predict,
         temperature=a.temp,

@@ -148,8 +148,8 @@ def _fits(tokens: int, n_ctx: int) -> None:
     """-d plus -p or -n against the positions the model gives, before any weight moves."""
     if tokens + 1 > n_ctx:
         raise MoestreamError(
-            f"-d with -p or -n asks for {tokens} positions but the model has {n_ctx} (with --ctx); give at most "
-            f"{n_ctx - 1}"
+            f"-p, -n and -d (the depth before them) ask for {tokens} positions but the context has {n_ctx} (the "
+            f"model's, or --ctx); give smaller values, at most {n_ctx - 1} positions in all"
         )
 
 

@@ -29,6 +29,9 @@ def cmd_warmup(a: argparse.Namespace) -> None:
 
     opts = engine_options(a).replace(n_seqs=a.max_seqs)
     if opts.model.torch_device.type == "cpu":
+        from moestream.formats.gguf import GGUFFile
+
+        GGUFFile(a.model).close()  # nothing loads here: a damaged file is still said now, not at the run
         cpu_quant.available()  # the CPU device's one compiled kernel, built here if it is not yet
         compiles.summary()
         print(

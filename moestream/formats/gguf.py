@@ -61,7 +61,8 @@ class GGUFFile:
     def architecture(self) -> str:
         arch = self.metadata.get("general.architecture")
         if not isinstance(arch, str):
-            raise MoestreamError(f"{self.path}: metadata key general.architecture is missing")
+            what = "is missing" if arch is None else f"holds a value of type {type(arch).__name__}, not a name"
+            raise MoestreamError(f"{self.path}: metadata key general.architecture {what}; convert the model again")
         return arch
 
     def tensor(self, name: str) -> TensorView:

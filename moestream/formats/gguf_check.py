@@ -11,6 +11,7 @@ infos, each padded to the alignment, inside the file. A string array stays in th
 from __future__ import annotations
 
 import struct
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12
 SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 STRING, ARRAY = 8, 9
 MAX_DIMS, MAX_NAME = 4, 64
+METADATA_PREFIXES = ("general.", "tokenizer.")
 DEFAULT_ALIGNMENT = 32
 FIX = "the file is damaged; download or convert it again"
 
@@ -172,6 +174,11 @@ def _walk(w: _Walker) -> Header:
     infos, names = [], set()
     for _ in range(n_tensors):
         name = w.string("a tensor name")
+        if name.startswith(METADATA_PREFIXES):  # tensors are token_embd.weight, blk.0.attn_q.weight, ...
+            raise w.fail(
+                f"a tensor info is named {name!r}, a metadata key: the header's metadata count ({n_kv}) is lower "
+                "than the metadata it holds"
+            )
         if len(name.encode()) >= MAX_NAME or name in names:
             why = "appears twice" if name in names else f"is {len(name.encode())} bytes (at most {MAX_NAME - 1})"
             raise w.fail(f"tensor name {name[:80]!r} {why}")
@@ -188,7 +195,7 @@ def _walk(w: _Walker) -> Header:
         except (ValueError, KeyError):
             raise w.fail(f"tensor {name} has type id {ttype}, which ggml does not define") from None
         if min(dims) < 1 or max(dims) >= 2**62:
-            raise w.fail(f"tensor {name} has dimensions {dims}: each must be at least 1")
+            raise w.fail(f"tensor {name} has dimensions {dims}: each must be from 1 to 2^62 - 1")
         if dims[0] % block:
             raise w.fail(f"tensor {name}: rows of {dims[0]} are not whole {qtype.name} blocks of {block}")
         n = 1
@@ -196,6 +203,11 @@ def _walk(w: _Walker) -> Header:
             n *= d
         infos.append((name, qtype, tuple(dims), offset, n // block * type_size))
     data_start = -(-w.pos // alignment) * alignment
+    if any(w.buf[w.pos : min(data_start, w.size)]):  # writers pad with zeros: else the counts miss an entry
+        raise w.fail(
+            f"the bytes from {w.pos} to the tensor data at {data_start} are not zero padding: the header's tensor "
+            f"count ({n_tensors}) is lower than the tensor infos it holds"
+        )
     expected = 0
     tensors = []
     for name, qtype, dims, offset, nbytes in infos:
@@ -211,4 +223,11 @@ def _walk(w: _Walker) -> Header:
             )
         expected += -(-nbytes // alignment) * alignment
         tensors.append(TensorInfo(name, qtype, dims, data_start + offset, nbytes))
+    unread = w.size - (data_start + expected)
+    if unread >= alignment:
+        warnings.warn(
+            f"{w.path}: {unread} bytes follow the last tensor's data that no tensor info names; the header's "
+            f"tensor count ({n_tensors}) may be lower than the tensors the file holds (a damaged file)",
+            stacklevel=3,
+        )
     return Header(metadata, tensors)

@@ -19,12 +19,19 @@ def check_model_file(path: str | os.PathLike[str]) -> Path:
             what = "is a directory"
         elif p.exists():
             what = "is not a regular file (a pipe or device cannot be memory-mapped)"
+        elif p.is_symlink():
+            what = "is a symbolic link that leads to no file (its target is missing, or the links loop)"
         else:
             what = "no such file"
         shown = str(p) if str(p).strip() == str(p) else repr(str(p))  # ' '
         raise MoestreamError(f"{shown}: {what}; pass the path of a .gguf model file")
-    with open(p, "rb") as f:
-        magic = f.read(4)
+    try:
+        with open(p, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise MoestreamError(f"{p}: {e.strerror}; check the file's permissions (it must be readable)") from None
+    if not magic:
+        raise MoestreamError(f"{p}: the file is empty (0 bytes); download or convert the model again")
     if magic != b"GGUF":
         raise MoestreamError(
             f"{p}: not a GGUF file (starts with {magic!r}, expected b'GGUF'); "

@@ -126,13 +126,13 @@ class Tokenizer:
     @classmethod
     def from_metadata(cls, meta: dict[str, Any]) -> Tokenizer:
         """Build from the `tokenizer.*` keys of a GGUF file's metadata."""
-        model = meta.get("tokenizer.ggml.model")
+        model = _text(meta, "tokenizer.ggml.model")
         if model != "gpt2":
             raise MoestreamError(
                 f"tokenizer.ggml.model is {model!r}; moestream reads only 'gpt2' (byte-level BPE) tokenizers, which "
                 "Qwen3 and Qwen3.5 files carry: convert the model again with llama.cpp's convert_hf_to_gguf.py"
             )
-        pre = meta.get("tokenizer.ggml.pre")
+        pre = _text(meta, "tokenizer.ggml.pre")
         if pre not in _SPLIT_REGEX:
             raise MoestreamError(
                 f"tokenizer.ggml.pre is {pre!r}; moestream supports the pre-tokenizers {sorted(_SPLIT_REGEX)}"
@@ -147,18 +147,16 @@ class Tokenizer:
         for key, i in ids.items():
             if i is not None and (isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(tokens)):
                 raise MoestreamError(f"tokenizer.ggml.{key}_token_id {i!r:.40} is not one of the {len(tokens)} tokens")
-        if "tokenizer.ggml.merges" not in meta:  # llama.cpp refuses it too ("cannot find tokenizer merges")
+        merge_texts = _list_of(meta, "tokenizer.ggml.merges", str, [])
+        if not merge_texts:  # llama.cpp refuses it too ("cannot find tokenizer merges")
             raise MoestreamError(
                 "the tokenizer is byte-level BPE (tokenizer.ggml.model 'gpt2') but the file has no merges "
                 "(tokenizer.ggml.merges), so text would split into single bytes; convert the model again"
             )
-        merge_texts = _list_of(meta, "tokenizer.ggml.merges", str, [])
         bad = next((k for k, m in enumerate(merge_texts) if m.count(" ") != 1 or " " in (m[0], m[-1])), None)
         if bad is not None:
             raise MoestreamError(f"tokenizer.ggml.merges[{bad}] = {merge_texts[bad]!r:.40} is not two tokens")
-        template = meta.get("tokenizer.chat_template")
-        if template is not None and not isinstance(template, str):
-            raise MoestreamError("the chat template (tokenizer.chat_template) is not text")
+        template = _text(meta, "tokenizer.chat_template")
 
         # A repeated merge keeps its first rank, as in llama.cpp (Hugging Face's BPE would keep the last).
         merges = [tuple(m.split(" ", 1)) for m in dict.fromkeys(merge_texts)]
@@ -273,6 +271,14 @@ class TextStream:
     def flush(self) -> str:
         """Whatever is still held back at the end, as replacement characters if incomplete."""
         return self._utf8.decode(b"", final=True)
+
+
+def _text(meta: dict[str, Any], key: str) -> str | None:
+    """A metadata string, None where the key is absent, or one clear error where it holds another type."""
+    value = meta.get(key)
+    if value is not None and not isinstance(value, str):
+        raise MoestreamError(f"{key} must be text, not {type(value).__name__}; the file's tokenizer is damaged")
+    return value
 
 
 def _list_of(meta: dict[str, Any], key: str, kind: type, default: list) -> list:

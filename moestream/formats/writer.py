@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -12,6 +14,7 @@ import gguf
 import numpy as np
 from tqdm import tqdm
 
+from moestream.errors import MoestreamError
 from moestream.formats.quants import row_bytes
 
 
@@ -95,12 +98,23 @@ def write_gguf_in_place(
     another name, so a failure or Ctrl-C half-way leaves a file already there as it was."""
     path = os.fspath(path)
     part = f"{path}.{os.getpid()}.part"
+    total = sum(p.nbytes for p in plans)
+    where = os.path.dirname(os.path.abspath(path))
+    free = shutil.disk_usage(where).free
+    if total > free:  # the file is sized up front, sparse: a full disk would show only hours later
+        raise MoestreamError(
+            f"{path}: the model takes {total / 2**30:.1f} GiB but {where} has {free / 2**30:.1f} GiB free; "
+            "free some space or write it to another disk"
+        )
     try:
         offsets = _layout(part, arch, metadata, plans)
-        total = sum(p.nbytes for p in plans)
         with tqdm(total=total, unit="B", unit_scale=True, desc="write", disable=not progress) as bar:
             fill(part, offsets, bar.update)
         os.replace(part, path)
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        raise MoestreamError(f"{path}: the disk filled up while writing; free some space or write elsewhere") from None
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(part)

@@ -144,6 +144,11 @@ class Sampler:
         import torch
 
         logits = logits.float().cpu()  # sync: one token per step must reach the host anyway
+        if not bool(torch.isfinite(logits).all()):  # else every pick is token 0, and nothing says why
+            raise MoestreamError(
+                "the model's logits hold NaN or infinity: its weights do (a damaged or badly converted file) or "
+                "float16 overflowed; try --dtype bfloat16 or float32, or convert the model again"
+            )
         if len(self._bias_ids):
             if int(self._bias_ids.max()) >= len(logits):
                 raise MoestreamError(

@@ -58,6 +58,22 @@ def test_not_gguf(tmp_path, capsys):
     assert_one_clear_line(*run_cli(capsys, "info", str(p)), "not a GGUF file")
 
 
+def test_an_empty_file_a_link_loop_and_an_unreadable_file(tmp_path, capsys):
+    empty, loop, locked = tmp_path / "empty.gguf", tmp_path / "loop.gguf", tmp_path / "locked.gguf"
+    empty.write_bytes(b"")
+    loop.symlink_to(loop)
+    assert_one_clear_line(*run_cli(capsys, "info", str(empty)), "the file is empty")
+    assert_one_clear_line(*run_cli(capsys, "info", str(loop)), "symbolic link", "loop")
+    locked.write_bytes(b"GGUF")
+    locked.chmod(0)
+    try:
+        open(locked, "rb").close()  # root reads it anyway: nothing to see
+    except PermissionError:
+        assert_one_clear_line(*run_cli(capsys, "info", str(locked)), "Permission denied", "readable")
+    finally:
+        locked.chmod(0o644)
+
+
 def test_missing_file(tmp_path, capsys):
     assert_one_clear_line(*run_cli(capsys, "info", str(tmp_path / "nope.gguf")), "no such file")
 
@@ -73,6 +89,14 @@ def test_truncated(model_file, tmp_path, capsys, keep):
     p = tmp_path / "cut.gguf"
     p.write_bytes(data[: int(len(data) * keep)])
     assert_one_clear_line(*run_cli(capsys, "run", "-m", str(p), "-p", "hi", "--device", "cpu"), str(p))
+
+
+def test_warmup_on_the_cpu_reads_the_header(model_file, tmp_path, capsys):
+    """It compiles nothing there, and said so with exit 0 on a damaged file."""
+    data = open(model_file("tiny", "Q8_0"), "rb").read()
+    p = tmp_path / "cut.gguf"
+    p.write_bytes(data[: len(data) // 2])
+    assert_one_clear_line(*run_cli(capsys, "warmup", "-m", str(p), "--device", "cpu"), "truncated")
 
 
 def test_unknown_architecture(model_file, tmp_path, capsys):
@@ -94,6 +118,12 @@ def test_unsupported_tensor_type(model_file, tmp_path, capsys):
 def test_missing_tensor(model_file, tmp_path, capsys):
     p = rewrite(model_file("tiny", "F32"), tmp_path / "x.gguf", drop=("blk.0.attn_k_norm.weight",))
     assert_one_clear_line(*run_cli(capsys, "info", p), "blk.0.attn_k_norm.weight", "missing")
+
+
+def test_a_prompt_of_bytes_that_are_no_utf8(model_file, capsys):
+    """A terminal's stray byte reaches argv as a lone surrogate: the tokenizer raised a TypeError."""
+    code, line = run_cli(capsys, "run", "-m", model_file("tiny", "F32"), "-p", "caf\udce9", "--device", "cpu")
+    assert_one_clear_line(code, line, "-p", "not UTF-8", "character 4", "-f FILE")
 
 
 def test_prompt_longer_than_context(model_file, capsys):
@@ -221,6 +251,7 @@ def test_serve_says_a_port_in_use_before_loading_the_model(tmp_path, capsys):
         (["bench", "-p", "8", "--stream", "serial,bogus", "-o", "json"], ["--stream bogus"]),  # rows lost before
         (["bench", "-p", "8", "-ub", "4,0"], ["--ubatch 0"]),
         (["bench", "-p", "10000000000"], ["positions", "4095"]),  # was a 80 GB prompt, then "out of memory"
+        (["bench", "-p", "8", "-c", "4"], ["-p, -n and -d", "at most 3"]),  # named a -d not given
         (["profile", "-p", "8", "--stream", "serial,bogus"], ["--stream bogus"]),
     ],
 )

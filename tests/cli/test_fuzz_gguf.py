@@ -45,6 +45,21 @@ def patched(src: str, dst, *edits: tuple[int, str, object], truncate: int | None
     return str(dst)
 
 
+def emptied(src: str, dst, key: str) -> str:
+    """A copy whose metadata array `key` has no entries (gguf's writer refuses to write one)."""
+    r = gguf.GGUFReader(src)
+    field, last = r.fields[key], r.tensors[-1].field
+    items_at = field.offset + 8 + len(key.encode()) + 4 + 4 + 8  # key, value type, element type, count
+    end = field.offset + sum(int(p.nbytes) for p in field.parts)
+    header_end = last.offset + sum(int(p.nbytes) for p in last.parts)
+    data = open(src, "rb").read()
+    head = bytearray(data[:items_at] + data[end:header_end])
+    struct.pack_into("<Q", head, items_at - 8, 0)
+    head += bytes(-len(head) % 32)  # the default alignment
+    open(dst, "wb").write(bytes(head) + data[r.data_offset :])
+    return str(dst)
+
+
 def raw_cases(src: str, tmp) -> dict[str, tuple[str, str]]:
     """name -> (file, word the error line must hold): byte-level damage of the header and layout."""
     count_at = kv_offsets(src, "tokenizer.ggml.tokens")[1] + 4  # after the array's element type
@@ -62,7 +77,11 @@ def raw_cases(src: str, tmp) -> dict[str, tuple[str, str]]:
         "version 7": (p("ver", (4, "<I", 7)), "version"),
         "0 dimensions": (p("d0", (dims_at, "<I", 0)), "dimensions"),
         "5 dimensions": (p("d5", (dims_at, "<I", 5)), "dimensions"),
-        "dimension 0": (p("dz", (dims_at + 4, "<Q", 0)), "at least 1"),
+        "dimension 0": (p("dz", (dims_at + 4, "<Q", 0)), "from 1"),
+        "dimension 2^62": (p("dbig", (dims_at + 4, "<Q", 1 << 62)), "2^62"),
+        # one count too low: the walk reads on into the next section (data read from the wrong bytes ran)
+        "tensor count one lower": (p("nt1", (8, "<Q", len(r.tensors) - 1)), "tensor count"),
+        "metadata count one lower": (p("nkv1", (16, "<Q", len(r.fields) - 4)), "metadata count"),
         "unknown tensor type": (p("ty", (type_at, "<I", 99)), "type id 99"),
         "misaligned offset": (p("mis", (offset_at, "<Q", first_offset + 1 + 1000)), "data offset"),
         "overlapping data": (p("ovl", (offset_at, "<Q", first_offset)), "data offset"),
@@ -98,6 +117,8 @@ def meta_cases(src: str, src35: str, tmp) -> dict[str, tuple[str, str]]:
             "rows",
         ),
         "malformed merge": (m("mg", {"tokenizer.ggml.merges": ["a b", "abc"]}), "merges"),
+        "no merges": (emptied(src, tmp / "mg0.gguf", "tokenizer.ggml.merges"), "tokenizer.ggml.merges"),
+        "pre-tokenizer a list": (m("pre", {"tokenizer.ggml.pre": ["qwen2"]}), "tokenizer.ggml.pre must be text"),
     }
 
 
@@ -127,7 +148,7 @@ TEMPLATES = {  # name -> (template, word of the error)
     "recursion": ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "recursion"),
     "syntax error": ("{% for %}", "does not compile"),
     "raises": ("{{ raise_exception('no system role') }}", "no system role"),
-    "not text": (12345, "not text"),
+    "not text": (12345, "tokenizer.chat_template must be text"),
 }
 
 
@@ -157,10 +178,11 @@ def cases(model_file, tmp_path_factory):
 
 NAMES = (  # every case by name, so each is its own test id
     "tensor count 2^60,metadata count 2^60,string array 2^40 long,version 7,0 dimensions,5 dimensions,"
-    "dimension 0,unknown tensor type,misaligned offset,overlapping data,truncated,header cut short,"
+    "dimension 0,dimension 2^62,tensor count one lower,metadata count one lower,unknown tensor type,"
+    "misaligned offset,overlapping data,truncated,header cut short,"
     "block_count 2^32-1,block_count 1.5,block_count inf,expert_count a string,negative context length,"
     "odd head size,zero conv kernel,alignment 3,extra tensor,tokens stored as integers,bos id a string,"
-    "fewer tokens than rows,malformed merge"
+    "fewer tokens than rows,malformed merge,no merges,pre-tokenizer a list"
 ).split(",") + ["template: " + n for n in TEMPLATES]
 
 

@@ -12,6 +12,7 @@ import gguf
 import numpy as np
 import pytest
 
+from moestream.errors import MoestreamError
 from moestream.formats.gguf import GGUFFile
 from moestream.formats.writer import TensorPlan, write_gguf
 
@@ -76,3 +77,27 @@ def test_info_on_a_152k_vocabulary_takes_under_a_second_and_a_half(big_vocab_fil
     assert r.returncode == 0 and "vocab" in r.stdout, r.stderr
     cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
     assert cpu < 1.5, f"{cpu:.2f} s of CPU"
+
+
+def test_bytes_no_tensor_names_after_the_data_are_a_warning(model_file, tmp_path):
+    """A header whose tensor count misses its last tensor (when the infos happen to end aligned) leaves that
+    tensor's bytes unread at the end: said, not an error (a writer may append something)."""
+    path = tmp_path / "tail.gguf"
+    path.write_bytes(open(model_file("tiny", "F32"), "rb").read() + bytes(4096))
+    with pytest.warns(UserWarning, match="4096 bytes follow the last tensor's data"), GGUFFile(path) as f:
+        assert f.architecture == "qwen3moe"
+
+
+def test_an_architecture_of_another_type_is_not_called_missing(model_file):
+    with GGUFFile(model_file("tiny", "F32")) as f:
+        f.metadata["general.architecture"] = 7
+        with pytest.raises(MoestreamError, match="general.architecture holds a value of type int"):
+            _ = f.architecture
+
+
+def test_a_model_larger_than_the_free_disk_is_refused_before_a_byte_is_written(tmp_path):
+    """The file is sized up front (sparse): a 216 GB make-model on a 69 GB disk ran hours before failing."""
+    plans = [TensorPlan("big.weight", gguf.GGMLQuantizationType.F32, (1 << 25, 1 << 25))]  # 4 PiB
+    with pytest.raises(MoestreamError, match="the model takes 4194304.0 GiB but .* GiB free"):
+        write_gguf(tmp_path / "big.gguf", "qwen3moe", {}, plans, lambda p: None, progress=False)
+    assert list(tmp_path.iterdir()) == []

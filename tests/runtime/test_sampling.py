@@ -182,3 +182,12 @@ def test_masked_tokens_among_the_top_logprobs_are_finite():
     assert all(math.isfinite(v) for v in values) and values.count(MASKED_LOGPROB) == 3
     assert json.loads(json.dumps(values)) == values
     assert math.isclose(sampler.last.logprob, float(torch.log_softmax(LOGITS[[1, 3]], dim=0)[0]), rel_tol=1e-6)
+
+
+def test_logits_that_are_not_finite_are_refused_with_the_likely_causes():
+    """NaN weights (a damaged file) or a float16 overflow: every pick was token 0, said nowhere."""
+    for bad in (math.nan, math.inf):
+        logits = LOGITS.clone()
+        logits[2] = bad
+        with pytest.raises(MoestreamError, match="NaN or infinity.*--dtype bfloat16"):
+            Sampler(SamplingParams())(logits)
