@@ -143,6 +143,12 @@ class Tokenizer:
         types = _list_of(meta, "tokenizer.ggml.token_type", int, [NORMAL] * len(tokens))
         if len(types) != len(tokens):
             raise MoestreamError(f"tokenizer metadata has {len(tokens)} tokens but {len(types)} token types")
+        odd = next((i for i, kind in enumerate(types) if not 0 <= kind <= BYTE), None)  # 0: llama.cpp's undefined
+        if odd is not None:
+            raise MoestreamError(
+                f"tokenizer.ggml.token_type[{odd}] = {types[odd]} is no token type (0 to {BYTE}); the file's tokenizer "
+                "is damaged, convert the model again"
+            )
         ids = {k: meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "eot", "eom")}
         for key, i in ids.items():
             if i is not None and (isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(tokens)):

@@ -117,6 +117,7 @@ def meta_cases(src: str, src35: str, tmp) -> dict[str, tuple[str, str]]:
             "rows",
         ),
         "malformed merge": (m("mg", {"tokenizer.ggml.merges": ["a b", "abc"]}), "merges"),
+        "token type 99": (m("tt", {"tokenizer.ggml.token_type": [99, *types[1:]]}), "token_type[0] = 99"),
         "no merges": (emptied(src, tmp / "mg0.gguf", "tokenizer.ggml.merges"), "tokenizer.ggml.merges"),
         "pre-tokenizer a list": (m("pre", {"tokenizer.ggml.pre": ["qwen2"]}), "tokenizer.ggml.pre must be text"),
     }
@@ -182,7 +183,7 @@ NAMES = (  # every case by name, so each is its own test id
     "misaligned offset,overlapping data,truncated,header cut short,"
     "block_count 2^32-1,block_count 1.5,block_count inf,expert_count a string,negative context length,"
     "odd head size,zero conv kernel,alignment 3,extra tensor,tokens stored as integers,bos id a string,"
-    "fewer tokens than rows,malformed merge,no merges,pre-tokenizer a list"
+    "fewer tokens than rows,malformed merge,token type 99,no merges,pre-tokenizer a list"
 ).split(",") + ["template: " + n for n in TEMPLATES]
 
 
