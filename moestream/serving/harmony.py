@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from moestream.serving.tool_calls import ToolCall, new_call
+from moestream.serving.tool_calls import ToolCall, new_call, strict_json
 
 MARKERS = ("<|channel|>", "<|message|>", "<|end|>", "<|start|>", "<|constrain|>", "<|return|>", "<|call|>")
 
@@ -23,9 +23,9 @@ class HarmonySplit:
     """A turn's text, as it comes, into (reasoning, content): analysis messages are reasoning, the others
     content; headers (roles, channels) and markers are neither. Text before any marker is content."""
 
-    def __init__(self, calls: bool = False) -> None:
-        """calls: messages to functions become `calls` (taken with take_calls), not content."""
-        self._calls_on, self._calls, self._call = calls, [], None  # _call: [name, arguments] being read
+    def __init__(self, tool_names: frozenset[str] = frozenset()) -> None:
+        """tool_names: the request's tools, whose messages become `calls` (taken with take_calls), not content."""
+        self._names, self._calls, self._call = tool_names, [], None  # _call: [name, arguments] being read
         self._route = ""  # the whole header since <|start|>: a recipient may come before or after the channel
         self._pending = ""  # text not yet placed: what follows a "<|" that may still become a marker
         self._framed = False  # a marker has been seen: text outside a message is a header
@@ -53,7 +53,7 @@ class HarmonySplit:
                 self._pending = self._pending[2:]
                 continue
             self._pending = self._pending[len(marker) :]
-            self._marker(marker)
+            self._marker(marker, out)
         return out[0], out[1]
 
     def flush(self) -> tuple[str, str]:
@@ -62,7 +62,7 @@ class HarmonySplit:
         self._place(self._pending, out)
         self._pending = ""
         if self._call is not None:  # <|call|> ends generation, so the server never sees it: the call is whole
-            self._marker("<|call|>")
+            self._marker("<|call|>", out)
         return out[0], out[1]
 
     def take_calls(self) -> list[ToolCall]:
@@ -70,13 +70,13 @@ class HarmonySplit:
         calls, self._calls = self._calls, []
         return calls
 
-    def _marker(self, marker: str) -> None:
+    def _marker(self, marker: str, out: list[str]) -> None:
         self._framed = True
         self._route += " "  # a marker parts the header's words
         if marker == "<|message|>":
             self._channel = self._header.split()[0] if self._header.split() else ""
             to = re.search(r"to=functions\.([^\s<]+)", self._route)
-            if self._calls_on and to:
+            if self._names and to:
                 self._call = [to[1], ""]
         elif marker in ("<|channel|>", "<|start|>"):
             self._header, self._channel = "", None
@@ -87,8 +87,12 @@ class HarmonySplit:
         else:  # <|end|>, <|return|>, <|call|>: the message is over
             self._header, self._channel, self._route = "", None, ""
             if self._call is not None:
-                self._calls.append(new_call(self._call[0], self._call[1].strip()))
+                name, text = self._call
                 self._call = None
+                if name in self._names and _is_object(text.strip() or "{}"):
+                    self._calls.append(new_call(name, text.strip() or "{}"))
+                else:  # a call that does not parse, or to no tool of the request's, stays text
+                    out[1] += text
 
     def _place(self, text: str, out: list[str]) -> None:
         if self._call is not None:
@@ -100,3 +104,10 @@ class HarmonySplit:
             self._route += text
         else:
             out[1] += text
+
+
+def _is_object(text: str) -> bool:
+    try:
+        return isinstance(strict_json(text), dict)
+    except ValueError:
+        return False

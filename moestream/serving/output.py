@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from moestream.errors import MoestreamError
 from moestream.serving.harmony import HarmonySplit, is_harmony
 from moestream.serving.reasoning import OPEN, ThinkSplit
-from moestream.serving.tool_calls import ToolCall, ToolCallSplit, template_format
+from moestream.serving.tool_calls import ToolCall, ToolCallSplit, parameter_types, template_format
 
 
 @dataclass
@@ -51,7 +51,8 @@ class AnswerSplit:
 
     def __init__(self, template: str | None, reasoning_format: str, tools: list[dict], opens_thinking: bool) -> None:
         harmony = is_harmony(template)
-        self.harmony = HarmonySplit(calls=bool(tools)) if harmony and reasoning_format != "none" else None
+        names = frozenset(parameter_types(tools))
+        self.harmony = HarmonySplit(names) if harmony and reasoning_format != "none" else None
         thinks = not harmony and reasoning_format != "none" and OPEN in (template or "")
         self.think = ThinkSplit(opens_thinking) if thinks else None
         fmt = None if harmony or not tools else template_format(template)

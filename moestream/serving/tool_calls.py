@@ -6,12 +6,14 @@ Three formats wrap each call in `<tool_call>...</tool_call>` and differ inside:
 - GLM-4.5 / 4.6: `f<arg_key>x</arg_key><arg_value>value</arg_value>`.
 gpt-oss (Harmony) addresses a commentary message `to=functions.f`: serving/harmony.py collects those.
 The XML forms write parameter values bare: a value whose schema type is not a string is read as JSON (a number,
-true, an object...), as the template wrote it with tojson. A call that does not parse stays in the text.
+true, an object...), as the template wrote it with tojson. A call that does not parse as strict JSON (no NaN, as a
+client's JSON.parse reads it), or names no tool of the request's, stays in the text.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
 from dataclasses import dataclass
@@ -39,9 +41,29 @@ def new_call(name: str, arguments: str) -> ToolCall:
     return ToolCall(name, arguments, "call_" + uuid.uuid4().hex[:24])
 
 
+def _no_constant(word: str) -> Any:
+    raise ValueError(f"{word} is not JSON")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if value in (math.inf, -math.inf):
+        raise ValueError(f"{text} is past a double's range")
+    return value
+
+
+def strict_json(text: str) -> Any:
+    """JSON as a strict parser (a client's JSON.parse) reads it: no NaN or Infinity, nesting Python can follow;
+    ValueError otherwise."""
+    try:
+        return json.loads(text, parse_constant=_no_constant, parse_float=_finite)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
 def _hermes(body: str, types: dict) -> tuple[str, Any] | None:
     try:
-        call = json.loads(body)
+        call = strict_json(body)
     except ValueError:
         return None
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
@@ -49,10 +71,23 @@ def _hermes(body: str, types: dict) -> tuple[str, Any] | None:
     args = call.get("arguments", call.get("parameters", {}))
     if isinstance(args, str):  # some models write the arguments as a JSON string
         try:
-            args = json.loads(args)
+            args = strict_json(args)
         except ValueError:
             return None
     return call["name"], args
+
+
+def _in_json_string(text: str) -> bool:
+    """Whether text (the start of a JSON value) ends inside a string: a close tag there is the string's text."""
+    inside = escaped = False
+    for ch in text:
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = inside
+        elif ch == '"':
+            inside = not inside
+    return inside
 
 
 _FUNCTION = re.compile(r"\s*<function=([^>\s]+)>(.*?)</function>\s*", re.DOTALL)
@@ -66,7 +101,7 @@ def _value(text: str, schema_type: Any) -> Any:
     if schema_type == "string" or (isinstance(schema_type, list) and "string" in schema_type):
         return text
     try:
-        return json.loads(text)
+        return strict_json(text)
     except ValueError:
         return text
 
@@ -118,10 +153,11 @@ def parameter_types(tools: list[dict]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def parse_call(fmt: str, body: str, types: dict | None = None) -> ToolCall | None:
-    """One call from the text between <tool_call> and </tool_call>; None if it is not one."""
-    read = FORMATS[fmt][1](body, types or {})
-    if read is None or not isinstance(read[1], dict):
+def parse_call(fmt: str, body: str, types: dict) -> ToolCall | None:
+    """One call from the text between <tool_call> and </tool_call>; None if it is not one, or names no tool of
+    the request's (types: parameter_types of its tools)."""
+    read = FORMATS[fmt][1](body, types)
+    if read is None or read[0] not in types or not isinstance(read[1], dict):
         return None
     return new_call(read[0], json.dumps(read[1], ensure_ascii=False))
 
@@ -129,7 +165,7 @@ def parse_call(fmt: str, body: str, types: dict | None = None) -> ToolCall | Non
 class ToolCallSplit:
     """An answer's text, as it streams, into content and whole tool calls. Held back: what may be the start of
     <tool_call>, a call from its start to its end (each call comes as one delta), and trailing blanks, which
-    are dropped where a call follows them (and at the start of text after a call), however the text is cut."""
+    are dropped where a call follows them (text after a call starts on a new line), however the text is cut."""
 
     def __init__(self, fmt: str, tools: list[dict]) -> None:
         if fmt not in FORMATS:
@@ -138,6 +174,7 @@ class ToolCallSplit:
         self._pending = ""  # not yet placed
         self._blank = ""  # placed content's trailing blanks, held
         self._called = False  # a call came last: blanks that follow it are dropped
+        self._said = False  # content came before: text after a call starts on a new line
 
     def push(self, text: str) -> tuple[str, list[ToolCall]]:
         self._pending += text
@@ -152,6 +189,8 @@ class ToolCallSplit:
             self._content(self._pending[:at], out)
             self._pending = self._pending[at:]
             end = self._pending.find(CLOSE)
+            while self.fmt == "hermes" and end >= 0 and _in_json_string(self._pending[len(OPEN) : end]):
+                end = self._pending.find(CLOSE, end + 1)  # "</tool_call>" as a JSON string's text
             if end < 0:
                 break
             call = parse_call(self.fmt, self._pending[len(OPEN) : end], self.types)
@@ -176,12 +215,14 @@ class ToolCallSplit:
         if self._called:
             text = text.lstrip()
             self._called = not text
+            if text and self._said:  # "Sure." <call> "Done." reads "Sure.\nDone.", not "Sure.Done."
+                text = "\n" + text
         if not text:
             return
         body = text.rstrip()
         if body:
             out.append(self._blank + body)
-            self._blank = ""
+            self._blank, self._said = "", True
         self._blank += text[len(body) :]
 
 

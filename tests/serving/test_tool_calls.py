@@ -75,6 +75,50 @@ def test_a_call_that_does_not_parse_stays_text_and_so_does_an_unfinished_one():
     assert run(ToolCallSplit("hermes", TOOLS), list(plain)) == (plain, [])
 
 
+CALL = '<tool_call>{"name": "get_weather", "arguments": %s}</tool_call>'
+NOT_CALLS = {  # a helper's probe: each was a call (or a RecursionError); each stays text
+    "nested 1000 deep": CALL % ('{"city": ' + "[" * 1000 + "}"),
+    "NaN, which JSON.parse refuses": CALL % '{"days": NaN}',
+    "1e400 (infinity)": CALL % '{"days": 1e400}',
+    "a tool the request has not": CALL.replace("get_weather", "rm_rf") % "{}",
+    "an empty name": CALL.replace("get_weather", "") % "{}",
+}
+
+
+@pytest.mark.parametrize("name", list(NOT_CALLS))
+def test_what_a_client_could_not_take_as_a_call_stays_text(name):
+    text = NOT_CALLS[name]
+    for pieces in ([text], list(text)):
+        assert run(ToolCallSplit("hermes", TOOLS), pieces) == (text, [])
+    glm = "<tool_call>I cannot do that</tool_call>"  # a sentence is no tool's name
+    assert run(ToolCallSplit("glm45", TOOLS), [glm]) == (glm, [])
+
+
+def test_a_close_tag_inside_a_json_string_and_text_on_both_sides_of_a_call():
+    text = 'Sure.\n<tool_call>{"name": "get_weather", "arguments": {"city": "</tool_call>"}}</tool_call>\nDone.'
+    for pieces in ([text], list(text)):
+        content, calls = run(ToolCallSplit("hermes", TOOLS), pieces)
+        assert content == "Sure.\nDone." and [json.loads(c.arguments) for c in calls] == [{"city": "</tool_call>"}]
+
+
+def test_harmony_calls_that_do_not_parse_or_name_no_tool_stay_content():
+    head = "<|start|>assistant<|channel|>commentary to=functions.%s <|constrain|>json<|message|>"
+    for name, args, want in [
+        ("get_weather", "{city: Paris", "{city: Paris"),
+        ("get_weather", '{"days": NaN}', '{"days": NaN}'),
+        ("rm_rf", "{}", "{}"),
+        ("get_weather", "", None),  # no arguments: "{}"
+    ]:
+        s = HarmonySplit(frozenset({"get_weather"}))
+        _, content = s.push(head % name + args)
+        content += s.flush()[1]
+        calls = s.take_calls()
+        if want is None:
+            assert content == "" and [(c.name, c.arguments) for c in calls] == [("get_weather", "{}")]
+        else:
+            assert content == want and calls == [], (name, args)
+
+
 def test_harmony_calls_on_the_commentary_channel():
     """Both places Harmony allows the recipient; <|call|> itself ends generation, so a flush closes the call."""
     turn = (
@@ -84,7 +128,7 @@ def test_harmony_calls_on_the_commentary_channel():
         '{"city": "Rome"}'
     )
     for pieces in ([turn], list(turn)):
-        s, reasoning, content, calls = HarmonySplit(calls=True), "", "", []
+        s, reasoning, content, calls = HarmonySplit(frozenset({"get_weather"})), "", "", []
         for p in pieces:
             r, c = s.push(p)
             reasoning, content, calls = reasoning + r, content + c, calls + s.take_calls()
