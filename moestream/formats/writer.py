@@ -100,7 +100,7 @@ def write_gguf_in_place(
     part = f"{path}.{os.getpid()}.part"
     total = sum(p.nbytes for p in plans)
     where = os.path.dirname(os.path.abspath(path))
-    free = shutil.disk_usage(where).free
+    free = shutil.disk_usage(where).free if os.path.isdir(where) else total  # no folder: open says so below
     if total > free:  # the file is sized up front, sparse: a full disk would show only hours later
         raise MoestreamError(
             f"{path}: the model takes {total / 2**30:.1f} GiB but {where} has {free / 2**30:.1f} GiB free; "

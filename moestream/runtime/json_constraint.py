@@ -391,8 +391,9 @@ def _feed_bytes(state: tuple, blanks: int, data: bytes) -> tuple[tuple, int] | N
 def _closing(after: tuple, closing: dict[bytes, tuple[list[int], list[bytes]]]) -> list[int]:
     """Of the tokens that close the free string (or key) open in `after`, those whose bytes from the closing
     quote on (their tail) the JSON allows. A string's close leads to one state whatever its text, so each tail is
-    fed once; a key's close depends on its whole name (a repeat is refused, a required one counted), so a tail is
-    fed once for the names that are neither, unless it closes a second name (3 quotes or more: fed per name)."""
+    fed once. A key's close depends on its whole name (a repeat is refused, a required one counted when the object
+    closes), so a tail is fed once for the names that are neither; a tail of 3 quotes or more may close another
+    key, whose repeat check reads this name: those are fed per name."""
     top = after[-1]
     if top[0] == "str":
         shut = _value_done(after[:-1])

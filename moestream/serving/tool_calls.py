@@ -188,9 +188,7 @@ class ToolCallSplit:
                 break
             self._content(self._pending[:at], out)
             self._pending = self._pending[at:]
-            end = self._pending.find(CLOSE)
-            while self.fmt == "hermes" and end >= 0 and _in_json_string(self._pending[len(OPEN) : end]):
-                end = self._pending.find(CLOSE, end + 1)  # "</tool_call>" as a JSON string's text
+            end = self._close(self._pending)
             if end < 0:
                 break
             call = parse_call(self.fmt, self._pending[len(OPEN) : end], self.types)
@@ -201,6 +199,17 @@ class ToolCallSplit:
                 self._blank, self._called = "", True
             self._pending = self._pending[end + len(CLOSE) :]
         return "".join(out), calls
+
+    def _close(self, text: str) -> int:
+        """Where the call text opens ends (-1: not yet). A Hermes call's "</tool_call>" inside a JSON string is
+        the string's text, unless another call opens before a later close: then this one ended there, broken."""
+        end = text.find(CLOSE)
+        while self.fmt == "hermes" and end >= 0 and _in_json_string(text[len(OPEN) : end]):
+            later, reopened = text.find(CLOSE, end + 1), text.find(OPEN, end)
+            if reopened >= 0 and (later < 0 or reopened < later):
+                break
+            end = later
+        return end
 
     def flush(self) -> str:
         """The held text at the end of the answer (an unfinished call stays text)."""

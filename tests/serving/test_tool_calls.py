@@ -101,6 +101,15 @@ def test_a_close_tag_inside_a_json_string_and_text_on_both_sides_of_a_call():
         assert content == "Sure.\nDone." and [json.loads(c.arguments) for c in calls] == [{"city": "</tool_call>"}]
 
 
+def test_a_broken_call_with_an_open_string_does_not_swallow_the_next_one():
+    """The close-tag-in-a-string rule waited for a later close: a bad call held every later call as text."""
+    bad = '<tool_call>{"name": "get_weather", "arguments": {"city": "x}</tool_call>'
+    text = bad + '\nok <tool_call>{"name": "get_weather", "arguments": {"city": "y"}}</tool_call>\nDone.'
+    for pieces in ([text], list(text)):
+        content, calls = run(ToolCallSplit("hermes", TOOLS), pieces)
+        assert content == bad + "\nok\nDone." and [json.loads(c.arguments) for c in calls] == [{"city": "y"}]
+
+
 def test_harmony_calls_that_do_not_parse_or_name_no_tool_stay_content():
     head = "<|start|>assistant<|channel|>commentary to=functions.%s <|constrain|>json<|message|>"
     for name, args, want in [
