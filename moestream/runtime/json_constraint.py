@@ -313,12 +313,8 @@ def complete(stack: tuple) -> bool:
 
 def _whole(schema: dict, text: bytes) -> bool:
     """Whether text is one value the schema allows."""
-    state: tuple | None = (("value", schema),)
-    for b in text:
-        state = feed(state, b)
-        if state is None:
-            return False
-    return complete(state)
+    after = _feed_bytes((("value", schema),), 0, text)
+    return after is not None and complete(after[0])
 
 
 _INDEXES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> _index(tokenizer)

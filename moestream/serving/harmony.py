@@ -88,9 +88,9 @@ class HarmonySplit:
             self._header, self._channel, self._route = "", None, ""
             if self._call is not None:
                 name, text = self._call
-                self._call = None
-                if name in self._names and _is_object(text.strip() or "{}"):
-                    self._calls.append(new_call(name, text.strip() or "{}"))
+                self._call, args = None, text.strip() or "{}"
+                if name in self._names and _is_object(args):
+                    self._calls.append(new_call(name, args))
                 else:  # a call that does not parse, or to no tool of the request's, stays text
                     out[1] += text
 
